@@ -1,0 +1,103 @@
+"""Circular free-page list with prefix-sum coordination (LeanKV §5.2, "Circular Free Page List").
+
+All free page ids sit in a ring buffer between two monotonically increasing counters,
+``free_head`` (next id to hand out) and ``free_tail`` (next place to put a returned id); a
+counter ``c`` addresses ring slot ``c % capacity``, so both pointers wrap. The free region
+``[free_head, free_tail)`` and the used region stay contiguous, which is what lets a whole step's
+allocation be coordinated with one exclusive prefix sum:
+
+* planning: every (layer, sequence, head) states how many pages it needs (``demand[i]``);
+* coordination: ``offset = exclusive_cumsum(demand)``; requester ``i`` takes ring slots
+  ``free_head + offset[i] .. + demand[i]`` and ``free_head`` advances by ``sum(demand)``.
+
+Recycling is the mirror image at ``free_tail``. There is no Python loop over requesters; the
+Triton kernel ``leankit_kernels.page_alloc`` performs the same steps in one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """The page pool cannot serve an allocation. The cache is left unchanged."""
+
+    def __init__(self, needed: int, free: int, total: int):
+        self.needed, self.free, self.total = needed, free, total
+        super().__init__(
+            f"KV page pool exhausted: this step needs {needed} pages but only {free} of {total} are free. "
+            "Give LeanCache more pages (num_pages=...), use a lower-precision KV config, or shorten the batch."
+        )
+
+
+def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sum along the last dim: ``out[i] = sum(x[:i])``."""
+    c = torch.cumsum(x, dim=-1)
+    return c - x
+
+
+class FreePageList:
+    """GPU-resident circular list of free page ids.
+
+    Attributes:
+        ring: int32 ``[capacity]`` page ids.
+        free_head, free_tail: Python-int counters (slot = counter % capacity).
+    """
+
+    def __init__(self, capacity: int, device: torch.device | str = "cpu"):
+        self.ring = torch.arange(capacity, dtype=torch.int32, device=device)
+        self.free_head = 0
+        self.free_tail = capacity
+
+    @property
+    def capacity(self) -> int:
+        return self.ring.numel()
+
+    @property
+    def num_free(self) -> int:
+        return self.free_tail - self.free_head
+
+    def free_ids(self) -> torch.Tensor:
+        """The free page ids in ring order (for tests and growth)."""
+        idx = (torch.arange(self.num_free, device=self.ring.device) + self.free_head) % self.capacity
+        return self.ring[idx]
+
+    def grow(self, capacity: int) -> None:
+        """Add ids ``[old_capacity, capacity)`` to the free list."""
+        old = self.capacity
+        if capacity <= old:
+            return
+        free = self.free_ids()
+        new_ids = torch.arange(old, capacity, dtype=torch.int32, device=self.ring.device)
+        ring = torch.empty(capacity, dtype=torch.int32, device=self.ring.device)
+        n = free.numel() + new_ids.numel()
+        ring[:n] = torch.cat([free, new_ids])
+        self.ring, self.free_head, self.free_tail = ring, 0, n
+
+    def allocate(self, demand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hand out ``demand[i]`` pages to each requester ``i`` in one coordinated step.
+
+        Returns ``(ids, offsets)``: requester ``i`` owns ``ids[offsets[i] : offsets[i] + demand[i]]``.
+        Raises :class:`PoolExhausted` (changing nothing) if the ring holds too few ids.
+        """
+        demand = demand.reshape(-1).long()
+        offsets = exclusive_cumsum(demand)
+        total = int(demand.sum())
+        if total > self.num_free:
+            raise PoolExhausted(total, self.num_free, self.capacity)
+        slots = (torch.arange(total, device=self.ring.device) + self.free_head) % self.capacity
+        ids = self.ring[slots]
+        self.free_head += total
+        return ids, offsets
+
+    def release(self, ids: torch.Tensor) -> None:
+        """Return page ids to the ring at ``free_tail`` (already prefix-sum ordered by the caller)."""
+        ids = ids.reshape(-1)
+        n = ids.numel()
+        if n == 0:
+            return
+        if n > self.capacity - self.num_free:
+            raise RuntimeError("releasing more pages than are in use: double free")
+        slots = (torch.arange(n, device=self.ring.device) + self.free_tail) % self.capacity
+        self.ring[slots] = ids.to(torch.int32)
+        self.free_tail += n

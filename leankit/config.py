@@ -1,0 +1,238 @@
+"""KV cache configuration: the precision grammar and the exact byte model.
+
+A configuration string names one or two *precision tiers* (LeanKV §4):
+
+    FP16                 every token unquantized
+    K<b>V<b>             one tier, keys at b bits and values at b bits
+    K<b>V<b>-K<b>V<b>    a high tier, then a low tier (LeanKV's unified compression)
+
+with ``b`` in {16, 8, 4, 2, 1}; 16 means "unquantized" (kept in the model's own dtype, so an
+fp32 model stays lossless). Mirror settings such as ``K4V8`` are legal on purpose: the paper's
+Hetero-KV ablation (Fig. 7) compares them.
+
+The byte model here is the one every other part of leankit uses (pages, memory report,
+planner): a token of one KV head at precision ``K<bk>V<bv>`` costs
+
+    k_data + k_meta + v_data + v_meta + score + position
+
+bytes, where quantized data is ``head_dim * bits / 8`` bytes, metadata is one fp16 scale and one
+fp16 minimum per quantization group (Eq. 2), the running significance score is fp16 and the
+position is int32 (the six segments of a unified page, §5.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+VALID_BITS = (16, 8, 4, 2, 1)
+POLICIES = ("full", "leankv", "h2o", "streaming")
+
+GRAMMAR = (
+    "KV config grammar: 'FP16' | 'K<b>V<b>' | 'K<b>V<b>-K<b>V<b>' (high tier, then low tier), "
+    "with b in {16, 8, 4, 2, 1} and 16 meaning unquantized. Examples: 'FP16', 'K8V4', 'K4V8', "
+    "'K8V4-K4V2'."
+)
+
+SCORE_BYTES = 2  # fp16 running significance per token
+POSITION_BYTES = 4  # int32 position per token
+META_BYTES_PER_GROUP = 4  # fp16 scale + fp16 minimum
+PAGE_ALIGN = 16  # every page segment starts on a 16-byte boundary (128-bit loads)
+
+_TIER_RE = re.compile(r"^K(\d+)V(\d+)$")
+
+
+def _align(n: int, a: int = PAGE_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """Bytes one token of one KV head occupies in each of the six page segments."""
+
+    k_data: int
+    k_meta: int
+    v_data: int
+    v_meta: int
+    score: int = SCORE_BYTES
+    position: int = POSITION_BYTES
+
+    @property
+    def total(self) -> int:
+        """All bytes of the token, metadata included."""
+        return self.k_data + self.k_meta + self.v_data + self.v_meta + self.score + self.position
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One precision tier: key bits and value bits (16 = unquantized)."""
+
+    k_bits: int
+    v_bits: int
+
+    def __post_init__(self):
+        for name, b in (("key", self.k_bits), ("value", self.v_bits)):
+            if b not in VALID_BITS:
+                raise ValueError(f"{name} bits {b} not in {VALID_BITS}. {GRAMMAR}")
+
+    @property
+    def k_quantized(self) -> bool:
+        return self.k_bits < 16
+
+    @property
+    def v_quantized(self) -> bool:
+        return self.v_bits < 16
+
+    def token_bytes(self, head_dim: int, group_size: int | None = None, dense_itemsize: int = 2) -> TokenBytes:
+        """Exact bytes per (token, KV head) for this tier.
+
+        ``dense_itemsize`` is the element size used for an unquantized (16-bit) side: 2 for
+        fp16/bf16 models, 4 when an fp32 model keeps its cache lossless.
+        """
+        gs = group_size or head_dim
+        if head_dim % gs:
+            raise ValueError(f"group_size {gs} must divide head_dim {head_dim}")
+        groups = head_dim // gs
+
+        def side(bits: int) -> tuple[int, int]:
+            if bits >= 16:
+                return head_dim * dense_itemsize, 0
+            if (head_dim * bits) % 8:
+                raise ValueError(f"head_dim {head_dim} at {bits} bits does not fill whole bytes")
+            return head_dim * bits // 8, groups * META_BYTES_PER_GROUP
+
+        kd, km = side(self.k_bits)
+        vd, vm = side(self.v_bits)
+        return TokenBytes(kd, km, vd, vm)
+
+    def __str__(self) -> str:
+        if self.k_bits == 16 and self.v_bits == 16:
+            return "FP16"
+        return f"K{self.k_bits}V{self.v_bits}"
+
+
+def fp16_token_bytes(head_dim: int) -> int:
+    """Bytes an fp16 DynamicCache holds per (token, KV head): K and V, nothing else."""
+    return 2 * head_dim * 2
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """A parsed KV cache configuration. Build it with :meth:`KVConfig.parse`.
+
+    Attributes:
+        high: precision of the high tier (the recent window always lives here).
+        low: precision of the low tier, or ``None`` for a single-tier config.
+        window: recent-window size W (LeanKV §4, default 64).
+        th, tl: LeanKV thresholds on cumulative significance (high / prune).
+        page_size: bytes per unified page.
+        group_size: quantization group along head_dim (``None`` = whole head_dim).
+        policy: ``"full"`` (keep every token), ``"leankv"`` (per-head dynamic), ``"h2o"``
+            (static heavy-hitter budget), ``"streaming"`` (sinks + recent window).
+        budget: fraction of tokens kept per head for ``h2o``.
+        sink: number of attention-sink tokens kept by ``streaming``.
+    """
+
+    high: Precision
+    low: Precision | None = None
+    window: int = 64
+    th: float = 0.05
+    tl: float = 0.0
+    page_size: int = 2048
+    group_size: int | None = None
+    policy: str = "full"
+    budget: float | None = None
+    sink: int = 4
+    spec: str = field(default="", compare=False)
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def parse(cls, spec: str | KVConfig, **overrides) -> KVConfig:
+        """Parse ``spec`` (see the module docstring) and apply keyword overrides.
+
+        Raises ``ValueError`` showing the grammar for a malformed spec or a bad override.
+        """
+        if isinstance(spec, KVConfig):
+            return dataclasses.replace(spec, **overrides) if overrides else spec
+        if not isinstance(spec, str):
+            raise ValueError(f"KV config must be a string, got {type(spec).__name__}. {GRAMMAR}")
+        text = spec.strip().upper()
+        parts = text.split("-")
+        if not text or len(parts) > 2:
+            raise ValueError(f"cannot parse KV config {spec!r}. {GRAMMAR}")
+        tiers = []
+        for part in parts:
+            if part == "FP16":
+                tiers.append(Precision(16, 16))
+                continue
+            m = _TIER_RE.match(part)
+            if not m:
+                raise ValueError(f"cannot parse tier {part!r} of KV config {spec!r}. {GRAMMAR}")
+            kb, vb = int(m.group(1)), int(m.group(2))
+            if kb not in VALID_BITS or vb not in VALID_BITS:
+                raise ValueError(f"bits in {part!r} of {spec!r} must be in {VALID_BITS}. {GRAMMAR}")
+            tiers.append(Precision(kb, vb))
+        high = tiers[0]
+        low = tiers[1] if len(tiers) == 2 else None
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)} - {"spec", "high", "low"}
+        if unknown:
+            raise ValueError(f"unknown KV config override(s) {sorted(unknown)}")
+        policy = overrides.pop("policy", "leankv" if low is not None else "full")
+        cfg = cls(high=high, low=low, policy=policy, spec=spec, **overrides)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Check the settings that do not depend on the model."""
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} not in {POLICIES}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+        if not (0.0 <= self.tl <= 1.0 and 0.0 <= self.th <= 1.0):
+            raise ValueError(f"thresholds must lie in [0, 1], got th={self.th}, tl={self.tl}")
+        if self.tl > self.th and self.low is not None:
+            raise ValueError(f"tl ({self.tl}) must not exceed th ({self.th})")
+        if self.page_size < 64 or self.page_size % PAGE_ALIGN:
+            raise ValueError(f"page_size must be a multiple of {PAGE_ALIGN} and >= 64, got {self.page_size}")
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"group_size must be positive, got {self.group_size}")
+        if self.policy == "h2o" and not (self.budget is not None and 0.0 < self.budget <= 1.0):
+            raise ValueError("policy 'h2o' needs budget in (0, 1], e.g. KVConfig.parse('FP16', policy='h2o', budget=0.2)")
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0, got {self.sink}")
+
+    # ------------------------------------------------------------------ bytes
+    @property
+    def tiers(self) -> tuple[Precision, ...]:
+        """The tiers in order: high, then low if present."""
+        return (self.high,) if self.low is None else (self.high, self.low)
+
+    def token_bytes(self, head_dim: int, tier: int = 0, dense_itemsize: int = 2) -> TokenBytes:
+        """Bytes per (token, KV head) of tier ``tier`` (0 = high, 1 = low)."""
+        return self.tiers[tier].token_bytes(head_dim, self.group_size, dense_itemsize)
+
+    def tokens_per_page(self, head_dim: int, tier: int = 0, dense_itemsize: int = 2) -> int:
+        """Tokens that fit one unified page of ``page_size`` bytes at tier ``tier``.
+
+        Each of the six segments is padded to a 16-byte boundary, so this is the largest T with
+        sum(align(T * segment_bytes)) <= page_size.
+        """
+        tb = self.token_bytes(head_dim, tier, dense_itemsize)
+        sizes = (tb.k_data, tb.k_meta, tb.v_data, tb.v_meta, tb.score, tb.position)
+        t = self.page_size // tb.total
+        while t > 0 and sum(_align(t * s) for s in sizes) > self.page_size:
+            t -= 1
+        if t == 0:
+            raise ValueError(
+                f"page_size {self.page_size} cannot hold one {self.tiers[tier]} token of head_dim {head_dim} "
+                f"({tb.total} bytes)"
+            )
+        return t
+
+    def kv_bytes_per_token(self, head_dim: int, num_kv_heads: int = 1, tier: int = 0, dense_itemsize: int = 2) -> float:
+        """Page bytes per token per layer at tier ``tier``, page padding included (full pages)."""
+        return self.page_size / self.tokens_per_page(head_dim, tier, dense_itemsize) * num_kv_heads
+
+    def __str__(self) -> str:
+        return "-".join(str(t) for t in self.tiers)

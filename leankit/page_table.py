@@ -1,0 +1,140 @@
+"""Bidirectional page table (LeanKV §5.2) over every (layer, sequence, KV head).
+
+One fixed-length row per (layer, sequence, head): high-precision page ids grow from the left
+(columns ``0, 1, ...``) and low-precision ids from the right (columns ``R-1, R-2, ...``), so a
+single row of ``R = ceil(max_seq_len / tokens_per_high_page) + 1`` entries serves both tiers (a
+low page holds more tokens than a high one, so the two ends never meet; the ``+1`` covers the
+two partially filled tail pages).
+
+Tokens of a tier are kept dense: tier ``t`` of a head holds ``lens[t]`` tokens in slots
+``0 .. lens[t]-1``, slot ``s`` living at offset ``s % T_t`` of the page in column
+``s // T_t`` (high) or ``R - 1 - s // T_t`` (low). Removing a token moves the tier's last token
+into its slot, so pruning frees memory for real instead of masking it.
+
+All growth and recycling for a step is one :meth:`FreePageList.allocate` /
+:meth:`FreePageList.release` call covering every (tier, layer, sequence, head): no Python loop
+over heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .allocator import FreePageList, exclusive_cumsum
+
+HIGH, LOW = 0, 1
+
+
+class BidirectionalPageTable:
+    """Per-(layer, sequence, head) page rows plus per-tier token and page counts.
+
+    Attributes:
+        tables: int32 ``[L, B, H, R]`` page ids, ``-1`` where empty.
+        n_pages: int32 ``[2, L, B, H]`` pages owned per tier (high, low).
+        lens: int32 ``[2, L, B, H]`` tokens stored per tier.
+    """
+
+    def __init__(self, num_layers: int, batch: int, heads: int, row_len: int, device):
+        self.row_len = row_len
+        self.tables = torch.full((num_layers, batch, heads, row_len), -1, dtype=torch.int32, device=device)
+        self.n_pages = torch.zeros((2, num_layers, batch, heads), dtype=torch.int32, device=device)
+        self.lens = torch.zeros((2, num_layers, batch, heads), dtype=torch.int32, device=device)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(layers, batch, heads)``."""
+        return tuple(self.tables.shape[:3])
+
+    def nbytes(self) -> int:
+        """Metadata bytes: the table rows plus the per-tier counters."""
+        return sum(t.numel() * t.element_size() for t in (self.tables, self.n_pages, self.lens))
+
+    @staticmethod
+    def column(tier: int | torch.Tensor, j: torch.Tensor, row_len: int) -> torch.Tensor:
+        """Column of the ``j``-th page of ``tier``: from the left for high, from the right for low."""
+        if isinstance(tier, int):
+            return j if tier == HIGH else row_len - 1 - j
+        return torch.where(tier == HIGH, j, row_len - 1 - j)
+
+    # ------------------------------------------------------------------ growth
+    def grow(self, extra: torch.Tensor, free_list: FreePageList) -> None:
+        """Give every (tier, layer, seq, head) ``extra[t, l, b, h]`` more pages in one allocation.
+
+        Raises :class:`~leankit.allocator.PoolExhausted` (nothing changed) if the pool is short,
+        and ``ValueError`` if a row would overflow (sequence longer than ``max_seq_len``).
+        """
+        extra = extra.to(torch.int32)
+        if int(extra.sum()) == 0:
+            return
+        if bool(((self.n_pages + extra).sum(0) > self.row_len).any()):
+            raise ValueError(
+                f"a sequence outgrew its page-table row ({self.row_len} pages): raise max_seq_len of the LeanCache"
+            )
+        ids, offsets = free_list.allocate(extra)
+        flat_extra = extra.reshape(-1).long()
+        owner = torch.repeat_interleave(torch.arange(flat_extra.numel(), device=ids.device), flat_extra)
+        j_in_owner = torch.arange(ids.numel(), device=ids.device) - offsets[owner]
+        tier, rest = owner // self.lens[0].numel(), owner % self.lens[0].numel()
+        j = self.n_pages.reshape(-1)[owner].long() + j_in_owner
+        col = self.column(tier, j, self.row_len)
+        self.tables.view(-1, self.row_len)[rest, col] = ids.to(torch.int32)
+        self.n_pages += extra
+
+    def shrink(self, keep: torch.Tensor, free_list: FreePageList) -> torch.Tensor:
+        """Recycle pages so that tier ``t`` of each head keeps ``keep[t, l, b, h]`` pages.
+
+        The pages past ``keep`` (the tail of each side) return to the free list in one
+        prefix-sum-ordered release. Returns the number of pages freed.
+        """
+        keep = torch.minimum(keep.to(torch.int32), self.n_pages)
+        drop = (self.n_pages - keep).reshape(-1).long()
+        total = int(drop.sum())
+        if total == 0:
+            return 0
+        offsets = exclusive_cumsum(drop)
+        owner = torch.repeat_interleave(torch.arange(drop.numel(), device=drop.device), drop)
+        j = keep.reshape(-1)[owner].long() + torch.arange(total, device=drop.device) - offsets[owner]
+        tier, rest = owner // self.lens[0].numel(), owner % self.lens[0].numel()
+        col = self.column(tier, j, self.row_len)
+        rows = self.tables.view(-1, self.row_len)
+        ids = rows[rest, col].clone()
+        rows[rest, col] = -1
+        free_list.release(ids)
+        self.n_pages.copy_(keep)
+        return total
+
+    def release_sequences(self, seq_mask: torch.Tensor, free_list: FreePageList) -> int:
+        """Return every page of the sequences where ``seq_mask[b]`` is true (finished requests)."""
+        keep = torch.where(seq_mask.view(1, 1, -1, 1), torch.zeros_like(self.n_pages), self.n_pages)
+        freed = self.shrink(keep, free_list)
+        self.lens.masked_fill_(seq_mask.view(1, 1, -1, 1), 0)
+        return freed
+
+    # ------------------------------------------------------------------ lookup
+    def locate(self, tier: int, layer: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
+               tokens_per_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page_id, offset)`` of slot ``slot`` of tier ``tier`` for heads ``(layer, b, h)``."""
+        col = self.column(tier, slot.long() // tokens_per_page, self.row_len)
+        page = self.tables[layer][b.long(), h.long(), col]
+        return page, slot % tokens_per_page
+
+    def tier_pages(self, tier: int, layer: int, start: int = 0, count: int | None = None):
+        """Page ids of ``tier`` for all (seq, head) of ``layer``, in tier order.
+
+        Returns ``(ids [B, H, P], valid [B, H, P])`` covering tier pages ``start .. start+P-1``
+        (``P`` = the largest count over heads when ``count`` is None). Invalid entries hold 0.
+        """
+        n = self.n_pages[tier, layer]
+        if count is None:
+            count = max(int(n.max()) - start, 0) if n.numel() else 0
+        j = torch.arange(start, start + count, device=n.device)
+        col = self.column(tier, j, self.row_len)
+        ids = self.tables[layer][:, :, col]
+        valid = j.view(1, 1, -1) < n.unsqueeze(-1)
+        return torch.where(valid, ids, torch.zeros_like(ids)), valid
+
+    def select_sequences(self, index: torch.Tensor) -> None:
+        """Keep/reorder sequences by ``index`` (no page copies; callers guarantee exclusivity)."""
+        self.tables = self.tables.index_select(1, index)
+        self.n_pages = self.n_pages.index_select(2, index)
+        self.lens = self.lens.index_select(2, index)

@@ -1,0 +1,185 @@
+"""Unified paging (LeanKV §5.2): one byte pool, pages parsed by the precision they hold.
+
+Every page is ``page_size`` bytes. A page holds tokens of a single precision tier, laid out as
+six segments, each starting on a 16-byte boundary::
+
+    [ K data  | K meta | V data  | V meta | scores | positions ]
+      T x Kb    T x Km   T x Vb    T x Vm   T x 2    T x 4        (bytes)
+
+* ``K data``/``V data``: token-major rows, one row of ``Kb = head_dim * k_bits / 8`` bytes per
+  token (packed codes, see :mod:`leankit.quant`), or the raw bytes of the model dtype when the
+  side is unquantized. A page's key segment is one contiguous ``[T, Kb]`` tile: a Triton program
+  that loads the whole tile issues fully coalesced 128-bit loads. (LeanKV's CUDA kernel
+  interleaves ``[F/(Kvec*Kgroup), N, Kgroup, Kvec]`` so each *thread group* reads contiguous
+  vectors; a Triton program reads the whole tile at once, so the token-major tile already is
+  contiguous per program, and it is exactly the ``[BLOCK_N, F]`` operand ``tl.dot`` wants.)
+* ``K meta``/``V meta``: per token, ``G`` pairs of fp16 ``(scale, min)``, one per group.
+* ``scores``: fp16 running significance per token (LeanKV §4, written by attention).
+* ``positions``: int32 absolute position per token (for causal masking and the recent window).
+
+The number of tokens per page ``T`` follows from the precision, so a K4V2 page holds about
+twice the tokens of a K8V4 page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import PAGE_ALIGN, KVConfig, Precision, _align
+from .quant import META_DTYPE, dequantize, quantize
+
+SEGMENTS = ("k_data", "k_meta", "v_data", "v_meta", "score", "position")
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Byte layout of one page at one precision tier.
+
+    Attributes:
+        precision: the tier's key/value bits.
+        head_dim, group_size: channels per head and per quantization group.
+        page_size: bytes per page.
+        dense_dtype: dtype of unquantized sides (the model dtype).
+        tokens: tokens per page ``T``.
+        seg_bytes: bytes per token of each segment, in :data:`SEGMENTS` order.
+        seg_offsets: byte offset of each segment inside the page.
+    """
+
+    precision: Precision
+    head_dim: int
+    group_size: int
+    page_size: int
+    dense_dtype: torch.dtype
+    tokens: int
+    seg_bytes: tuple[int, ...]
+    seg_offsets: tuple[int, ...]
+
+    @classmethod
+    def build(cls, cfg: KVConfig, tier: int, head_dim: int, dense_dtype: torch.dtype) -> PageLayout:
+        """Lay out tier ``tier`` of ``cfg`` for heads of ``head_dim`` channels."""
+        itemsize = torch.empty((), dtype=dense_dtype).element_size()
+        tb = cfg.token_bytes(head_dim, tier, itemsize)
+        t = cfg.tokens_per_page(head_dim, tier, itemsize)
+        sizes = (tb.k_data, tb.k_meta, tb.v_data, tb.v_meta, tb.score, tb.position)
+        offsets, off = [], 0
+        for s in sizes:
+            offsets.append(off)
+            off += _align(t * s, PAGE_ALIGN)
+        assert off <= cfg.page_size
+        return cls(cfg.tiers[tier], head_dim, cfg.group_size or head_dim, cfg.page_size, dense_dtype, t,
+                   tuple(sizes), tuple(offsets))
+
+    @property
+    def groups(self) -> int:
+        return self.head_dim // self.group_size
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token over all six segments (no page padding)."""
+        return sum(self.seg_bytes)
+
+    def offset(self, segment: str) -> int:
+        return self.seg_offsets[SEGMENTS.index(segment)]
+
+    # -------------------------------------------------------------- encode / decode
+    def _encode_side(self, x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        if bits >= 16:
+            data = x.to(self.dense_dtype).contiguous().view(torch.uint8).reshape(n, -1)
+            return data, x.new_empty((n, 0), dtype=torch.uint8)
+        packed, scale, mn = quantize(x, bits, self.group_size)
+        meta = torch.stack((scale, mn), dim=-1).contiguous().view(torch.uint8).reshape(n, -1)
+        return packed, meta
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, score: torch.Tensor, position: torch.Tensor):
+        """Turn ``n`` tokens (``k``, ``v``: ``[n, head_dim]``) into the six per-token byte rows."""
+        kd, km = self._encode_side(k, self.precision.k_bits)
+        vd, vm = self._encode_side(v, self.precision.v_bits)
+        sc = score.to(torch.float16).reshape(-1, 1).view(torch.uint8)
+        pos = position.to(torch.int32).reshape(-1, 1).view(torch.uint8)
+        return kd, km, vd, vm, sc, pos
+
+    def segment(self, pages: torch.Tensor, name: str) -> torch.Tensor:
+        """View segment ``name`` of gathered pages ``[..., page_size]`` as ``[..., T, bytes]``."""
+        i = SEGMENTS.index(name)
+        off, nb = self.seg_offsets[i], self.seg_bytes[i]
+        return pages[..., off: off + self.tokens * nb].unflatten(-1, (self.tokens, nb))
+
+    def _decode_side(self, pages: torch.Tensor, side: str, bits: int, dtype: torch.dtype) -> torch.Tensor:
+        data = self.segment(pages, f"{side}_data")
+        if bits >= 16:
+            return data.contiguous().view(self.dense_dtype).to(dtype)
+        meta = self.segment(pages, f"{side}_meta").contiguous().view(META_DTYPE)
+        meta = meta.unflatten(-1, (self.groups, 2))
+        return dequantize(data, meta[..., 0], meta[..., 1], bits, dtype)
+
+    def decode(self, pages: torch.Tensor, dtype: torch.dtype = torch.float32):
+        """Dequantize gathered pages ``[..., page_size]`` into ``(k, v, score, position)``.
+
+        ``k``/``v`` are ``[..., T, head_dim]``; ``score`` fp32 and ``position`` int32 are ``[..., T]``.
+        """
+        k = self._decode_side(pages, "k", self.precision.k_bits, dtype)
+        v = self._decode_side(pages, "v", self.precision.v_bits, dtype)
+        return k, v, self.scores(pages), self.positions(pages)
+
+    def scores(self, pages: torch.Tensor) -> torch.Tensor:
+        """Running significance scores ``[..., T]`` (fp32) of gathered pages."""
+        return self.segment(pages, "score").contiguous().view(torch.float16).squeeze(-1).float()
+
+    def positions(self, pages: torch.Tensor) -> torch.Tensor:
+        """Token positions ``[..., T]`` (int32) of gathered pages."""
+        return self.segment(pages, "position").contiguous().view(torch.int32).squeeze(-1)
+
+
+class PagePool:
+    """The device's page pool: ``num_pages x page_size`` bytes in one uint8 tensor."""
+
+    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
+        self.page_size = page_size
+        self.storage = torch.empty((num_pages, page_size), dtype=torch.uint8, device=device)
+
+    @property
+    def num_pages(self) -> int:
+        return self.storage.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    def grow(self, num_pages: int) -> None:
+        """Enlarge the pool to ``num_pages`` pages, keeping every existing page id and byte."""
+        extra = num_pages - self.num_pages
+        if extra > 0:
+            self.storage = torch.cat([self.storage, self.storage.new_empty((extra, self.page_size))])
+
+    def gather(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """Copy pages ``page_ids`` (any shape) into ``[*page_ids.shape, page_size]``."""
+        return self.storage.index_select(0, page_ids.reshape(-1).long()).view(*page_ids.shape, self.page_size)
+
+    def write_rows(self, layout: PageLayout, page_ids: torch.Tensor, slots: torch.Tensor, rows) -> None:
+        """Scatter per-token byte rows (from :meth:`PageLayout.encode`) into their page slots.
+
+        ``page_ids`` and ``slots`` are ``[n]``: token ``i`` goes to slot ``slots[i]`` of page
+        ``page_ids[i]``. All six segments are written with one indexed store each.
+        """
+        flat = self.storage.view(-1)
+        base = page_ids.long() * self.page_size
+        for off, nb, row in zip(layout.seg_offsets, layout.seg_bytes, rows):
+            if nb == 0:
+                continue
+            start = base + off + slots.long() * nb
+            idx = start[:, None] + torch.arange(nb, device=flat.device)
+            flat[idx.reshape(-1)] = row.reshape(-1)
+
+    def copy_slots(self, layout: PageLayout, src_pages, src_slots, dst_pages, dst_slots) -> None:
+        """Copy whole tokens (all six segments) between slots of pages of the same layout."""
+        flat = self.storage.view(-1)
+        for off, nb in zip(layout.seg_offsets, layout.seg_bytes):
+            if nb == 0:
+                continue
+            ar = torch.arange(nb, device=flat.device)
+            src = (src_pages.long() * self.page_size + off + src_slots.long() * nb)[:, None] + ar
+            dst = (dst_pages.long() * self.page_size + off + dst_slots.long() * nb)[:, None] + ar
+            flat[dst.reshape(-1)] = flat[src.reshape(-1)]

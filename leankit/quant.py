@@ -1,0 +1,113 @@
+"""Hetero-KV quantization: the plain-PyTorch reference.
+
+This module is the single source of truth for leankit's quantized format; the Triton kernel in
+``leankit_kernels.quant`` mirrors it bit for bit and is tested against it.
+
+Format (per token, per KV head, per group of ``group_size`` channels along head_dim):
+
+* asymmetric min-max quantization, LeanKV Eq. (2): ``s = (max - min) / (2^b - 1)``,
+  ``z = -min``, ``Q = round((x + z) / s)``, and ``x_hat = s * Q - z``. leankit stores ``s`` and
+  ``min`` (= ``-z``) in fp16, and quantizes with the *stored* (fp16-rounded) values so that the
+  round-trip error bound holds for what is actually kept.
+* a constant group has ``s = 0``; it stores ``Q = 0`` and dequantizes exactly to ``min`` (no NaN).
+* codes are bit-packed little-endian into uint8: element ``e`` of a token lives in byte
+  ``e // P`` at bit offset ``(e % P) * b``, with ``P = 8 / b`` codes per byte (2x4-bit, 4x2-bit,
+  8x1-bit). 8-bit codes are the bytes themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+META_DTYPE = torch.float16
+
+
+class NonFiniteKVError(ValueError):
+    """Raised when a key or value to be cached holds NaN or Inf."""
+
+
+def check_finite(x: torch.Tensor, what: str = "KV") -> None:
+    """Raise :class:`NonFiniteKVError` if ``x`` holds NaN/Inf, or values beyond fp16 range."""
+    if not torch.isfinite(x).all():
+        raise NonFiniteKVError(f"{what} states contain NaN or Inf; refusing to store them in the cache")
+
+
+def codes_per_byte(bits: int) -> int:
+    """Number of ``bits``-wide codes packed into one byte."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"packable bit widths are 1, 2, 4, 8; got {bits}")
+    return 8 // bits
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes ``[..., F]`` (values < 2**bits) into uint8 ``[..., F * bits / 8]``."""
+    p = codes_per_byte(bits)
+    f = codes.shape[-1]
+    if f % p:
+        raise ValueError(f"last dim {f} is not a multiple of {p} codes per byte")
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], f // p, p)
+    shifts = torch.arange(p, device=codes.device, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: uint8 ``[..., Fb]`` -> int32 codes ``[..., Fb * 8 / bits]``."""
+    p = codes_per_byte(bits)
+    if p == 1:
+        return packed.to(torch.int32)
+    shifts = torch.arange(p, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * p)
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int | None = None):
+    """Quantize ``x`` ``[..., F]`` per group along the last dim.
+
+    Returns ``(packed uint8 [..., F*bits/8], scale fp16 [..., G], minimum fp16 [..., G])`` with
+    ``G = F / group_size``.
+    """
+    check_finite(x)
+    f = x.shape[-1]
+    gs = group_size or f
+    if f % gs:
+        raise ValueError(f"group_size {gs} must divide the last dim {f}")
+    xg = x.float().reshape(*x.shape[:-1], f // gs, gs)
+    qmax = (1 << bits) - 1
+    lo = xg.amin(-1)
+    hi = xg.amax(-1)
+    mn16 = lo.to(META_DTYPE)
+    # Scale from the stored minimum so that the largest element maps inside [0, qmax].
+    sc16 = ((hi - mn16.float()) / qmax).to(META_DTYPE)
+    if not (torch.isfinite(mn16).all() and torch.isfinite(sc16).all()):
+        raise NonFiniteKVError("KV values exceed the fp16 range of the quantization metadata")
+    sc = sc16.float().unsqueeze(-1)
+    safe = torch.where(sc > 0, sc, torch.ones_like(sc))
+    codes = torch.where(sc > 0, torch.round((xg - mn16.float().unsqueeze(-1)) / safe), torch.zeros_like(xg))
+    codes = codes.clamp_(0, qmax).reshape(*x.shape)
+    return pack(codes, bits), sc16, mn16
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize`: ``x_hat = s * Q + min`` (LeanKV Eq. 2 with ``z = -min``)."""
+    codes = unpack(packed, bits).float()
+    g = scale.shape[-1]
+    f = codes.shape[-1]
+    codes = codes.reshape(*codes.shape[:-1], g, f // g)
+    out = codes * scale.float().unsqueeze(-1) + minimum.float().unsqueeze(-1)
+    return out.reshape(*packed.shape[:-1], f).to(dtype)
+
+
+def error_bound(x: torch.Tensor, bits: int, group_size: int | None = None) -> torch.Tensor:
+    """Worst-case absolute round-trip error per group of :func:`quantize` (for tests).
+
+    Half a quantization step, plus the fp16 rounding of the stored scale accumulated over up to
+    ``2**bits - 1`` steps and of the stored minimum.
+    """
+    f = x.shape[-1]
+    gs = group_size or f
+    xg = x.float().reshape(*x.shape[:-1], f // gs, gs)
+    lo, hi = xg.amin(-1), xg.amax(-1)
+    step = (hi - lo) / ((1 << bits) - 1)
+    eps16 = 2.0 ** -11
+    return step / 2 + eps16 * (hi.abs() + lo.abs()) * 2 + 1e-7
