@@ -173,6 +173,12 @@ class PagePool:
             idx = start[:, None] + torch.arange(nb, device=flat.device)
             flat[idx.reshape(-1)] = row.reshape(-1)
 
+    def write_scores(self, layout: PageLayout, page_ids: torch.Tensor, scores: torch.Tensor) -> None:
+        """Overwrite the whole score segment of pages ``page_ids`` ``[n]`` with ``scores`` ``[n, T]``."""
+        off, nb = layout.offset("score"), layout.tokens * 2
+        rows = scores.to(torch.float16).contiguous().view(torch.uint8).reshape(-1, nb)
+        self.storage[page_ids.long(), off: off + nb] = rows
+
     def copy_slots(self, layout: PageLayout, src_pages, src_slots, dst_pages, dst_slots) -> None:
         """Copy whole tokens (all six segments) between slots of pages of the same layout."""
         flat = self.storage.view(-1)

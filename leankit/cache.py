@@ -1,0 +1,342 @@
+"""LeanCache: a unified-paged, hetero-quantized ``transformers`` Cache.
+
+Data flows one way: the HF attention layer hands its new K/V to :meth:`LeanCache.update`, the
+cache places them (policy), quantizes them into unified pages (pages), and the registered
+``"leankit"`` attention function reads them back from the pages (attention/kernels).
+
+Per forward step (one call of the decoder):
+
+1. ``begin_step`` (a forward pre-hook installed by :func:`leankit.enable`) reads the 2-D padding
+   mask and positions, decides how many pages every (layer, sequence, head) needs this step and
+   allocates them all in **one** batched prefix-sum call;
+2. ``update`` (per layer) quantizes the real (non-pad) new tokens straight into their slots;
+3. ``attend`` (per layer) runs paged attention over the pages;
+4. ``end_step`` (a forward hook) advances the logical length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .allocator import FreePageList, PoolExhausted
+from .attention import PagedKV, paged_attention_ref
+from .backend import use_triton
+from .config import KVConfig, fp16_token_bytes
+from .page_table import HIGH, LOW, BidirectionalPageTable
+from .pages import PageLayout, PagePool
+from .quant import check_finite
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def check_model_supported(config) -> None:
+    """Raise ``ValueError`` unless every layer of ``config`` is a full-attention Llama-family layer."""
+    mtype = getattr(config, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"leankit's LeanCache supports model types {SUPPORTED_MODEL_TYPES}; got {mtype!r}. "
+            "Other architectures (and layer types such as sliding-window attention) are not handled."
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if other or (mtype == "mistral" and sliding):
+        raise ValueError(
+            f"LeanCache cannot handle layer types {other or ['sliding_attention']} of this {mtype} model: "
+            "only full-attention layers are supported"
+        )
+
+
+@dataclass
+class StepState:
+    """What ``begin_step`` learned about the tokens of the current forward call."""
+
+    real: torch.Tensor  # bool [B, Q]: token is a real (non-pad, unfinished) token to store
+    rank: torch.Tensor  # int [B, Q]: index of the token among the row's real new tokens
+    n_new: torch.Tensor  # int [B]: real new tokens per row
+    q_pos: torch.Tensor  # int [B, Q]: absolute positions of the queries
+    q_len: int
+
+
+class LeanLayer(CacheLayerMixin):
+    """One layer's view of a :class:`LeanCache` (all state lives in the cache's shared tables)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: LeanCache, layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # state is allocated by the cache
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.cache._store(self.layer_idx, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.cache._seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache._seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.cache.max_seq_len
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def reorder_cache(self, beam_idx) -> None:  # the cache reorders all layers at once
+        pass
+
+
+class LeanCache(Cache):
+    """Unified-paged, hetero-quantized KV cache for ``model.generate``.
+
+    Example::
+
+        cache = LeanCache(model, "K8V4")
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+        print(cache.memory_report())
+
+    Args:
+        model: a Llama-family (Llama, Mistral, SmolLM2) or Qwen2 causal LM.
+        kv: a KV config string or :class:`KVConfig` (see :meth:`KVConfig.parse`).
+        num_pages: fixed pool size. ``None`` starts small and grows the pool on demand; a fixed
+            pool raises :class:`PoolExhausted` when it runs out.
+        max_seq_len: longest sequence a row must hold (default: the model's
+            ``max_position_embeddings``); sizes the page-table rows.
+        eos_token_id: id(s) that end a request; when a row's previous token is one of them during
+            decoding, its pages return to the free list. Defaults to the model's generation config.
+        **overrides: :class:`KVConfig` overrides (``window``, ``th``, ``tl``, ``page_size`` ...).
+    """
+
+    def __init__(self, model, kv: str | KVConfig = "K8V4", *, num_pages: int | None = None,
+                 max_seq_len: int | None = None, eos_token_id=None, **overrides):
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        check_model_supported(cfg)
+        self.cfg = KVConfig.parse(kv, **overrides)
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_q_heads = cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.layouts = tuple(PageLayout.build(self.cfg, t, self.head_dim, self.dtype)
+                             for t in range(len(self.cfg.tiers)))
+        self.max_seq_len = int(max_seq_len or getattr(cfg, "max_position_embeddings", 8192))
+        self.row_len = math.ceil(self.max_seq_len / self.layouts[HIGH].tokens) + 1
+        self.fixed_pool = num_pages is not None
+        if self.fixed_pool and num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.pool = PagePool(num_pages or 64, self.cfg.page_size, self.device)
+        self.free_list = FreePageList(self.pool.num_pages, self.device)
+        self.table: BidirectionalPageTable | None = None
+        self.finished: torch.Tensor | None = None
+        self._seen = 0
+        self._step: StepState | None = None
+        if eos_token_id is None:
+            eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        self.eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
+        from .policy import make_policy  # the placement policy of this config
+
+        self.policy = make_policy(self)
+        super().__init__(layers=[LeanLayer(self, i) for i in range(self.num_layers)])
+        from .hf import enable
+
+        enable(model)
+
+    # ------------------------------------------------------------------ step protocol
+    def begin_step(self, batch: int, q_len: int, attention_mask=None, position_ids=None,
+                   input_ids=None) -> torch.Tensor:
+        """Prepare a forward step of ``q_len`` tokens per row; returns the query positions ``[B, Q]``.
+
+        Called by the pre-hook that :func:`leankit.enable` installs; call it yourself only when
+        driving layers by hand.
+        """
+        dev = self.device
+        if self.table is None:
+            self.table = BidirectionalPageTable(self.num_layers, batch, self.num_kv_heads, self.row_len, dev)
+            self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        elif self.table.shape[1] != batch:
+            raise ValueError(f"this LeanCache holds a batch of {self.table.shape[1]} rows, got {batch}; "
+                             "use a fresh LeanCache per batch")
+        if attention_mask is not None and attention_mask.dim() == 2:
+            real = attention_mask[:, -q_len:].to(dev).bool()
+        else:
+            real = torch.ones(batch, q_len, dtype=torch.bool, device=dev)
+        if input_ids is not None and self._seen > 0 and self.eos_ids.numel():
+            # A row whose previous token ended its request is finished: free its pages now.
+            ended = torch.isin(input_ids[:, 0].to(dev), self.eos_ids) & ~self.finished
+            if bool(ended.any()):
+                self.release(ended)
+        real = real & ~self.finished.unsqueeze(1)
+        if position_ids is None:
+            q_pos = (torch.arange(q_len, device=dev) + self._seen).expand(batch, q_len)
+        else:
+            q_pos = position_ids.to(dev).expand(batch, q_len)
+        rank = torch.cumsum(real.int(), dim=1) - 1
+        self._step = StepState(real, rank, real.sum(1), q_pos.to(torch.int32), q_len)
+        self.policy.begin_step(self._step)
+        return q_pos.long()
+
+    def end_step(self) -> None:
+        """Close the forward step: advance the logical length, run end-of-step policy work."""
+        if self._step is not None:
+            self.policy.end_step(self._step)
+            self._seen += self._step.q_len
+            self._step = None
+
+    def grow_pages(self, extra: torch.Tensor) -> None:
+        """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool."""
+        try:
+            self.table.grow(extra, self.free_list)
+        except PoolExhausted as e:
+            if self.fixed_pool:
+                raise
+            new_cap = max(self.pool.num_pages * 2, self.pool.num_pages + e.needed - e.free)
+            self.pool.grow(new_cap)
+            self.free_list.grow(new_cap)
+            self.table.grow(extra, self.free_list)
+
+    # ------------------------------------------------------------------ layer protocol
+    def _store(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Store the step's real new tokens of ``layer`` and tag the returned K/V for attention."""
+        if self._step is None:
+            raise RuntimeError(
+                "LeanCache.update was called outside a forward step: call leankit.enable(model) "
+                "(LeanCache does this) and run the model through its forward/generate"
+            )
+        check_finite(key_states, "key")
+        check_finite(value_states, "value")
+        self.policy.store(layer, key_states, value_states, self._step)
+        key_states._leankit_handle = (self, layer)
+        return key_states, value_states
+
+    def write_tokens(self, tier: int, layer: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
+        """Quantize ``n`` tokens (``k``/``v`` ``[n, F]``) into slots ``slot`` of tier ``tier``."""
+        if b.numel() == 0:
+            return
+        layout = self.layouts[tier]
+        page, off = self.table.locate(tier, layer, b, h, slot, layout.tokens)
+        if use_triton(k):
+            from leankit_kernels.quant import quantize_into_pages
+
+            quantize_into_pages(self.pool.storage, layout, page, off, k, v, pos, score)
+        else:
+            self.pool.write_rows(layout, page, off, layout.encode(k, v, score, pos))
+
+    def paged_kv(self, layer: int) -> PagedKV:
+        """The page view attention reads for ``layer``."""
+        return PagedKV(self.pool, self.layouts, self.table, layer)
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of the step's queries over ``layer``'s pages; returns ``[B, Q, Hq, F]``."""
+        st = self._step
+        kv = self.paged_kv(layer)
+        if use_triton(query):
+            from leankit_kernels.paged_attention import paged_attention
+
+            out, lse = paged_attention(query, kv, st.q_pos, scaling)
+        else:
+            out, lse = paged_attention_ref(query, kv, st.q_pos, scaling)
+        self.policy.after_attention(layer, query, scaling, lse, st)
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+    def release(self, rows: torch.Tensor) -> int:
+        """Finish the rows where ``rows[b]`` is true: return all their pages to the free list."""
+        if self.table is None:
+            return 0
+        rows = rows.to(self.device).bool()
+        freed = self.table.release_sequences(rows, self.free_list)
+        self.finished |= rows
+        return freed
+
+    def reset(self) -> None:
+        """Free every page and forget all sequences (the pool itself is kept)."""
+        if self.table is not None:
+            self.table.release_sequences(torch.ones(self.table.shape[1], dtype=torch.bool, device=self.device),
+                                         self.free_list)
+        self.table, self.finished, self._seen, self._step = None, None, 0, None
+        self.policy.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]``.
+
+        Rows may be duplicated, so pages are copied (never shared): every new row gets fresh
+        pages in one batched allocation, the page bytes are copied, and the old pages are freed.
+        """
+        if self.table is None:
+            return
+        beam_idx = beam_idx.to(self.device).long()
+        old = self.table
+        new = BidirectionalPageTable(*old.shape, self.row_len, self.device)
+        src_pages = old.n_pages.index_select(2, beam_idx)
+        saved_table, self.table = self.table, new
+        try:
+            self.grow_pages(src_pages)
+        except PoolExhausted:
+            self.table = saved_table
+            raise
+        src_rows = old.tables.index_select(1, beam_idx)
+        used = new.tables >= 0
+        dst_ids = new.tables[used].long()
+        src_ids = src_rows[used].long()
+        self.pool.storage[dst_ids] = self.pool.storage[src_ids]
+        new.lens = old.lens.index_select(2, beam_idx).clone()
+        old.release_sequences(torch.ones(old.shape[1], dtype=torch.bool, device=self.device), self.free_list)
+        self.finished = self.finished.index_select(0, beam_idx)
+        self.policy.reorder(beam_idx)
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("LeanCache does not support crop (assisted/speculative decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.table is not None:
+            raise NotImplementedError("LeanCache cannot expand a filled cache; expand the inputs instead")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("LeanCache does not support batch_select_indices")
+
+    # ------------------------------------------------------------------ reporting
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Logical tokens seen per row (padding included, as ``DynamicCache`` counts them)."""
+        return self._seen
+
+    def memory_report(self) -> dict:
+        """Exact memory accounting of the cache (every byte of every page in use).
+
+        Keys: ``pages_used``, ``pages_total``, ``page_size``, ``kv_bytes`` (bytes of pages in
+        use), ``fp16_bytes`` (what an fp16 DynamicCache holds for the same real tokens),
+        ``ratio`` (= kv_bytes / fp16_bytes), ``tokens_per_tier`` (``high``/``low``/``pruned``
+        summed over layers, sequences and heads), ``table_bytes`` (page-table metadata),
+        ``pool_bytes`` and ``config``.
+        """
+        pages_used = self.free_list.capacity - self.free_list.num_free
+        kv_bytes = pages_used * self.cfg.page_size
+        if self.table is None:
+            logical = high = low = 0
+        else:
+            high = int(self.table.lens[HIGH].sum())
+            low = int(self.table.lens[LOW].sum())
+            logical = int(self.policy.logical_tokens().sum()) * self.num_layers * self.num_kv_heads
+        fp16 = logical * fp16_token_bytes(self.head_dim)
+        return {
+            "config": str(self.cfg),
+            "pages_used": pages_used,
+            "pages_total": self.pool.num_pages,
+            "page_size": self.cfg.page_size,
+            "kv_bytes": kv_bytes,
+            "fp16_bytes": fp16,
+            "ratio": kv_bytes / fp16 if fp16 else float("nan"),
+            "tokens_per_tier": {"high": high, "low": low, "pruned": max(logical - high - low, 0)},
+            "table_bytes": self.table.nbytes() if self.table is not None else 0,
+            "pool_bytes": self.pool.num_pages * self.cfg.page_size,
+        }

@@ -1,0 +1,103 @@
+"""Hugging Face glue: the ``"leankit"`` attention implementation and the step hooks.
+
+:func:`enable` registers an attention function named ``"leankit"`` and switches the model to
+it. When the K/V it receives come from a :class:`~leankit.cache.LeanCache` (tagged by
+``LeanCache.update``), attention runs over the cache's pages; otherwise (no cache, or another
+Cache class) it falls back to PyTorch SDPA with HF's regular causal/padding mask, so an enabled
+model still works everywhere.
+
+It also installs a forward pre-hook and a forward hook on the decoder stack. The pre-hook hands
+the step's 2-D padding mask and positions to the LeanCache (``begin_step``), which is how pad
+tokens are kept out of the pages; the hook closes the step (``end_step``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_NAME = "leankit"
+_HOOKED = "_leankit_hooks"
+
+
+def leankit_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention function registered as ``"leankit"`` (HF ``AttentionInterface`` signature).
+
+    Returns ``(attn_output [B, Q, Hq, F], None)``.
+    """
+    handle = getattr(key, "_leankit_handle", None)
+    if handle is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    cache, layer = handle
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return cache.attend(layer, query, scaling), None
+
+
+def _decoder(model):
+    """The decoder stack whose forward takes ``input_ids, attention_mask, position_ids, past_key_values``."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    return base
+
+
+def _arg(name, args, kwargs, params):
+    if name in kwargs:
+        return kwargs[name]
+    if name in params:
+        i = params.index(name)
+        if i < len(args):
+            return args[i]
+    return None
+
+
+def _pre_hook(module, args, kwargs):
+    from .cache import LeanCache
+
+    params = module._leankit_params
+    cache = _arg("past_key_values", args, kwargs, params)
+    if not isinstance(cache, LeanCache):
+        return None
+    input_ids = _arg("input_ids", args, kwargs, params)
+    embeds = _arg("inputs_embeds", args, kwargs, params)
+    ref = input_ids if input_ids is not None else embeds
+    position_ids = _arg("position_ids", args, kwargs, params)
+    q_pos = cache.begin_step(ref.shape[0], ref.shape[1], _arg("attention_mask", args, kwargs, params),
+                             position_ids, input_ids)
+    if position_ids is None:
+        kwargs["position_ids"] = q_pos
+        return args, kwargs
+    return None
+
+
+def _post_hook(module, args, kwargs, output):
+    from .cache import LeanCache
+
+    cache = _arg("past_key_values", args, kwargs, module._leankit_params)
+    if isinstance(cache, LeanCache):
+        cache.end_step()
+    return None
+
+
+def enable(model):
+    """Register the ``"leankit"`` attention and switch ``model`` to it (idempotent).
+
+    Returns the model. Raises ``ValueError`` for architectures LeanCache cannot serve.
+    """
+    from .cache import check_model_supported
+
+    check_model_supported(model.config)
+    AttentionInterface.register(ATTN_NAME, leankit_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+        model.set_attn_implementation(ATTN_NAME)
+    dec = _decoder(model)
+    if not getattr(dec, _HOOKED, False):
+        dec._leankit_params = list(inspect.signature(dec.forward).parameters)
+        dec.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        dec.register_forward_hook(_post_hook, with_kwargs=True)
+        setattr(dec, _HOOKED, True)
+    return model
