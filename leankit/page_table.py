@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .allocator import FreePageList, exclusive_cumsum
+from .backend import use_triton
 
 HIGH, LOW = 0, 1
 
@@ -70,6 +71,11 @@ class BidirectionalPageTable:
             raise ValueError(
                 f"a sequence outgrew its page-table row ({self.row_len} pages): raise max_seq_len of the LeanCache"
             )
+        if use_triton(self.tables):  # Triton backend: one prefix-sum launch (leankit_kernels.page_alloc)
+            from leankit_kernels.page_alloc import grow_pages
+
+            grow_pages(self, extra, free_list)
+            return
         ids, offsets = free_list.allocate(extra)
         flat_extra = extra.reshape(-1).long()
         owner = torch.repeat_interleave(torch.arange(flat_extra.numel(), device=ids.device), flat_extra)
@@ -91,6 +97,10 @@ class BidirectionalPageTable:
         total = int(drop.sum())
         if total == 0:
             return 0
+        if use_triton(self.tables):  # Triton backend: one prefix-sum launch (leankit_kernels.page_alloc)
+            from leankit_kernels.page_alloc import shrink_pages
+
+            return shrink_pages(self, keep, free_list)
         offsets = exclusive_cumsum(drop)
         owner = torch.repeat_interleave(torch.arange(drop.numel(), device=drop.device), drop)
         j = keep.reshape(-1)[owner].long() + torch.arange(total, device=drop.device) - offsets[owner]

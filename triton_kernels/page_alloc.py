@@ -1,0 +1,141 @@
+"""Page allocation and recycling: circular free list + exclusive prefix sum (LeanKV §5.2, §5.3).
+
+Requesters are the ``N = 2 * L * B * H`` (tier, layer, sequence, KV head) rows, flattened in that
+order (``i = tier * L*B*H + rest``).
+
+Grow (``_grow_kernel``) reads
+    ``extra`` int32 ``[N]`` pages each requester needs now (the planning phase's demands);
+    ``n_pages`` int32 ``[N]`` pages each already owns;
+    ``ring`` int32 ``[capacity]`` free page ids, the free ones at ring slots
+    ``head, head+1, ...`` (mod capacity).
+and writes
+    ``tables`` int32 ``[L*B*H, R]``: requester ``i`` takes ring slots
+    ``head + excl[i] + j`` for ``j < extra[i]`` (``excl`` = exclusive prefix sum of ``extra``)
+    and puts page ``j`` into column ``n_pages[i] + j`` of its row (high tier, from the left) or
+    ``R - 1 - (n_pages[i] + j)`` (low tier, from the right: the bidirectional page table);
+    ``n_pages[i] += extra[i]``.
+Shrink (``_shrink_kernel``) is the mirror image at the tail: requester ``i`` drops its pages
+``keep[i] .. n_pages[i]-1``, writes them to ring slots ``tail + excl[i] + j`` (prefix sum of the
+drops), clears the table entries to ``-1`` and sets ``n_pages[i] = keep[i]``.
+
+One launch per step for all requesters. Each program owns ``BLOCK`` consecutive requesters; it
+first sums the demands of all requesters before its block (a reduction over at most ``N`` int32,
+the carry of the prefix sum), then ``tl.cumsum`` within the block gives every requester its
+exclusive offset: no inter-program synchronization, and the ring regions of different requesters
+never overlap. The host advances ``free_head`` / ``free_tail`` by the total (the counters are
+host integers in :class:`leankit.allocator.FreePageList`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from leankit.allocator import FreePageList, PoolExhausted
+
+BLOCK = 128
+
+
+@triton.jit
+def _carry(d_ptr, n_ptr, c0, SUB: tl.constexpr, BLOCK: tl.constexpr):
+    """Sum of the demands of requesters ``0 .. c0-1`` (demand = d, or n - d when ``SUB``)."""
+    tot = tl.zeros([BLOCK], tl.int32)
+    for s in range(0, c0, BLOCK):
+        i = s + tl.arange(0, BLOCK)
+        d = tl.load(d_ptr + i, mask=i < c0, other=0)
+        if SUB:
+            d = tl.load(n_ptr + i, mask=i < c0, other=0) - d
+        tot += d
+    return tl.sum(tot, 0)
+
+
+@triton.jit
+def _grow_kernel(extra_ptr, npages_ptr, tables_ptr, ring_ptr, head, cap, N, LBH, R, BLOCK: tl.constexpr):
+    """Hand ``extra[i]`` pages from the ring head to each requester of this block (see module doc)."""
+    c0 = tl.program_id(0) * BLOCK
+    i = c0 + tl.arange(0, BLOCK)
+    m = i < N
+    d = tl.load(extra_ptr + i, mask=m, other=0)
+    excl = _carry(extra_ptr, npages_ptr, c0, False, BLOCK) + tl.cumsum(d, 0) - d
+    npg = tl.load(npages_ptr + i, mask=m, other=0)
+    tier = i // LBH
+    row = (i % LBH).to(tl.int64) * R
+    for j in range(tl.max(d, 0)):
+        take = m & (j < d)
+        pid = tl.load(ring_ptr + (head + excl + j) % cap, mask=take, other=-1)
+        col = tl.where(tier == 0, npg + j, R - 1 - (npg + j))
+        tl.store(tables_ptr + row + col, pid, mask=take)
+    tl.store(npages_ptr + i, npg + d, mask=m)
+
+
+@triton.jit
+def _shrink_kernel(keep_ptr, npages_ptr, tables_ptr, ring_ptr, tail, cap, N, LBH, R, BLOCK: tl.constexpr):
+    """Return each requester's pages past ``keep[i]`` to the ring tail, in prefix-sum order."""
+    c0 = tl.program_id(0) * BLOCK
+    i = c0 + tl.arange(0, BLOCK)
+    m = i < N
+    keep = tl.load(keep_ptr + i, mask=m, other=0)
+    npg = tl.load(npages_ptr + i, mask=m, other=0)
+    d = npg - keep
+    excl = _carry(keep_ptr, npages_ptr, c0, True, BLOCK) + tl.cumsum(d, 0) - d
+    tier = i // LBH
+    row = (i % LBH).to(tl.int64) * R
+    for j in range(tl.max(d, 0)):
+        take = m & (j < d)
+        col = tl.where(tier == 0, keep + j, R - 1 - (keep + j))
+        pid = tl.load(tables_ptr + row + col, mask=take, other=-1)
+        tl.store(ring_ptr + (tail + excl + j) % cap, pid, mask=take)
+        tl.store(tables_ptr + row + col, tl.full([BLOCK], -1, tl.int32), mask=take)
+    tl.store(npages_ptr + i, keep, mask=m)
+
+
+def _check_tables(table) -> None:
+    for name in ("tables", "n_pages"):
+        t = getattr(table, name)
+        if not t.is_contiguous() or t.dtype != torch.int32:
+            raise ValueError(f"page table {name} must be a contiguous int32 tensor")
+
+
+def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK) -> int:
+    """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.grow` (one launch).
+
+    ``extra`` int ``[2, L, B, H]``. Raises :class:`~leankit.allocator.PoolExhausted` (changing
+    nothing) when the ring holds too few free ids. Returns the number of pages handed out.
+    """
+    _check_tables(table)
+    extra = extra.to(device=table.tables.device, dtype=torch.int32).contiguous()
+    total = int(extra.sum())
+    if total == 0:
+        return 0
+    if total > free_list.num_free:
+        raise PoolExhausted(total, free_list.num_free, free_list.capacity)
+    n = extra.numel()
+    lbh = n // 2
+    cap = free_list.capacity
+    _grow_kernel[(triton.cdiv(n, block),)](extra, table.n_pages, table.tables, free_list.ring,
+                                           free_list.free_head % cap, cap, n, lbh, table.row_len, BLOCK=block,
+                                           num_warps=4)
+    free_list.free_head += total
+    return total
+
+
+def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK) -> int:
+    """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.shrink` (one launch).
+
+    ``keep`` int ``[2, L, B, H]`` (already clipped to ``n_pages``). Returns the pages freed.
+    """
+    _check_tables(table)
+    keep = keep.to(device=table.tables.device, dtype=torch.int32).contiguous()
+    total = int((table.n_pages - keep).sum())
+    if total == 0:
+        return 0
+    cap = free_list.capacity
+    if total > cap - free_list.num_free:
+        raise RuntimeError("releasing more pages than are in use: double free")
+    n = keep.numel()
+    _shrink_kernel[(triton.cdiv(n, block),)](keep, table.n_pages, table.tables, free_list.ring,
+                                             free_list.free_tail % cap, cap, n, n // 2, table.row_len, BLOCK=block,
+                                             num_warps=4)
+    free_list.free_tail += total
+    return total

@@ -1,0 +1,371 @@
+"""Paged mixed-precision decode attention (LeanKV §6.2) with flash-decoding split-K.
+
+Reads
+    ``q``: ``[B, Hq, 1, F]`` (any strides, last dim contiguous); query head ``h * G + g`` belongs
+    to KV head ``h`` (``G = Hq / Hkv``).
+    ``q_pos``: int ``[B, 1]`` absolute query positions.
+    the layer's page table: ``tables[layer]`` int32 ``[B, Hkv, R]`` (high pages from the left, low
+    pages from the right), ``n_pages``/``lens`` int32 ``[2, L, B, Hkv]``;
+    the uint8 page pool ``[num_pages, page_size]``: per token the K/V data + meta segments and the
+    int32 position (see :mod:`leankit_kernels.tiles` for the slot -> byte mapping).
+Writes
+    ``out`` ``[B, 1, Hq, F]`` (``q.dtype``), ``lse`` fp32 ``[B, Hkv, G]`` (natural log, ``-inf`` if
+    the query sees no key); with ``update_scores=True`` also the fp16 score segment of every live
+    token in place: ``s <- s + (p_bar - s) / n`` (running mean of received probability, LeanKV §4;
+    ``p_bar`` = probability averaged over the group's G query heads, ``n = q_pos - pos + 1``).
+Scratch
+    split partials fp32 ``[B*Hkv, S, G, F]`` + ``[B*Hkv, S, G, 2]`` (running max, sum) when ``S > 1``;
+    with score updates, the scaled logits fp32 ``[B*Hkv, tiers, G, N]``.
+
+Kernels
+    ``_decode_kernel``: one program per (sequence, KV head, split). Splits are contiguous ranges
+    of the head's *virtual* page list ``[high pages..., low pages...]``: each program walks its
+    high-tier pages first, then its low-tier pages (LeanKV's load balancing, §6.2). Every unified
+    page has the same byte size, so equal page counts mean equal bytes per split, whatever the
+    tiers' tokens-per-page. Per ``BLOCK_N``-slot tile it dequantizes K and V on the fly into fp32
+    registers, and all G query heads of the group share the tile: ``tl.dot`` on
+    ``[G_pad, F] x [F, BLOCK_N]`` and ``[G_pad, BLOCK_N] x [BLOCK_N, F]`` (``G_pad >= 16`` rows for
+    the MMA), with an online softmax in base 2. With one split it writes the output directly.
+    ``_decode_reduce_kernel``: merges the S partials of a (sequence, KV head) (log-sum-exp merge).
+    ``_score_update_kernel``: after the reduce, turns the saved logits and the final lse into
+    ``p_bar`` and updates the score segment of live slots (one program per (head, slot tile, tier)).
+
+Page layout: LeanKV's CUDA kernel interleaves keys as ``[F/(Kvec*Kgroup), N, Kgroup, Kvec]`` and
+values token-vectorized so that each *thread group* of a warp reads contiguous vectors. A Triton
+program instead loads the whole ``[BLOCK_N, Kb]`` tile of a page at once and the compiler assigns
+threads to contiguous 16-byte vectors of it; a token-major segment is exactly that contiguous tile
+and exactly the ``[BLOCK_N, F]`` operand ``tl.dot`` wants for both ``q k^T`` and ``p v``, so
+leankit keeps the token-major layout of :mod:`leankit.pages` (no interleaving to undo in
+registers, and quantize/pack writes whole rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from leankit.attention import PagedKV, received_attention_ref
+
+from .prefill_attention import prefill_attention, received_attention
+from .tiles import (
+    LOG2E,
+    check_head_dim,
+    dot_config,
+    layer_views,
+    load_positions,
+    load_side,
+    page_counts,
+    slot_pages,
+    tier_args,
+)
+
+__all__ = ["paged_attention", "received_attention", "score_update_ref"]
+
+BLOCK_N_DECODE = 32
+MIN_PAGES_PER_SPLIT = 4
+
+
+@triton.jit
+def _decode_tier(m, l, acc, q, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr, LG_N,
+                 LOW: tl.constexpr, T: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                 KOFF: tl.constexpr, KMOFF: tl.constexpr, VOFF: tl.constexpr, VMOFF: tl.constexpr,
+                 POSOFF: tl.constexpr, F: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
+    """Online-softmax accumulation over slots ``[s0, s1)`` of one tier."""
+    g = tl.arange(0, G_PAD)
+    for start in range(s0, s1, BLOCK_N):
+        slot = start + tl.arange(0, BLOCK_N)
+        valid = slot < s1
+        page, row = slot_pages(tab_row, slot, valid, R, T, LOW)
+        kpos = load_positions(pool, page, row, valid, POSOFF, PAGE_SIZE)
+        k = load_side(pool, page, row, valid, KOFF, KMOFF, KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+        s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * sm_scale  # base-2 logits
+        s = tl.where((kpos <= qpos)[None, :], s, float("-inf"))
+        if SAVE_LOGITS:
+            tl.store(lg_ptr + g[:, None] * LG_N + slot[None, :], s, mask=(g[:, None] < G) & valid[None, :])
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        v = load_side(pool, page, row, valid, VOFF, VMOFF, VBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_ptr, np_ptr, len_ptr, stride_tier,
+                   part_acc, part_ml, out_ptr, lse_ptr, lg_ptr, H, R, PPS, NSPLIT, LG_N, sm_scale,
+                   G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, NG: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
+                   SAVE_LOGITS: tl.constexpr, DIRECT: tl.constexpr,
+                   H_T: tl.constexpr, H_KBITS: tl.constexpr, H_VBITS: tl.constexpr, H_KOFF: tl.constexpr,
+                   H_KMOFF: tl.constexpr, H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SCOFF: tl.constexpr,
+                   H_POSOFF: tl.constexpr,
+                   L_T: tl.constexpr, L_KBITS: tl.constexpr, L_VBITS: tl.constexpr, L_KOFF: tl.constexpr,
+                   L_KMOFF: tl.constexpr, L_VOFF: tl.constexpr, L_VMOFF: tl.constexpr, L_SCOFF: tl.constexpr,
+                   L_POSOFF: tl.constexpr):
+    """One (sequence, KV head, split): high-tier pages of the split, then its low-tier pages."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    g = tl.arange(0, G_PAD)
+    f = tl.arange(0, F)
+    qpos = tl.load(qpos_ptr + b * stride_pb)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + f[None, :],
+                mask=(g < G)[:, None], other=0.0).to(DOT)
+    tab_row = tab_ptr + bh.to(tl.int64) * R
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, F], tl.float32)
+    v0 = split * PPS
+    v1 = v0 + PPS
+    nh = tl.load(np_ptr + bh)
+    lh = tl.load(len_ptr + bh)
+    lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
+    m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, tl.minimum(v0, nh) * H_T,
+                             tl.minimum(tl.minimum(v1, nh) * H_T, lh), R, sm_scale, lg_row, LG_N,
+                             False, H_T, H_KBITS, H_VBITS, H_KOFF, H_KMOFF, H_VOFF, H_VMOFF, H_POSOFF,
+                             F, NG, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+    if HAS_LOW:
+        nl = tl.load(np_ptr + stride_tier + bh)
+        ll = tl.load(len_ptr + stride_tier + bh)
+        l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
+        l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
+        m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, l0 * L_T, tl.minimum(l1 * L_T, ll), R,
+                                 sm_scale, lg_row + G * LG_N, LG_N,
+                                 True, L_T, L_KBITS, L_VBITS, L_KOFF, L_KMOFF, L_VOFF, L_VMOFF, L_POSOFF,
+                                 F, NG, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+    gmask = g < G
+    if DIRECT:
+        _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)
+    else:
+        base = (bh * NSPLIT + split) * G + g
+        tl.store(part_acc + base.to(tl.int64)[:, None] * F + f[None, :], acc, mask=gmask[:, None])
+        tl.store(part_ml + base * 2, m, mask=gmask)
+        tl.store(part_ml + base * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr):
+    """Normalize and store ``out[b, 0, h*G+g, :]`` and ``lse[b, h, g]`` (natural log)."""
+    g = tl.arange(0, G_PAD)
+    f = tl.arange(0, F)
+    gmask = g < G
+    has = l > 0.0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    out = tl.where(has[:, None], out, 0.0)
+    row = (b * H + h) * G + g  # out is [B, 1, Hq, F] and Hq = H * G
+    tl.store(out_ptr + row.to(tl.int64)[:, None] * F + f[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gmask[:, None])
+    lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + bh * G + g, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_acc, part_ml, out_ptr, lse_ptr, H, NSPLIT,
+                          G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr):
+    """Merge the splits of one (sequence, KV head): ``out = sum_s w_s acc_s / sum_s w_s l_s``."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    g = tl.arange(0, G_PAD)
+    f = tl.arange(0, F)
+    gmask = g < G
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, F], tl.float32)
+    for s in range(NSPLIT):
+        base = (bh * NSPLIT + s) * G + g
+        ms = tl.load(part_ml + base * 2, mask=gmask, other=float("-inf"))
+        ls = tl.load(part_ml + base * 2 + 1, mask=gmask, other=0.0)
+        a = tl.load(part_acc + base.to(tl.int64)[:, None] * F + f[None, :], mask=gmask[:, None], other=0.0)
+        m_new = tl.maximum(m, ms)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        beta = tl.exp2(ms - m_safe)
+        l = l * alpha + ls * beta
+        acc = acc * alpha[:, None] + a * beta[:, None]
+        m = m_new
+    _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)
+
+
+@triton.jit
+def _score_tier(lg_row, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
+                LOW: tl.constexpr, T: tl.constexpr, SCOFF: tl.constexpr, POSOFF: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    g = tl.arange(0, G_PAD)
+    slot = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = slot < n_live
+    page, row = slot_pages(tab_row, slot, valid, R, T, LOW)
+    kpos = load_positions(pool, page, row, valid, POSOFF, PAGE_SIZE)
+    s = tl.load(lg_row + g[:, None] * LG_N + slot[None, :], mask=(g < G)[:, None] & valid[None, :],
+                other=float("-inf"))
+    p = tl.exp2(s - lse2[:, None])  # 0 for masked logits (lse2 is finite)
+    p_bar = tl.sum(p, 0) / G
+    vis = valid & (kpos <= qpos)
+    p16 = pool.to(tl.pointer_type(tl.float16)) + page * (PAGE_SIZE // 2) + SCOFF // 2 + row
+    old = tl.load(p16, mask=vis, other=0.0).to(tl.float32)
+    n = (qpos - kpos + 1).to(tl.float32)
+    new = old + (p_bar - old) / tl.where(vis, n, 1.0)  # running mean of received probability (§4)
+    tl.store(p16, new.to(tl.float16), mask=vis)
+
+
+@triton.jit
+def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool, tab_ptr, len_ptr, stride_tier,
+                         H, R, LG_N, G: tl.constexpr, G_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, HAS_LOW: tl.constexpr,
+                         H_T: tl.constexpr, H_SCOFF: tl.constexpr, H_POSOFF: tl.constexpr,
+                         L_T: tl.constexpr, L_SCOFF: tl.constexpr, L_POSOFF: tl.constexpr):
+    """Fused running-significance update of one tile of one tier's slots of one (sequence, head)."""
+    bh = tl.program_id(0)
+    blk = tl.program_id(1)
+    tier = tl.program_id(2)
+    b = bh // H
+    g = tl.arange(0, G_PAD)
+    qpos = tl.load(qpos_ptr + b * stride_pb)
+    qok = tl.load(qvalid_ptr + b) != 0
+    lse2 = tl.load(lse_ptr + bh * G + g, mask=g < G, other=float("-inf")) * 1.4426950408889634
+    qok = qok & (tl.max(lse2, 0) > float("-inf"))  # a query that saw no key gives nothing
+    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+    tab_row = tab_ptr + bh.to(tl.int64) * R
+    lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
+    if qok:
+        if tier == 0:
+            n_live = tl.load(len_ptr + bh)
+            _score_tier(lg_row, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
+                        False, H_T, H_SCOFF, H_POSOFF, PAGE_SIZE, G, G_PAD, BLOCK_N)
+        elif HAS_LOW:
+            n_live = tl.load(len_ptr + stride_tier + bh)
+            _score_tier(lg_row + G * LG_N, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
+                        True, L_T, L_SCOFF, L_POSOFF, PAGE_SIZE, G, G_PAD, BLOCK_N)
+
+
+def group_pad(g: int) -> int:
+    """Rows of the query tile: the group size padded to a power of two >= 16 (MMA minimum)."""
+    return max(16, triton.next_power_of_2(g))
+
+
+def _num_splits(bh: int, max_pages: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = triton.cdiv(2 * sms, bh)  # about two waves of programs
+    else:
+        want = 2  # interpreter: still exercise split-K + reduce
+    return max(1, min(want, triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT)))
+
+
+def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, *,
+                    update_scores: bool = False, q_valid: torch.Tensor | None = None,
+                    num_splits: int | None = None, block_n: int = BLOCK_N_DECODE):
+    """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's unified pages (kernel mirror of
+    :func:`leankit.attention.paged_attention_ref`).
+
+    ``Q == 1`` runs the split-K decode kernels; ``Q > 1`` routes to
+    :func:`leankit_kernels.prefill_attention.prefill_attention`.
+
+    Args:
+        q_pos: int ``[B, Q]`` query positions (keys with ``pos <= q_pos`` are visible).
+        scale: softmax scale.
+        update_scores: decode only; also update every live token's running significance in
+            its page's score segment (``s <- s + (p_bar - s) / (q_pos - pos + 1)``).
+        q_valid: bool ``[B, Q]``; rows where it is false update no score.
+        num_splits: split-K factor (default: enough programs for about two waves on the GPU).
+
+    Returns:
+        ``(out [B, Q, Hq, F] in q.dtype, lse fp32 [B, Hkv, G*Q])``.
+    """
+    b, hq, nq, f = q.shape
+    if nq > 1:
+        if update_scores:
+            raise ValueError("update_scores is a decode (Q == 1) feature; use received_attention for prefill")
+        return prefill_attention(q, kv, q_pos, scale)
+    check_head_dim(f)
+    tables, n_pages, lens, stride_tier = layer_views(kv)
+    hkv, r = tables.shape[1], tables.shape[2]
+    g = hq // hkv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    dev = q.device
+    targs = tier_args(kv.layouts)
+    max_h, max_l, max_pages = page_counts(n_pages, targs["HAS_LOW"])
+    out = torch.empty((b, 1, hq, f), dtype=q.dtype, device=dev)
+    lse = torch.empty((b, hkv, g), dtype=torch.float32, device=dev)
+    if max_pages == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    q_pos = q_pos.to(device=dev, dtype=torch.int32)
+    bh = b * hkv
+    s = num_splits or _num_splits(bh, max_pages, dev)
+    pps = triton.cdiv(max_pages, max(1, s))
+    s = triton.cdiv(max_pages, pps)
+    direct = s == 1
+    lg_n = max(max_h * targs["H_T"], max_l * targs["L_T"] if targs["HAS_LOW"] else 0)
+    if update_scores:
+        logits = torch.empty((bh, 2, g, lg_n), dtype=torch.float32, device=dev)
+    else:
+        logits, lg_n = torch.empty(1, dtype=torch.float32, device=dev), 0
+    part_acc = torch.empty((bh, s, g, f) if not direct else (1,), dtype=torch.float32, device=dev)
+    part_ml = torch.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
+    dot_t, prec = dot_config(q.dtype)
+    gp = group_pad(g)
+    _decode_kernel[(bh, s)](
+        q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
+        part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, float(scale) * LOG2E,
+        G=g, G_PAD=gp, BLOCK_N=block_n, DOT=dot_t, PREC=prec, SAVE_LOGITS=update_scores, DIRECT=direct,
+        num_warps=4, num_stages=2, **targs)
+    if not direct:
+        _decode_reduce_kernel[(bh,)](part_acc, part_ml, out, lse, hkv, s, G=g, G_PAD=gp, F=f, num_warps=4)
+    if update_scores:
+        qv = (torch.ones(b, dtype=torch.int32, device=dev) if q_valid is None
+              else q_valid.reshape(b, -1)[:, 0].to(device=dev, dtype=torch.int32).contiguous())
+        sblk = 64
+        _score_update_kernel[(bh, triton.cdiv(lg_n, sblk), 2 if targs["HAS_LOW"] else 1)](
+            logits, lse, q_pos, q_pos.stride(0), qv, kv.pool.storage, tables, lens, stride_tier, hkv, r, lg_n,
+            G=g, G_PAD=gp, PAGE_SIZE=targs["PAGE_SIZE"], BLOCK_N=sblk, HAS_LOW=targs["HAS_LOW"],
+            H_T=targs["H_T"], H_SCOFF=targs["H_SCOFF"], H_POSOFF=targs["H_POSOFF"],
+            L_T=targs["L_T"], L_SCOFF=targs["L_SCOFF"], L_POSOFF=targs["L_POSOFF"], num_warps=4)
+    return out, lse
+
+
+def score_update_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, lse: torch.Tensor,
+                     q_valid: torch.Tensor | None = None) -> None:
+    """PyTorch reference of the fused decode score update (in place on the pool).
+
+    For every live slot ``j`` visible to the (single) query: ``s_j <- s_j + (p_bar_j - s_j) / n_j``
+    with ``p_bar_j`` from :func:`leankit.attention.received_attention_ref` (probability averaged
+    over the group's query heads) and ``n_j = q_pos - pos_j + 1``: after the update ``s_j`` is the
+    mean probability token ``j`` received over the ``n_j`` queries that could see it (LeanKV §4's
+    significance). The score is stored as fp16; other bytes are untouched.
+    """
+    if q.shape[2] != 1:
+        raise ValueError("score_update_ref is the decode (Q == 1) update")
+    recv = received_attention_ref(q, kv, q_pos, scale, lse, q_valid)
+    table, layer, pool = kv.table, kv.layer, kv.pool
+    b = q.shape[0]
+    qp = q_pos.reshape(b, -1)[:, :1].to(torch.int64).view(b, 1, 1)
+    qok = torch.ones(b, dtype=torch.bool, device=q.device) if q_valid is None else q_valid.reshape(b, -1)[:, 0]
+    flat16 = pool.storage.view(-1).view(torch.float16)
+    for tier, layout in enumerate(kv.layouts):
+        ids, _ = table.tier_pages(tier, layer)
+        if ids.shape[-1] == 0:
+            continue
+        pages = pool.gather(ids)
+        old = layout.scores(pages).flatten(2)
+        pos = layout.positions(pages).flatten(2).to(torch.int64)
+        slot = torch.arange(old.shape[-1], device=old.device)
+        live = slot.view(1, 1, -1) < table.lens[tier, layer].unsqueeze(-1)
+        upd = live & (pos <= qp) & qok.view(b, 1, 1)
+        n = (qp - pos + 1).clamp_min(1).to(torch.float32)
+        new = old + (recv[tier] - old) / n
+        t = layout.tokens
+        page = torch.gather(ids.long(), 2, (slot // t).view(1, 1, -1).expand_as(old))
+        idx = (page * layout.page_size + layout.offset("score")) // 2 + (slot % t).view(1, 1, -1)
+        flat16[idx[upd]] = new[upd].to(torch.float16)
+

@@ -1,0 +1,225 @@
+"""Hetero-KV quantize + pack straight into unified-page slots (LeanKV §4 Hetero-KV, Eq. 2, §5.2).
+
+Reads
+    ``k``, ``v``: ``[n, F]`` (fp16 / bf16 / fp32, last dim contiguous) -- the new tokens;
+    ``page``, ``slot``: ``[n]`` int -- token ``i`` goes to row ``slot[i]`` of page ``page[i]``;
+    ``pos`` ``[n]`` int, ``score`` ``[n]`` float.
+Writes (in place, uint8 pool ``[num_pages, page_size]``), for each token, the six segments of its
+page row exactly as :meth:`leankit.pages.PageLayout.encode` + :meth:`leankit.pages.PagePool.write_rows`:
+    ``K data``  ``Kb = F * kbits / 8`` bytes at ``K_OFF + slot * Kb`` (packed codes, or raw dense bytes)
+    ``K meta``  ``G`` x (fp16 scale, fp16 min) at ``KM_OFF + slot * 4G`` (quantized sides only)
+    ``V data`` / ``V meta`` likewise, ``score`` fp16 at ``SC_OFF + 2 slot``, ``position`` int32 at
+    ``POS_OFF + 4 slot``.
+
+Quantization (bit-exact with :func:`leankit.quant.quantize`): per token, per group of
+``F / G`` channels, asymmetric min-max (Eq. 2): ``min16 = fp16(min)``,
+``scale16 = fp16((max - min16) / (2^b - 1))``, ``Q = round_half_even((x - min16) / scale16)``
+clamped to ``[0, 2^b - 1]``; a constant group (``scale16 == 0``) stores ``Q = 0``. Divisions use
+``div_rn`` (IEEE round-to-nearest, like PyTorch), never the approximate divide, and the rounding
+is written out (floor + tie-to-even), so compiled code cannot drift from ``torch.round``.
+Codes are packed little-endian: code ``e`` in byte ``e // P`` at bit ``(e % P) * b``.
+
+One program handles ``BLOCK_N`` tokens and both sides: a ``[BLOCK_N, F]`` tile is loaded once,
+reduced per group in registers, packed, and stored as whole ``[BLOCK_N, Kb]`` rows (each row is
+contiguous inside its page, so stores coalesce).
+
+A group whose fp16 scale or minimum would overflow sets an error flag; the launcher raises
+:class:`leankit.quant.NonFiniteKVError` like the reference (the rows were written, but the cache
+has not yet counted them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from leankit.pages import PageLayout
+from leankit.quant import NonFiniteKVError, check_finite
+
+from .tiles import check_head_dim, load_side, tl_dtype
+
+
+@triton.jit
+def _round_half_even(y):
+    """``torch.round`` for fp32: round to nearest, ties to even (exact for |y| < 2^22)."""
+    f = tl.floor(y)
+    d = y - f  # exact: y and floor(y) share the exponent range here
+    odd = (f.to(tl.int32) & 1) == 1
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def _quant_side(src, stride, tok, valid, pool, page, row, err,
+                OFF: tl.constexpr, MOFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
+                NG: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    f = tl.arange(0, F)
+    x = tl.load(src + tok.to(tl.int64)[:, None] * stride + f[None, :], mask=valid[:, None], other=0.0)
+    if BITS >= 16:
+        ISZ: tl.constexpr = DENSE.primitive_bitwidth // 8
+        pd = pool.to(tl.pointer_type(DENSE))
+        base = page * (PAGE_SIZE // ISZ) + OFF // ISZ + row * F
+        tl.store(pd + base[:, None] + f[None, :], x.to(DENSE), mask=valid[:, None])
+    else:
+        P: tl.constexpr = 8 // BITS
+        KB: tl.constexpr = F // P
+        GS: tl.constexpr = F // NG
+        QMAX: tl.constexpr = (1 << BITS) - 1
+        xg = tl.reshape(x.to(tl.float32), (BLOCK_N, NG, GS))
+        lo = tl.min(xg, axis=2)
+        hi = tl.max(xg, axis=2)
+        mn16 = lo.to(tl.float16)
+        mnf = mn16.to(tl.float32)
+        # Scale from the *stored* minimum so the largest element maps inside [0, QMAX] (Eq. 2).
+        sc16 = tl.math.div_rn(hi - mnf, tl.full(hi.shape, QMAX, tl.float32)).to(tl.float16)
+        scf = sc16.to(tl.float32)
+        nonconst = scf > 0.0
+        safe = tl.where(nonconst, scf, 1.0)
+        y = tl.math.div_rn(xg - mnf[:, :, None], tl.broadcast_to(safe[:, :, None], (BLOCK_N, NG, GS)))
+        q = tl.where(nonconst[:, :, None], _round_half_even(y), 0.0)
+        q = tl.minimum(tl.maximum(q, 0.0), QMAX * 1.0)
+        codes = tl.reshape(q.to(tl.int32), (BLOCK_N, F))
+        if P == 1:
+            packed = codes.to(tl.uint8)
+        else:
+            shifts = tl.arange(0, P) * BITS
+            packed = tl.sum(tl.reshape(codes, (BLOCK_N, KB, P)) << shifts[None, None, :], axis=2).to(tl.uint8)
+        base = page * PAGE_SIZE + OFF + row * KB
+        tl.store(pool + base[:, None] + tl.arange(0, KB)[None, :], packed, mask=valid[:, None])
+        p16 = pool.to(tl.pointer_type(tl.float16))
+        mbase = page * (PAGE_SIZE // 2) + MOFF // 2 + row * (2 * NG)
+        g2 = 2 * tl.arange(0, NG)
+        tl.store(p16 + mbase[:, None] + g2[None, :], sc16, mask=valid[:, None])
+        tl.store(p16 + mbase[:, None] + g2[None, :] + 1, mn16, mask=valid[:, None])
+        ok = (tl.abs(scf) < float("inf")) & (tl.abs(mnf) < float("inf"))  # False for NaN too
+        bad = tl.max(tl.where(valid[:, None] & (~ok), 1, 0))
+        tl.store(err, bad, mask=bad > 0)
+
+
+@triton.jit
+def _quantize_kernel(k_ptr, v_ptr, stride_k, stride_v, page_ptr, slot_ptr, pos_ptr, score_ptr, pool, err, n,
+                     F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr,
+                     T: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                     KOFF: tl.constexpr, KMOFF: tl.constexpr, VOFF: tl.constexpr, VMOFF: tl.constexpr,
+                     SCOFF: tl.constexpr, POSOFF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Quantize ``BLOCK_N`` tokens' K and V into their page rows (one program, both sides)."""
+    tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = tok < n
+    page = tl.load(page_ptr + tok, mask=valid, other=0).to(tl.int64)
+    row = tl.load(slot_ptr + tok, mask=valid, other=0).to(tl.int64)
+    _quant_side(k_ptr, stride_k, tok, valid, pool, page, row, err, KOFF, KMOFF, KBITS, F, NG, DENSE,
+                PAGE_SIZE, BLOCK_N)
+    _quant_side(v_ptr, stride_v, tok, valid, pool, page, row, err, VOFF, VMOFF, VBITS, F, NG, DENSE,
+                PAGE_SIZE, BLOCK_N)
+    sc = tl.load(score_ptr + tok, mask=valid, other=0.0).to(tl.float16)
+    tl.store(pool.to(tl.pointer_type(tl.float16)) + page * (PAGE_SIZE // 2) + SCOFF // 2 + row, sc, mask=valid)
+    ps = tl.load(pos_ptr + tok, mask=valid, other=0).to(tl.int32)
+    tl.store(pool.to(tl.pointer_type(tl.int32)) + page * (PAGE_SIZE // 4) + POSOFF // 4 + row, ps, mask=valid)
+
+
+@triton.jit
+def _dequantize_kernel(pool, page_ptr, slot_ptr, k_out, v_out, score_out, pos_out, n,
+                       F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr,
+                       T: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                       KOFF: tl.constexpr, KMOFF: tl.constexpr, VOFF: tl.constexpr, VMOFF: tl.constexpr,
+                       SCOFF: tl.constexpr, POSOFF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Unpack + dequantize page rows back to fp32 ``[n, F]`` K/V, fp32 scores and int32 positions."""
+    tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = tok < n
+    page = tl.load(page_ptr + tok, mask=valid, other=0).to(tl.int64)
+    row = tl.load(slot_ptr + tok, mask=valid, other=0).to(tl.int64)
+    f = tl.arange(0, F)
+    out = tok.to(tl.int64)[:, None] * F + f[None, :]
+    k = load_side(pool, page, row, valid, KOFF, KMOFF, KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    tl.store(k_out + out, k, mask=valid[:, None])
+    v = load_side(pool, page, row, valid, VOFF, VMOFF, VBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    tl.store(v_out + out, v, mask=valid[:, None])
+    sc = tl.load(pool.to(tl.pointer_type(tl.float16)) + page * (PAGE_SIZE // 2) + SCOFF // 2 + row, mask=valid)
+    tl.store(score_out + tok, sc.to(tl.float32), mask=valid)
+    ps = tl.load(pool.to(tl.pointer_type(tl.int32)) + page * (PAGE_SIZE // 4) + POSOFF // 4 + row, mask=valid)
+    tl.store(pos_out + tok, ps, mask=valid)
+
+
+def layout_constexprs(layout: PageLayout) -> dict:
+    """Compile-time constants describing one tier's page layout (shared with the AOT script)."""
+    p = layout.precision
+    return {"F": layout.head_dim, "NG": layout.groups, "PAGE_SIZE": layout.page_size,
+                "DENSE": tl_dtype(layout.dense_dtype), "T": layout.tokens, "KBITS": p.k_bits, "VBITS": p.v_bits,
+                "KOFF": layout.offset("k_data"), "KMOFF": layout.offset("k_meta"), "VOFF": layout.offset("v_data"),
+                "VMOFF": layout.offset("v_meta"), "SCOFF": layout.offset("score"), "POSOFF": layout.offset("position")}
+
+
+def quant_block_n(head_dim: int) -> int:
+    """Tokens per program: about 2048 elements per side (16 per thread at 4 warps)."""
+    return max(8, min(32, 2048 // head_dim))
+
+
+def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.Tensor, slot: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor,
+                        *, block_n: int | None = None) -> None:
+    """Quantize ``n`` tokens and write all six page segments of their slots, in one launch.
+
+    Byte-for-byte identical to ``PagePool.write_rows(layout, page, slot, layout.encode(k, v, score, pos))``.
+
+    Args:
+        storage: the pool's uint8 ``[num_pages, page_size]`` tensor (written in place).
+        layout: the tier's :class:`~leankit.pages.PageLayout`.
+        page, slot: int ``[n]`` destination page id and row inside it.
+        k, v: ``[n, head_dim]`` keys and values (fp16/bf16/fp32).
+        pos: int ``[n]`` positions; score: float ``[n]`` initial significance.
+
+    Raises:
+        NonFiniteKVError: NaN/Inf input, or a group whose fp16 scale/min would overflow.
+    """
+    n = k.shape[0]
+    if n == 0:
+        return
+    f = layout.head_dim
+    check_head_dim(f)
+    if storage.dtype != torch.uint8 or storage.dim() != 2 or storage.shape[1] != layout.page_size:
+        raise ValueError("storage must be the pool's uint8 [num_pages, page_size] tensor")
+    if not storage.is_contiguous():
+        raise ValueError("the page pool must be contiguous")
+    if k.shape != (n, f) or v.shape != (n, f):
+        raise ValueError(f"k and v must be [n, {f}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    prec = layout.precision
+    if prec.k_quantized:
+        check_finite(k, "key")
+    if prec.v_quantized:
+        check_finite(v, "value")
+    dev = storage.device
+    page = page.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
+    slot = slot.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
+    pos = pos.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
+    score = score.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
+    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    bn = block_n or quant_block_n(f)
+    _quantize_kernel[(triton.cdiv(n, bn),)](
+        k, v, k.stride(0), v.stride(0), page, slot, pos, score, storage, err, n,
+        BLOCK_N=bn, num_warps=4, enable_fp_fusion=False, **layout_constexprs(layout))
+    if (prec.k_quantized or prec.v_quantized) and int(err.item()):
+        raise NonFiniteKVError("KV values exceed the fp16 range of the quantization metadata")
+
+
+def dequantize_from_pages(storage: torch.Tensor, layout: PageLayout, page: torch.Tensor, slot: torch.Tensor,
+                          *, block_n: int = 16):
+    """Read slots back: ``(k, v)`` fp32 ``[n, head_dim]``, ``score`` fp32 ``[n]``, ``pos`` int32 ``[n]``.
+
+    The kernel mirror of :meth:`leankit.pages.PageLayout.decode` for individual slots.
+    """
+    dev = storage.device
+    page = page.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
+    slot = slot.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
+    n, f = page.numel(), layout.head_dim
+    check_head_dim(f)
+    k = torch.empty((n, f), dtype=torch.float32, device=dev)
+    v = torch.empty_like(k)
+    score = torch.empty(n, dtype=torch.float32, device=dev)
+    pos = torch.empty(n, dtype=torch.int32, device=dev)
+    if n:
+        _dequantize_kernel[(triton.cdiv(n, block_n),)](storage, page, slot, k, v, score, pos, n,
+                                                       BLOCK_N=block_n, num_warps=4, **layout_constexprs(layout))
+    return k, v, score, pos
