@@ -22,6 +22,7 @@ import torch
 
 from .page_table import BidirectionalPageTable
 from .pages import PageLayout, PagePool
+from .quant import META_DTYPE
 
 
 @dataclass
@@ -34,26 +35,124 @@ class PagedKV:
     layer: int
 
 
+class Tile:
+    """A chunk of one tier's pages for every (sequence, head) of a layer, gathered per segment.
+
+    The codes stay integer until the matmul: with per-group scale ``s`` and minimum ``m``
+    (Eq. 2, ``x_hat = s * Q + m``) the two attention products factor as
+
+        q . k_hat = s * (q . Q) + m * sum(q)        p @ v_hat = (p * s) @ Q + (p @ m)
+
+    (per group), so the reference never builds a dequantized K/V tile and the CPU backend pays
+    one uint8->float conversion per code instead of a full dequantization pass.
+    """
+
+    def __init__(self, kv: PagedKV, tier: int, start: int, count: int):
+        table, layer, layout, pool = kv.table, kv.layer, kv.layouts[tier], kv.pool
+        self.tier, self.start, self.layout = tier, start, layout
+        ids, _ = table.tier_pages(tier, layer, start, count)
+        flat = ids.reshape(-1).long()
+        lead = ids.shape  # [B, H, P]
+        t = layout.tokens
+
+        def take(name, dtype=torch.uint8):
+            seg = pool.segment_view(layout, name, dtype).index_select(0, flat)
+            return seg.reshape(lead[0], lead[1], lead[2] * t, -1)  # [B, H, N, n]
+
+        self.pos = take("position", torch.int32).squeeze(-1)
+        slot = torch.arange(start * t, (start + count) * t, device=ids.device)
+        self.valid = slot.view(1, 1, -1) < table.lens[tier, layer].unsqueeze(-1)
+        self.k_data, self.v_data = take("k_data"), take("v_data")
+        prec = layout.precision
+        self.k_meta = self._meta(take("k_meta", META_DTYPE)) if prec.k_quantized else None
+        self.v_meta = self._meta(take("v_meta", META_DTYPE)) if prec.v_quantized else None
+
+    def _meta(self, meta: torch.Tensor):
+        # [B, H, N, 2G] -> scale, min [B, H, N, G]; zero dead slots (stale bytes may be NaN).
+        meta = meta.float().unflatten(-1, (-1, 2)).masked_fill(~self.valid[..., None, None], 0.0)
+        return meta[..., 0], meta[..., 1]
+
+    def _planes(self, data: torch.Tensor, bits: int) -> list[torch.Tensor]:
+        """Codes as float planes: plane ``i`` holds elements ``i, i+P, i+2P, ...`` (``P = 8 / bits``).
+
+        Keeping the bit planes apart (instead of interleaving them back into ``[N, F]``) lets
+        both products run plane by plane on strided query/output columns, with no large copy.
+        """
+        if bits >= 16:
+            dense = data.view(self.layout.dense_dtype).float()
+            return [dense.masked_fill(~self.valid.unsqueeze(-1), 0.0)]
+        if bits == 8:
+            return [data.float()]
+        mask = (1 << bits) - 1
+        return [((data >> (i * bits)) & mask).float() for i in range(8 // bits)]
+
+    def scores(self, qg: torch.Tensor) -> torch.Tensor:
+        """Raw dot products ``q . k_hat`` ``[B, H, M, N]`` for grouped queries ``[B, H, M, F]``."""
+        planes = self._planes(self.k_data, self.layout.precision.k_bits)
+        n_planes = len(planes)
+        if self.k_meta is None:
+            return torch.matmul(qg, planes[0].transpose(-1, -2))
+        scale, mn = self.k_meta
+        ng = scale.shape[-1]
+        if ng == 1:
+            dots = sum(torch.matmul(qg[..., i::n_planes], c.transpose(-1, -2)) for i, c in enumerate(planes))
+            return dots * scale[..., 0].unsqueeze(2) + qg.sum(-1, keepdim=True) * mn[..., 0].unsqueeze(2)
+        dots = sum(torch.einsum("bhmgd,bhngd->bhmng", qg[..., i::n_planes].unflatten(-1, (ng, -1)),
+                                c.unflatten(-1, (ng, -1))) for i, c in enumerate(planes))
+        qsum = qg.unflatten(-1, (ng, -1)).sum(-1)  # [B, H, M, G]
+        return (dots * scale.unsqueeze(2)).sum(-1) + torch.einsum("bhmg,bhng->bhmn", qsum, mn)
+
+    def weighted_values(self, p: torch.Tensor) -> torch.Tensor:
+        """``p @ v_hat`` ``[B, H, M, F]`` for probabilities ``p`` ``[B, H, M, N]`` (0 on dead slots)."""
+        planes = self._planes(self.v_data, self.layout.precision.v_bits)
+        if self.v_meta is None:
+            return torch.matmul(p, planes[0])
+        scale, mn = self.v_meta
+        ng = scale.shape[-1]
+        if ng == 1:
+            ps = p * scale[..., 0].unsqueeze(2)
+            outs = [torch.matmul(ps, c) for c in planes]
+        else:
+            outs = [torch.einsum("bhmn,bhng,bhngd->bhmgd", p, scale, c.unflatten(-1, (ng, -1))).flatten(-2)
+                    for c in planes]
+        out = outs[0] if len(outs) == 1 else torch.stack(outs, dim=-1).flatten(-2)  # re-interleave columns
+        offset = torch.matmul(p, mn)  # [B, H, M, G]: sum_t p_t * min_t per group
+        return (out.unflatten(-1, (ng, -1)) + offset.unsqueeze(-1)).flatten(-2)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized ``(k, v)`` ``[B, H, N, F]`` of the tile (for oracles and tests)."""
+        out = []
+        for data, meta, bits in ((self.k_data, self.k_meta, self.layout.precision.k_bits),
+                                 (self.v_data, self.v_meta, self.layout.precision.v_bits)):
+            planes = self._planes(data, bits)
+            codes = planes[0] if len(planes) == 1 else torch.stack(planes, dim=-1).flatten(-2)
+            if meta is not None:
+                scale, mn = meta
+                codes = (codes.unflatten(-1, (scale.shape[-1], -1)) * scale.unsqueeze(-1)
+                         + mn.unsqueeze(-1)).flatten(-2)
+            out.append(codes.to(dtype))
+        return out[0], out[1]
+
+
+def iter_page_tiles(kv: PagedKV, chunk_pages: int = 64):
+    """Yield :class:`Tile` objects: high-tier pages first, then low-tier (LeanKV §6.2 order)."""
+    table, layer = kv.table, kv.layer
+    for tier in range(len(kv.layouts)):
+        n_pages = table.n_pages[tier, layer]
+        total = int(n_pages.max()) if n_pages.numel() else 0
+        for start in range(0, total, chunk_pages):
+            yield Tile(kv, tier, start, min(chunk_pages, total - start))
+
+
 def iter_tiles(kv: PagedKV, chunk_pages: int = 64, dtype: torch.dtype = torch.float32):
     """Yield dequantized tiles ``(tier, k, v, pos, valid, page_start)`` of a layer.
 
     ``k``/``v`` are ``[B, H, N, F]``, ``pos``/``valid`` ``[B, H, N]`` with ``N = pages x T``; slots
     past a tier's token count are ``valid = False``.
     """
-    table, layer = kv.table, kv.layer
-    for tier, layout in enumerate(kv.layouts):
-        n_pages = table.n_pages[tier, layer]
-        total = int(n_pages.max()) if n_pages.numel() else 0
-        lens = table.lens[tier, layer]
-        for start in range(0, total, chunk_pages):
-            count = min(chunk_pages, total - start)
-            ids, _ = table.tier_pages(tier, layer, start, count)
-            pages = kv.pool.gather(ids)  # [B, H, P, page_size] bytes
-            k, v, _, pos = layout.decode(pages, dtype)
-            t = layout.tokens
-            slot = torch.arange(start * t, (start + count) * t, device=ids.device)
-            valid = slot.view(1, 1, -1) < lens.unsqueeze(-1)
-            yield tier, k.flatten(2, 3), v.flatten(2, 3), pos.flatten(2, 3), valid, start
+    for tile in iter_page_tiles(kv, chunk_pages):
+        k, v = tile.dequantized(dtype)
+        yield tile.tier, k, v, tile.pos, tile.valid, tile.start
 
 
 def _grouped_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -89,18 +188,16 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
         m = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
         l_sum = torch.zeros_like(m)
         acc = torch.zeros_like(qg)
-        for _, k, v, pos, valid, _ in iter_tiles(kv, chunk_pages):
-            s = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G*Qc, N]
-            visible = valid.unsqueeze(2) & (pos.unsqueeze(2) <= qp.unsqueeze(-1))
+        for tile in iter_page_tiles(kv, chunk_pages):
+            s = tile.scores(qg) * scale  # [B, Hkv, G*Qc, N]
+            visible = tile.valid.unsqueeze(2) & (tile.pos.unsqueeze(2) <= qp.unsqueeze(-1))
             s = s.masked_fill(~visible, float("-inf"))
-            # Dead slots hold stale bytes (possibly NaN patterns): p = 0 there, but 0 * NaN = NaN.
-            v = v.masked_fill(~valid.unsqueeze(-1), 0.0)
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             p = torch.exp(s - m_safe.unsqueeze(-1))
             alpha = torch.exp(m - m_safe)
             l_sum = l_sum * alpha + p.sum(-1)
-            acc = acc * alpha.unsqueeze(-1) + torch.matmul(p, v)
+            acc = acc * alpha.unsqueeze(-1) + tile.weighted_values(p)
             m = m_new
         out = torch.where(l_sum.unsqueeze(-1) > 0, acc / l_sum.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
         lses.append(torch.where(l_sum > 0, m + torch.log(l_sum.clamp_min(1e-30)), torch.full_like(m, float("-inf")))
@@ -112,11 +209,13 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
 
 
 def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, lse: torch.Tensor,
-                           q_valid: torch.Tensor | None = None, chunk_pages: int = 64) -> list[torch.Tensor]:
+                           q_valid: torch.Tensor | None = None, chunk_pages: int = 64,
+                           query_chunk: int = 256) -> list[torch.Tensor]:
     """Attention probability each stored token received from this step's queries (LeanKV §4).
 
     A second pass over the pages that reuses the log-sum-exp ``lse`` ``[B, Hkv, G*Q]`` saved by
-    :func:`paged_attention_ref`, so no ``Q x N`` probability matrix is kept beyond one tile.
+    :func:`paged_attention_ref`. Queries are processed ``query_chunk`` at a time and keys a tile
+    at a time, so no ``Q x N`` probability matrix is ever held (only ``query_chunk x tile``).
 
     Args:
         q_valid: bool ``[B, Q]``; queries where it is false (padding) contribute nothing.
@@ -126,25 +225,31 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
         the step's queries of ``p_ij``, averaged over the ``G`` query heads of the KV group.
         Dead slots hold 0.
     """
-    b, hq, nq, f = q.shape
+    b, hq, nq, _ = q.shape
     hkv = kv.table.shape[2]
     g = hq // hkv
-    qg = _grouped_queries(q.float(), hkv)
-    qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(b, hkv, g * nq)
-    live = torch.isfinite(lse)
+    live_all = torch.isfinite(lse).view(b, hkv, g, nq)
     if q_valid is not None:
-        live = live & q_valid.view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(b, hkv, g * nq)
-    lse_safe = torch.where(live, lse, torch.zeros_like(lse))
-    per_tier: list[list[torch.Tensor]] = [[] for _ in kv.layouts]
-    for tier, k, _, pos, valid, _ in iter_tiles(kv, chunk_pages):
-        s = torch.matmul(qg, k.transpose(-1, -2)) * scale
-        visible = valid.unsqueeze(2) & (pos.unsqueeze(2) <= qp.unsqueeze(-1)) & live.unsqueeze(-1)
-        p = torch.where(visible, torch.exp(s - lse_safe.unsqueeze(-1)), torch.zeros_like(s))
-        per_tier[tier].append(p.sum(2) / g)
-    out = []
-    for tier, chunks in enumerate(per_tier):
-        if chunks:
-            out.append(torch.cat(chunks, dim=-1))
-        else:
-            out.append(torch.zeros(b, hkv, 0, device=q.device))
-    return out
+        live_all = live_all & q_valid.view(b, 1, 1, nq)
+    lse_all = lse.view(b, hkv, g, nq)
+    totals: list[torch.Tensor | None] = [None for _ in kv.layouts]
+    for q0 in range(0, nq, query_chunk):
+        q1 = min(nq, q0 + query_chunk)
+        nqc = q1 - q0
+        qg = _grouped_queries(q[:, :, q0:q1].float(), hkv)
+        qp = q_pos[:, q0:q1].to(torch.int32).view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, g * nqc)
+        live = live_all[..., q0:q1].reshape(b, hkv, g * nqc)
+        lse_c = lse_all[..., q0:q1].reshape(b, hkv, g * nqc)
+        lse_safe = torch.where(live, lse_c, torch.zeros_like(lse_c))
+        parts: list[list[torch.Tensor]] = [[] for _ in kv.layouts]
+        for tier, k, _, pos, valid, _ in iter_tiles(kv, chunk_pages):
+            s = torch.matmul(qg, k.transpose(-1, -2)) * scale
+            visible = valid.unsqueeze(2) & (pos.unsqueeze(2) <= qp.unsqueeze(-1)) & live.unsqueeze(-1)
+            p = torch.where(visible, torch.exp(s - lse_safe.unsqueeze(-1)), torch.zeros_like(s))
+            parts[tier].append(p.sum(2) / g)
+        for tier, chunks in enumerate(parts):
+            if chunks:
+                part = torch.cat(chunks, dim=-1)
+                totals[tier] = part if totals[tier] is None else totals[tier] + part
+    return [t if t is not None else torch.zeros(b, hkv, 0, device=q.device) for t in totals]
+

@@ -154,6 +154,19 @@ class PagePool:
         if extra > 0:
             self.storage = torch.cat([self.storage, self.storage.new_empty((extra, self.page_size))])
 
+    def segment_view(self, layout: PageLayout, name: str, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Typed strided view of segment ``name`` over *all* pages: ``[num_pages, T, n]``.
+
+        No copy: indexing it with page ids gathers just that segment (one contiguous copy), which
+        is how the reference attention reads pages without gathering whole pages first.
+        """
+        i = SEGMENTS.index(name)
+        off, nb = layout.seg_offsets[i], layout.seg_bytes[i]
+        raw = self.storage[:, off: off + layout.tokens * nb]
+        if dtype != torch.uint8:
+            raw = raw.view(dtype)
+        return raw.unflatten(-1, (layout.tokens, -1))
+
     def gather(self, page_ids: torch.Tensor) -> torch.Tensor:
         """Copy pages ``page_ids`` (any shape) into ``[*page_ids.shape, page_size]``."""
         return self.storage.index_select(0, page_ids.reshape(-1).long()).view(*page_ids.shape, self.page_size)

