@@ -220,11 +220,18 @@ class LeanCache(Cache):
 
     def write_tokens(self, tier: int, layer: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
-        """Quantize ``n`` tokens (``k``/``v`` ``[n, F]``) into slots ``slot`` of tier ``tier``."""
+        """Quantize ``n`` tokens (``k``/``v`` ``[n, F]``) into slots ``slot`` of tier ``tier``.
+
+        ``layer`` is one layer index, or an int tensor ``[n]`` giving each token's layer.
+        """
         if b.numel() == 0:
             return
         layout = self.layouts[tier]
-        page, off = self.table.locate(tier, layer, b, h, slot, layout.tokens)
+        if isinstance(layer, torch.Tensor):  # per-token layers (a policy moving tokens of many layers)
+            col = self.table.column(tier, slot.long() // layout.tokens, self.table.row_len)
+            page, off = self.table.tables[layer.long(), b.long(), h.long(), col], slot % layout.tokens
+        else:
+            page, off = self.table.locate(tier, layer, b, h, slot, layout.tokens)
         if use_triton(k):
             from leankit_kernels.quant import quantize_into_pages
 

@@ -1,39 +1,314 @@
 """Placement policies: which tier each token lives in, and when it is downgraded or pruned.
 
-A policy is the "planning" half of LeanKV's memory management (§5.3): at the start of a step it
-states every (layer, sequence, head)'s page demand, which the cache coordinates in one batched
-prefix-sum allocation; per layer it places the new tokens into page slots.
+A policy is the "planning" half of LeanKV's memory management (§5.3): it states every
+(layer, sequence, head)'s page demand, which the cache coordinates in one batched prefix-sum
+allocation (and recycling); it places tokens into page slots and moves them between tiers.
 
-``FullPolicy`` keeps every token in the high tier (the window included): the lossless /
-uniform-quantization mode (``FP16``, ``K8V8``, ``K8V4``, ``K4V2`` ...).
+Policies (``KVConfig.policy``):
+
+* ``full`` (:class:`FullPolicy`): every token in the high tier. Lossless ``FP16`` and uniform
+  quantization (``K8V8``, ``K4V4``, ``K8V4`` ...).
+* ``leankv`` (:class:`LeanKVPolicy`): LeanKV's unified compression (§4): per-head dynamic
+  mixed precision and pruning from attention significance, with real reclaim.
+* ``h2o`` (:class:`H2OPolicy`): static heavy-hitter budget, the same for every head.
+* ``streaming`` (:class:`StreamingPolicy`): attention sinks plus the recent window.
+
+Storage invariants shared by all policies (see :mod:`leankit.page_table`): tier ``t`` of a head
+holds ``lens[t]`` tokens in slots ``0 .. lens[t]-1``. Removing a token moves a surviving token
+from the tier's tail into its slot (:meth:`PagePool.copy_slots`), and pages left empty at the
+tail return to the free list, so pruning frees memory rather than masking it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
+from .allocator import exclusive_cumsum
+from .attention import received_attention_ref
 from .page_table import HIGH, LOW
 
+KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
+_BIG = 1 << 30
 
-class FullPolicy:
-    """Keep every real token, in the high tier, in arrival order."""
+
+# ============================================================================ significance
+def update_significance(s_old: torch.Tensor, pos: torch.Tensor, received: torch.Tensor,
+                        q_first: torch.Tensor, q_last: torch.Tensor) -> torch.Tensor:
+    """Running significance of stored tokens after a step's queries (LeanKV §4).
+
+    A token's significance is the **mean** attention probability it has received from the
+    queries at or after its own position, averaged over the query heads of its KV group. For one
+    decode query at position ``q`` this is the running-mean rule
+
+        s <- s + (p_bar - s) / n,        n = q - pos + 1,
+
+    where ``p_bar`` is the probability the token received from that query. A step of several
+    queries ``q_first .. q_last`` applies the same rule once per query, in closed form:
+
+        s <- s + (R - s * m) / n,   R = sum of p_bar over the step's queries,
+                                    m = number of those queries that see the token,
+                                    n = q_last - pos + 1.
+
+    In the prompt phase ``s = 0`` and every query after the token sees it, so this is exactly the
+    prompt-phase mean over the ``N - i`` later queries (§4, "Prompt Phase").
+
+    Scale. The prompt phase also *normalizes* the means to sum to 1 per head. Leankit stores the
+    un-normalized means in the page score segment, so the running rule above continues them
+    without any rescaling; normalization is applied only where thresholds are compared
+    (:func:`significance_cutoffs` divides by the head's total mass ``Z``). Since ``Z`` is one
+    positive factor per head, normalizing never changes the ranking, and a score stored in the
+    prompt phase and one updated in the generation phase are the same quantity.
+
+    Args:
+        s_old, pos, received: ``[..., S]`` stored scores (fp32), positions, and the probability
+            mass received this step (sum over the step's queries of ``p_bar``).
+        q_first, q_last: positions of the step's first and last real query, broadcastable to
+            ``[..., S]``.
+    """
+    pos = pos.to(torch.float32)
+    n = (q_last.to(torch.float32) - pos + 1).clamp_min(1.0)
+    m = n - (q_first.to(torch.float32) - pos).clamp_min(0.0)
+    return s_old + (received - s_old * m) / n
+
+
+def significance_cutoffs(scores: torch.Tensor, eligible: torch.Tensor, total: torch.Tensor,
+                         pruned_mass: torch.Tensor, thresholds) -> torch.Tensor:
+    """Per-head score cut-offs equivalent to LeanKV's cumulative thresholds.
+
+    Leankit reads every threshold comparison as a comparison of a token's **cumulative**
+    normalized significance (§4, "Prompt Phase": tokens "whose cumulative significance is below
+    the threshold Tl are pruned"): for a token ``t`` of a head,
+
+        C(t) = (pruned_mass + sum of s_i over classified tokens i with s_i <= s_t) / Z,
+
+    where ``Z`` is the head's total significance (all stored tokens, window included, plus the
+    mass of the tokens already pruned). ``C`` is monotone in the score, so ``C(t) >= T`` is the
+    single-token comparison ``s_t >= tau(T)`` with the cut-off
+
+        tau(T) = the smallest eligible score s with C(s) >= T     (+inf if none reaches T).
+
+    Ties at the cut-off are kept (never pruned or downgraded), so the set below a cut-off always
+    has cumulative significance strictly below ``T``.
+
+    Args:
+        scores, eligible: ``[..., S]``; only eligible (classified or candidate) tokens count.
+        total: ``[...]`` the head's total mass ``Z``.
+        pruned_mass: ``[...]`` significance already pruned from the head.
+        thresholds: sequence of cumulative thresholds.
+
+    Returns:
+        ``[..., len(thresholds)]`` fp32 cut-offs.
+    """
+    inf = torch.tensor(float("inf"), device=scores.device)
+    s = torch.where(eligible, scores.float(), inf)
+    sorted_s, _ = torch.sort(s, dim=-1)
+    finite = torch.isfinite(sorted_s)
+    mass = torch.where(finite, sorted_s, torch.zeros_like(sorted_s))
+    z = total.float()
+    z = torch.where(z > 0, z, torch.ones_like(z)).unsqueeze(-1)
+    cum = (pruned_mass.float().unsqueeze(-1) + torch.cumsum(mass, dim=-1)) / z
+    out = []
+    for t in thresholds:
+        reach = (cum >= t) & finite
+        first = reach.to(torch.int8).argmax(dim=-1, keepdim=True)
+        tau = torch.gather(sorted_s, -1, first).squeeze(-1)
+        out.append(torch.where(reach.any(-1), tau, inf))
+    if not out:
+        return scores.new_zeros((*scores.shape[:-1], 0))
+    return torch.stack(out, dim=-1)
+
+
+def _rank(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Ascending rank of each masked element's score among the masked elements of its row."""
+    s = torch.where(mask, scores, torch.tensor(float("inf"), device=scores.device))
+    order = torch.argsort(s, dim=-1, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
+    return rank
+
+
+def plan_unified(scores: torch.Tensor, tier: torch.Tensor, valid: torch.Tensor, cand: torch.Tensor,
+                 proc: torch.Tensor, total: torch.Tensor, pruned_mass: torch.Tensor, th: float, tl: float):
+    """LeanKV's unified compression decision for every head at once (§4 and Algorithm 1).
+
+    All arguments but the thresholds are batched over leading dims (layer, sequence, head):
+
+    Args:
+        scores: ``[..., S]`` running significance of each stored token.
+        tier: ``[..., S]`` current tier (``HIGH``/``LOW``) of each slot.
+        valid: ``[..., S]`` slot holds a token.
+        cand: ``[..., S]`` the token leaves the recent window now and must be placed: the
+            candidate ``t_c`` of Algorithm 1 (in the prompt phase, every token outside the window).
+        proc: ``[..., S]`` the token left the window earlier (already classified).
+        total, pruned_mass: ``[...]`` see :func:`significance_cutoffs`.
+        th, tl: cumulative thresholds ``Th`` and ``Tl`` (``tl <= th``).
+
+    Returns:
+        ``(new_class [..., S], tau_l [...], tau_h [...])`` with classes ``KEEP_HIGH``,
+        ``KEEP_LOW``, ``PRUNED`` (``-1`` on invalid slots).
+
+    Algorithm 1 with the cumulative reading of its thresholds (see :func:`significance_cutoffs`):
+
+    * lines 5-6 / 13-14: a candidate with ``C >= Th`` goes to the high tier, with
+      ``Tl <= C < Th`` to the low tier, else it is pruned;
+    * lines 7-12: for every candidate placed in the high tier, the least significant
+      classified high token is the victim: moved to the low tier if ``Tl <= C < Th``, pruned if
+      ``C < Tl``, kept otherwise;
+    * lines 15-18: for every candidate placed in the low tier, the least significant low token is
+      the victim, pruned if ``C < Tl``.
+
+    With ``k`` candidates in one step (a chunk, or the prompt) the cut-offs do not change while
+    they are placed one by one (moving a token into the pruned mass leaves ``C`` unchanged for
+    every larger score), so applying Algorithm 1 ``k`` times is the same as taking, per tier, the
+    ``k_tier`` least significant classified tokens below the tier's cut-off: that is what is
+    computed here, in any candidate order. In the prompt phase nothing is classified yet, so no
+    victim exists and the result is the prompt-phase rule: with the candidates sorted by
+    significance, cumulative ``< Tl`` pruned, ``< Th`` low, the rest high.
+    """
+    eligible = valid & (cand | proc)
+    cut = significance_cutoffs(scores, eligible, total, pruned_mass, (tl, th))
+    tau_l, tau_h = cut[..., 0], cut[..., 1]
+    tl_, th_ = tau_l.unsqueeze(-1), tau_h.unsqueeze(-1)
+    cls = torch.where(scores >= th_, KEEP_HIGH, torch.where(scores >= tl_, KEEP_LOW, PRUNED))
+    new = torch.where(valid, tier.to(cls.dtype), torch.full_like(cls, -1))
+    new = torch.where(cand & valid, cls, new)
+    k_h = (cand & valid & (cls == KEEP_HIGH)).sum(-1, keepdim=True)
+    k_l = (cand & valid & (cls == KEEP_LOW)).sum(-1, keepdim=True)
+    # Algorithm 1 lines 7-12: victims among the classified high tokens below tau_h.
+    pool_h = valid & proc & ~cand & (tier == HIGH) & (scores < th_)
+    victim_h = pool_h & (_rank(scores, pool_h) < k_h)
+    new = torch.where(victim_h, cls, new)
+    # Lines 15-18: victims among the classified low tokens, pruned only below tau_l.
+    pool_l = valid & proc & ~cand & (tier == LOW) & (scores < tl_)
+    victim_l = pool_l & (_rank(scores, pool_l) < k_l)
+    new = torch.where(victim_l, torch.full_like(new, PRUNED), new)
+    return new, tau_l, tau_h
+
+
+# ============================================================================ page mechanics
+def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    return -torch.div(-a, b, rounding_mode="floor")
+
+
+@dataclass
+class TierMeta:
+    """Per-slot metadata of one tier for a set of layers (all ``[L', B, H, ...]``)."""
+
+    ids: torch.Tensor  # [L', B, H, P] page ids (0 where pvalid is false)
+    pvalid: torch.Tensor  # [L', B, H, P]
+    score: torch.Tensor  # [L', B, H, S] fp32 (S = P * T)
+    pos: torch.Tensor  # [L', B, H, S] int32
+    valid: torch.Tensor  # [L', B, H, S] slot < lens
+
+
+def read_tier_meta(cache, tier: int, layers: torch.Tensor) -> TierMeta:
+    """Scores and positions of every slot of ``tier`` for ``layers`` (reads two page segments only)."""
+    table, layout = cache.table, cache.layouts[tier]
+    t = layout.tokens
+    n_pages = table.n_pages[tier].index_select(0, layers)
+    p = int(n_pages.max()) if n_pages.numel() else 0
+    j = torch.arange(p, device=n_pages.device)
+    col = table.column(tier, j, table.row_len)
+    ids = table.tables.index_select(0, layers)[..., col]
+    pvalid = j < n_pages.unsqueeze(-1)
+    ids = torch.where(pvalid, ids, torch.zeros_like(ids))
+    flat = ids.reshape(-1).long()
+    st = cache.pool.storage
+    so, po = layout.offset("score"), layout.offset("position")
+    score = st[:, so: so + 2 * t].index_select(0, flat).contiguous().view(torch.float16).float()
+    pos = st[:, po: po + 4 * t].index_select(0, flat).contiguous().view(torch.int32)
+    shape = (*ids.shape[:-1], p * t)
+    lens = table.lens[tier].index_select(0, layers)
+    valid = torch.arange(p * t, device=lens.device) < lens.unsqueeze(-1)
+    return TierMeta(ids, pvalid, score.reshape(shape), pos.reshape(shape), valid)
+
+
+def locate_slots(table, tier: int, layer: torch.Tensor, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
+                 tokens_per_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(page_id, offset)`` of slots of tier ``tier`` for per-element ``(layer, b, h)``."""
+    col = table.column(tier, slot.long() // tokens_per_page, table.row_len)
+    page = table.tables[layer.long(), b.long(), h.long(), col]
+    return page, slot % tokens_per_page
+
+
+def read_tokens(pool, layout, page: torch.Tensor, off: torch.Tensor, dtype=torch.float32):
+    """Dequantize ``n`` tokens ``(k, v)`` ``[n, F]`` from slots ``off`` of pages ``page``.
+
+    Only the tokens' own bytes are read (one indexed load per segment), laid out as a one-token
+    page of the same layout so that :meth:`PageLayout.decode` parses them.
+    """
+    flat = pool.storage.view(-1)
+    base = page.long() * pool.page_size
+    n = page.numel()
+    rows, offsets, acc = [], [], 0
+    for seg_off, nb in zip(layout.seg_offsets, layout.seg_bytes):
+        width = -(-nb // 16) * 16  # keep every segment 16-byte aligned, as in a real page
+        offsets.append(acc)
+        acc += width
+        row = torch.zeros(n, width, dtype=torch.uint8, device=flat.device)
+        if nb:
+            idx = (base + seg_off + off.long() * nb)[:, None] + torch.arange(nb, device=flat.device)
+            row[:, :nb] = flat[idx]
+        rows.append(row)
+    one = dataclasses.replace(layout, tokens=1, page_size=acc, seg_offsets=tuple(offsets))
+    k, v, _, _ = one.decode(torch.cat(rows, dim=-1), dtype)
+    return k[:, 0], v[:, 0]
+
+
+class _Base:
+    """State and protocol shared by every policy: new tokens enter the high tier in arrival order."""
 
     def __init__(self, cache):
         self.cache = cache
         self.real_seen: torch.Tensor | None = None  # int [B]: real tokens stored per row
 
-    # -------------------------------------------------------------- protocol
-    def begin_step(self, step) -> None:
-        """Plan the step's pages for all layers and allocate them in one batched call."""
-        cache = self.cache
-        table = cache.table
+    # -------------------------------------------------------------- state
+    def _init_state(self, batch: int) -> None:
+        self.real_seen = torch.zeros(batch, dtype=torch.long, device=self.cache.device)
+
+    def reset(self) -> None:
+        """Forget all sequences."""
+        self.real_seen = None
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]``."""
+        if self.real_seen is not None:
+            self.real_seen = self.real_seen.index_select(0, beam_idx)
+
+    def logical_tokens(self) -> torch.Tensor:
+        """Real tokens per live (unfinished) row that an uncompressed cache would hold."""
         if self.real_seen is None:
-            self.real_seen = torch.zeros(table.shape[1], dtype=torch.long, device=cache.device)
+            return torch.zeros(0, dtype=torch.long)
+        return torch.where(self.cache.finished, torch.zeros_like(self.real_seen), self.real_seen)
+
+    # -------------------------------------------------------------- helpers
+    @staticmethod
+    def _query_span(step):
+        """Per row: (has real query, first real query position, last real query position)."""
+        has = step.real.any(1)
+        qp = step.q_pos.long()
+        q_first = torch.where(step.real, qp, torch.full_like(qp, _BIG)).amin(1)
+        q_last = torch.where(step.real, qp, torch.full_like(qp, -_BIG)).amax(1)
+        return has, q_first, q_last
+
+    def _grow_for_new(self, step) -> None:
+        """Conservatively reserve high-tier room for the step's new tokens, one batched call (§5.3)."""
+        cache, table = self.cache, self.cache.table
         t_high = cache.layouts[HIGH].tokens
-        need = -torch.div(-(table.lens[HIGH] + step.n_new.view(1, -1, 1)), t_high, rounding_mode="floor")
+        need = _ceil_div(table.lens[HIGH] + step.n_new.view(1, -1, 1), t_high)
         extra = torch.zeros_like(table.n_pages)
         extra[HIGH] = (need - table.n_pages[HIGH]).clamp_min(0)
         cache.grow_pages(extra)
+
+    # -------------------------------------------------------------- protocol
+    def begin_step(self, step) -> None:
+        """Plan the step's pages for all layers and allocate them in one batched call."""
+        if self.real_seen is None:
+            self._init_state(self.cache.table.shape[1])
+        self._grow_for_new(step)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> None:
         """Quantize the real new tokens of ``layer`` into the next high-tier slots."""
@@ -56,23 +331,407 @@ class FullPolicy:
         lens += step.n_new.view(-1, 1).to(lens.dtype)
 
     def after_attention(self, layer, query, scaling, lse, step) -> None:
-        """Nothing to learn from attention when every token is kept."""
+        """Hook run after ``layer``'s attention (nothing to do by default)."""
 
     def end_step(self, step) -> None:
+        """Close the step."""
         self.real_seen += step.n_new
 
+    # -------------------------------------------------------------- scores
+    def _update_scores(self, layer: int, query, scaling, lse, step) -> list[TierMeta]:
+        """Add this step's received attention to the running significance of ``layer``'s tokens.
+
+        Writes the score segments back to the pages and returns the layer's tier metadata
+        (``[1, B, H, S]``) holding the updated (fp16-rounded) scores.
+        """
+        cache = self.cache
+        kv = cache.paged_kv(layer)
+        received = received_attention_ref(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
+        has, q_first, q_last = self._query_span(step)
+        layers = torch.tensor([layer], device=cache.device)
+        metas = []
+        for tier, layout in enumerate(cache.layouts):
+            m = read_tier_meta(cache, tier, layers)
+            if m.score.shape[-1]:
+                rec = received[tier].unsqueeze(0)
+                new = update_significance(m.score, m.pos, rec, q_first.view(1, -1, 1, 1), q_last.view(1, -1, 1, 1))
+                upd = m.valid & has.view(1, -1, 1, 1)
+                new = torch.where(upd, new, m.score).to(torch.float16)
+                pages = new.view(*m.ids.shape, layout.tokens)
+                cache.pool.write_scores(layout, m.ids[m.pvalid], pages[m.pvalid])
+                m.score = new.float()
+            metas.append(m)
+        return metas
+
+    # -------------------------------------------------------------- moving tokens
+    def _compact(self, tier: int, layers: torch.Tensor, valid: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """Fill the holes left by removed tokens with the tier's tail tokens; returns new lengths."""
+        cache = self.cache
+        new_len = alive.sum(-1, keepdim=True)
+        slot = torch.arange(valid.shape[-1], device=valid.device)
+        hole = valid & ~alive & (slot < new_len)
+        mover = alive & (slot >= new_len)
+        hl, hb, hh, hs = hole.nonzero(as_tuple=True)
+        ml, mb, mh, ms = mover.nonzero(as_tuple=True)
+        assert hl.numel() == ml.numel(), "compaction pairs holes and movers one to one per head"
+        if hl.numel():
+            layout = cache.layouts[tier]
+            t = layout.tokens
+            dp, do = locate_slots(cache.table, tier, layers[hl], hb, hh, hs, t)
+            sp, so = locate_slots(cache.table, tier, layers[ml], mb, mh, ms, t)
+            cache.pool.copy_slots(layout, sp, so, dp, do)
+        return new_len.squeeze(-1)
+
+    def _relabel(self, layers: torch.Tensor, r: torch.Tensor) -> None:
+        """Hand the last ``r`` (emptied) high pages of each head to its low side (Fig. 5 reuse)."""
+        total = int(r.sum())
+        if total == 0:
+            return
+        table = self.cache.table
+        flat = r.reshape(-1).long()
+        owner = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat)
+        i = torch.arange(total, device=flat.device) - exclusive_cumsum(flat)[owner]
+        li, bi, hi = torch.unravel_index(owner, r.shape)
+        lay = layers[li]
+        cur_h = table.n_pages[HIGH][lay, bi, hi].long()
+        cur_l = table.n_pages[LOW][lay, bi, hi].long()
+        src = table.column(HIGH, cur_h - 1 - i, table.row_len)
+        dst = table.column(LOW, cur_l + i, table.row_len)
+        ids = table.tables[lay, bi, hi, src]
+        table.tables[lay, bi, hi, dst] = ids
+        table.tables[lay, bi, hi, src] = -1
+        table.n_pages[HIGH, layers] -= r.to(table.n_pages.dtype)
+        table.n_pages[LOW, layers] += r.to(table.n_pages.dtype)
+
+    def apply_classes(self, layers: torch.Tensor, metas: list[TierMeta], news: list[torch.Tensor],
+                      reserve: torch.Tensor | None = None) -> torch.Tensor:
+        """Execute per-slot decisions for ``layers`` with real reclaim; returns pruned mass ``[L', B, H]``.
+
+        ``news[t]`` holds each slot's new class (``KEEP_HIGH``/``KEEP_LOW``/``PRUNED``). Tokens only
+        ever move down: high -> low (re-quantized from their dequantized high-tier values) or out.
+        ``reserve[b]`` extra high slots per row are kept for the step's new tokens.
+
+        Page work is batched over all given layers, sequences and heads: surplus high pages are
+        handed to the low side first (paper Fig. 5), then at most **one** allocation and **one**
+        prefix-sum recycling call cover every remaining page change.
+        """
+        cache = self.cache
+        table = cache.table
+        two = len(cache.layouts) > 1
+        mh, nh = metas[HIGH], news[HIGH]
+        alive_h = mh.valid & (nh == KEEP_HIGH)
+        to_low = mh.valid & (nh == KEEP_LOW)
+        pruned = (mh.score * (mh.valid & (nh == PRUNED))).sum(-1)
+        if to_low.any() and not two:
+            raise RuntimeError("a single-tier cache cannot downgrade tokens to a low tier")
+        # 1. read the tokens going low before compaction may overwrite their slots
+        li, bi, hi, si = to_low.nonzero(as_tuple=True)
+        if li.numel():
+            lay = layers[li]
+            page, off = locate_slots(table, HIGH, lay, bi, hi, si, cache.layouts[HIGH].tokens)
+            k, v = read_tokens(cache.pool, cache.layouts[HIGH], page, off)
+            mv_score, mv_pos = mh.score[li, bi, hi, si], mh.pos[li, bi, hi, si]
+            rank = (torch.cumsum(to_low.to(torch.int32), -1) - 1)[li, bi, hi, si]
+        # 2. compaction of each tier
+        len_h = self._compact(HIGH, layers, mh.valid, alive_h)
+        if two:
+            ml, nl = metas[LOW], news[LOW]
+            alive_l = ml.valid & (nl == KEEP_LOW)
+            pruned = pruned + (ml.score * (ml.valid & (nl == PRUNED))).sum(-1)
+            len_l = self._compact(LOW, layers, ml.valid, alive_l)
+        else:
+            len_l = torch.zeros_like(len_h)
+        final_l = len_l + to_low.sum(-1)
+        # 3. page plan: reuse emptied high pages on the low side, then one grow
+        res = torch.zeros_like(len_h) if reserve is None else reserve.view(1, -1, 1).to(len_h.dtype)
+        need_h = _ceil_div(len_h + res, cache.layouts[HIGH].tokens)
+        need_l = _ceil_div(final_l, cache.layouts[LOW].tokens) if two else torch.zeros_like(len_h)
+        cur_h = table.n_pages[HIGH].index_select(0, layers).long()
+        cur_l = table.n_pages[LOW].index_select(0, layers).long()
+        r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
+        self._relabel(layers, r)
+        extra = torch.zeros_like(table.n_pages)
+        extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
+        extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
+        cache.grow_pages(extra)
+        # 4. re-quantize the downgraded tokens into the low tier
+        if li.numel():
+            slot = len_l[li, bi, hi] + rank
+            cache.write_tokens(LOW, lay, bi, hi, slot, k, v, mv_pos, mv_score)
+        table.lens[HIGH, layers] = len_h.to(table.lens.dtype)
+        table.lens[LOW, layers] = final_l.to(table.lens.dtype)
+        # 5. one batched recycle of every page left empty
+        keep = table.n_pages.clone()
+        keep[HIGH, layers] = need_h.to(keep.dtype)
+        keep[LOW, layers] = need_l.to(keep.dtype)
+        table.shrink(keep, cache.free_list)
+        return pruned
+
+
+class FullPolicy(_Base):
+    """Keep every real token, in the high tier, in arrival order."""
+
+
+class LeanKVPolicy(_Base):
+    """LeanKV unified compression (§4): per-head dynamic high/low precision and pruning.
+
+    Prompt phase (a row's first step): all prompt tokens are stored in the high tier (the
+    conservative allocation of Fig. 5), attention runs over them, then right after each layer's
+    attention the layer's tokens are classified per head: the recent window ``W`` stays high,
+    the rest is sorted by significance and split by the cumulative thresholds ``Tl``/``Th``
+    (:func:`plan_unified`); tokens are compacted/re-quantized and the unused pages go back in one
+    batched recycle per layer.
+
+    Generation phase (every later step): at ``begin_step`` the tokens that leave the window are
+    the candidates of Algorithm 1; they and their victims are decided from the scores already
+    stored in the pages, for all layers at once, and the step's pages are allocated in one
+    batched call (at most one new page per head and tier for a one-token step). After each
+    layer's attention the running significance of every stored token is updated
+    (:func:`update_significance`).
+
+    Thresholds: cumulative everywhere (see :func:`significance_cutoffs`). A single-tier config
+    (``policy="leankv"`` with no low tier) only prunes (``Th`` is ignored).
+    """
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        cfg = cache.cfg
+        self.window = cfg.window
+        self.tl = cfg.tl
+        self.th = cfg.th if cfg.low is not None else cfg.tl
+        self.pruned_mass: torch.Tensor | None = None  # fp32 [L, B, H]
+        self.watermark: torch.Tensor | None = None  # long [B]: positions below it are classified
+        self.started: torch.Tensor | None = None  # bool [B]: row has stored tokens
+        self._prompt_rows: torch.Tensor | None = None
+        self._span = None
+
+    def _init_state(self, batch: int) -> None:
+        super()._init_state(batch)
+        cache = self.cache
+        dev = cache.device
+        self.pruned_mass = torch.zeros(cache.num_layers, batch, cache.num_kv_heads, device=dev)
+        self.watermark = torch.full((batch,), -_BIG, dtype=torch.long, device=dev)
+        self.started = torch.zeros(batch, dtype=torch.bool, device=dev)
+
     def reset(self) -> None:
-        self.real_seen = None
+        super().reset()
+        self.pruned_mass = self.watermark = self.started = self._prompt_rows = self._span = None
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
-        if self.real_seen is not None:
-            self.real_seen = self.real_seen.index_select(0, beam_idx)
+        super().reorder(beam_idx)
+        if self.pruned_mass is not None:
+            self.pruned_mass = self.pruned_mass.index_select(1, beam_idx)
+            self.watermark = self.watermark.index_select(0, beam_idx)
+            self.started = self.started.index_select(0, beam_idx)
 
-    def logical_tokens(self) -> torch.Tensor:
-        """Real tokens per live (unfinished) row that an uncompressed cache would hold."""
+    def _total_mass(self, metas: list[TierMeta]) -> torch.Tensor:
+        z = sum((m.score * m.valid).sum(-1) for m in metas)
+        return z
+
+    def begin_step(self, step) -> None:
+        """Generation phase: place the candidates leaving the window (Algorithm 1), then allocate."""
+        cache = self.cache
         if self.real_seen is None:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.where(self.cache.finished, torch.zeros_like(self.real_seen), self.real_seen)
+            self._init_state(cache.table.shape[1])
+        has, q_first, q_last = self._query_span(step)
+        self._span = (has, q_first, q_last)
+        self._prompt_rows = has & ~self.started
+        gen = has & self.started
+        # Candidates: stored tokens that leave the window (pos <= q_last - W), not yet classified.
+        cut = torch.minimum(q_last - self.window, q_first - 1)
+        gen = gen & (cut >= self.watermark)
+        if not bool(gen.any()):
+            self._grow_for_new(step)
+            return
+        layers = torch.arange(cache.num_layers, device=cache.device)
+        metas = [read_tier_meta(cache, t, layers) for t in range(len(cache.layouts))]
+        news = self._plan(metas, gen, cut, self.watermark, self.pruned_mass)
+        pruned = self.apply_classes(layers, metas, news, reserve=step.n_new)
+        self.pruned_mass += pruned
+        self.watermark = torch.where(gen, torch.maximum(self.watermark, cut + 1), self.watermark)
+
+    def _plan(self, metas: list[TierMeta], rows: torch.Tensor, cut: torch.Tensor, watermark: torch.Tensor,
+              pruned_mass: torch.Tensor):
+        """Decide every slot's class for the given rows (``[L', B, H, S]`` metadata).
+
+        ``cut[b]``: tokens at or before this position leave the window; ``watermark[b]``: tokens
+        before it are already classified; ``pruned_mass`` ``[L', B, H]``.
+        """
+        view = (1, -1, 1, 1)
+        scores = torch.cat([m.score for m in metas], -1)
+        valid = torch.cat([m.valid for m in metas], -1)
+        pos = torch.cat([m.pos for m in metas], -1).long()
+        tier = torch.cat([torch.full_like(m.pos, t) for t, m in enumerate(metas)], -1)
+        row = rows.view(view)
+        proc = valid & row & (pos < watermark.view(view))
+        cand = valid & row & (tier == HIGH) & (pos >= watermark.view(view)) & (pos <= cut.view(view))
+        new, _, _ = plan_unified(scores, tier, valid, cand, proc, self._total_mass(metas) + pruned_mass,
+                                 pruned_mass, self.th, self.tl)
+        sizes = [m.score.shape[-1] for m in metas]
+        return list(torch.split(new, sizes, dim=-1))
+
+    def after_attention(self, layer, query, scaling, lse, step) -> None:
+        """Update running significance; in the prompt phase, classify this layer's tokens now."""
+        metas = self._update_scores(layer, query, scaling, lse, step)
+        prompt = self._prompt_rows
+        if prompt is None:
+            return
+        _, q_first, q_last = self._span
+        cut = q_last - self.window
+        # Prompt rows have nothing classified yet: every token at or before `cut` is a candidate.
+        if not bool((prompt & (cut >= q_first)).any()):
+            return
+        wm = torch.full_like(q_last, -_BIG)
+        news = self._plan(metas, prompt, cut, wm, self.pruned_mass[layer: layer + 1])
+        layers = torch.tensor([layer], device=self.cache.device)
+        pruned = self.apply_classes(layers, metas, news)
+        self.pruned_mass[layer] += pruned[0]
+
+    def end_step(self, step) -> None:
+        super().end_step(step)
+        if self._prompt_rows is not None:
+            _, _, q_last = self._span
+            self.watermark = torch.where(self._prompt_rows, q_last - self.window + 1, self.watermark)
+            self.started |= step.n_new > 0
+        self._prompt_rows = None
+
+
+class H2OPolicy(_Base):
+    """H2O-style static budget: per head, the ``budget`` fraction of the row's tokens is kept.
+
+    Half of the budget is the most recent tokens, half the heavy hitters: the tokens with the
+    largest accumulated attention (running mean significance times the number of queries that
+    saw the token, i.e. the sum H2O accumulates). Every head of a row keeps the same number of
+    tokens; eviction runs after each step for all layers at once, with one batched recycle.
+    """
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        if cache.cfg.low is not None:
+            raise ValueError("policy 'h2o' keeps a single precision tier; drop the low tier from the config")
+        self.budget = cache.cfg.budget
+        self._span = None
+
+    def after_attention(self, layer, query, scaling, lse, step) -> None:
+        self._update_scores(layer, query, scaling, lse, step)
+
+    def end_step(self, step) -> None:
+        super().end_step(step)
+        cache = self.cache
+        has, _, q_last = self._query_span(step)
+        if not bool(has.any()):
+            return
+        layers = torch.arange(cache.num_layers, device=cache.device)
+        m = read_tier_meta(cache, HIGH, layers)
+        view = (1, -1, 1, 1)
+        k = torch.ceil(self.budget * self.real_seen.float()).long().clamp_min(1)
+        recent = k // 2
+        pos = m.pos.long()
+        is_recent = pos > (q_last - recent).view(view)
+        acc = m.score * (q_last.view(view) - pos + 1).float()
+        pool = m.valid & ~is_recent
+        rank = _rank(-acc, pool)
+        keep = m.valid & (is_recent | (rank < (k - recent).view(view)))
+        keep = keep | ~has.view(view)
+        new = torch.where(keep, KEEP_HIGH, PRUNED)
+        if bool((m.valid & ~keep).any()):
+            self.apply_classes(layers, [m], [new])
+
+
+class StreamingPolicy(_Base):
+    """StreamingLLM: keep the first ``sink`` tokens of each row and the ``window`` most recent."""
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        if cache.cfg.low is not None:
+            raise ValueError("policy 'streaming' keeps a single precision tier; drop the low tier from the config")
+        self.sink, self.window = cache.cfg.sink, cache.cfg.window
+        self.first_pos: torch.Tensor | None = None
+
+    def _init_state(self, batch: int) -> None:
+        super()._init_state(batch)
+        self.first_pos = torch.full((batch,), _BIG, dtype=torch.long, device=self.cache.device)
+
+    def reset(self) -> None:
+        super().reset()
+        self.first_pos = None
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        super().reorder(beam_idx)
+        if self.first_pos is not None:
+            self.first_pos = self.first_pos.index_select(0, beam_idx)
+
+    def end_step(self, step) -> None:
+        super().end_step(step)
+        cache = self.cache
+        has, q_first, q_last = self._query_span(step)
+        self.first_pos = torch.where(has, torch.minimum(self.first_pos, q_first), self.first_pos)
+        if not bool(has.any()):
+            return
+        layers = torch.arange(cache.num_layers, device=cache.device)
+        m = read_tier_meta(cache, HIGH, layers)
+        view = (1, -1, 1, 1)
+        pos = m.pos.long()
+        keep = (pos < (self.first_pos + self.sink).view(view)) | (pos > (q_last - self.window).view(view))
+        keep = m.valid & (keep | ~has.view(view))
+        if bool((m.valid & ~keep).any()):
+            self.apply_classes(layers, [m], [torch.where(keep, KEEP_HIGH, PRUNED)])
+
+
+
+# ============================================================================ oracle
+def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
+                           dense_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_hat, v_hat)``: the dequantized values the cache holds for a token that ended in ``tier``.
+
+    Every token enters the high tier; a low-tier token was re-quantized from its dequantized
+    high-tier value (both the prompt-phase classification and Algorithm 1 only move tokens down),
+    so the low tier holds ``low(high(x))``. Use it with :func:`dense_attention_oracle`.
+    """
+    from .quant import dequantize, quantize
+
+    def roundtrip(y, bits):
+        if bits >= 16:
+            return y.to(dense_dtype).float()
+        packed, sc, mn = quantize(y, bits, cfg.group_size)
+        return dequantize(packed, sc, mn, bits)
+
+    path = cfg.tiers[: tier + 1]
+    for prec in path:
+        k, v = roundtrip(k, prec.k_bits), roundtrip(v, prec.v_bits)
+    return k, v
+
+
+def dense_attention_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
+                           keep: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense reference attention over explicitly given (dequantized) keys and values.
+
+    The oracle for the paged path: given the same decisions (which tokens are kept, and the
+    values each tier's quantization turns them into), attention is a plain masked softmax.
+
+    Args:
+        q: ``[B, Hq, Q, F]`` queries.
+        k, v: ``[B, Hkv, N, F]`` keys/values as the cache holds them (dequantized).
+        k_pos: int ``[B, Hkv, N]`` token positions.
+        keep: bool ``[B, Hkv, N]``: token is stored (not pruned, not padding).
+        q_pos: int ``[B, Q]`` query positions; key ``j`` is visible iff ``keep`` and
+            ``k_pos[j] <= q_pos``.
+
+    Returns:
+        ``[B, Q, Hq, F]`` fp32 (0 for a query that sees no key).
+    """
+    b, hq, nq, _ = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    kk = k.float().repeat_interleave(g, dim=1)
+    vv = v.float().repeat_interleave(g, dim=1)
+    kp = k_pos.repeat_interleave(g, dim=1)
+    kept = keep.repeat_interleave(g, dim=1)
+    s = torch.matmul(q.float(), kk.transpose(-1, -2)) * scale  # [B, Hq, Q, N]
+    vis = kept.unsqueeze(2) & (kp.unsqueeze(2) <= q_pos.view(b, 1, nq, 1))
+    s = s.masked_fill(~vis, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.matmul(p, vv).transpose(1, 2)
 
 
 def make_policy(cache):
@@ -82,7 +741,15 @@ def make_policy(cache):
         if cache.cfg.low is not None:
             raise ValueError("policy 'full' keeps every token in the high tier; a low tier needs policy 'leankv'")
         return FullPolicy(cache)
-    raise NotImplementedError(f"placement policy {name!r} is not available yet")
+    if name == "leankv":
+        return LeanKVPolicy(cache)
+    if name == "h2o":
+        return H2OPolicy(cache)
+    if name == "streaming":
+        return StreamingPolicy(cache)
+    raise ValueError(f"unknown placement policy {name!r}")
 
 
-__all__ = ["FullPolicy", "make_policy", "HIGH", "LOW"]
+__all__ = ["HIGH", "KEEP_HIGH", "KEEP_LOW", "LOW", "PRUNED", "FullPolicy", "H2OPolicy", "LeanKVPolicy",
+           "StreamingPolicy", "dense_attention_oracle", "make_policy", "plan_unified", "read_tier_meta",
+           "significance_cutoffs", "stored_token_reference", "update_significance"]

@@ -1,0 +1,84 @@
+"""Significance scores stored in the pages equal the dense definition, in both phases."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from leankit.cache import LeanCache
+from leankit.page_table import HIGH
+from leankit.policy import read_tier_meta, significance_cutoffs
+
+F = 16
+
+
+def _cache(hq=4, hkv=2):
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hq * F, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=hq, num_key_value_heads=hkv, head_dim=F, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    # Two unquantized tiers and thresholds 0: nothing moves, so scores can be compared exactly.
+    return LeanCache(model, "FP16-FP16", th=0.0, tl=0.0, window=4, page_size=512, max_seq_len=128)
+
+
+def _dense_probs(q, k, q_pos, k_pos, keep):
+    g = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(g, 1)
+    s = q @ kk.transpose(-1, -2) * F ** -0.5
+    vis = keep.repeat_interleave(g, 1).unsqueeze(2) & (k_pos.view(1, 1, 1, -1) <= q_pos.view(1, 1, -1, 1))
+    return torch.softmax(s.masked_fill(~vis, float("-inf")), -1).nan_to_num(0)  # [B, Hq, Q, N]
+
+
+def _page_scores(cache):
+    m = read_tier_meta(cache, HIGH, torch.tensor([0]))
+    order = torch.argsort(torch.where(m.valid, m.pos, 1 << 20), -1)
+    n = int(m.valid.sum(-1).max())
+    return torch.gather(m.score, -1, order)[0, ..., :n], torch.gather(m.pos, -1, order)[0, ..., :n]
+
+
+def test_scores_follow_the_prompt_mean_then_the_running_rule():
+    torch.manual_seed(0)
+    hq, hkv, n = 4, 2, 20
+    cache = _cache(hq, hkv)
+    g = hq // hkv
+    k_all = torch.randn(1, hkv, n + 3, F) * 2
+    v_all = torch.randn(1, hkv, n + 3, F)
+    pos = torch.arange(n).view(1, -1)
+    cache.begin_step(1, n, attention_mask=torch.ones(1, n), position_ids=pos)
+    q = torch.randn(1, hq, n, F) * 2
+    cache.layers[0].update(k_all[:, :, :n], v_all[:, :, :n])
+    cache.attend(0, q, F ** -0.5)
+    cache.end_step()
+    p = _dense_probs(q, k_all[:, :, :n], pos[0], torch.arange(n), torch.ones(1, hkv, n, dtype=torch.bool))
+    p = p.view(1, hkv, g, n, n).mean(2)  # average over the group's query heads
+    expected = torch.stack([p[..., i:, i].mean(-1) for i in range(n)], -1)  # mean over the N - i later queries
+    got, got_pos = _page_scores(cache)
+    assert got_pos[0, 0].tolist() == list(range(n))
+    torch.testing.assert_close(got[0], expected[0], rtol=2e-3, atol=1e-6)  # fp16 score segment
+    # Generation: three decode queries, the running mean s <- s + (p - s) / (q - pos + 1).
+    run = expected.clone()
+    for i in range(3):
+        t = n + i
+        cache.begin_step(1, 1, attention_mask=torch.ones(1, t + 1), position_ids=torch.tensor([[t]]))
+        qd = torch.randn(1, hq, 1, F) * 2
+        cache.layers[0].update(k_all[:, :, t: t + 1], v_all[:, :, t: t + 1])
+        cache.attend(0, qd, F ** -0.5)
+        cache.end_step()
+        pd = _dense_probs(qd, k_all[:, :, : t + 1], torch.tensor([t]), torch.arange(t + 1),
+                          torch.ones(1, hkv, t + 1, dtype=torch.bool)).view(1, hkv, g, 1, t + 1).mean(2)[..., 0, :]
+        run = torch.cat([run, torch.zeros(1, hkv, 1)], -1)
+        nq = t - torch.arange(t + 1) + 1
+        run = run + (pd - run) / nq
+    got, _ = _page_scores(cache)
+    torch.testing.assert_close(got[0], run[0], rtol=5e-3, atol=1e-5)
+
+
+def test_cutoffs_do_not_depend_on_the_normalization_scale():
+    """Scores are stored unnormalized; the normalization to sum 1 is one factor per head."""
+    torch.manual_seed(1)
+    s = torch.rand(3, 40)
+    elig = torch.rand(3, 40) > 0.2
+    z = s.sum(-1) + 0.5
+    pm = torch.rand(3) * 0.1
+    a = significance_cutoffs(s, elig, z, pm, (0.05, 0.3))
+    b = significance_cutoffs(s * 8.0, elig, z * 8.0, pm * 8.0, (0.05, 0.3))
+    torch.testing.assert_close(a * 8.0, b)
