@@ -102,7 +102,8 @@ def error_bound(x: torch.Tensor, bits: int, group_size: int | None = None) -> to
     """Worst-case absolute round-trip error per group of :func:`quantize` (for tests).
 
     Half a quantization step, plus the fp16 rounding of the stored scale accumulated over up to
-    ``2**bits - 1`` steps and of the stored minimum.
+    ``2**bits - 1`` steps and of the stored minimum: relative ``2^-11`` for normal fp16 values,
+    absolute ``2^-25`` (half the subnormal spacing) near zero.
     """
     f = x.shape[-1]
     gs = group_size or f
@@ -110,4 +111,6 @@ def error_bound(x: torch.Tensor, bits: int, group_size: int | None = None) -> to
     lo, hi = xg.amin(-1), xg.amax(-1)
     step = (hi - lo) / ((1 << bits) - 1)
     eps16 = 2.0 ** -11
-    return step / 2 + eps16 * (hi.abs() + lo.abs()) * 2 + 1e-7
+    qmax = (1 << bits) - 1
+    sub = 2.0 ** -25 * (qmax + 1)
+    return step / 2 + eps16 * (hi.abs() + lo.abs()) * 2 + sub + 1e-7

@@ -1,0 +1,213 @@
+"""LeanCache end to end on tiny random-init models: lossless equality, padding, beams, errors."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import leankit
+from leankit import LeanCache, PoolExhausted
+from leankit.quant import NonFiniteKVError
+
+from leankit.testing import tiny_config, tiny_model
+
+
+def _batch(seed=0, rows=3, width=13, vocab=97):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, width), generator=g)
+    mask = torch.ones_like(ids)
+    for r in range(rows):
+        pad = (r * 4) % (width - 2)
+        ids[r, :pad] = 0
+        mask[r, :pad] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, cache, **kw):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+                              max_new_tokens=kw.pop("max_new_tokens", 24), pad_token_id=0, eos_token_id=None, **kw)
+
+
+@pytest.mark.parametrize("kind", ["llama-mha", "llama-gqa", "qwen2"])
+def test_fp16_lossless_left_padded_batch(kind):
+    model = tiny_model(kind)
+    ids, mask = _batch()
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config))
+    out = _generate(model, ids, mask, LeanCache(model, "FP16"))
+    assert torch.equal(out, ref)
+    # every row of the padded batch equals generating that prompt alone
+    for r in range(ids.shape[0]):
+        keep = mask[r].bool()
+        alone = _generate(model, ids[r:r + 1, keep], mask[r:r + 1, keep], LeanCache(model, "FP16"))
+        assert torch.equal(alone[0], out[r, -alone.shape[1]:])
+
+
+def test_logits_match_dynamic_cache_closely():
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache(config=model.config)).logits
+        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=LeanCache(model, "FP16")).logits
+    real = mask.bool()
+    torch.testing.assert_close(b[real], a[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["K8V8", "K8V4", "K4V2", "K4V8", "K2V1", "K16V4"])
+def test_quantized_configs_generate(spec):
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch()
+    cache = LeanCache(model, spec)
+    out = _generate(model, ids, mask, cache)
+    assert out.shape == (3, ids.shape[1] + 24)
+    rep = cache.memory_report()
+    assert rep["tokens_per_tier"]["high"] == int(mask.sum() + 3 * 23) * 2 * 2  # layers * kv heads
+    assert rep["tokens_per_tier"]["low"] == 0 and rep["tokens_per_tier"]["pruned"] == 0
+
+
+def test_quantized_attention_close_to_fp16():
+    # K8V8 logits stay close to exact attention (8-bit error is ~1/255 of each token's range)
+    model = tiny_model("llama-mha")
+    ids, mask = _batch(rows=2)
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=LeanCache(model, "FP16")).logits
+        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=LeanCache(model, "K8V8")).logits
+    real = mask.bool()
+    rel = (b[real] - a[real]).norm() / a[real].norm()
+    assert rel < 2e-2
+
+
+def test_sampling_runs_and_is_seeded():
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch()
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, past_key_values=LeanCache(model, "K8V4"),
+                                       do_sample=True, top_k=20, max_new_tokens=12, pad_token_id=0))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_beam_search_matches_dynamic_cache():
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config), num_beams=3, max_new_tokens=10)
+    cache = LeanCache(model, "FP16")
+    out = _generate(model, ids, mask, cache, num_beams=3, max_new_tokens=10)
+    assert torch.equal(out, ref)
+    owned = cache.table.tables[cache.table.tables >= 0]
+    assert owned.unique().numel() == owned.numel()  # beams never share a page
+
+
+def test_max_new_tokens_to_model_limit():
+    model = tiny_model("llama-gqa", max_position_embeddings=64)
+    ids, mask = _batch(rows=1, width=10)
+    cache = LeanCache(model, "K4V2")
+    out = _generate(model, ids, mask, cache, max_new_tokens=54)
+    assert out.shape[1] == 64
+
+
+def test_pool_exhausted_leaves_cache_consistent():
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    cache = LeanCache(model, "K8V4", num_pages=7)  # prefill needs 8: one per (layer, row, head)
+    with pytest.raises(PoolExhausted) as e:
+        _generate(model, ids, mask, cache)
+    assert e.value.needed > e.value.free
+    assert cache.free_list.num_free == 7  # nothing was taken
+    assert int(cache.table.n_pages.sum()) == 0
+    assert "num_pages" in str(e.value)
+
+
+def test_pages_return_on_finish():
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    cache = LeanCache(model, "K8V4")
+    _generate(model, ids, mask, cache, max_new_tokens=6)
+    assert cache.memory_report()["pages_used"] > 0
+    cache.release(torch.tensor([True, False]))
+    half = cache.memory_report()["pages_used"]
+    assert 0 < half
+    cache.reset()
+    assert cache.memory_report()["pages_used"] == 0
+
+
+def test_eos_frees_pages_during_generate():
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    with torch.no_grad():
+        first = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=3, pad_token_id=0,
+                               eos_token_id=None)
+    eos = int(first[0, ids.shape[1] + 1])  # row 0 emits this token at its second step
+    cache = LeanCache(model, "K8V4", eos_token_id=eos)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=8,
+                       pad_token_id=0, eos_token_id=eos)
+    assert bool(cache.finished[0])
+    assert int(cache.table.n_pages[:, :, 0].sum()) == 0
+
+
+def test_memory_report_keys_and_ratio():
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    cache = LeanCache(model, "K4V2")
+    _generate(model, ids, mask, cache, max_new_tokens=4)
+    rep = cache.memory_report()
+    for key in ("pages_used", "pages_total", "page_size", "kv_bytes", "fp16_bytes", "ratio", "tokens_per_tier",
+                "table_bytes"):
+        assert key in rep
+    real_tokens = int(mask.sum()) + 2 * 3
+    assert rep["fp16_bytes"] == real_tokens * 2 * 2 * (2 * 16 * 2)  # layers * heads * (K+V fp16 at head_dim 16)
+    assert rep["kv_bytes"] == rep["pages_used"] * rep["page_size"]
+    assert rep["ratio"] == pytest.approx(rep["kv_bytes"] / rep["fp16_bytes"])
+
+
+def test_unsupported_models_raise():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    with pytest.raises(ValueError, match="model types"):
+        LeanCache(AutoModelForCausalLM.from_config(tiny_config("opt")), "K8V4")
+    mistral = AutoModelForCausalLM.from_config(MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                                             num_hidden_layers=2, num_attention_heads=4,
+                                                             num_key_value_heads=2, sliding_window=16))
+    with pytest.raises(ValueError, match="sliding"):
+        LeanCache(mistral, "K8V4")
+
+
+def test_bad_config_string():
+    with pytest.raises(ValueError, match="grammar"):
+        LeanCache(tiny_model(), "K8V3")
+
+
+def test_non_finite_kv_rejected():
+    model = tiny_model("llama-gqa")
+    cache = LeanCache(model, "K8V4")
+    cache.begin_step(1, 2)
+    k = torch.randn(1, 2, 2, 16)
+    k[0, 1, 1, 3] = float("nan")
+    with pytest.raises(NonFiniteKVError):
+        cache.update(k, torch.randn(1, 2, 2, 16), 0)
+
+
+def test_enable_is_idempotent_and_fallback_works():
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config))
+    leankit.enable(model)
+    leankit.enable(model)
+    assert model.config._attn_implementation == "leankit"
+    dec = model.get_decoder()
+    assert len(dec._forward_pre_hooks) == 1
+    # an enabled model with an ordinary cache falls back to SDPA with HF's masks
+    assert torch.equal(_generate(model, ids, mask, DynamicCache(config=model.config)), ref)
+
+
+def test_batch_size_change_needs_fresh_cache():
+    model = tiny_model("llama-gqa")
+    cache = LeanCache(model, "K8V4")
+    ids, mask = _batch(rows=2)
+    _generate(model, ids, mask, cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match="fresh LeanCache"):
+        cache.begin_step(3, 1)

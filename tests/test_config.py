@@ -1,0 +1,75 @@
+import pytest
+
+from leankit.config import GRAMMAR, KVConfig, Precision, fp16_token_bytes
+
+
+@pytest.mark.parametrize("spec,high,low", [
+    ("FP16", (16, 16), None), ("K8V4", (8, 4), None), ("K4V8", (4, 8), None), ("k4v2", (4, 2), None),
+    ("K8V4-K4V2", (8, 4), (4, 2)), ("K4V2-K4V1", (4, 2), (4, 1)), ("K16V8", (16, 8), None),
+])
+def test_parse_grammar(spec, high, low):
+    cfg = KVConfig.parse(spec)
+    assert (cfg.high.k_bits, cfg.high.v_bits) == high
+    assert (None if cfg.low is None else (cfg.low.k_bits, cfg.low.v_bits)) == low
+    assert cfg.policy == ("leankv" if low else "full")
+
+
+@pytest.mark.parametrize("bad", ["", "K8", "K3V4", "K8V4-", "K8V4-K4V2-K2V1", "FP8", "K8 V4", "V4K8", "K32V4"])
+def test_bad_spec_shows_grammar(bad):
+    with pytest.raises(ValueError) as e:
+        KVConfig.parse(bad)
+    assert "K<b>V<b>" in str(e.value)
+
+
+def test_non_string_spec():
+    with pytest.raises(ValueError, match="grammar"):
+        KVConfig.parse(84)
+
+
+def test_overrides_and_errors():
+    cfg = KVConfig.parse("K8V4-K4V2", th=0.1, tl=0.01, window=32, page_size=4096, group_size=32)
+    assert (cfg.th, cfg.tl, cfg.window, cfg.page_size, cfg.group_size) == (0.1, 0.01, 32, 4096, 32)
+    assert KVConfig.parse("FP16", policy="h2o", budget=0.2).policy == "h2o"
+    with pytest.raises(ValueError, match="unknown"):
+        KVConfig.parse("K8V4", windw=3)
+    with pytest.raises(ValueError, match="window"):
+        KVConfig.parse("K8V4", window=-1)
+    with pytest.raises(ValueError, match="page_size"):
+        KVConfig.parse("K8V4", page_size=1000)
+    with pytest.raises(ValueError, match="budget"):
+        KVConfig.parse("FP16", policy="h2o")
+    with pytest.raises(ValueError, match="policy"):
+        KVConfig.parse("K8V4", policy="magic")
+    with pytest.raises(ValueError, match="tl"):
+        KVConfig.parse("K8V4-K4V2", th=0.01, tl=0.1)
+    with pytest.raises(ValueError):
+        Precision(3, 4)
+
+
+def test_token_bytes_exact():
+    # K8V4 at head_dim 64: 64 B keys + 4 B meta + 32 B values + 4 B meta + 2 B score + 4 B position.
+    tb = KVConfig.parse("K8V4").token_bytes(64)
+    assert (tb.k_data, tb.k_meta, tb.v_data, tb.v_meta, tb.score, tb.position) == (64, 4, 32, 4, 2, 4)
+    assert tb.total == 110
+    assert KVConfig.parse("K4V2").token_bytes(64).total == 32 + 4 + 16 + 4 + 6
+    assert KVConfig.parse("FP16").token_bytes(64).total == 256 + 6
+    assert KVConfig.parse("FP16").token_bytes(64, dense_itemsize=4).total == 512 + 6
+    assert KVConfig.parse("K8V4", group_size=16).token_bytes(64).k_meta == 16
+    assert fp16_token_bytes(64) == 256
+
+
+def test_tokens_per_page_follow_precision():
+    k84, k42 = KVConfig.parse("K8V4"), KVConfig.parse("K4V2")
+    t84, t42 = k84.tokens_per_page(64), k42.tokens_per_page(64)
+    assert t84 == 18 and t42 == 32
+    assert 1.6 <= t42 / t84 <= 2.0  # "a K4V2 page holds about twice the tokens of a K8V4 page"
+    # page-level bytes per token for K8V4 stay under 0.45 of fp16 at head_dim 64
+    assert k84.kv_bytes_per_token(64) / fp16_token_bytes(64) < 0.45
+    with pytest.raises(ValueError, match="cannot hold"):
+        KVConfig.parse("FP16", page_size=256).tokens_per_page(128, dense_itemsize=4)
+
+
+def test_str_roundtrip():
+    for s in ["FP16", "K8V4", "K8V4-K4V2", "K4V8"]:
+        assert str(KVConfig.parse(s)) == s
+    assert "FP16" in GRAMMAR

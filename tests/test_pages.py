@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from leankit.config import KVConfig
+from leankit.pages import SEGMENTS, PageLayout, PagePool
+from leankit.quant import dequantize, quantize
+
+SPECS = ["FP16", "K8V8", "K8V4", "K4V2", "K4V1", "K4V8", "K2V4"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_layout_arithmetic(spec, head_dim, dtype):
+    cfg = KVConfig.parse(spec)
+    lay = PageLayout.build(cfg, 0, head_dim, dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    assert lay.tokens == cfg.tokens_per_page(head_dim, dense_itemsize=itemsize)
+    # segments are 16-byte aligned, in order, disjoint, inside the page
+    ends = []
+    for off, nb in zip(lay.seg_offsets, lay.seg_bytes):
+        assert off % 16 == 0
+        ends.append(off + lay.tokens * nb)
+    for i in range(1, len(SEGMENTS)):
+        assert lay.seg_offsets[i] >= ends[i - 1]
+    assert ends[-1] <= cfg.page_size
+    # one more token would not fit
+    tb = lay.seg_bytes
+    assert sum(-(-(lay.tokens + 1) * s // 16) * 16 for s in tb) > cfg.page_size
+    assert lay.token_bytes == cfg.token_bytes(head_dim, dense_itemsize=itemsize).total
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_write_and_decode_roundtrip(spec):
+    cfg = KVConfig.parse(spec, group_size=16)
+    lay = PageLayout.build(cfg, 0, 64, torch.float32)
+    pool = PagePool(5, cfg.page_size)
+    pool.storage.random_(0, 256)  # stale garbage everywhere
+    n = lay.tokens + 3
+    page = torch.tensor([3] * lay.tokens + [1, 1, 1])
+    slot = torch.cat([torch.randperm(lay.tokens), torch.tensor([0, 2, 1])])
+    k, v = torch.randn(n, 64), torch.randn(n, 64)
+    score, pos = torch.rand(n), torch.randint(0, 10_000, (n,))
+    pool.write_rows(lay, page, slot, lay.encode(k, v, score, pos))
+    pages = pool.gather(torch.tensor([3, 1]))
+    kd, vd, sd, pd = lay.decode(pages)
+    got_k = torch.stack([kd[0 if p == 3 else 1, s] for p, s in zip(page.tolist(), slot.tolist())])
+    got_v = torch.stack([vd[0 if p == 3 else 1, s] for p, s in zip(page.tolist(), slot.tolist())])
+    got_p = torch.stack([pd[0 if p == 3 else 1, s] for p, s in zip(page.tolist(), slot.tolist())])
+    got_s = torch.stack([sd[0 if p == 3 else 1, s] for p, s in zip(page.tolist(), slot.tolist())])
+
+    def expect(x, bits):
+        if bits == 16:
+            return x
+        return dequantize(*quantize(x, bits, 16), bits)
+
+    assert torch.equal(got_k, expect(k, cfg.high.k_bits))
+    assert torch.equal(got_v, expect(v, cfg.high.v_bits))
+    assert torch.equal(got_p, pos.int())
+    assert torch.equal(got_s, score.half().float())
+
+
+def test_pool_grow_keeps_bytes():
+    pool = PagePool(3, 256)
+    pool.storage.random_(0, 256)
+    before = pool.storage.clone()
+    pool.grow(7)
+    assert pool.num_pages == 7 and torch.equal(pool.storage[:3], before)
+
+
+def test_k4v2_page_holds_about_twice_k8v4():
+    cfg = KVConfig.parse("K8V4-K4V2")
+    hi = PageLayout.build(cfg, 0, 64, torch.float16)
+    lo = PageLayout.build(cfg, 1, 64, torch.float16)
+    assert lo.tokens > hi.tokens and 1.6 <= lo.tokens / hi.tokens <= 2.0
