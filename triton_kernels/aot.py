@@ -126,7 +126,7 @@ def cases() -> list[Case]:
                     {"extra_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32"},
                     {"BLOCK": ABLOCK}))
     out.append(Case("page alloc shrink", "page_alloc", "_shrink_kernel",
-                    {"keep_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32"},
+                    {"drop_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32"},
                     {"BLOCK": ABLOCK}))
     return out
 

@@ -14,8 +14,8 @@ and writes
     and puts page ``j`` into column ``n_pages[i] + j`` of its row (high tier, from the left) or
     ``R - 1 - (n_pages[i] + j)`` (low tier, from the right: the bidirectional page table);
     ``n_pages[i] += extra[i]``.
-Shrink (``_shrink_kernel``) is the mirror image at the tail: requester ``i`` drops its pages
-``keep[i] .. n_pages[i]-1``, writes them to ring slots ``tail + excl[i] + j`` (prefix sum of the
+Shrink (``_shrink_kernel``) is the mirror image at the tail: requester ``i`` drops its last
+``drop[i] = n_pages[i] - keep[i]`` pages ``keep[i] .. n_pages[i]-1``, writes them to ring slots ``tail + excl[i] + j`` (prefix sum of the
 drops), clears the table entries to ``-1`` and sets ``n_pages[i] = keep[i]``.
 
 One launch per step for all requesters. Each program owns ``BLOCK`` consecutive requesters; it
@@ -38,15 +38,12 @@ BLOCK = 128
 
 
 @triton.jit
-def _carry(d_ptr, n_ptr, c0, SUB: tl.constexpr, BLOCK: tl.constexpr):
-    """Sum of the demands of requesters ``0 .. c0-1`` (demand = d, or n - d when ``SUB``)."""
+def _carry(d_ptr, c0, BLOCK: tl.constexpr):
+    """Sum of the demands ``d[0 .. c0-1]`` of the requesters before this block (read-only input)."""
     tot = tl.zeros([BLOCK], tl.int32)
     for s in range(0, c0, BLOCK):
         i = s + tl.arange(0, BLOCK)
-        d = tl.load(d_ptr + i, mask=i < c0, other=0)
-        if SUB:
-            d = tl.load(n_ptr + i, mask=i < c0, other=0) - d
-        tot += d
+        tot += tl.load(d_ptr + i, mask=i < c0, other=0)
     return tl.sum(tot, 0)
 
 
@@ -57,7 +54,7 @@ def _grow_kernel(extra_ptr, npages_ptr, tables_ptr, ring_ptr, head, cap, N, LBH,
     i = c0 + tl.arange(0, BLOCK)
     m = i < N
     d = tl.load(extra_ptr + i, mask=m, other=0)
-    excl = _carry(extra_ptr, npages_ptr, c0, False, BLOCK) + tl.cumsum(d, 0) - d
+    excl = _carry(extra_ptr, c0, BLOCK) + tl.cumsum(d, 0) - d
     npg = tl.load(npages_ptr + i, mask=m, other=0)
     tier = i // LBH
     row = (i % LBH).to(tl.int64) * R
@@ -70,15 +67,15 @@ def _grow_kernel(extra_ptr, npages_ptr, tables_ptr, ring_ptr, head, cap, N, LBH,
 
 
 @triton.jit
-def _shrink_kernel(keep_ptr, npages_ptr, tables_ptr, ring_ptr, tail, cap, N, LBH, R, BLOCK: tl.constexpr):
-    """Return each requester's pages past ``keep[i]`` to the ring tail, in prefix-sum order."""
+def _shrink_kernel(drop_ptr, npages_ptr, tables_ptr, ring_ptr, tail, cap, N, LBH, R, BLOCK: tl.constexpr):
+    """Return each requester's last ``drop[i]`` pages to the ring tail, in prefix-sum order."""
     c0 = tl.program_id(0) * BLOCK
     i = c0 + tl.arange(0, BLOCK)
     m = i < N
-    keep = tl.load(keep_ptr + i, mask=m, other=0)
-    npg = tl.load(npages_ptr + i, mask=m, other=0)
-    d = npg - keep
-    excl = _carry(keep_ptr, npages_ptr, c0, True, BLOCK) + tl.cumsum(d, 0) - d
+    d = tl.load(drop_ptr + i, mask=m, other=0)
+    keep = tl.load(npages_ptr + i, mask=m, other=0) - d
+    # The carry reads ``drop`` (never written here), not ``n_pages``, which other programs update.
+    excl = _carry(drop_ptr, c0, BLOCK) + tl.cumsum(d, 0) - d
     tier = i // LBH
     row = (i % LBH).to(tl.int64) * R
     for j in range(tl.max(d, 0)):
@@ -126,15 +123,16 @@ def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: i
     ``keep`` int ``[2, L, B, H]`` (already clipped to ``n_pages``). Returns the pages freed.
     """
     _check_tables(table)
-    keep = keep.to(device=table.tables.device, dtype=torch.int32).contiguous()
-    total = int((table.n_pages - keep).sum())
+    keep = keep.to(device=table.tables.device, dtype=torch.int32)
+    drop = (table.n_pages - keep).contiguous()
+    total = int(drop.sum())
     if total == 0:
         return 0
     cap = free_list.capacity
     if total > cap - free_list.num_free:
         raise RuntimeError("releasing more pages than are in use: double free")
-    n = keep.numel()
-    _shrink_kernel[(triton.cdiv(n, block),)](keep, table.n_pages, table.tables, free_list.ring,
+    n = drop.numel()
+    _shrink_kernel[(triton.cdiv(n, block),)](drop, table.n_pages, table.tables, free_list.ring,
                                              free_list.free_tail % cap, cap, n, n // 2, table.row_len, BLOCK=block,
                                              num_warps=4)
     free_list.free_tail += total

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from leankit.attention import PagedKV, received_attention_ref
 
+from . import tiles
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
@@ -294,8 +295,8 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     dev = q.device
     targs = tier_args(kv.layouts)
     max_h, max_l, max_pages = page_counts(n_pages, targs["HAS_LOW"])
-    out = torch.empty((b, 1, hq, f), dtype=q.dtype, device=dev)
-    lse = torch.empty((b, hkv, g), dtype=torch.float32, device=dev)
+    out = tiles.empty((b, 1, hq, f), dtype=q.dtype, device=dev)
+    lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
     if max_pages == 0:
         out.zero_()
         lse.fill_(float("-inf"))
@@ -308,11 +309,11 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     direct = s == 1
     lg_n = max(max_h * targs["H_T"], max_l * targs["L_T"] if targs["HAS_LOW"] else 0)
     if update_scores:
-        logits = torch.empty((bh, 2, g, lg_n), dtype=torch.float32, device=dev)
+        logits = tiles.empty((bh, 2, g, lg_n), dtype=torch.float32, device=dev)
     else:
-        logits, lg_n = torch.empty(1, dtype=torch.float32, device=dev), 0
-    part_acc = torch.empty((bh, s, g, f) if not direct else (1,), dtype=torch.float32, device=dev)
-    part_ml = torch.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
+        logits, lg_n = tiles.empty(1, dtype=torch.float32, device=dev), 0
+    part_acc = tiles.empty((bh, s, g, f) if not direct else (1,), dtype=torch.float32, device=dev)
+    part_ml = tiles.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
     dot_t, prec = dot_config(q.dtype)
     gp = group_pad(g)
     _decode_kernel[(bh, s)](

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from leankit.attention import PagedKV
 
+from . import tiles
 from .tiles import (
     LOG2E,
     check_head_dim,
@@ -222,8 +223,8 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     q = _q_strides(q)
     dev = q.device
     targs = tier_args(kv.layouts)
-    out = torch.empty((b, nq, hq, f), dtype=q.dtype, device=dev)
-    lse = torch.empty((b, hkv, g * nq), dtype=torch.float32, device=dev)
+    out = tiles.empty((b, nq, hq, f), dtype=q.dtype, device=dev)
+    lse = tiles.empty((b, hkv, g * nq), dtype=torch.float32, device=dev)
     q_pos = q_pos.to(device=dev, dtype=torch.int32).contiguous()
     dot_t, prec = dot_config(q.dtype)
     grid = (b * hkv, triton.cdiv(g * nq, block_m))
@@ -258,8 +259,8 @@ def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale:
     max_h, max_l, _ = page_counts(n_pages, targs["HAS_LOW"])
     nh_out = max_h * targs["H_T"]
     nl_out = max_l * targs["L_T"] if targs["HAS_LOW"] else 0
-    out_h = torch.empty((b, hkv, nh_out), dtype=torch.float32, device=dev)
-    out_l = torch.empty((b, hkv, nl_out), dtype=torch.float32, device=dev)
+    out_h = tiles.empty((b, hkv, nh_out), dtype=torch.float32, device=dev)
+    out_l = tiles.empty((b, hkv, nl_out), dtype=torch.float32, device=dev)
     outs = [out_h, out_l][: len(kv.layouts)]
     n_max = max(nh_out, nl_out)
     if n_max == 0:

@@ -37,6 +37,7 @@ import triton.language as tl
 from leankit.pages import PageLayout
 from leankit.quant import NonFiniteKVError, check_finite
 
+from . import tiles
 from .tiles import check_head_dim, load_side, tl_dtype
 
 
@@ -215,10 +216,10 @@ def dequantize_from_pages(storage: torch.Tensor, layout: PageLayout, page: torch
     slot = slot.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
     n, f = page.numel(), layout.head_dim
     check_head_dim(f)
-    k = torch.empty((n, f), dtype=torch.float32, device=dev)
+    k = tiles.empty((n, f), dtype=torch.float32, device=dev)
     v = torch.empty_like(k)
-    score = torch.empty(n, dtype=torch.float32, device=dev)
-    pos = torch.empty(n, dtype=torch.int32, device=dev)
+    score = tiles.empty(n, dtype=torch.float32, device=dev)
+    pos = tiles.empty(n, dtype=torch.int32, device=dev)
     if n:
         _dequantize_kernel[(triton.cdiv(n, block_n),)](storage, page, slot, k, v, score, pos, n,
                                                        BLOCK_N=block_n, num_warps=4, **layout_constexprs(layout))

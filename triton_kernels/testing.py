@@ -8,6 +8,7 @@ They use only leankit's own reference machinery (``BidirectionalPageTable.grow``
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,15 +33,17 @@ class FilledCache:
 def build_paged_kv(spec: str, batch: int, kv_heads: int, head_dim: int, ctx, *, dtype=torch.float32,
                    low_frac: float = 0.5, prune_frac: float = 0.0, layers: int = 2, layer: int = 1,
                    group_size: int | None = None, page_size: int | None = None, spare_pages: int = 3,
-                   generator: torch.Generator | None = None, device="cpu", scale_k: float = 2.0) -> FilledCache:
+                   generator: torch.Generator | None = None, device="cpu", scale_k: float = 2.0,
+                   fill: int | None = 0xFF) -> FilledCache:
     """Fill layer ``layer`` of a fresh cache with random tokens, per-head tier mixes and pruning.
 
     ``ctx`` (int or ``[B]``) is each sequence's context length; token ``j`` of head ``(b, h)`` has
     position ``j``. With two tiers, each head sends a random ``~low_frac`` of its tokens to the low
     tier (a different mix per head), ``prune_frac`` of tokens are dropped, and slot order inside a
-    tier is shuffled (masking must go by stored position, not slot). The pool starts as random
-    bytes, so dead slots hold garbage, NaN patterns included; the free ring is shuffled so page ids
-    are scattered.
+    tier is shuffled (masking must go by stored position, not slot). The pool starts as ``fill``
+    bytes (default ``0xFF``: NaN in every float segment, position ``-1`` -- visible to every query
+    unless the slot mask works) or random bytes (``fill=None``), so dead slots hold poison; the free
+    ring is shuffled so page ids are scattered.
     """
     gen = generator or torch.Generator().manual_seed(0)
     overrides = {}
@@ -82,7 +85,10 @@ def build_paged_kv(spec: str, batch: int, kv_heads: int, head_dim: int, ctx, *, 
         extra[t] = (lens[t] + lay.tokens - 1) // lay.tokens
     num_pages = int(extra.sum()) + spare_pages
     pool = PagePool(num_pages, cfg.page_size, device)
-    pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, generator=gen, dtype=torch.uint8))
+    if fill is None:
+        pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, generator=gen, dtype=torch.uint8))
+    else:
+        pool.storage.fill_(fill)
     free_list = FreePageList(num_pages, device)
     free_list.ring.copy_(torch.randperm(num_pages, generator=gen).to(torch.int32))
     table = BidirectionalPageTable(layers, batch, kv_heads, row_len, device)
@@ -117,3 +123,37 @@ def random_queries(batch: int, q_heads: int, q_len: int, head_dim: int, ctx: tor
     q = torch.randn(batch, q_len, q_heads, head_dim, generator=gen).to(dtype).to(device).transpose(1, 2)
     q_pos = ctx.view(-1, 1).to(device) - q_len + torch.arange(q_len, device=device).view(1, -1)
     return q, q_pos.to(torch.int64)
+
+
+def fresh_generator() -> tuple[torch.Generator, int]:
+    """A generator with a fresh random seed (every run tests new data); the seed is returned for repro."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    return torch.Generator().manual_seed(seed), seed
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Normwise relative tolerance of a kernel result against the fp32 reference.
+
+    * fp32: kernel and reference do the same fp32 arithmetic in another order (tiles, split-K
+      merge, ``exp2`` of pre-scaled logits vs ``exp``): a few ulps times log(N), about 1e-6, so
+      1e-5 has a 10x margin.
+    * fp16 / bf16 inputs: the kernel rounds dequantized K/V and the probabilities to the model
+      dtype for the tensor-core ``tl.dot`` (2^-11 relative each for fp16) and rounds the output to
+      fp16 (2^-11 = 4.9e-4); the reference stays in fp32 until its final cast. Together about
+      1e-3, under 2e-3. bf16 has 8 mantissa bits instead of 11, hence 8x looser.
+    """
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+
+def assert_close_normwise(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    """``max|actual - expected| <= tol * max|expected|`` (and identical non-finite positions)."""
+    a, e = actual.float(), expected.float()
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    fin = torch.isfinite(e)
+    assert torch.equal(torch.isfinite(a), fin), f"{what}: non-finite entries differ"
+    assert torch.equal(a[~fin], e[~fin]), f"{what}: infinities differ"
+    if fin.any():
+        scale = e[fin].abs().max().clamp_min(1e-30)
+        err = (a[fin] - e[fin]).abs().max()
+        tol = tolerance(dtype)
+        assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:g} x {scale:.3e}"

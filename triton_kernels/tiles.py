@@ -157,6 +157,18 @@ def load_side(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BIT
 # ---------------------------------------------------------------------------- launcher helpers
 LOG2E = 1.4426950408889634
 
+# When true, every output and scratch buffer a launcher allocates starts as NaN (floats) or a
+# sentinel (ints), so a test sees any element a kernel forgot to write. Tests switch it on.
+POISON = False
+
+
+def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs; poisoned (NaN / ``-7777``) when :data:`POISON` is set."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if POISON:
+        t.fill_(float("nan") if dtype.is_floating_point else -7777)
+    return t
+
 
 def dot_config(dtype: torch.dtype):
     """``(operand dtype, input_precision)`` of the ``tl.dot`` calls for queries of ``dtype``.

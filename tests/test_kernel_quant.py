@@ -1,0 +1,152 @@
+"""Quantize/pack kernel vs the reference format (leankit.quant + PageLayout.encode + PagePool.write_rows).
+
+Runs under Triton's CPU interpreter. The pool bytes must be identical, byte for byte.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton / leankit_kernels are imported: kernels run on CPU
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from leankit_kernels import tiles
+from leankit_kernels.quant import dequantize_from_pages, quantize_into_pages
+from leankit_kernels.testing import assert_close_normwise, fresh_generator
+
+from leankit.config import KVConfig
+from leankit.pages import PageLayout, PagePool
+from leankit.quant import NonFiniteKVError
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(tiles, "POISON", True)
+
+
+def _setup(spec, dtype, n, head_dim=64, group_size=None, gen=None):
+    cfg = KVConfig.parse(spec, group_size=group_size)
+    lay = PageLayout.build(cfg, 0, head_dim, dtype)
+    pages = (n + lay.tokens - 1) // lay.tokens + 2
+    pool = PagePool(pages, cfg.page_size)
+    pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, generator=gen, dtype=torch.uint8))
+    perm = torch.randperm(pages * lay.tokens, generator=gen)[:n]  # scattered (page, slot) targets
+    page, slot = perm // lay.tokens, perm % lay.tokens
+    return lay, pool, page, slot
+
+
+def _reference_write(pool, lay, page, slot, rows):
+    """The pool bytes after the reference PagePool.write_rows (on a copy)."""
+    ref = PagePool(pool.num_pages, pool.page_size)
+    ref.storage.copy_(pool.storage)
+    ref.write_rows(lay, page, slot, rows)
+    return ref.storage
+
+
+def _data(n, f, dtype, gen):
+    """Never-zero, mixed-scale data: normal rows, large rows, a constant row (scale 0)."""
+    k = torch.randn(n, f, generator=gen) * torch.rand(n, 1, generator=gen).mul(8).add(0.01)
+    v = torch.randn(n, f, generator=gen) + torch.randn(n, 1, generator=gen)
+    if n > 2:
+        k[1] = 0.75  # constant group -> s16 == 0, Q = 0
+        v[2, : f // 2] = -1.5
+    return k.to(dtype), v.to(dtype)
+
+
+def _check(spec, dtype, n, group_size=None, head_dim=64):
+    gen, seed = fresh_generator()
+    lay, pool, page, slot = _setup(spec, dtype, n, head_dim, group_size, gen)
+    k, v = _data(n, head_dim, dtype, gen)
+    pos = torch.randint(0, 10_000, (n,), generator=gen)
+    score = torch.rand(n, generator=gen)
+    ref = _reference_write(pool, lay, page, slot, lay.encode(k, v, score, pos))
+    quantize_into_pages(pool.storage, lay, page, slot, k, v, pos, score)
+    diff = (pool.storage != ref).nonzero()
+    assert diff.numel() == 0, f"seed {seed}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}"
+    return lay, pool, page, slot, seed
+
+
+@pytest.mark.parametrize("spec", ["K8V4", "K4V2", "K2V1", "K1V8", "K8V8", "K16V4", "K4V16", "FP16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", [1, 7, 65])
+def test_quantize_bytes_match_reference(spec, dtype, n):
+    _check(spec, dtype, n)
+
+
+@pytest.mark.parametrize("spec,gs", [("K4V2", 16), ("K8V4", 32), ("K1V2", 8)])
+def test_quantize_groups_bytes_match_reference(spec, gs):
+    _check(spec, torch.float32, 63, group_size=gs)
+
+
+def test_quantize_head_dim_128_bf16():
+    _check("K4V2", torch.bfloat16, 7, head_dim=128)
+
+
+def test_round_half_even_ties():
+    """(x - min) / scale hits exact .5 ties: codes must round to even like torch.round."""
+    gen, seed = fresh_generator()
+    f, n = 64, 16
+    cfg = KVConfig.parse("K8V8")
+    lay = PageLayout.build(cfg, 0, f, torch.float32)
+    step = 0.25  # exact in fp16, so scale16 == 0.25 when max - min == 255 * 0.25
+    x = torch.zeros(n, f)
+    x[:, 1] = 255 * step
+    x[:, 2:] = (torch.randint(0, 254, (n, f - 2), generator=gen).float() + 0.5) * step
+    x = x + torch.randint(-3, 4, (n, 1), generator=gen).float()  # shift: min stays exact in fp16
+    pool = PagePool(2, cfg.page_size)
+    pool.storage.fill_(0xA5)
+    page, slot = torch.zeros(n, dtype=torch.long), torch.arange(n)
+    pos, score = torch.arange(n), torch.rand(n, generator=gen)
+    rows = lay.encode(x, x, score, pos)
+    ref = _reference_write(pool, lay, page, slot, rows)
+    quantize_into_pages(pool.storage, lay, page, slot, x, x, pos, score)
+    assert torch.equal(pool.storage, ref), f"seed {seed}"
+    codes = rows[0].long()
+    assert (codes[:, 2:] % 2 == 0).all(), "ties must land on even codes"
+
+
+@settings(max_examples=12, deadline=None)
+@given(bits=st.sampled_from([(8, 4), (4, 2), (2, 1), (1, 1), (4, 8)]), n=st.integers(1, 40),
+       scale=st.floats(1e-3, 1e3), seed=st.integers(0, 2**31 - 1))
+def test_quantize_property(bits, n, scale, seed):
+    """Random shapes and magnitudes: bytes identical to the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = f"K{bits[0]}V{bits[1]}"
+    lay, pool, page, slot = _setup(spec, torch.float32, n, 32, None, gen)
+    k = torch.randn(n, 32, generator=gen) * scale
+    v = torch.rand(n, 32, generator=gen) * scale + scale
+    pos, score = torch.randint(0, 99, (n,), generator=gen), torch.rand(n, generator=gen)
+    ref = _reference_write(pool, lay, page, slot, lay.encode(k, v, score, pos))
+    quantize_into_pages(pool.storage, lay, page, slot, k, v, pos, score)
+    assert torch.equal(pool.storage, ref)
+
+
+@pytest.mark.parametrize("spec", ["K8V4", "K4V2", "K2V1", "K16V4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize_matches_decode(spec, dtype):
+    lay, pool, page, slot, seed = _check(spec, dtype, 37, group_size=16 if spec == "K4V2" else None)
+    k, v, score, pos = dequantize_from_pages(pool.storage, lay, page, slot)
+    rk, rv, rs, rp = lay.decode(pool.gather(page))
+    i = torch.arange(page.numel())
+    # fp32 dequantization s * Q + min: same two roundings as the reference (1e-5 normwise, fp32).
+    assert_close_normwise(k, rk[i, slot], torch.float32, f"k seed {seed}")
+    assert_close_normwise(v, rv[i, slot], torch.float32, f"v seed {seed}")
+    assert torch.equal(score, rs[i, slot]) and torch.equal(pos, rp[i, slot])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy sees the overflow too
+def test_non_finite_and_overflow_raise():
+    lay = PageLayout.build(KVConfig.parse("K8V4"), 0, 32, torch.float32)
+    pool = PagePool(2, lay.page_size)
+    page, slot = torch.zeros(2, dtype=torch.long), torch.arange(2)
+    pos, score = torch.arange(2), torch.zeros(2)
+    k = torch.randn(2, 32)
+    bad = k.clone()
+    bad[0, 3] = float("nan")
+    with pytest.raises(NonFiniteKVError):
+        quantize_into_pages(pool.storage, lay, page, slot, bad, k, pos, score)
+    big = k.clone()
+    big[1, 0] = -1e6  # min beyond fp16 range
+    with pytest.raises(NonFiniteKVError):
+        quantize_into_pages(pool.storage, lay, page, slot, k, big, pos, score)
