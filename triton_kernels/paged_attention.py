@@ -64,7 +64,9 @@ from .tiles import (
 __all__ = ["paged_attention", "received_attention", "score_update_ref"]
 
 BLOCK_N_DECODE = 32
-MIN_PAGES_PER_SPLIT = 4
+# A split must read at least this many times the bytes of the fp32 partial (acc, max, sum) it
+# writes and the reduce reads back, so the split-K merge costs at most ~6% extra traffic.
+SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
@@ -252,18 +254,23 @@ def group_pad(g: int) -> int:
     return max(16, triton.next_power_of_2(g))
 
 
-def _num_splits(bh: int, max_pages: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = triton.cdiv(2 * sms, bh)  # about two waves of programs
-    else:
-        want = 2  # interpreter: still exercise split-K + reduce
-    return max(1, min(want, triton.cdiv(max_pages, MIN_PAGES_PER_SPLIT)))
+def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: int | None) -> int:
+    """Flash-decoding split factor for ``bh`` (sequence, KV head) programs of up to ``max_pages`` pages.
+
+    Enough programs for about two waves on ``sms`` multiprocessors (short contexts at small batch
+    need split-K to use the GPU at all), but never splits so small that the partials' traffic
+    (``8 G (F + 2)`` bytes per split: fp32 written, then read by the reduce) exceeds
+    ``1 / SPLIT_BYTES_RATIO`` of the page bytes the split reads. ``sms=None`` (interpreter): 2.
+    """
+    min_pages = max(1, triton.cdiv(SPLIT_BYTES_RATIO * 8 * g * (f + 2), page_size))
+    want = triton.cdiv(2 * sms, bh) if sms else 2
+    return max(1, min(want, triton.cdiv(max_pages, min_pages)))
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, *,
                     update_scores: bool = False, q_valid: torch.Tensor | None = None,
-                    num_splits: int | None = None, block_n: int = BLOCK_N_DECODE):
+                    num_splits: int | None = None, block_n: int = BLOCK_N_DECODE,
+                    page_bounds: tuple[int, int, int] | None = None):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's unified pages (kernel mirror of
     :func:`leankit.attention.paged_attention_ref`).
 
@@ -277,6 +284,9 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
             its page's score segment (``s <- s + (p_bar - s) / (q_pos - pos + 1)``).
         q_valid: bool ``[B, Q]``; rows where it is false update no score.
         num_splits: split-K factor (default: enough programs for about two waves on the GPU).
+        page_bounds: ``(max high pages, max low pages, max total pages)`` over the layer's heads
+            when the caller already knows them (upper bounds are fine); saves the one host sync
+            the launcher otherwise spends reading them from the page table.
 
     Returns:
         ``(out [B, Q, Hq, F] in q.dtype, lse fp32 [B, Hkv, G*Q])``.
@@ -294,7 +304,7 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         q = q.contiguous()
     dev = q.device
     targs = tier_args(kv.layouts)
-    max_h, max_l, max_pages = page_counts(n_pages, targs["HAS_LOW"])
+    max_h, max_l, max_pages = page_bounds or page_counts(n_pages, targs["HAS_LOW"])
     out = tiles.empty((b, 1, hq, f), dtype=q.dtype, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
     if max_pages == 0:
@@ -303,7 +313,8 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         return out, lse
     q_pos = q_pos.to(device=dev, dtype=torch.int32)
     bh = b * hkv
-    s = num_splits or _num_splits(bh, max_pages, dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
+    s = num_splits or choose_splits(bh, max_pages, g, f, targs["PAGE_SIZE"], sms)
     pps = triton.cdiv(max_pages, max(1, s))
     s = triton.cdiv(max_pages, pps)
     direct = s == 1

@@ -1,0 +1,271 @@
+"""Decode attention over unified pages: bytes, FLOPs, roofline, and (on CUDA) measured time.
+
+    python bench/kernels.py                       # model only (no GPU needed)
+    python bench/kernels.py --check               # + correctness vs leankit's reference first
+    python bench/kernels.py --head-dim 128 --kv-heads 8 --group 4 --page-size 4096
+
+Grid: batch {1, 8, 32} x context {1k, 4k, 16k} x configs {FP16, K8V8, K8V4, K4V2, K8V4-K4V2}.
+One call = one layer's decode step (one query per sequence, all KV heads).
+
+Byte model (what the decode kernel loads, token by token, from each live slot's page segments:
+K data + K meta + V data + V meta + the int32 position; the fp16 score is not read), plus the
+page-table entries, the query, the output/lse and the split-K partials. "page MB" counts whole
+pages touched (an upper bound including page padding and score segments). The fp16 paged
+baseline is the FP16 config through the same kernel: fp16 K and V pages (256 B per token and head
+at head_dim 64) plus positions.
+
+Roofline: predicted time = max(bytes / peak bandwidth, FLOPs / peak tensor FLOP/s) with H100 SXM
+datasheet peaks (3.35 TB/s HBM3, 989 TFLOP/s dense fp16); the predicted speedup is the ratio of
+those times against the FP16 row of the same (batch, context). Decode attention has an
+arithmetic intensity of a few FLOP/byte, far below the ~295 FLOP/byte ridge, so it is
+bandwidth-bound and the speedup is the byte ratio.
+
+On CUDA, each row is also timed with ``triton.testing.do_bench`` (kernel launches only: the page
+bounds are passed in, so no host sync is timed) and reported as µs, achieved GB/s (modelled
+bytes / time), % of the device's peak bandwidth and measured speedup over the FP16 row. Without
+CUDA the timing columns read "not measured": nothing is ever estimated and printed as a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+CONFIGS = ("FP16", "K8V8", "K8V4", "K4V2", "K8V4-K4V2")
+BATCHES = (1, 8, 32)
+CONTEXTS = (1024, 4096, 16384)
+H100_BW = 3.35e12  # B/s, H100 SXM HBM3 (datasheet)
+H100_FLOPS = 989e12  # FLOP/s, dense fp16 tensor cores (datasheet)
+H100_SMS = 132
+PEAK_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "L40": 0.864e12}
+
+
+@dataclass
+class Shape:
+    """One layer's decode shape."""
+
+    head_dim: int = 64
+    kv_heads: int = 8
+    group: int = 4  # query heads per KV head
+    page_size: int = 2048
+    low_frac: float = 0.5  # share of tokens in the low tier for two-tier configs
+    dtype_bytes: int = 2  # fp16 model
+
+
+def layouts(spec: str, shape: Shape):
+    """The tier page layouts of ``spec`` (leankit's own byte model)."""
+    from leankit.config import KVConfig
+    from leankit.pages import PageLayout
+
+    cfg = KVConfig.parse(spec, page_size=shape.page_size)
+    dt = torch.float16 if shape.dtype_bytes == 2 else torch.float32
+    return tuple(PageLayout.build(cfg, t, shape.head_dim, dt) for t in range(len(cfg.tiers)))
+
+
+def tier_tokens(ctx: int, n_tiers: int, low_frac: float) -> list[int]:
+    """Tokens per tier for one (sequence, head)."""
+    if n_tiers == 1:
+        return [ctx]
+    low = round(ctx * low_frac)
+    return [ctx - low, low]
+
+
+def model_call(spec: str, batch: int, ctx: int, shape: Shape) -> dict:
+    """Modelled bytes and FLOPs of one decode call (see the module docstring)."""
+    lays = layouts(spec, shape)
+    f, g, h = shape.head_dim, shape.group, shape.kv_heads
+    read = pages = page_bytes = 0
+    for lay, n in zip(lays, tier_tokens(ctx, len(lays), shape.low_frac)):
+        p = math.ceil(n / lay.tokens)
+        per_tok = sum(lay.seg_bytes[i] for i in (0, 1, 2, 3, 5))  # K, K meta, V, V meta, position
+        read += n * per_tok + p * 4  # + page-table entries
+        pages += p
+        page_bytes += p * lay.page_size
+    from leankit_kernels.paged_attention import choose_splits
+
+    bh = batch * h
+    s = choose_splits(bh, pages, g, f, shape.page_size, H100_SMS)  # the launcher's own split rule
+    io = g * f * shape.dtype_bytes * 2 + 4 * g + 16  # q in, out + lse out, table counters
+    partial = (s * g * (f + 2) * 4 * 2) if s > 1 else 0  # split partials written + read by the reduce
+    total = bh * (read + io + partial)
+    flops = bh * 4 * g * f * ctx  # q k^T and p v (useful MACs x 2)
+    return {"bytes": total, "page_bytes": bh * page_bytes, "flops": flops, "splits": s, "pages": pages,
+            "token_bytes": read / ctx}
+
+
+def roofline_time(m: dict) -> float:
+    return max(m["bytes"] / H100_BW, m["flops"] / H100_FLOPS)
+
+
+# ---------------------------------------------------------------------------- CUDA measurement
+def synthetic_cache(spec: str, batch: int, ctx: int, shape: Shape, device):
+    """A filled layer cache for timing: random codes, valid fp16 metadata and dense values."""
+    from leankit.allocator import FreePageList
+    from leankit.attention import PagedKV
+    from leankit.page_table import BidirectionalPageTable
+    from leankit.pages import PagePool
+
+    lays = layouts(spec, shape)
+    h = shape.kv_heads
+    counts = tier_tokens(ctx, len(lays), shape.low_frac)
+    need = [math.ceil(n / lay.tokens) for lay, n in zip(lays, counts)]
+    total_pages = batch * h * sum(need) + 1
+    pool = PagePool(total_pages, shape.page_size, device)
+    pool.storage.random_(0, 256)
+    fl = FreePageList(total_pages, device)
+    row = max(sum(need) + 1, math.ceil(ctx / lays[0].tokens) + 1)
+    table = BidirectionalPageTable(1, batch, h, row, device)
+    extra = torch.zeros((2, 1, batch, h), dtype=torch.int32, device=device)
+    for t, p in enumerate(need):
+        extra[t] = p
+    table.grow(extra, fl)
+    start = 0
+    for t, (lay, n) in enumerate(zip(lays, counts)):
+        table.lens[t] = n
+        ids, _ = table.tier_pages(t, 0)
+        ids = ids.reshape(-1).long()
+        st = pool.storage
+        for side, bits in (("k", lay.precision.k_bits), ("v", lay.precision.v_bits)):
+            if bits >= 16:  # random bytes may be NaN/Inf as fp16: write real values
+                off, nb = lay.offset(f"{side}_data"), lay.seg_bytes[0 if side == "k" else 2]
+                vals = torch.randn(ids.numel(), lay.tokens * nb // 2, device=device, dtype=torch.float16)
+                st[ids, off: off + lay.tokens * nb] = vals.view(torch.uint8)
+            else:
+                off, nb = lay.offset(f"{side}_meta"), lay.seg_bytes[1 if side == "k" else 3]
+                meta = torch.empty(ids.numel(), lay.tokens * nb // 4, 2, device=device, dtype=torch.float16)
+                meta[..., 0] = 2.0 / ((1 << bits) - 1)
+                meta[..., 1] = -1.0
+                st[ids, off: off + lay.tokens * nb] = meta.view(torch.uint8).reshape(ids.numel(), -1)
+        pos = (torch.arange(lay.tokens * need[t], device=device, dtype=torch.int32) + start)
+        po = lay.offset("position")
+        st[ids, po: po + 4 * lay.tokens] = pos.view(need[t], lay.tokens).repeat(batch * h, 1).view(torch.uint8)
+        start += n
+    kv = PagedKV(pool, lays, table, 0)
+    bounds = (need[0], need[1] if len(need) > 1 else 0, sum(need))
+    return kv, bounds
+
+
+def check_correctness(shape: Shape, device) -> None:
+    """Small caches of every config: kernel vs :func:`leankit.attention.paged_attention_ref`."""
+    from leankit_kernels.paged_attention import paged_attention
+    from leankit_kernels.testing import assert_close_normwise, build_paged_kv, random_queries
+
+    from leankit.attention import paged_attention_ref
+
+    dt = torch.float16 if shape.dtype_bytes == 2 else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    for spec in CONFIGS:
+        fc = build_paged_kv(spec, 2, 3, shape.head_dim, torch.tensor([300, 77]), dtype=dt, prune_frac=0.1,
+                            page_size=shape.page_size, generator=gen, device=device)
+        q, q_pos = random_queries(2, 3 * shape.group, 1, shape.head_dim, fc.ctx.to(device), dtype=dt,
+                                  generator=gen, device=device)
+        out, lse = paged_attention(q, fc.kv, q_pos, shape.head_dim ** -0.5)
+        ref, ref_lse = paged_attention_ref(q, fc.kv, q_pos, shape.head_dim ** -0.5)
+        assert_close_normwise(out, ref, dt, f"{spec} out")
+        assert_close_normwise(lse, ref_lse, dt, f"{spec} lse")
+        print(f"check {spec:<10} ok (max |out - ref| = {(out.float() - ref.float()).abs().max():.2e})")
+
+
+def measure(spec: str, batch: int, ctx: int, shape: Shape, device) -> float:
+    """Median µs of one decode call (kernel launches only)."""
+    import triton
+    from leankit_kernels.paged_attention import paged_attention
+
+    kv, bounds = synthetic_cache(spec, batch, ctx, shape, device)
+    hq = shape.kv_heads * shape.group
+    q = torch.randn(batch, hq, 1, shape.head_dim, device=device, dtype=torch.float16)
+    q_pos = torch.full((batch, 1), ctx, device=device, dtype=torch.int64)
+    scale = shape.head_dim ** -0.5
+    ms = triton.testing.do_bench(lambda: paged_attention(q, kv, q_pos, scale, page_bounds=bounds),
+                                 warmup=25, rep=100, return_mode="median")
+    return ms * 1e3
+
+
+def peak_bandwidth(device) -> float | None:
+    name = torch.cuda.get_device_name(device)
+    for key, bw in PEAK_BW.items():
+        if key in name:
+            return bw
+    return None
+
+
+# ---------------------------------------------------------------------------- report
+def run(shape: Shape, batches=BATCHES, contexts=CONTEXTS, configs=CONFIGS, measure_cuda: bool | None = None,
+        out=sys.stdout) -> list[dict]:
+    """Build (and print) the table; returns its rows."""
+    cuda = torch.cuda.is_available() if measure_cuda is None else measure_cuda
+    device = torch.device("cuda") if cuda else None
+    peak = peak_bandwidth(device) if cuda else None
+    rows = []
+    for b in batches:
+        for n in contexts:
+            base = None
+            for spec in configs:
+                m = model_call(spec, b, n, shape)
+                r = {"config": spec, "batch": b, "context": n, **m, "pred_us": roofline_time(m) * 1e6}
+                if cuda:
+                    r["us"] = measure(spec, b, n, shape, device)
+                    torch.cuda.empty_cache()
+                    r["gbps"] = m["bytes"] / (r["us"] * 1e-6) / 1e9
+                    r["peak_pct"] = 100 * r["gbps"] * 1e9 / peak if peak else None
+                if spec == "FP16":
+                    base = r
+                r["byte_ratio"] = r["bytes"] / base["bytes"] if base else float("nan")
+                r["pred_speedup"] = base["pred_us"] / r["pred_us"] if base else float("nan")
+                if cuda and base:
+                    r["speedup"] = base["us"] / r["us"]
+                rows.append(r)
+    hdr = (f"{'config':<10} {'B':>3} {'ctx':>6} {'B/tok/head':>10} {'read MB':>9} {'page MB':>9} {'GFLOP':>7} "
+           f"{'FLOP/B':>6} {'x FP16':>6} {'roofline us':>11} {'pred spdup':>10} | {'us':>12} {'GB/s':>12} "
+           f"{'% peak':>12} {'speedup':>12}")
+    print(f"decode attention, one layer: head_dim {shape.head_dim}, {shape.kv_heads} KV heads x {shape.group} "
+          f"query heads, {shape.page_size}-byte pages, low tier {shape.low_frac:.0%} of tokens in two-tier configs",
+          file=out)
+    print(f"device: {torch.cuda.get_device_name(device) if cuda else 'no CUDA device: timing not measured'}",
+          file=out)
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+    nm = "not measured"
+    for r in rows:
+        if cuda:
+            pct = f"{r['peak_pct']:.0f}%" if r.get("peak_pct") else "n/a"
+            t = f"{r['us']:>12.1f} {r['gbps']:>12.0f} {pct:>12} {r['speedup']:>11.2f}x"
+        else:
+            t = f"{nm:>12} {nm:>12} {nm:>12} {nm:>12}"
+        print(f"{r['config']:<10} {r['batch']:>3} {r['context']:>6} {r['token_bytes']:>10.1f} "
+              f"{r['bytes'] / 1e6:>9.2f} {r['page_bytes'] / 1e6:>9.2f} {r['flops'] / 1e9:>7.3f} "
+              f"{r['flops'] / r['bytes']:>6.2f} {r['byte_ratio']:>6.3f} {r['pred_us']:>11.2f} "
+              f"{r['pred_speedup']:>9.2f}x | {t}", file=out)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--page-size", type=int, default=2048)
+    ap.add_argument("--low-frac", type=float, default=0.5, help="low-tier share of tokens (two-tier configs)")
+    ap.add_argument("--check", action="store_true",
+                    help="first compare the kernel with leankit's reference (CPU: through the Triton interpreter)")
+    a = ap.parse_args(argv)
+    shape = Shape(a.head_dim, a.kv_heads, a.group, a.page_size, a.low_frac)
+    if a.check:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        check_correctness(shape, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = run(shape)
+    k8v4 = [r["byte_ratio"] for r in rows if r["config"] == "K8V4"]
+    print(f"\nK8V4 / FP16 modelled bytes: {min(k8v4):.3f} .. {max(k8v4):.3f} "
+          f"({model_call('K8V4', 1, 1024, shape)['token_bytes']:.0f} vs "
+          f"{model_call('FP16', 1, 1024, shape)['token_bytes']:.0f} B per token and head, read)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The decode benchmark's byte model (bench/kernels.py): no GPU needed, nothing timed."""
+
+import importlib.util
+import io
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "kernels.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("leankit_bench_kernels", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_k8v4_reads_at_most_045_of_fp16_at_head_dim_64(bench):
+    shape = bench.Shape(head_dim=64)
+    for b in bench.BATCHES:
+        for n in bench.CONTEXTS:
+            k8v4 = bench.model_call("K8V4", b, n, shape)
+            fp16 = bench.model_call("FP16", b, n, shape)
+            assert k8v4["bytes"] <= 0.45 * fp16["bytes"], (b, n)
+            assert k8v4["page_bytes"] <= 0.45 * fp16["page_bytes"], (b, n)
+    # Per token and head: 64 + 4 (K, meta) + 32 + 4 (V, meta) + 4 (position) bytes read.
+    assert bench.model_call("K8V4", 1, 1024, shape)["token_bytes"] == pytest.approx(108, abs=0.5)
+
+
+def test_without_cuda_timings_are_not_measured(bench):
+    out = io.StringIO()
+    rows = bench.run(bench.Shape(), batches=(1,), contexts=(1024,), measure_cuda=False, out=out)
+    text = out.getvalue()
+    assert len(rows) == len(bench.CONFIGS)
+    assert all("us" not in r and "gbps" not in r for r in rows)
+    assert text.count("| not measured not measured not measured not measured") == len(bench.CONFIGS)
+    ratio = {r["config"]: r["byte_ratio"] for r in rows}
+    assert ratio["FP16"] == 1.0 and ratio["K4V2"] < ratio["K8V4-K4V2"] < ratio["K8V4"] < ratio["K8V8"] < 1.0
