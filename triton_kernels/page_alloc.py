@@ -34,6 +34,8 @@ import triton.language as tl
 
 from leankit.allocator import FreePageList, PoolExhausted
 
+from .tiles import kernel_for
+
 BLOCK = 128
 
 
@@ -110,7 +112,7 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
     n = extra.numel()
     lbh = n // 2
     cap = free_list.capacity
-    _grow_kernel[(triton.cdiv(n, block),)](extra, table.n_pages, table.tables, free_list.ring,
+    kernel_for(_grow_kernel, extra.device)[(triton.cdiv(n, block),)](extra, table.n_pages, table.tables, free_list.ring,
                                            free_list.free_head % cap, cap, n, lbh, table.row_len, BLOCK=block,
                                            num_warps=4)
     free_list.free_head += total
@@ -132,7 +134,7 @@ def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: i
     if total > cap - free_list.num_free:
         raise RuntimeError("releasing more pages than are in use: double free")
     n = drop.numel()
-    _shrink_kernel[(triton.cdiv(n, block),)](drop, table.n_pages, table.tables, free_list.ring,
+    kernel_for(_shrink_kernel, drop.device)[(triton.cdiv(n, block),)](drop, table.n_pages, table.tables, free_list.ring,
                                              free_list.free_tail % cap, cap, n, n // 2, table.row_len, BLOCK=block,
                                              num_warps=4)
     free_list.free_tail += total

@@ -53,6 +53,7 @@ from .tiles import (
     LOG2E,
     check_head_dim,
     dot_config,
+    kernel_for,
     layer_views,
     load_positions,
     load_side,
@@ -327,18 +328,19 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     part_ml = tiles.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
     dot_t, prec = dot_config(q.dtype)
     gp = group_pad(g)
-    _decode_kernel[(bh, s)](
+    kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
         part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, float(scale) * LOG2E,
         G=g, G_PAD=gp, BLOCK_N=block_n, DOT=dot_t, PREC=prec, SAVE_LOGITS=update_scores, DIRECT=direct,
         num_warps=4, num_stages=2, **targs)
     if not direct:
-        _decode_reduce_kernel[(bh,)](part_acc, part_ml, out, lse, hkv, s, G=g, G_PAD=gp, F=f, num_warps=4)
+        kernel_for(_decode_reduce_kernel, dev)[(bh,)](part_acc, part_ml, out, lse, hkv, s, G=g, G_PAD=gp, F=f,
+                                                      num_warps=4)
     if update_scores:
         qv = (torch.ones(b, dtype=torch.int32, device=dev) if q_valid is None
               else q_valid.reshape(b, -1)[:, 0].to(device=dev, dtype=torch.int32).contiguous())
         sblk = 64
-        _score_update_kernel[(bh, triton.cdiv(lg_n, sblk), 2 if targs["HAS_LOW"] else 1)](
+        kernel_for(_score_update_kernel, dev)[(bh, triton.cdiv(lg_n, sblk), 2 if targs["HAS_LOW"] else 1)](
             logits, lse, q_pos, q_pos.stride(0), qv, kv.pool.storage, tables, lens, stride_tier, hkv, r, lg_n,
             G=g, G_PAD=gp, PAGE_SIZE=targs["PAGE_SIZE"], BLOCK_N=sblk, HAS_LOW=targs["HAS_LOW"],
             H_T=targs["H_T"], H_SCOFF=targs["H_SCOFF"], H_POSOFF=targs["H_POSOFF"],

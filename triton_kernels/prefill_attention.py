@@ -43,6 +43,7 @@ from .tiles import (
     LOG2E,
     check_head_dim,
     dot_config,
+    kernel_for,
     layer_views,
     load_positions,
     load_side,
@@ -228,7 +229,7 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     q_pos = q_pos.to(device=dev, dtype=torch.int32).contiguous()
     dot_t, prec = dot_config(q.dtype)
     grid = (b * hkv, triton.cdiv(g * nq, block_m))
-    _prefill_kernel[grid](
+    kernel_for(_prefill_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), kv.pool.storage, tables, lens, stride_tier,
         out, lse, hkv, r, nq, float(scale) * LOG2E, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_t, PREC=prec,
         num_warps=prefill_warps(f), num_stages=2, **targs)
@@ -271,7 +272,7 @@ def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale:
     lse = lse.to(torch.float32).contiguous()
     dot_t, prec = dot_config(q.dtype)
     grid = (b * hkv, triton.cdiv(n_max, block_n), len(kv.layouts))
-    _received_kernel[grid](
+    kernel_for(_received_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), qv, lse, kv.pool.storage, tables, lens,
         stride_tier, out_h, out_l, nh_out, nl_out, hkv, r, nq, float(scale) * LOG2E,
         G=g, BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_t, PREC=prec, num_warps=prefill_warps(f), num_stages=2,

@@ -38,7 +38,7 @@ from leankit.pages import PageLayout
 from leankit.quant import NonFiniteKVError, check_finite
 
 from . import tiles
-from .tiles import check_head_dim, load_side, tl_dtype
+from .tiles import check_head_dim, kernel_for, load_side, tl_dtype
 
 
 @triton.jit
@@ -198,7 +198,7 @@ def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.T
     score = score.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     err = torch.zeros(1, dtype=torch.int32, device=dev)
     bn = block_n or quant_block_n(f)
-    _quantize_kernel[(triton.cdiv(n, bn),)](
+    kernel_for(_quantize_kernel, dev)[(triton.cdiv(n, bn),)](
         k, v, k.stride(0), v.stride(0), page, slot, pos, score, storage, err, n,
         BLOCK_N=bn, num_warps=4, enable_fp_fusion=False, **layout_constexprs(layout))
     if (prec.k_quantized or prec.v_quantized) and int(err.item()):
@@ -221,6 +221,6 @@ def dequantize_from_pages(storage: torch.Tensor, layout: PageLayout, page: torch
     score = tiles.empty(n, dtype=torch.float32, device=dev)
     pos = tiles.empty(n, dtype=torch.int32, device=dev)
     if n:
-        _dequantize_kernel[(triton.cdiv(n, block_n),)](storage, page, slot, k, v, score, pos, n,
-                                                       BLOCK_N=block_n, num_warps=4, **layout_constexprs(layout))
+        kernel_for(_dequantize_kernel, dev)[(triton.cdiv(n, block_n),)](
+            storage, page, slot, k, v, score, pos, n, BLOCK_N=block_n, num_warps=4, **layout_constexprs(layout))
     return k, v, score, pos

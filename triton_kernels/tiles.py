@@ -157,6 +157,53 @@ def load_side(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BIT
 # ---------------------------------------------------------------------------- launcher helpers
 LOG2E = 1.4426950408889634
 
+_INTERPRETED: dict = {}
+
+
+def kernel_for(kernel, device: torch.device):
+    """The kernel object to launch for tensors on ``device``.
+
+    CUDA tensors get the compiled kernel. Anything else runs through Triton's interpreter, even
+    when Triton was imported before ``TRITON_INTERPRET=1`` was set (``torch._dynamo`` imports it
+    as soon as ``transformers`` loads a model, so ``LEANKIT_BACKEND=triton`` usually arrives too
+    late for Triton's decoration-time switch): the kernel is re-wrapped as an interpreted
+    function, and jit helpers it calls (leankit's and ``triton.language``'s) run interpreted too.
+    """
+    if device.type == "cuda":
+        return kernel
+    from triton.runtime.interpreter import InterpretedFunction
+
+    _interpret_device_calls()
+    if isinstance(kernel, InterpretedFunction):
+        return kernel
+    if kernel not in _INTERPRETED:
+        _INTERPRETED[kernel] = InterpretedFunction(kernel.fn)
+    return _INTERPRETED[kernel]
+
+
+def _interpret_device_calls() -> None:
+    """Make a compiled-mode ``@triton.jit`` helper callable from an interpreted kernel.
+
+    Compiled kernels never go through ``JITFunction.__call__`` (the code generator inlines device
+    calls), so routing it to the interpreter only affects interpreted launches.
+    """
+    from triton.runtime.jit import JITFunction
+
+    if getattr(JITFunction, "_leankit_interpreted_calls", False):
+        return
+
+    def __call__(self, *args, **kwargs):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        fn = self.__dict__.get("_leankit_interpreted")
+        if fn is None:
+            fn = self.__dict__["_leankit_interpreted"] = InterpretedFunction(self.fn)
+        return fn(*args, **kwargs)
+
+    JITFunction.__call__ = __call__
+    JITFunction._leankit_interpreted_calls = True
+
+
 # When true, every output and scratch buffer a launcher allocates starts as NaN (floats) or a
 # sentinel (ints), so a test sees any element a kernel forgot to write. Tests switch it on.
 POISON = False
