@@ -23,7 +23,7 @@ from leankit_kernels.testing import (
 
 from leankit.attention import paged_attention_ref, received_attention_ref
 
-F32, F16 = torch.float32, torch.float16
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +43,7 @@ DECODE_CASES = [
     ("K8V4", F16, 3, 7, [65, 1], 1, None, 0.1, None),
     ("K4V2", F32, 5, 3, [63], 2, 32, 0.0, 0xFF),
     ("K16V4-K4V1", F32, 3, 3, [65], 2, None, 0.0, 0xFF),
+    ("K8V4-K4V2", BF16, 3, 3, [65, 7], 2, None, 0.1, 0xFF),
 ]
 
 

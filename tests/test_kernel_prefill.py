@@ -17,7 +17,7 @@ from leankit_kernels.testing import (
 
 from leankit.attention import paged_attention_ref, received_attention_ref
 
-F32, F16 = torch.float32, torch.float16
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +35,7 @@ PREFILL_CASES = [
     ("K8V4-K4V2", F32, 1, 3, [257], 257, 0.1),
     ("K4V2-K2V1", F32, 3, 1, [1, 65], 65, 0.0),
     ("FP16", F32, 3, 7, [65], 65, 0.0),
+    ("K8V4-K4V2", BF16, 3, 3, [65], 7, 0.0),
 ]
 
 

@@ -62,7 +62,7 @@ def cases() -> list[Case]:
     from .tiles import tier_args
 
     out = []
-    fp = {"fp16": "*fp16", "fp32": "*fp32"}
+    fp = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
     for spec in ("K8V4", "K4V2", "K2V1", "FP16"):
         lay = _layouts(spec, "llama3")[0]
         out.append(Case(f"quantize {spec} d128", "quant", "_quantize_kernel",
@@ -77,11 +77,11 @@ def cases() -> list[Case]:
 
     def decode(spec, model, dname="fp16", save=False, direct=False):
         f, g, _ = MODELS[model]
-        dtype = torch.float16 if dname == "fp16" else torch.float32
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dname]
         targs = tier_args(_layouts(spec, model, dtype))
-        dot_t = tl.float16 if dname == "fp16" else tl.float32
-        prec = "tf32" if dname == "fp16" else "ieee"
-        tag = ("+scores" if save else "") + (" direct" if direct else "") + ("" if dname == "fp16" else " fp32")
+        dot_t = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[dname]
+        prec = "ieee" if dname == "fp32" else "tf32"
+        tag = ("+scores" if save else "") + (" direct" if direct else "") + ("" if dname == "fp16" else f" {dname}")
         return Case(f"decode {spec} d{f} G{g}{tag}", "paged_attention", "_decode_kernel",
                     {"q_ptr": fp[dname], "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "np_ptr": "*i32",
                          "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": fp[dname], "lse_ptr": "*fp32",
@@ -95,6 +95,7 @@ def cases() -> list[Case]:
     out.append(decode("K8V4-K4V2", "llama3", direct=True))
     out.append(decode("K8V4-K4V2", "smollm2"))
     out.append(decode("K8V4", "smollm2", dname="fp32"))
+    out.append(decode("K8V4-K4V2", "llama3", dname="bf16"))
     out.append(Case("decode reduce d128 G4", "paged_attention", "_decode_reduce_kernel",
                     {"part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": "*fp16", "lse_ptr": "*fp32"},
                     {"G": 4, "G_PAD": 16, "F": 128}))

@@ -326,7 +326,7 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         logits, lg_n = tiles.empty(1, dtype=torch.float32, device=dev), 0
     part_acc = tiles.empty((bh, s, g, f) if not direct else (1,), dtype=torch.float32, device=dev)
     part_ml = tiles.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
-    dot_t, prec = dot_config(q.dtype)
+    dot_t, prec = dot_config(q.dtype, dev)
     gp = group_pad(g)
     kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,

@@ -227,7 +227,7 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     out = tiles.empty((b, nq, hq, f), dtype=q.dtype, device=dev)
     lse = tiles.empty((b, hkv, g * nq), dtype=torch.float32, device=dev)
     q_pos = q_pos.to(device=dev, dtype=torch.int32).contiguous()
-    dot_t, prec = dot_config(q.dtype)
+    dot_t, prec = dot_config(q.dtype, dev)
     grid = (b * hkv, triton.cdiv(g * nq, block_m))
     kernel_for(_prefill_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), kv.pool.storage, tables, lens, stride_tier,
@@ -270,7 +270,7 @@ def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale:
     qv = (torch.ones((b, nq), dtype=torch.int32, device=dev) if q_valid is None
           else q_valid.to(device=dev, dtype=torch.int32).reshape(b, nq).contiguous())
     lse = lse.to(torch.float32).contiguous()
-    dot_t, prec = dot_config(q.dtype)
+    dot_t, prec = dot_config(q.dtype, dev)
     grid = (b * hkv, triton.cdiv(n_max, block_n), len(kv.layouts))
     kernel_for(_received_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), qv, lse, kv.pool.storage, tables, lens,

@@ -217,14 +217,15 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
-def dot_config(dtype: torch.dtype):
+def dot_config(dtype: torch.dtype, device: torch.device | None = None):
     """``(operand dtype, input_precision)`` of the ``tl.dot`` calls for queries of ``dtype``.
 
     fp16/bf16 models feed tensor cores with 16-bit operands (fp32 accumulate). fp32 models keep
     fp32 operands with ``ieee`` precision, so an fp32 model's logits match the fp32 reference
-    (TF32 would round keys to 10 mantissa bits).
+    (TF32 would round keys to 10 mantissa bits). Off CUDA (Triton's interpreter, which multiplies
+    bf16 tensors as their raw 16-bit integers) bf16 operands are widened to fp32 instead.
     """
-    if dtype in (torch.float16, torch.bfloat16):
+    if dtype == torch.float16 or (dtype == torch.bfloat16 and device is not None and device.type == "cuda"):
         return tl_dtype(dtype), "tf32"
     return tl.float32, "ieee"
 
