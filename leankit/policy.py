@@ -189,6 +189,11 @@ def plan_unified(scores: torch.Tensor, tier: torch.Tensor, valid: torch.Tensor, 
 
 
 # ============================================================================ page mechanics
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim where ``mask`` holds (dead slots may hold any bytes, NaN included)."""
+    return torch.where(mask, x, torch.zeros_like(x)).sum(-1)
+
+
 def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
     return -torch.div(-a, b, rounding_mode="floor")
 
@@ -223,7 +228,10 @@ def read_tier_meta(cache, tier: int, layers: torch.Tensor) -> TierMeta:
     shape = (*ids.shape[:-1], p * t)
     lens = table.lens[tier].index_select(0, layers)
     valid = torch.arange(p * t, device=lens.device) < lens.unsqueeze(-1)
-    return TierMeta(ids, pvalid, score.reshape(shape), pos.reshape(shape), valid)
+    # Dead slots hold stale bytes (possibly NaN patterns): give them neutral values.
+    score = torch.where(valid, score.reshape(shape), torch.zeros((), device=valid.device))
+    pos = torch.where(valid, pos.reshape(shape), torch.full((), _BIG, dtype=torch.int32, device=valid.device))
+    return TierMeta(ids, pvalid, score, pos, valid)
 
 
 def locate_slots(table, tier: int, layer: torch.Tensor, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
@@ -397,9 +405,11 @@ class _Base:
         cur_l = table.n_pages[LOW][lay, bi, hi].long()
         src = table.column(HIGH, cur_h - 1 - i, table.row_len)
         dst = table.column(LOW, cur_l + i, table.row_len)
-        ids = table.tables[lay, bi, hi, src]
-        table.tables[lay, bi, hi, dst] = ids
+        ids = table.tables[lay, bi, hi, src].clone()
+        # Clear before writing: the moved high columns and the new low columns may overlap (the
+        # final high and low extents never do, since a row's pages never exceed its length).
         table.tables[lay, bi, hi, src] = -1
+        table.tables[lay, bi, hi, dst] = ids
         table.n_pages[HIGH, layers] -= r.to(table.n_pages.dtype)
         table.n_pages[LOW, layers] += r.to(table.n_pages.dtype)
 
@@ -421,7 +431,7 @@ class _Base:
         mh, nh = metas[HIGH], news[HIGH]
         alive_h = mh.valid & (nh == KEEP_HIGH)
         to_low = mh.valid & (nh == KEEP_LOW)
-        pruned = (mh.score * (mh.valid & (nh == PRUNED))).sum(-1)
+        pruned = _masked_sum(mh.score, mh.valid & (nh == PRUNED))
         if to_low.any() and not two:
             raise RuntimeError("a single-tier cache cannot downgrade tokens to a low tier")
         # 1. read the tokens going low before compaction may overwrite their slots
@@ -437,7 +447,7 @@ class _Base:
         if two:
             ml, nl = metas[LOW], news[LOW]
             alive_l = ml.valid & (nl == KEEP_LOW)
-            pruned = pruned + (ml.score * (ml.valid & (nl == PRUNED))).sum(-1)
+            pruned = pruned + _masked_sum(ml.score, ml.valid & (nl == PRUNED))
             len_l = self._compact(LOW, layers, ml.valid, alive_l)
         else:
             len_l = torch.zeros_like(len_h)
@@ -525,7 +535,7 @@ class LeanKVPolicy(_Base):
             self.started = self.started.index_select(0, beam_idx)
 
     def _total_mass(self, metas: list[TierMeta]) -> torch.Tensor:
-        z = sum((m.score * m.valid).sum(-1) for m in metas)
+        z = sum(_masked_sum(m.score, m.valid) for m in metas)
         return z
 
     def begin_step(self, step) -> None:

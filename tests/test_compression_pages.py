@@ -12,6 +12,13 @@ from leankit.page_table import HIGH, LOW
 PAGE = 256
 
 
+def make_cache(model, spec, **kw):
+    """A LeanCache whose pool starts filled with 0xFF (NaN scores, -1 positions in dead slots)."""
+    cache = LeanCache(model, spec, page_size=PAGE, max_seq_len=256, **kw)
+    cache.pool.storage.fill_(0xFF)
+    return cache
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
@@ -85,7 +92,7 @@ IDS = ["full", "leankv-noprune", "leankv-prune", "leankv-1tier", "h2o", "streami
 @pytest.mark.parametrize("spec,kw", CONFIGS, ids=IDS)
 def test_table_stays_tight_and_nothing_leaks(model, spec, kw):
     ids, mask = prompt()
-    cache = LeanCache(model, spec, page_size=PAGE, max_seq_len=256, **kw)
+    cache = make_cache(model, spec, **kw)
     forward_steps(model, cache, ids, mask, decode=5, chunk=20)
     report = cache.memory_report()
     assert report["kv_bytes"] == report["pages_used"] * PAGE
@@ -102,7 +109,7 @@ def test_pruning_uses_fewer_pages_than_no_pruning(model):
     ids, mask = prompt(batch=1, n=160)
     used = {}
     for tl in (0.0, 0.1):
-        cache = LeanCache(model, "K8V4-K4V2", th=0.3, tl=tl, window=16, page_size=PAGE, max_seq_len=256)
+        cache = make_cache(model, "K8V4-K4V2", th=0.3, tl=tl, window=16)
         forward_steps(model, cache, ids, mask, decode=3)
         r = cache.memory_report()
         used[tl] = r["pages_used"]
@@ -116,8 +123,8 @@ def test_pruning_uses_fewer_pages_than_no_pruning(model):
 def test_prompt_recycles_pages_right_after_each_layer(model):
     """The conservative all-high prompt allocation shrinks as each layer is classified."""
     ids, mask = prompt(batch=1, n=160)
-    full = LeanCache(model, "K8V4", page_size=PAGE, max_seq_len=256)
-    lean = LeanCache(model, "K8V4-K4V2", th=0.5, tl=0.05, window=16, page_size=PAGE, max_seq_len=256)
+    full = make_cache(model, "K8V4")
+    lean = make_cache(model, "K8V4-K4V2", th=0.5, tl=0.05, window=16)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=full)
         model(input_ids=ids, attention_mask=mask, past_key_values=lean)
@@ -149,7 +156,7 @@ def test_page_calls_are_batched(model, monkeypatch):
 
         monkeypatch.setattr(owner, meth, counted)
     ids, mask = prompt(batch=2, n=90)
-    cache = LeanCache(model, "K8V4-K4V2", th=0.3, tl=0.05, window=16, page_size=PAGE, max_seq_len=256)
+    cache = make_cache(model, "K8V4-K4V2", th=0.3, tl=0.05, window=16)
     pos = (mask.cumsum(1) - 1).clamp_min(0)
     layers = model.config.num_hidden_layers
     with torch.no_grad():
@@ -172,7 +179,7 @@ def test_leankv_without_compression_is_uniform_high_precision(model):
     ids, mask = prompt()
     outs = []
     for spec, kw in (("K8V4", {}), ("K8V4-K4V2", dict(th=0.0, tl=0.0, window=8))):
-        cache = LeanCache(model, spec, page_size=PAGE, max_seq_len=256, **kw)
+        cache = make_cache(model, spec, **kw)
         with torch.no_grad():
             g = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
                                do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -183,7 +190,7 @@ def test_leankv_without_compression_is_uniform_high_precision(model):
 
 def test_h2o_same_budget_for_every_head(model):
     ids, mask = prompt(batch=1, n=100)
-    cache = LeanCache(model, "K8V4", policy="h2o", budget=0.25, page_size=PAGE, max_seq_len=256)
+    cache = make_cache(model, "K8V4", policy="h2o", budget=0.25)
     forward_steps(model, cache, ids, mask, decode=4)
     lens = cache.table.lens[HIGH, :, 0]
     n = 100 + 4
@@ -192,7 +199,7 @@ def test_h2o_same_budget_for_every_head(model):
 
 def test_streaming_keeps_sinks_and_window(model):
     ids, mask = prompt(batch=1, n=100)
-    cache = LeanCache(model, "FP16", policy="streaming", window=12, sink=3, page_size=PAGE, max_seq_len=256)
+    cache = make_cache(model, "FP16", policy="streaming", window=12, sink=3)
     forward_steps(model, cache, ids, mask, decode=4)
     from leankit.policy import read_tier_meta
 
@@ -204,9 +211,20 @@ def test_streaming_keeps_sinks_and_window(model):
 
 def test_beam_search_with_leankv(model):
     ids, mask = prompt(batch=1, n=60)
-    cache = LeanCache(model, "K8V4-K4V2", th=0.3, tl=0.05, window=8, page_size=PAGE, max_seq_len=256)
+    cache = make_cache(model, "K8V4-K4V2", th=0.3, tl=0.05, window=8)
     with torch.no_grad():
         out = model.generate(input_ids=ids.expand(2, -1), attention_mask=mask.expand(2, -1), past_key_values=cache,
                              max_new_tokens=5, do_sample=False, num_beams=2, num_return_sequences=1)
     assert out.shape[1] == 65
     check_table(cache)
+
+
+@pytest.mark.parametrize("th", [0.6, 0.95])
+def test_relabel_with_tight_rows(model, th):
+    """Rows barely longer than the prompt: the high pages handed to the low side overlap the
+    columns they land in, and most tokens go low."""
+    ids, mask = prompt(batch=2, n=160)
+    cache = LeanCache(model, "K8V4-K4V2", th=th, tl=0.0, window=8, page_size=PAGE, max_seq_len=170)
+    cache.pool.storage.fill_(0xFF)
+    forward_steps(model, cache, ids, mask, decode=4)
+    assert cache.memory_report()["tokens_per_tier"]["low"] > cache.memory_report()["tokens_per_tier"]["high"]

@@ -30,6 +30,7 @@ class Driver:
 
     def __init__(self, cache: LeanCache, hq: int, hkv: int, seed: int = 0):
         self.cache, self.hq, self.hkv = cache, hq, hkv
+        cache.pool.storage.fill_(0xFF)  # dead slots read as NaN scores / -1 positions: must not matter
         self.gen = torch.Generator().manual_seed(seed)
         self.orig: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.worst = 0.0

@@ -17,7 +17,9 @@ def _cache(hq=4, hkv=2):
                       num_attention_heads=hq, num_key_value_heads=hkv, head_dim=F, max_position_embeddings=256)
     model = LlamaForCausalLM(cfg).eval()
     # Two unquantized tiers and thresholds 0: nothing moves, so scores can be compared exactly.
-    return LeanCache(model, "FP16-FP16", th=0.0, tl=0.0, window=4, page_size=512, max_seq_len=128)
+    cache = LeanCache(model, "FP16-FP16", th=0.0, tl=0.0, window=4, page_size=512, max_seq_len=128)
+    cache.pool.storage.fill_(0xFF)  # stale bytes are NaN patterns: they must never leak into scores
+    return cache
 
 
 def _dense_probs(q, k, q_pos, k_pos, keep):

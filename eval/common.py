@@ -1,0 +1,49 @@
+"""Shared helpers for the evaluation scripts: config strings, timing, result files."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from leankit.config import KVConfig
+
+
+def parse_config(text: str) -> tuple[str, dict]:
+    """``"K8V4-K4V2:th=0.2,tl=0"`` -> ``("K8V4-K4V2", {"th": 0.2, "tl": 0.0})`` (validated)."""
+    spec, _, rest = text.partition(":")
+    kw: dict = {}
+    for item in filter(None, rest.split(",")):
+        key, _, val = item.partition("=")
+        key = key.strip()
+        if key in ("policy",):
+            kw[key] = val.strip()
+        elif key in ("window", "sink", "page_size", "group_size"):
+            kw[key] = int(val)
+        else:
+            kw[key] = float(val)
+    KVConfig.parse(spec, **kw)  # fail early on a bad config
+    return spec, kw
+
+
+def label(spec: str, kw: dict) -> str:
+    """Readable name of a config with its overrides."""
+    return spec + ("" if not kw else ":" + ",".join(f"{k}={v}" for k, v in kw.items()))
+
+
+class Timer:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    """Write results (if a path is given), creating the parent directory."""
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=2))

@@ -1,0 +1,118 @@
+"""Perplexity through a compressing LeanCache on real English Wikipedia text.
+
+Protocol (per document and config, fresh cache each time):
+
+1. prefill the first ``--context`` tokens (BOS + article text) with explicit positions; the
+   prompt-phase compression runs right after each layer's attention;
+2. score the continuation in chunks of ``--chunk`` tokens (at most 64), each fed with explicit
+   ``position_ids``; before each chunk the cache compresses (LeanKV's generation phase places
+   the tokens that leave the recent window; H2O/StreamingLLM evict after each step);
+3. perplexity = exp(mean NLL) over all scored tokens of all documents. The memory numbers come
+   from ``LeanCache.memory_report()`` after the last chunk: ``ratio = kv_bytes / fp16_bytes`` where
+   ``fp16_bytes`` is what an fp16 ``DynamicCache`` holds for the same tokens.
+
+Example::
+
+    python -m eval.perplexity --docs 4 --context 2048 --chunks 4 \\
+        --config FP16 --config "K8V4-K4V2:th=0.5,tl=0" --out out/ppl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+from leankit.cache import LeanCache
+from leankit.data import wiki_articles
+
+from .common import Timer, label, parse_config, write_json
+from .model import load_smollm2
+
+
+def documents(tok, n_docs: int, need: int, skip: int = 0) -> list[torch.Tensor]:
+    """Token ids (BOS first) of the first ``n_docs`` Wikipedia articles with at least ``need`` tokens."""
+    out = []
+    for _, text in wiki_articles()[skip:]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) + 1 >= need:
+            out.append(torch.tensor([tok.bos_token_id] + ids[: need - 1]))
+        if len(out) == n_docs:
+            break
+    if len(out) < n_docs:
+        raise RuntimeError(f"only {len(out)} articles have {need} tokens")
+    return out
+
+
+@torch.no_grad()
+def score_document(model, ids: torch.Tensor, spec: str, kw: dict, context: int, chunk: int, chunks: int):
+    """``(nll_sum, n_scored, memory_report)`` of one document under one KV config."""
+    cache = LeanCache(model, spec, max_seq_len=context + chunk * chunks + 8, **kw)
+    x = ids.view(1, -1)
+    pos = torch.arange(x.shape[1]).view(1, -1)
+    out = model(input_ids=x[:, :context], position_ids=pos[:, :context], past_key_values=cache, logits_to_keep=1)
+    logits = [out.logits[:, -1:]]
+    for i in range(chunks):
+        a, b = context + i * chunk, context + (i + 1) * chunk
+        out = model(input_ids=x[:, a:b], position_ids=pos[:, a:b], past_key_values=cache)
+        logits.append(out.logits if i < chunks - 1 else out.logits[:, :-1])
+    logits = torch.cat(logits, 1)[0].float()
+    target = x[0, context: context + chunk * chunks]
+    nll = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
+    return float(nll), int(target.numel()), cache.memory_report()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", action="append", required=True,
+                    help='KV config with overrides, e.g. "K8V4-K4V2:th=0.5,tl=0" (repeatable)')
+    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--skip", type=int, default=0, help="skip this many articles first")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.chunk > 64:
+        ap.error("--chunk must be at most 64")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs = [parse_config(c) for c in args.config]
+    model, tok = load_smollm2()
+    docs = documents(tok, args.docs, args.context + args.chunk * args.chunks + 1, args.skip)
+    results = []
+    for spec, kw in configs:
+        nll = n = 0
+        reports = []
+        with Timer() as t:
+            for ids in docs:
+                a, b, rep = score_document(model, ids, spec, kw, args.context, args.chunk, args.chunks)
+                nll, n = nll + a, n + b
+                reports.append(rep)
+        ratio = sum(r["kv_bytes"] for r in reports) / sum(r["fp16_bytes"] for r in reports)
+        tiers = {k: sum(r["tokens_per_tier"][k] for r in reports) for k in ("high", "low", "pruned")}
+        tot = sum(tiers.values())
+        row = {"config": label(spec, kw), "ppl": math.exp(nll / n), "nll": nll / n, "tokens": n,
+               "kv_ratio": ratio, "pages_used": [r["pages_used"] for r in reports],
+               "kv_bytes": [r["kv_bytes"] for r in reports],
+               "tier_fraction": {k: v / tot for k, v in tiers.items()}, "seconds": t.seconds}
+        results.append(row)
+        print(f"{row['config']:<44} ppl {row['ppl']:8.4f}  kv/fp16 {ratio:6.3f}  "
+              f"high/low/pruned {tiers['high'] / tot:.2f}/{tiers['low'] / tot:.2f}/{tiers['pruned'] / tot:.2f}  "
+              f"pages {sum(row['pages_used'])}  ({t.seconds:.0f}s)", flush=True)
+    base = next((r for r in results if r["config"] == "FP16"), None)
+    if base:
+        for r in results:
+            r["ppl_vs_fp16"] = r["ppl"] / base["ppl"] - 1
+        print("relative to FP16: " + ", ".join(f"{r['config']}: {100 * r['ppl_vs_fp16']:+.2f}%" for r in results))
+    payload = {"args": vars(args), "torch_threads": torch.get_num_threads(), "results": results,
+               "cmd": "python -m eval.perplexity " + " ".join(os.sys.argv[1:] if argv is None else argv)}
+    write_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
