@@ -214,8 +214,10 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
     """Attention probability each stored token received from this step's queries (LeanKV §4).
 
     A second pass over the pages that reuses the log-sum-exp ``lse`` ``[B, Hkv, G*Q]`` saved by
-    :func:`paged_attention_ref`. Queries are processed ``query_chunk`` at a time and keys a tile
-    at a time, so no ``Q x N`` probability matrix is ever held (only ``query_chunk x tile``).
+    :func:`paged_attention_ref`. Keys are read a tile at a time (keys only: values are not
+    needed) and queries ``query_chunk`` at a time, so no ``Q x N`` probability matrix is ever
+    held (only ``query_chunk x tile``); a (query chunk, tile) pair whose keys all lie after the
+    chunk's last query is skipped (causality).
 
     Args:
         q_valid: bool ``[B, Q]``; queries where it is false (padding) contribute nothing.
@@ -232,24 +234,35 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
     if q_valid is not None:
         live_all = live_all & q_valid.view(b, 1, 1, nq)
     lse_all = lse.view(b, hkv, g, nq)
-    totals: list[torch.Tensor | None] = [None for _ in kv.layouts]
+    qpos_all = q_pos.to(torch.int32)
+    chunks = []
     for q0 in range(0, nq, query_chunk):
         q1 = min(nq, q0 + query_chunk)
         nqc = q1 - q0
-        qg = _grouped_queries(q[:, :, q0:q1].float(), hkv)
-        qp = q_pos[:, q0:q1].to(torch.int32).view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, g * nqc)
         live = live_all[..., q0:q1].reshape(b, hkv, g * nqc)
+        if not bool(live.any()):
+            continue
+        qg = _grouped_queries(q[:, :, q0:q1].float(), hkv)
+        qp = qpos_all[:, q0:q1].view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, g * nqc)
         lse_c = lse_all[..., q0:q1].reshape(b, hkv, g * nqc)
         lse_safe = torch.where(live, lse_c, torch.zeros_like(lse_c))
-        parts: list[list[torch.Tensor]] = [[] for _ in kv.layouts]
-        for tier, k, _, pos, valid, _ in iter_tiles(kv, chunk_pages):
-            s = torch.matmul(qg, k.transpose(-1, -2)) * scale
-            visible = valid.unsqueeze(2) & (pos.unsqueeze(2) <= qp.unsqueeze(-1)) & live.unsqueeze(-1)
-            p = torch.where(visible, torch.exp(s - lse_safe.unsqueeze(-1)), torch.zeros_like(s))
-            parts[tier].append(p.sum(2) / g)
-        for tier, chunks in enumerate(parts):
-            if chunks:
-                part = torch.cat(chunks, dim=-1)
-                totals[tier] = part if totals[tier] is None else totals[tier] + part
-    return [t if t is not None else torch.zeros(b, hkv, 0, device=q.device) for t in totals]
-
+        q_max = int(torch.where(live, qp, torch.full_like(qp, -(1 << 30))).max())
+        chunks.append((qg, qp, live, lse_safe, q_max))
+    out = []
+    for tier, layout in enumerate(kv.layouts):
+        n_pages = kv.table.n_pages[tier, kv.layer]
+        total = int(n_pages.max()) if n_pages.numel() else 0
+        acc = torch.zeros(b, hkv, total * layout.tokens, device=q.device)
+        for start in range(0, total, chunk_pages):
+            tile = Tile(kv, tier, start, min(chunk_pages, total - start))
+            k_min = int(torch.where(tile.valid, tile.pos, torch.full_like(tile.pos, 1 << 30)).min())
+            lo, hi = start * layout.tokens, start * layout.tokens + tile.pos.shape[-1]
+            for qg, qp, live, lse_safe, q_max in chunks:
+                if k_min > q_max:
+                    continue
+                s = tile.scores(qg) * scale
+                visible = tile.valid.unsqueeze(2) & (tile.pos.unsqueeze(2) <= qp.unsqueeze(-1)) & live.unsqueeze(-1)
+                p = torch.exp((s - lse_safe.unsqueeze(-1)).masked_fill(~visible, float("-inf")))
+                acc[..., lo:hi] += p.sum(2)
+        out.append(acc / g)
+    return out
