@@ -110,8 +110,10 @@ class LeanCache(Cache):
             pool raises :class:`PoolExhausted` when it runs out.
         max_seq_len: longest sequence a row must hold (default: the model's
             ``max_position_embeddings``); sizes the page-table rows.
-        eos_token_id: id(s) that end a request; when a row's previous token is one of them during
-            decoding, its pages return to the free list. Defaults to the model's generation config.
+        eos_token_id: id(s) that end a request. When given, a row whose previous token is one of
+            them during decoding is finished and its pages return to the free list at once. Pass
+            the same ids ``generate`` stops on (``generate`` keeps feeding a finished row, so the
+            cache must not guess). Without it, pages return on :meth:`release` or :meth:`reset`.
         **overrides: :class:`KVConfig` overrides (``window``, ``th``, ``tl``, ``page_size`` ...).
     """
 
@@ -139,8 +141,7 @@ class LeanCache(Cache):
         self.finished: torch.Tensor | None = None
         self._seen = 0
         self._step: StepState | None = None
-        if eos_token_id is None:
-            eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self._peak = (0, 0)  # (kv_bytes, fp16_bytes) at the step that used the most pages
         eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         self.eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
         from .policy import make_policy  # the placement policy of this config
@@ -191,6 +192,9 @@ class LeanCache(Cache):
             self.policy.end_step(self._step)
             self._seen += self._step.q_len
             self._step = None
+            used = self.free_list.capacity - self.free_list.num_free
+            if used * self.cfg.page_size >= self._peak[0]:
+                self._peak = (used * self.cfg.page_size, self._fp16_bytes())
 
     def grow_pages(self, extra: torch.Tensor) -> None:
         """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool."""
@@ -324,7 +328,8 @@ class LeanCache(Cache):
         use), ``fp16_bytes`` (what an fp16 DynamicCache holds for the same real tokens),
         ``ratio`` (= kv_bytes / fp16_bytes), ``tokens_per_tier`` (``high``/``low``/``pruned``
         summed over layers, sequences and heads), ``table_bytes`` (page-table metadata),
-        ``pool_bytes`` and ``config``.
+        ``pool_bytes``, ``config``, and ``peak_kv_bytes``/``peak_ratio`` (at the step that used
+        the most pages, so finished requests that already returned their pages still show).
         """
         pages_used = self.free_list.capacity - self.free_list.num_free
         kv_bytes = pages_used * self.cfg.page_size
@@ -334,7 +339,7 @@ class LeanCache(Cache):
             high = int(self.table.lens[HIGH].sum())
             low = int(self.table.lens[LOW].sum())
             logical = int(self.policy.logical_tokens().sum()) * self.num_layers * self.num_kv_heads
-        fp16 = logical * fp16_token_bytes(self.head_dim)
+        fp16 = self._fp16_bytes()
         return {
             "config": str(self.cfg),
             "pages_used": pages_used,
@@ -346,4 +351,13 @@ class LeanCache(Cache):
             "tokens_per_tier": {"high": high, "low": low, "pruned": max(logical - high - low, 0)},
             "table_bytes": self.table.nbytes() if self.table is not None else 0,
             "pool_bytes": self.pool.num_pages * self.cfg.page_size,
+            "peak_kv_bytes": self._peak[0],
+            "peak_ratio": self._peak[0] / self._peak[1] if self._peak[1] else float("nan"),
         }
+
+    def _fp16_bytes(self) -> int:
+        """Bytes an fp16 DynamicCache would hold for the live rows' real tokens."""
+        if self.table is None:
+            return 0
+        logical = int(self.policy.logical_tokens().sum()) * self.num_layers * self.num_kv_heads
+        return logical * fp16_token_bytes(self.head_dim)

@@ -20,10 +20,9 @@ def _fmt_bytes(n: float) -> str:
 
 def memory_line(report: dict) -> str:
     """One human line summarizing :meth:`LeanCache.memory_report`."""
-    tiers = report["tokens_per_tier"]
-    return (f"[leankit] KV {report['config']}: {_fmt_bytes(report['kv_bytes'])} in {report['pages_used']} pages "
-            f"of {report['page_size']} B vs fp16 {_fmt_bytes(report['fp16_bytes'])} "
-            f"(ratio {report['ratio']:.3f}); tokens high/low/pruned = {tiers['high']}/{tiers['low']}/{tiers['pruned']}")
+    return (f"[leankit] KV {report['config']}: peak {_fmt_bytes(report['peak_kv_bytes'])} of pages "
+            f"({report['page_size']} B each), {report['peak_ratio']:.3f}x an fp16 cache of the same tokens; "
+            f"now {report['pages_used']} pages in use")
 
 
 def cmd_generate(args) -> int:
@@ -40,7 +39,7 @@ def cmd_generate(args) -> int:
                    for p in prompts]
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not args.chat)
-    cache = leankit.LeanCache(model, cfg)
+    cache = leankit.LeanCache(model, cfg, eos_token_id=model.generation_config.eos_token_id)
     gen_kwargs = dict(max_new_tokens=args.max_new_tokens, past_key_values=cache, pad_token_id=tok.pad_token_id)
     if args.sample:
         torch.manual_seed(args.seed)
@@ -49,7 +48,7 @@ def cmd_generate(args) -> int:
         gen_kwargs.update(do_sample=False)
     with torch.no_grad():
         out = model.generate(**enc, **gen_kwargs)
-    report = cache.memory_report()  # before finishing: the pages of live requests
+    report = cache.memory_report()  # rows that hit EOS have already returned their pages
     for row in out[:, enc.input_ids.shape[1]:]:
         print(tok.decode(row, skip_special_tokens=True).strip())
         print("---" if len(prompts) > 1 else "", end="\n" if len(prompts) > 1 else "")

@@ -1,0 +1,63 @@
+"""The real SmolLM2-135M (GQA 9q/3kv, head_dim 64) through LeanCache. Marked slow."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from leankit import LeanCache
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "List three benefits of regular exercise:\n1.",
+]
+
+LONG_TEXT = (
+    "The Industrial Revolution, which began in Great Britain in the late eighteenth century, transformed the way "
+    "goods were produced. Machines driven by water and later by steam replaced much of the work once done by hand. "
+    "Textile mills grew in the north of England, canals and then railways carried coal and cotton across the country, "
+    "and cities such as Manchester and Birmingham expanded rapidly as workers moved from the countryside. "
+)
+
+
+def _gen(model, tok, prompts, cache_factory, max_new_tokens=64):
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**enc, past_key_values=cache_factory(), do_sample=False, max_new_tokens=max_new_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=None)
+    return out[:, enc.input_ids.shape[1]:]
+
+
+def test_fp16_identical_to_dynamic_cache_batched_and_alone(smollm2):
+    model, tok = smollm2
+    ref = _gen(model, tok, PROMPTS, lambda: DynamicCache(config=model.config))
+    batched = _gen(model, tok, PROMPTS, lambda: LeanCache(model, "FP16"))
+    assert torch.equal(batched, ref)
+    for i, p in enumerate(PROMPTS):
+        alone = _gen(model, tok, [p], lambda: LeanCache(model, "FP16"))
+        assert torch.equal(alone[0], ref[i])
+
+
+@pytest.mark.parametrize("spec,bound", [("K8V4", 0.45), ("K4V2", 0.27)])
+def test_compression_ratio_at_1k_context(smollm2, spec, bound):
+    model, tok = smollm2
+    ids = tok(LONG_TEXT * 20, return_tensors="pt").input_ids[:, :1024]
+    assert ids.shape[1] == 1024
+    cache = LeanCache(model, spec)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             do_sample=False, max_new_tokens=16, pad_token_id=tok.pad_token_id, eos_token_id=None)
+    rep = cache.memory_report()
+    assert rep["kv_bytes"] == rep["pages_used"] * 2048
+    assert rep["ratio"] <= bound, rep
+    # The continuation stays on topic: the greedy tokens of the quantized cache agree with the
+    # exact cache on most of the first 16 positions.
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                             pad_token_id=tok.pad_token_id, eos_token_id=None)
+    agree = (out[0, 1024:] == ref[0, 1024:]).float().mean().item()
+    assert agree >= (0.5 if spec == "K8V4" else 0.25), (spec, agree, tok.decode(out[0, 1024:]))
