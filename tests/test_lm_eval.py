@@ -1,0 +1,56 @@
+"""lm-eval integration: a local task scored through a compressing LeanCache (SmolLM2; slow)."""
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Egypt", "Cairo"), ("Spain", "Madrid"),
+            ("Germany", "Berlin")]
+
+
+def test_score_matches_full_forward_when_lossless(smollm2):
+    from eval.lm_eval_leankit import LeanKitLM
+
+    model, tok = smollm2
+    lm = LeanKitLM(pretrained=model, tokenizer=tok, kv="FP16", chunk=3, batch_size=1)
+    ctx = tok("The capital of France is", add_special_tokens=False).input_ids
+    cont = tok(" Paris, a city on the Seine.", add_special_tokens=False).input_ids
+    got, _ = lm.score(ctx, cont)
+    with torch.no_grad():
+        logits = model(torch.tensor([ctx + cont])).logits[0].float().log_softmax(-1)
+    want = float(sum(logits[len(ctx) - 1 + i, t] for i, t in enumerate(cont)))
+    assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_local_task_through_cache(smollm2, tmp_path):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from eval.lm_eval_leankit import LeanKitLM
+
+    model, tok = smollm2
+    data = tmp_path / "capitals.jsonl"
+    data.write_text("\n".join(json.dumps({"country": c, "capital": k, "choices": [k2 for _, k2 in CAPITALS],
+                                          "label": i}) for i, (c, k) in enumerate(CAPITALS)))
+    (tmp_path / "capitals.yaml").write_text(
+        "task: leankit_capitals\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: 'The capital of {{country}} is'\n"
+        "doc_to_choice: '{{choices}}'\n"
+        "doc_to_target: label\n"
+        "target_delimiter: ' '\n"
+        "metric_list:\n  - metric: acc\n")
+    tm = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    accs = {}
+    for kv in ("FP16", "K8V4"):
+        lm = LeanKitLM(pretrained=model, tokenizer=tok, kv=kv, batch_size=1)
+        res = lm_eval.simple_evaluate(model=lm, tasks=["leankit_capitals"], task_manager=tm)
+        accs[kv] = res["results"]["leankit_capitals"]["acc,none"]
+    assert accs["FP16"] >= 4 / 6  # SmolLM2 knows most of these capitals
+    assert accs["K8V4"] >= accs["FP16"] - 1 / 6
