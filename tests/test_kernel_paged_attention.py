@@ -11,24 +11,14 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton / leankit_kernels are impo
 
 import pytest
 import torch
-from leankit_kernels import tiles
+from leankit_kernels import testing
 from leankit_kernels.paged_attention import paged_attention, received_attention, score_update_ref
 from leankit_kernels.prefill_attention import prefill_attention
-from leankit_kernels.testing import (
-    assert_close_normwise,
-    build_paged_kv,
-    fresh_generator,
-    random_queries,
-)
 
 from leankit.attention import paged_attention_ref, received_attention_ref
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(tiles, "POISON", True)
+_poison = pytest.fixture(autouse=True)(testing.poison_outputs)
 
 
 # spec, dtype, kv heads, GQA ratio, context per sequence, splits, group size, prune fraction, pool fill
@@ -47,35 +37,24 @@ DECODE_CASES = [
 ]
 
 
-def _ids(c):
-    return f"{c[0]}-{str(c[1])[6:]}-h{c[2]}g{c[3]}-ctx{'_'.join(map(str, c[4]))}-s{c[5]}"
-
-
-@pytest.mark.parametrize("case", DECODE_CASES, ids=_ids)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"{testing.case_id(*c[:5])}-s{c[5]}")
 def test_decode_matches_reference(case):
     spec, dtype, hkv, g, ctx, splits, gs, prune, fill = case
-    gen, seed = fresh_generator()
-    fc = build_paged_kv(spec, len(ctx), hkv, 64, torch.tensor(ctx), dtype=dtype, prune_frac=prune, group_size=gs,
-                        generator=gen, fill=fill)
-    q, q_pos = random_queries(len(ctx), hkv * g, 1, 64, fc.ctx, dtype=dtype, generator=gen)
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, 1, dtype=dtype, prune_frac=prune,
+                                          group_size=gs, fill=fill)
     out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=splits)
-    ref_out, ref_lse = paged_attention_ref(q, fc.kv, q_pos, 0.125)
-    assert out.dtype == dtype and out.shape == ref_out.shape and lse.shape == ref_lse.shape
-    assert_close_normwise(out, ref_out, dtype, f"out (seed {seed})")
-    assert_close_normwise(lse, ref_lse, dtype, f"lse (seed {seed})")
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
 
 
 def test_decode_query_that_sees_nothing_and_empty_cache():
-    gen, seed = fresh_generator()
-    fc = build_paged_kv("K8V4-K4V2", 2, 3, 64, torch.tensor([40, 9]), generator=gen)
-    q, q_pos = random_queries(2, 6, 1, 64, fc.ctx, generator=gen)
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [40, 9], 3, 2, 1)
     q_pos[1] = -1  # before every stored key
     out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
-    ref_out, ref_lse = paged_attention_ref(q, fc.kv, q_pos, 0.125)
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isinf(lse[1]).all()
-    assert_close_normwise(out, ref_out, F32, f"seed {seed}")
-    assert_close_normwise(lse, ref_lse, F32, f"seed {seed}")
-    empty = build_paged_kv("K8V4", 2, 3, 64, torch.tensor([0, 0]), generator=gen)
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+    empty = testing.build_paged_kv("K8V4", 2, 3, 64, torch.tensor([0, 0]), generator=gen)
     out, lse = paged_attention(q, empty.kv, q_pos, 0.125)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
 
@@ -83,10 +62,8 @@ def test_decode_query_that_sees_nothing_and_empty_cache():
 @pytest.mark.parametrize("spec,g,ctx,splits", [("K8V4-K4V2", 3, [65, 33], None), ("K4V2", 7, [63], 3),
                                                ("K8V4-K4V2", 1, [257, 7, 1], 1)])
 def test_fused_score_update_matches_reference(spec, g, ctx, splits):
-    gen, seed = fresh_generator()
-    hkv = 3
-    fc = build_paged_kv(spec, len(ctx), hkv, 64, torch.tensor(ctx), prune_frac=0.1, generator=gen)
-    q, q_pos = random_queries(len(ctx), hkv * g, 1, 64, fc.ctx, generator=gen)
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, 3, g, 1, prune_frac=0.1)
     if len(ctx) > 1:
         q_pos[1] -= 4  # some stored keys lie in this query's future: they must keep their score
     q_valid = torch.ones(len(ctx), 1, dtype=torch.bool)
@@ -121,21 +98,16 @@ def test_fused_score_update_matches_reference(spec, g, ctx, splits):
 @pytest.mark.parametrize("spec,dtype,g,ctx", [("K8V4-K4V2", F32, 3, [65, 7]), ("FP16", F16, 7, [63]),
                                               ("K4V2", F32, 1, [257])])
 def test_received_attention_decode_matches_reference(spec, dtype, g, ctx):
-    gen, seed = fresh_generator()
-    fc = build_paged_kv(spec, len(ctx), 3, 64, torch.tensor(ctx), dtype=dtype, prune_frac=0.1, generator=gen)
-    q, q_pos = random_queries(len(ctx), 3 * g, 1, 64, fc.ctx, dtype=dtype, generator=gen)
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, 3, g, 1, dtype=dtype, prune_frac=0.1)
     _, lse = paged_attention_ref(q, fc.kv, q_pos, 0.125)
     got = received_attention(q, fc.kv, q_pos, 0.125, lse)
     ref = received_attention_ref(q, fc.kv, q_pos, 0.125, lse)
-    assert len(got) == len(ref)
-    for a, e in zip(got, ref):
-        assert_close_normwise(a, e, dtype, f"received (seed {seed})")
+    testing.assert_all_close_normwise(got, ref, dtype, f"received (seed {seed})")
 
 
 def test_multi_query_routes_to_prefill():
-    gen, _seed = fresh_generator()
-    fc = build_paged_kv("K8V4-K4V2", 1, 3, 64, torch.tensor([20]), generator=gen)
-    q, q_pos = random_queries(1, 9, 5, 64, fc.ctx, generator=gen)
+    fc, q, q_pos = testing.attention_case(testing.fresh_generator()[0], "K8V4-K4V2", [20], 3, 3, 5)
     a = paged_attention(q, fc.kv, q_pos, 0.125)
     b = prefill_attention(q, fc.kv, q_pos, 0.125)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

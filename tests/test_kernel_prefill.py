@@ -6,23 +6,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton / leankit_kernels are impo
 
 import pytest
 import torch
-from leankit_kernels import tiles
+from leankit_kernels import testing
 from leankit_kernels.prefill_attention import prefill_attention, received_attention
-from leankit_kernels.testing import (
-    assert_close_normwise,
-    build_paged_kv,
-    fresh_generator,
-    random_queries,
-)
 
 from leankit.attention import paged_attention_ref, received_attention_ref
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(tiles, "POISON", True)
+_poison = pytest.fixture(autouse=True)(testing.poison_outputs)
 
 
 # spec, dtype, kv heads, GQA ratio, context per sequence, new queries Q, prune fraction
@@ -39,46 +29,31 @@ PREFILL_CASES = [
 ]
 
 
-def _ids(c):
-    return f"{c[0]}-{str(c[1])[6:]}-h{c[2]}g{c[3]}-ctx{'_'.join(map(str, c[4]))}-q{c[5]}"
-
-
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=_ids)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"{testing.case_id(*c[:5])}-q{c[5]}")
 def test_prefill_matches_reference(case):
     spec, dtype, hkv, g, ctx, nq, prune = case
-    gen, seed = fresh_generator()
-    fc = build_paged_kv(spec, len(ctx), hkv, 64, torch.tensor(ctx), dtype=dtype, prune_frac=prune, generator=gen)
-    q, q_pos = random_queries(len(ctx), hkv * g, nq, 64, fc.ctx, dtype=dtype, generator=gen)
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, nq, dtype=dtype, prune_frac=prune)
     q_valid = q_pos >= 0
     out, lse, sig = prefill_attention(q, fc.kv, q_pos, 0.125, q_valid=q_valid, return_significance=True)
-    ref_out, ref_lse = paged_attention_ref(q, fc.kv, q_pos, 0.125)
-    assert out.shape == ref_out.shape and out.dtype == dtype and lse.shape == ref_lse.shape
-    assert_close_normwise(out, ref_out, dtype, f"out (seed {seed})")
-    assert_close_normwise(lse, ref_lse, dtype, f"lse (seed {seed})")
+    ref_lse = testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
     ref_sig = received_attention_ref(q, fc.kv, q_pos, 0.125, ref_lse, q_valid)
-    assert len(sig) == len(ref_sig)
-    for a, e in zip(sig, ref_sig):
-        assert_close_normwise(a, e, dtype, f"significance (seed {seed})")
+    testing.assert_all_close_normwise(sig, ref_sig, dtype, f"significance (seed {seed})")
 
 
 def test_significance_ignores_padding_queries():
-    gen, seed = fresh_generator()
-    fc = build_paged_kv("K8V4-K4V2", 2, 3, 64, torch.tensor([33, 20]), generator=gen)
-    q, q_pos = random_queries(2, 9, 13, 64, fc.ctx, generator=gen)
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [33, 20], 3, 3, 13)
     q_valid = torch.rand(2, 13, generator=gen) > 0.3
     _, lse = paged_attention_ref(q, fc.kv, q_pos, 0.125)
     got = received_attention(q, fc.kv, q_pos, 0.125, lse, q_valid, block_m=16, block_n=16)
     ref = received_attention_ref(q, fc.kv, q_pos, 0.125, lse, q_valid)
-    for a, e in zip(got, ref):
-        assert_close_normwise(a, e, F32, f"seed {seed}")
+    testing.assert_all_close_normwise(got, ref, F32, f"seed {seed}")
 
 
 def test_prefill_small_blocks():
     """Block shapes other than the defaults (tiles straddling many pages, many row blocks)."""
-    gen, seed = fresh_generator()
-    fc = build_paged_kv("K8V4-K4V2", 1, 3, 64, torch.tensor([65]), prune_frac=0.1, generator=gen)
-    q, q_pos = random_queries(1, 9, 21, 64, fc.ctx, generator=gen)
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [65], 3, 3, 21, prune_frac=0.1)
     out, lse = prefill_attention(q, fc.kv, q_pos, 0.125, block_m=16, block_n=16)
-    ref_out, ref_lse = paged_attention_ref(q, fc.kv, q_pos, 0.125)
-    assert_close_normwise(out, ref_out, F32, f"seed {seed}")
-    assert_close_normwise(lse, ref_lse, F32, f"seed {seed}")
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")

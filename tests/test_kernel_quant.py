@@ -11,18 +11,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from leankit_kernels import tiles
 from leankit_kernels.quant import dequantize_from_pages, quantize_into_pages
-from leankit_kernels.testing import assert_close_normwise, fresh_generator
+from leankit_kernels.testing import assert_close_normwise, fresh_generator, poison_outputs
 
 from leankit.config import KVConfig
 from leankit.pages import PageLayout, PagePool
 from leankit.quant import NonFiniteKVError
 
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(tiles, "POISON", True)
+_poison = pytest.fixture(autouse=True)(poison_outputs)
 
 
 def _setup(spec, dtype, n, head_dim=64, group_size=None, gen=None):

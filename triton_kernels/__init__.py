@@ -21,8 +21,9 @@ position), addressed through the bidirectional page table of :mod:`leankit.page_
 * :mod:`.page_alloc` -- one-launch page allocation/recycling: exclusive prefix sum
   (``tl.cumsum``) over every (tier, layer, sequence, head) demand against the circular free list,
   writing page ids into the bidirectional table (high from the left, low from the right).
-* :mod:`.tiles` -- shared tile loaders (slot -> page -> bytes, unpack, dequantize) and launcher
-  helpers; :mod:`.testing` -- cache builders and tolerances shared by tests and benchmarks;
+* :mod:`.tiles` -- shared tile loaders (slot -> page -> bytes, unpack, dequantize), the
+  online-softmax steps both attention kernels run, and launcher helpers; :mod:`.testing` -- cache
+  builders and tolerances shared by tests and benchmarks;
   :mod:`.aot` -- ``python -m leankit_kernels.aot``: compile every kernel for sm_80/sm_90 without a
   GPU, report registers / shared memory / spills from ``ptxas -v``, fail on any spill.
 

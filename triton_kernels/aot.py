@@ -99,13 +99,12 @@ def cases() -> list[Case]:
     out.append(Case("decode reduce d128 G4", "paged_attention", "_decode_reduce_kernel",
                     {"part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": "*fp16", "lse_ptr": "*fp32"},
                     {"G": 4, "G_PAD": 16, "F": 128}))
-    hi, lo = _layouts("K8V4-K4V2", "llama3")
+    targs = tier_args(_layouts("K8V4-K4V2", "llama3"))
     out.append(Case("score update K8V4-K4V2", "paged_attention", "_score_update_kernel",
                     {"lg_ptr": "*fp32", "lse_ptr": "*fp32", "qpos_ptr": "*i32", "qvalid_ptr": "*i32", "pool": "*u8",
                          "tab_ptr": "*i32", "len_ptr": "*i32"},
-                    {"G": 4, "G_PAD": 16, "PAGE_SIZE": 4096, "BLOCK_N": 64, "HAS_LOW": True, "H_T": hi.tokens,
-                         "H_SCOFF": hi.offset("score"), "H_POSOFF": hi.offset("position"), "L_T": lo.tokens,
-                         "L_SCOFF": lo.offset("score"), "L_POSOFF": lo.offset("position")}))
+                    {"G": 4, "G_PAD": 16, "PAGE_SIZE": targs["PAGE_SIZE"], "BLOCK_N": 64, "HAS_LOW": True,
+                         "HI": targs["HI"], "LO": targs["LO"]}))
     for spec in ("FP16", "K8V4-K4V2"):
         targs = tier_args(_layouts(spec, "llama3"))
         common = dict(targs, G=4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=tl.float16, PREC="tf32")

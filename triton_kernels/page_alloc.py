@@ -50,39 +50,44 @@ def _carry(d_ptr, c0, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _grow_kernel(extra_ptr, npages_ptr, tables_ptr, ring_ptr, head, cap, N, LBH, R, BLOCK: tl.constexpr):
-    """Hand ``extra[i]`` pages from the ring head to each requester of this block (see module doc)."""
+def _requesters(d_ptr, N, LBH, R, BLOCK: tl.constexpr):
+    """This program's block of requesters ``i``: ``(i, mask, demand d[i], exclusive prefix sum of d at i,
+    tier, int64 offset of the page-table row)``. ``d`` is never written by the kernels, so the carry
+    may read it while other programs update ``n_pages``."""
     c0 = tl.program_id(0) * BLOCK
     i = c0 + tl.arange(0, BLOCK)
     m = i < N
-    d = tl.load(extra_ptr + i, mask=m, other=0)
-    excl = _carry(extra_ptr, c0, BLOCK) + tl.cumsum(d, 0) - d
+    d = tl.load(d_ptr + i, mask=m, other=0)
+    excl = _carry(d_ptr, c0, BLOCK) + tl.cumsum(d, 0) - d
+    return i, m, d, excl, i // LBH, (i % LBH).to(tl.int64) * R
+
+
+@triton.jit
+def _column(tier, n, R):
+    """Table column of a requester's page number ``n``: from the left (high tier) or the right (low)."""
+    return tl.where(tier == 0, n, R - 1 - n)
+
+
+@triton.jit
+def _grow_kernel(extra_ptr, npages_ptr, tables_ptr, ring_ptr, head, cap, N, LBH, R, BLOCK: tl.constexpr):
+    """Hand ``extra[i]`` pages from the ring head to each requester of this block (see module doc)."""
+    i, m, d, excl, tier, row = _requesters(extra_ptr, N, LBH, R, BLOCK)
     npg = tl.load(npages_ptr + i, mask=m, other=0)
-    tier = i // LBH
-    row = (i % LBH).to(tl.int64) * R
     for j in range(tl.max(d, 0)):
         take = m & (j < d)
         pid = tl.load(ring_ptr + (head + excl + j) % cap, mask=take, other=-1)
-        col = tl.where(tier == 0, npg + j, R - 1 - (npg + j))
-        tl.store(tables_ptr + row + col, pid, mask=take)
+        tl.store(tables_ptr + row + _column(tier, npg + j, R), pid, mask=take)
     tl.store(npages_ptr + i, npg + d, mask=m)
 
 
 @triton.jit
 def _shrink_kernel(drop_ptr, npages_ptr, tables_ptr, ring_ptr, tail, cap, N, LBH, R, BLOCK: tl.constexpr):
     """Return each requester's last ``drop[i]`` pages to the ring tail, in prefix-sum order."""
-    c0 = tl.program_id(0) * BLOCK
-    i = c0 + tl.arange(0, BLOCK)
-    m = i < N
-    d = tl.load(drop_ptr + i, mask=m, other=0)
+    i, m, d, excl, tier, row = _requesters(drop_ptr, N, LBH, R, BLOCK)
     keep = tl.load(npages_ptr + i, mask=m, other=0) - d
-    # The carry reads ``drop`` (never written here), not ``n_pages``, which other programs update.
-    excl = _carry(drop_ptr, c0, BLOCK) + tl.cumsum(d, 0) - d
-    tier = i // LBH
-    row = (i % LBH).to(tl.int64) * R
     for j in range(tl.max(d, 0)):
         take = m & (j < d)
-        col = tl.where(tier == 0, keep + j, R - 1 - (keep + j))
+        col = _column(tier, keep + j, R)
         pid = tl.load(tables_ptr + row + col, mask=take, other=-1)
         tl.store(ring_ptr + (tail + excl + j) % cap, pid, mask=take)
         tl.store(tables_ptr + row + col, tl.full([BLOCK], -1, tl.int32), mask=take)

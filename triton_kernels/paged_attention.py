@@ -51,15 +51,18 @@ from . import tiles
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
-    check_head_dim,
     dot_config,
     kernel_for,
-    layer_views,
-    load_positions,
-    load_side,
+    layer_launch,
+    online_softmax_step,
     page_counts,
-    slot_pages,
-    tier_args,
+    program_head,
+    score_ptrs,
+    slot_tile,
+    softmax_init,
+    softmax_lse,
+    softmax_output,
+    tile_logits,
 )
 
 __all__ = ["paged_attention", "received_attention", "score_update_ref"]
@@ -72,31 +75,19 @@ SPLIT_BYTES_RATIO = 16
 
 @triton.jit
 def _decode_tier(m, l, acc, q, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr, LG_N,
-                 LOW: tl.constexpr, T: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                 KOFF: tl.constexpr, KMOFF: tl.constexpr, VOFF: tl.constexpr, VMOFF: tl.constexpr,
-                 POSOFF: tl.constexpr, F: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
+                 LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr, NG: tl.constexpr,
+                 DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
     """Online-softmax accumulation over slots ``[s0, s1)`` of one tier."""
     g = tl.arange(0, G_PAD)
     for start in range(s0, s1, BLOCK_N):
-        slot = start + tl.arange(0, BLOCK_N)
-        valid = slot < s1
-        page, row = slot_pages(tab_row, slot, valid, R, T, LOW)
-        kpos = load_positions(pool, page, row, valid, POSOFF, PAGE_SIZE)
-        k = load_side(pool, page, row, valid, KOFF, KMOFF, KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
-        s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * sm_scale  # base-2 logits
-        s = tl.where((kpos <= qpos)[None, :], s, float("-inf"))
+        slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
+        s = tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F, NG, DENSE, PAGE_SIZE,
+                        BLOCK_N, DOT, PREC)
         if SAVE_LOGITS:
             tl.store(lg_ptr + g[:, None] * LG_N + slot[None, :], s, mask=(g[:, None] < G) & valid[None, :])
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        v = load_side(pool, page, row, valid, VOFF, VMOFF, VBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
-        m = m_new
+        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, NG, DENSE, PAGE_SIZE,
+                                        BLOCK_N, DOT, PREC)
     return m, l, acc
 
 
@@ -106,45 +97,33 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
                    G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, NG: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
                    DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
-                   SAVE_LOGITS: tl.constexpr, DIRECT: tl.constexpr,
-                   H_T: tl.constexpr, H_KBITS: tl.constexpr, H_VBITS: tl.constexpr, H_KOFF: tl.constexpr,
-                   H_KMOFF: tl.constexpr, H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SCOFF: tl.constexpr,
-                   H_POSOFF: tl.constexpr,
-                   L_T: tl.constexpr, L_KBITS: tl.constexpr, L_VBITS: tl.constexpr, L_KOFF: tl.constexpr,
-                   L_KMOFF: tl.constexpr, L_VOFF: tl.constexpr, L_VMOFF: tl.constexpr, L_SCOFF: tl.constexpr,
-                   L_POSOFF: tl.constexpr):
+                   SAVE_LOGITS: tl.constexpr, DIRECT: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
     """One (sequence, KV head, split): high-tier pages of the split, then its low-tier pages."""
-    bh = tl.program_id(0)
+    bh, b, h = program_head(H)
     split = tl.program_id(1)
-    b = bh // H
-    h = bh % H
     g = tl.arange(0, G_PAD)
     f = tl.arange(0, F)
     qpos = tl.load(qpos_ptr + b * stride_pb)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + f[None, :],
                 mask=(g < G)[:, None], other=0.0).to(DOT)
     tab_row = tab_ptr + bh.to(tl.int64) * R
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, F], tl.float32)
+    m, l, acc = softmax_init(G_PAD, F)
     v0 = split * PPS
     v1 = v0 + PPS
     nh = tl.load(np_ptr + bh)
     lh = tl.load(len_ptr + bh)
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
-    m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, tl.minimum(v0, nh) * H_T,
-                             tl.minimum(tl.minimum(v1, nh) * H_T, lh), R, sm_scale, lg_row, LG_N,
-                             False, H_T, H_KBITS, H_VBITS, H_KOFF, H_KMOFF, H_VOFF, H_VMOFF, H_POSOFF,
-                             F, NG, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+    m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, tl.minimum(v0, nh) * HI.T,
+                             tl.minimum(tl.minimum(v1, nh) * HI.T, lh), R, sm_scale, lg_row, LG_N,
+                             False, HI, F, NG, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
         nl = tl.load(np_ptr + stride_tier + bh)
         ll = tl.load(len_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
-        m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, l0 * L_T, tl.minimum(l1 * L_T, ll), R,
+        m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, l0 * LO.T, tl.minimum(l1 * LO.T, ll), R,
                                  sm_scale, lg_row + G * LG_N, LG_N,
-                                 True, L_T, L_KBITS, L_VBITS, L_KOFF, L_KMOFF, L_VOFF, L_VMOFF, L_POSOFF,
-                                 F, NG, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+                                 True, LO, F, NG, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
     gmask = g < G
     if DIRECT:
         _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)
@@ -161,29 +140,22 @@ def _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G: tl.constexpr, G_PAD: tl
     g = tl.arange(0, G_PAD)
     f = tl.arange(0, F)
     gmask = g < G
-    has = l > 0.0
-    out = acc / tl.where(has, l, 1.0)[:, None]
-    out = tl.where(has[:, None], out, 0.0)
     row = (b * H + h) * G + g  # out is [B, 1, Hq, F] and Hq = H * G
+    out = softmax_output(l, acc)
     tl.store(out_ptr + row.to(tl.int64)[:, None] * F + f[None, :], out.to(out_ptr.dtype.element_ty),
              mask=gmask[:, None])
-    lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + bh * G + g, lse, mask=gmask)
+    tl.store(lse_ptr + bh * G + g, softmax_lse(m, l), mask=gmask)
 
 
 @triton.jit
 def _decode_reduce_kernel(part_acc, part_ml, out_ptr, lse_ptr, H, NSPLIT,
                           G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr):
     """Merge the splits of one (sequence, KV head): ``out = sum_s w_s acc_s / sum_s w_s l_s``."""
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
+    bh, b, h = program_head(H)
     g = tl.arange(0, G_PAD)
     f = tl.arange(0, F)
     gmask = g < G
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, F], tl.float32)
+    m, l, acc = softmax_init(G_PAD, F)
     for s in range(NSPLIT):
         base = (bh * NSPLIT + s) * G + g
         ms = tl.load(part_ml + base * 2, mask=gmask, other=float("-inf"))
@@ -201,19 +173,17 @@ def _decode_reduce_kernel(part_acc, part_ml, out_ptr, lse_ptr, H, NSPLIT,
 
 @triton.jit
 def _score_tier(lg_row, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
-                LOW: tl.constexpr, T: tl.constexpr, SCOFF: tl.constexpr, POSOFF: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                LOW: tl.constexpr, TIER: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr,
+                G_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
     g = tl.arange(0, G_PAD)
-    slot = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = slot < n_live
-    page, row = slot_pages(tab_row, slot, valid, R, T, LOW)
-    kpos = load_positions(pool, page, row, valid, POSOFF, PAGE_SIZE)
+    slot, valid, page, row, kpos = slot_tile(pool, tab_row, blk * BLOCK_N, n_live, R, TIER, LOW, PAGE_SIZE,
+                                             BLOCK_N)
     s = tl.load(lg_row + g[:, None] * LG_N + slot[None, :], mask=(g < G)[:, None] & valid[None, :],
                 other=float("-inf"))
     p = tl.exp2(s - lse2[:, None])  # 0 for masked logits (lse2 is finite)
     p_bar = tl.sum(p, 0) / G
     vis = valid & (kpos <= qpos)
-    p16 = pool.to(tl.pointer_type(tl.float16)) + page * (PAGE_SIZE // 2) + SCOFF // 2 + row
+    p16 = score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE)
     old = tl.load(p16, mask=vis, other=0.0).to(tl.float32)
     n = (qpos - kpos + 1).to(tl.float32)
     new = old + (p_bar - old) / tl.where(vis, n, 1.0)  # running mean of received probability (§4)
@@ -223,14 +193,11 @@ def _score_tier(lg_row, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
 @triton.jit
 def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool, tab_ptr, len_ptr, stride_tier,
                          H, R, LG_N, G: tl.constexpr, G_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HAS_LOW: tl.constexpr,
-                         H_T: tl.constexpr, H_SCOFF: tl.constexpr, H_POSOFF: tl.constexpr,
-                         L_T: tl.constexpr, L_SCOFF: tl.constexpr, L_POSOFF: tl.constexpr):
+                         BLOCK_N: tl.constexpr, HAS_LOW: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
     """Fused running-significance update of one tile of one tier's slots of one (sequence, head)."""
-    bh = tl.program_id(0)
+    bh, b, _h = program_head(H)
     blk = tl.program_id(1)
     tier = tl.program_id(2)
-    b = bh // H
     g = tl.arange(0, G_PAD)
     qpos = tl.load(qpos_ptr + b * stride_pb)
     qok = tl.load(qvalid_ptr + b) != 0
@@ -243,11 +210,11 @@ def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool,
         if tier == 0:
             n_live = tl.load(len_ptr + bh)
             _score_tier(lg_row, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
-                        False, H_T, H_SCOFF, H_POSOFF, PAGE_SIZE, G, G_PAD, BLOCK_N)
+                        False, HI, PAGE_SIZE, G, G_PAD, BLOCK_N)
         elif HAS_LOW:
             n_live = tl.load(len_ptr + stride_tier + bh)
             _score_tier(lg_row + G * LG_N, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
-                        True, L_T, L_SCOFF, L_POSOFF, PAGE_SIZE, G, G_PAD, BLOCK_N)
+                        True, LO, PAGE_SIZE, G, G_PAD, BLOCK_N)
 
 
 def group_pad(g: int) -> int:
@@ -297,14 +264,9 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         if update_scores:
             raise ValueError("update_scores is a decode (Q == 1) feature; use received_attention for prefill")
         return prefill_attention(q, kv, q_pos, scale)
-    check_head_dim(f)
-    tables, n_pages, lens, stride_tier = layer_views(kv)
+    q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
-    g = hq // hkv
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     dev = q.device
-    targs = tier_args(kv.layouts)
     max_h, max_l, max_pages = page_bounds or page_counts(n_pages, targs["HAS_LOW"])
     out = tiles.empty((b, 1, hq, f), dtype=q.dtype, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
@@ -319,7 +281,7 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     pps = triton.cdiv(max_pages, max(1, s))
     s = triton.cdiv(max_pages, pps)
     direct = s == 1
-    lg_n = max(max_h * targs["H_T"], max_l * targs["L_T"] if targs["HAS_LOW"] else 0)
+    lg_n = max(max_h * targs["HI"].T, max_l * targs["LO"].T if targs["HAS_LOW"] else 0)
     if update_scores:
         logits = tiles.empty((bh, 2, g, lg_n), dtype=torch.float32, device=dev)
     else:
@@ -343,8 +305,7 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         kernel_for(_score_update_kernel, dev)[(bh, triton.cdiv(lg_n, sblk), 2 if targs["HAS_LOW"] else 1)](
             logits, lse, q_pos, q_pos.stride(0), qv, kv.pool.storage, tables, lens, stride_tier, hkv, r, lg_n,
             G=g, G_PAD=gp, PAGE_SIZE=targs["PAGE_SIZE"], BLOCK_N=sblk, HAS_LOW=targs["HAS_LOW"],
-            H_T=targs["H_T"], H_SCOFF=targs["H_SCOFF"], H_POSOFF=targs["H_POSOFF"],
-            L_T=targs["L_T"], L_SCOFF=targs["L_SCOFF"], L_POSOFF=targs["L_POSOFF"], num_warps=4)
+            HI=targs["HI"], LO=targs["LO"], num_warps=4)
     return out, lse
 
 

@@ -41,15 +41,18 @@ from leankit.attention import PagedKV
 from . import tiles
 from .tiles import (
     LOG2E,
-    check_head_dim,
     dot_config,
     kernel_for,
-    layer_views,
-    load_positions,
+    layer_launch,
     load_side,
+    online_softmax_step,
     page_counts,
-    slot_pages,
-    tier_args,
+    program_head,
+    slot_tile,
+    softmax_init,
+    softmax_lse,
+    softmax_output,
+    tile_logits,
 )
 
 __all__ = ["prefill_attention", "received_attention"]
@@ -64,28 +67,37 @@ def prefill_warps(head_dim: int) -> int:
 
 
 @triton.jit
+def _query_rows(r0, b, qpos_ptr, stride_pb, NQ, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows ``r0 ..`` of the group's query-major rows ``r = i * G + g``: ``(mask, i, g, position of
+    query i)``; rows past the end read position -1."""
+    r = r0 + tl.arange(0, BLOCK_M)
+    rmask = r < NQ * G
+    qi = r // G
+    g = r % G
+    return rmask, qi, g, tl.load(qpos_ptr + b * stride_pb + qi, mask=rmask, other=-1)
+
+
+@triton.jit
+def _load_queries(q_ptr, stride_qb, stride_qh, stride_qq, b, h, qi, g, rmask,
+                  G: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
+    """Query rows ``q[b, h * G + g, qi, :]`` as a ``[BLOCK_M, F]`` tile of ``DOT`` (0 past the end)."""
+    f = tl.arange(0, F)
+    q_rows = b.to(tl.int64) * stride_qb + (h * G + g) * stride_qh + qi.to(tl.int64) * stride_qq
+    return tl.load(q_ptr + q_rows[:, None] + f[None, :], mask=rmask[:, None], other=0.0).to(DOT)
+
+
+@triton.jit
 def _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, n_slots, R, sm_scale,
-                  LOW: tl.constexpr, T: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                  KOFF: tl.constexpr, KMOFF: tl.constexpr, VOFF: tl.constexpr, VMOFF: tl.constexpr,
-                  POSOFF: tl.constexpr, F: tl.constexpr, NG: tl.constexpr, DENSE: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr, NG: tl.constexpr,
+                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                  PREC: tl.constexpr):
     for start in range(0, n_slots, BLOCK_N):
-        slot = start + tl.arange(0, BLOCK_N)
-        valid = slot < n_slots
-        page, row = slot_pages(tab_row, slot, valid, R, T, LOW)
-        kpos = load_positions(pool, page, row, valid, POSOFF, PAGE_SIZE)
+        _, valid, page, row, kpos = slot_tile(pool, tab_row, start, n_slots, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
         if tl.min(kpos, 0) <= qmax:  # causal skip: some query of the block sees a key of the tile
-            k = load_side(pool, page, row, valid, KOFF, KMOFF, KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
-            s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * sm_scale
-            s = tl.where(kpos[None, :] <= qpos_r[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-            l = l * alpha + tl.sum(p, 1)
-            v = load_side(pool, page, row, valid, VOFF, VMOFF, VBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
-            m = m_new
+            s = tile_logits(q, qpos_r[:, None], kpos, pool, page, row, valid, sm_scale, TIER, F, NG, DENSE,
+                            PAGE_SIZE, BLOCK_N, DOT, PREC)
+            m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, NG, DENSE,
+                                            PAGE_SIZE, BLOCK_N, DOT, PREC)
     return m, l, acc
 
 
@@ -93,76 +105,47 @@ def _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, n_slots, R, sm_scal
 def _prefill_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, pool, tab_ptr, len_ptr,
                     stride_tier, out_ptr, lse_ptr, H, R, NQ, sm_scale,
                     G: tl.constexpr, F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    DENSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
-                    H_T: tl.constexpr, H_KBITS: tl.constexpr, H_VBITS: tl.constexpr, H_KOFF: tl.constexpr,
-                    H_KMOFF: tl.constexpr, H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SCOFF: tl.constexpr,
-                    H_POSOFF: tl.constexpr,
-                    L_T: tl.constexpr, L_KBITS: tl.constexpr, L_VBITS: tl.constexpr, L_KOFF: tl.constexpr,
-                    L_KMOFF: tl.constexpr, L_VOFF: tl.constexpr, L_VMOFF: tl.constexpr, L_SCOFF: tl.constexpr,
-                    L_POSOFF: tl.constexpr):
+                    DENSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                    PREC: tl.constexpr, HAS_LOW: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
     """One (sequence, KV head, block of query rows ``i * G + g``) over all live slots of both tiers."""
-    bh = tl.program_id(0)
-    mb = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    r = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = r < NQ * G
-    qi = r // G
-    g = r % G
-    f = tl.arange(0, F)
-    qpos_r = tl.load(qpos_ptr + b * stride_pb + qi, mask=rmask, other=-1)
+    bh, b, h = program_head(H)
+    rmask, qi, g, qpos_r = _query_rows(tl.program_id(1) * BLOCK_M, b, qpos_ptr, stride_pb, NQ, G, BLOCK_M)
     qmax = tl.max(qpos_r, 0)
-    q_rows = b.to(tl.int64) * stride_qb + (h * G + g) * stride_qh + qi.to(tl.int64) * stride_qq
-    q = tl.load(q_ptr + q_rows[:, None] + f[None, :], mask=rmask[:, None], other=0.0).to(DOT)
+    q = _load_queries(q_ptr, stride_qb, stride_qh, stride_qq, b, h, qi, g, rmask, G, F, DOT)
     tab_row = tab_ptr + bh.to(tl.int64) * R
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, F], tl.float32)
+    m, l, acc = softmax_init(BLOCK_M, F)
     m, l, acc = _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, tl.load(len_ptr + bh), R, sm_scale,
-                              False, H_T, H_KBITS, H_VBITS, H_KOFF, H_KMOFF, H_VOFF, H_VMOFF, H_POSOFF,
-                              F, NG, DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
+                              False, HI, F, NG, DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
     if HAS_LOW:
         m, l, acc = _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, tl.load(len_ptr + stride_tier + bh),
-                                  R, sm_scale,
-                                  True, L_T, L_KBITS, L_VBITS, L_KOFF, L_KMOFF, L_VOFF, L_VMOFF, L_POSOFF,
-                                  F, NG, DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
-    has = l > 0.0
-    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+                                  R, sm_scale, True, LO, F, NG, DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
+    out = softmax_output(l, acc)
+    f = tl.arange(0, F)
     o_rows = ((b.to(tl.int64) * NQ + qi) * H + h) * G + g  # out is [B, Q, Hq, F]
     tl.store(out_ptr + o_rows[:, None] * F + f[None, :], out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
-    lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + bh.to(tl.int64) * G * NQ + g * NQ + qi, lse, mask=rmask)
+    tl.store(lse_ptr + bh.to(tl.int64) * G * NQ + g * NQ + qi, softmax_lse(m, l), mask=rmask)
 
 
 @triton.jit
 def _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool, tab_row,
                    out_row, n_out, n_live, blk, b, h, bh, R, NQ, sm_scale,
-                   LOW: tl.constexpr, T: tl.constexpr, KBITS: tl.constexpr, KOFF: tl.constexpr,
-                   KMOFF: tl.constexpr, POSOFF: tl.constexpr, G: tl.constexpr, F: tl.constexpr,
+                   LOW: tl.constexpr, TIER: tl.constexpr, G: tl.constexpr, F: tl.constexpr,
                    NG: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    slot = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = slot < n_live
-    page, row = slot_pages(tab_row, slot, valid, R, T, LOW)
-    kpos = load_positions(pool, page, row, valid, POSOFF, PAGE_SIZE)
+    slot, valid, page, row, kpos = slot_tile(pool, tab_row, blk * BLOCK_N, n_live, R, TIER, LOW, PAGE_SIZE,
+                                             BLOCK_N)
     kmin = tl.min(kpos, 0)
-    k = load_side(pool, page, row, valid, KOFF, KMOFF, KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N).to(DOT)
-    f = tl.arange(0, F)
+    k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, NG, DENSE, PAGE_SIZE,
+                  BLOCK_N).to(DOT)
     got = tl.zeros([BLOCK_N], tl.float32)
     for r0 in range(0, NQ * G, BLOCK_M):
-        r = r0 + tl.arange(0, BLOCK_M)
-        rmask = r < NQ * G
-        qi = r // G
-        g = r % G
-        qp = tl.load(qpos_ptr + b * stride_pb + qi, mask=rmask, other=-1)
+        rmask, qi, g, qp = _query_rows(r0, b, qpos_ptr, stride_pb, NQ, G, BLOCK_M)
         if tl.max(qp, 0) >= kmin:  # causal skip: the block sees some key of the tile
             qok = tl.load(qv_ptr + b * NQ + qi, mask=rmask, other=0) != 0
             lse = tl.load(lse_ptr + bh.to(tl.int64) * G * NQ + g * NQ + qi, mask=rmask, other=float("-inf"))
             live = qok & (lse > float("-inf"))
             lse2 = tl.where(live, lse * 1.4426950408889634, 0.0)
-            q_rows = b.to(tl.int64) * stride_qb + (h * G + g) * stride_qh + qi.to(tl.int64) * stride_qq
-            q = tl.load(q_ptr + q_rows[:, None] + f[None, :], mask=rmask[:, None], other=0.0).to(DOT)
+            q = _load_queries(q_ptr, stride_qb, stride_qh, stride_qq, b, h, qi, g, rmask, G, F, DOT)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
             vis = live[:, None] & (kpos[None, :] <= qp[:, None])
             p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
@@ -174,36 +157,23 @@ def _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, 
 def _received_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool, tab_ptr,
                      len_ptr, stride_tier, out_h, out_l, NH_OUT, NL_OUT, H, R, NQ, sm_scale,
                      G: tl.constexpr, F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     DENSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
-                     H_T: tl.constexpr, H_KBITS: tl.constexpr, H_VBITS: tl.constexpr, H_KOFF: tl.constexpr,
-                     H_KMOFF: tl.constexpr, H_VOFF: tl.constexpr, H_VMOFF: tl.constexpr, H_SCOFF: tl.constexpr,
-                     H_POSOFF: tl.constexpr,
-                     L_T: tl.constexpr, L_KBITS: tl.constexpr, L_VBITS: tl.constexpr, L_KOFF: tl.constexpr,
-                     L_KMOFF: tl.constexpr, L_VOFF: tl.constexpr, L_VMOFF: tl.constexpr, L_SCOFF: tl.constexpr,
-                     L_POSOFF: tl.constexpr):
+                     DENSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                     PREC: tl.constexpr, HAS_LOW: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
     """Received probability of one tile of slots of one tier (``program_id(2)``) of one (sequence, head)."""
-    bh = tl.program_id(0)
+    bh, b, h = program_head(H)
     blk = tl.program_id(1)
     tier = tl.program_id(2)
-    b = bh // H
-    h = bh % H
     tab_row = tab_ptr + bh.to(tl.int64) * R
     # Tiles past a tier's slot count find no live key (kmin = POS_DEAD) and skip every query block.
     if tier == 0:
         _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool,
                        tab_row, out_h + bh.to(tl.int64) * NH_OUT, NH_OUT, tl.load(len_ptr + bh), blk, b, h, bh,
-                       R, NQ, sm_scale, False, H_T, H_KBITS, H_KOFF, H_KMOFF, H_POSOFF, G, F, NG, DENSE,
-                       PAGE_SIZE, BLOCK_M, BLOCK_N, DOT, PREC)
+                       R, NQ, sm_scale, False, HI, G, F, NG, DENSE, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT, PREC)
     elif HAS_LOW:
         _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool,
                        tab_row, out_l + bh.to(tl.int64) * NL_OUT, NL_OUT, tl.load(len_ptr + stride_tier + bh),
-                       blk, b, h, bh, R, NQ, sm_scale, True, L_T, L_KBITS, L_KOFF, L_KMOFF, L_POSOFF, G, F, NG,
-                       DENSE, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT, PREC)
-
-
-def _q_strides(q: torch.Tensor) -> torch.Tensor:
-    return q if q.stride(-1) == 1 else q.contiguous()
+                       blk, b, h, bh, R, NQ, sm_scale, True, LO, G, F, NG, DENSE, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                       DOT, PREC)
 
 
 def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, *,
@@ -217,13 +187,9 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     second pass over the keys that reuses ``lse``.
     """
     b, hq, nq, f = q.shape
-    check_head_dim(f)
-    tables, _n_pages, lens, stride_tier = layer_views(kv)
+    q, tables, _n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
-    g = hq // hkv
-    q = _q_strides(q)
     dev = q.device
-    targs = tier_args(kv.layouts)
     out = tiles.empty((b, nq, hq, f), dtype=q.dtype, device=dev)
     lse = tiles.empty((b, hkv, g * nq), dtype=torch.float32, device=dev)
     q_pos = q_pos.to(device=dev, dtype=torch.int32).contiguous()
@@ -249,17 +215,13 @@ def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale:
     ``[B, Hkv, G*Q]`` log-sum-exp returned by the attention pass; ``q_valid`` bool ``[B, Q]``
     drops padding queries.
     """
-    b, hq, nq, f = q.shape
-    check_head_dim(f)
-    tables, n_pages, lens, stride_tier = layer_views(kv)
+    b, _, nq, f = q.shape
+    q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
-    g = hq // hkv
-    q = _q_strides(q)
     dev = q.device
-    targs = tier_args(kv.layouts)
     max_h, max_l, _ = page_counts(n_pages, targs["HAS_LOW"])
-    nh_out = max_h * targs["H_T"]
-    nl_out = max_l * targs["L_T"] if targs["HAS_LOW"] else 0
+    nh_out = max_h * targs["HI"].T
+    nl_out = max_l * targs["LO"].T if targs["HAS_LOW"] else 0
     out_h = tiles.empty((b, hkv, nh_out), dtype=torch.float32, device=dev)
     out_l = tiles.empty((b, hkv, nl_out), dtype=torch.float32, device=dev)
     outs = [out_h, out_l][: len(kv.layouts)]

@@ -38,7 +38,18 @@ from leankit.pages import PageLayout
 from leankit.quant import NonFiniteKVError, check_finite
 
 from . import tiles
-from .tiles import check_head_dim, kernel_for, load_side, tl_dtype
+from .tiles import (
+    check_head_dim,
+    code_ptrs,
+    dense_ptrs,
+    kernel_for,
+    load_side,
+    meta_index,
+    page_constexprs,
+    position_ptrs,
+    score_ptrs,
+    tier_constexprs,
+)
 
 
 @triton.jit
@@ -58,10 +69,7 @@ def _quant_side(src, stride, tok, valid, pool, page, row, err,
     f = tl.arange(0, F)
     x = tl.load(src + tok.to(tl.int64)[:, None] * stride + f[None, :], mask=valid[:, None], other=0.0)
     if BITS >= 16:
-        ISZ: tl.constexpr = DENSE.primitive_bitwidth // 8
-        pd = pool.to(tl.pointer_type(DENSE))
-        base = page * (PAGE_SIZE // ISZ) + OFF // ISZ + row * F
-        tl.store(pd + base[:, None] + f[None, :], x.to(DENSE), mask=valid[:, None])
+        tl.store(dense_ptrs(pool, page, row, OFF, F, DENSE, PAGE_SIZE), x.to(DENSE), mask=valid[:, None])
     else:
         P: tl.constexpr = 8 // BITS
         KB: tl.constexpr = F // P
@@ -86,10 +94,9 @@ def _quant_side(src, stride, tok, valid, pool, page, row, err,
         else:
             shifts = tl.arange(0, P) * BITS
             packed = tl.sum(tl.reshape(codes, (BLOCK_N, KB, P)) << shifts[None, None, :], axis=2).to(tl.uint8)
-        base = page * PAGE_SIZE + OFF + row * KB
-        tl.store(pool + base[:, None] + tl.arange(0, KB)[None, :], packed, mask=valid[:, None])
+        tl.store(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), packed, mask=valid[:, None])
         p16 = pool.to(tl.pointer_type(tl.float16))
-        mbase = page * (PAGE_SIZE // 2) + MOFF // 2 + row * (2 * NG)
+        mbase = meta_index(page, row, MOFF, NG, PAGE_SIZE)
         g2 = 2 * tl.arange(0, NG)
         tl.store(p16 + mbase[:, None] + g2[None, :], sc16, mask=valid[:, None])
         tl.store(p16 + mbase[:, None] + g2[None, :] + 1, mn16, mask=valid[:, None])
@@ -99,56 +106,52 @@ def _quant_side(src, stride, tok, valid, pool, page, row, err,
 
 
 @triton.jit
-def _quantize_kernel(k_ptr, v_ptr, stride_k, stride_v, page_ptr, slot_ptr, pos_ptr, score_ptr, pool, err, n,
-                     F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr,
-                     T: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                     KOFF: tl.constexpr, KMOFF: tl.constexpr, VOFF: tl.constexpr, VMOFF: tl.constexpr,
-                     SCOFF: tl.constexpr, POSOFF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Quantize ``BLOCK_N`` tokens' K and V into their page rows (one program, both sides)."""
+def _token_slots(page_ptr, slot_ptr, n, BLOCK_N: tl.constexpr):
+    """This program's ``BLOCK_N`` tokens, their mask, and the page id (int64) and row of each token's slot."""
     tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = tok < n
     page = tl.load(page_ptr + tok, mask=valid, other=0).to(tl.int64)
     row = tl.load(slot_ptr + tok, mask=valid, other=0).to(tl.int64)
-    _quant_side(k_ptr, stride_k, tok, valid, pool, page, row, err, KOFF, KMOFF, KBITS, F, NG, DENSE,
-                PAGE_SIZE, BLOCK_N)
-    _quant_side(v_ptr, stride_v, tok, valid, pool, page, row, err, VOFF, VMOFF, VBITS, F, NG, DENSE,
-                PAGE_SIZE, BLOCK_N)
+    return tok, valid, page, row
+
+
+@triton.jit
+def _quantize_kernel(k_ptr, v_ptr, stride_k, stride_v, page_ptr, slot_ptr, pos_ptr, score_ptr, pool, err, n,
+                     F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr,
+                     TIER: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Quantize ``BLOCK_N`` tokens' K and V into their page rows (one program, both sides)."""
+    tok, valid, page, row = _token_slots(page_ptr, slot_ptr, n, BLOCK_N)
+    _quant_side(k_ptr, stride_k, tok, valid, pool, page, row, err, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, NG,
+                DENSE, PAGE_SIZE, BLOCK_N)
+    _quant_side(v_ptr, stride_v, tok, valid, pool, page, row, err, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, NG,
+                DENSE, PAGE_SIZE, BLOCK_N)
     sc = tl.load(score_ptr + tok, mask=valid, other=0.0).to(tl.float16)
-    tl.store(pool.to(tl.pointer_type(tl.float16)) + page * (PAGE_SIZE // 2) + SCOFF // 2 + row, sc, mask=valid)
+    tl.store(score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE), sc, mask=valid)
     ps = tl.load(pos_ptr + tok, mask=valid, other=0).to(tl.int32)
-    tl.store(pool.to(tl.pointer_type(tl.int32)) + page * (PAGE_SIZE // 4) + POSOFF // 4 + row, ps, mask=valid)
+    tl.store(position_ptrs(pool, page, row, TIER.POSOFF, PAGE_SIZE), ps, mask=valid)
 
 
 @triton.jit
 def _dequantize_kernel(pool, page_ptr, slot_ptr, k_out, v_out, score_out, pos_out, n,
                        F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr,
-                       T: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-                       KOFF: tl.constexpr, KMOFF: tl.constexpr, VOFF: tl.constexpr, VMOFF: tl.constexpr,
-                       SCOFF: tl.constexpr, POSOFF: tl.constexpr, BLOCK_N: tl.constexpr):
+                       TIER: tl.constexpr, BLOCK_N: tl.constexpr):
     """Unpack + dequantize page rows back to fp32 ``[n, F]`` K/V, fp32 scores and int32 positions."""
-    tok = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = tok < n
-    page = tl.load(page_ptr + tok, mask=valid, other=0).to(tl.int64)
-    row = tl.load(slot_ptr + tok, mask=valid, other=0).to(tl.int64)
+    tok, valid, page, row = _token_slots(page_ptr, slot_ptr, n, BLOCK_N)
     f = tl.arange(0, F)
     out = tok.to(tl.int64)[:, None] * F + f[None, :]
-    k = load_side(pool, page, row, valid, KOFF, KMOFF, KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
     tl.store(k_out + out, k, mask=valid[:, None])
-    v = load_side(pool, page, row, valid, VOFF, VMOFF, VBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    v = load_side(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
     tl.store(v_out + out, v, mask=valid[:, None])
-    sc = tl.load(pool.to(tl.pointer_type(tl.float16)) + page * (PAGE_SIZE // 2) + SCOFF // 2 + row, mask=valid)
+    sc = tl.load(score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE), mask=valid)
     tl.store(score_out + tok, sc.to(tl.float32), mask=valid)
-    ps = tl.load(pool.to(tl.pointer_type(tl.int32)) + page * (PAGE_SIZE // 4) + POSOFF // 4 + row, mask=valid)
+    ps = tl.load(position_ptrs(pool, page, row, TIER.POSOFF, PAGE_SIZE), mask=valid)
     tl.store(pos_out + tok, ps, mask=valid)
 
 
 def layout_constexprs(layout: PageLayout) -> dict:
     """Compile-time constants describing one tier's page layout (shared with the AOT script)."""
-    p = layout.precision
-    return {"F": layout.head_dim, "NG": layout.groups, "PAGE_SIZE": layout.page_size,
-                "DENSE": tl_dtype(layout.dense_dtype), "T": layout.tokens, "KBITS": p.k_bits, "VBITS": p.v_bits,
-                "KOFF": layout.offset("k_data"), "KMOFF": layout.offset("k_meta"), "VOFF": layout.offset("v_data"),
-                "VMOFF": layout.offset("v_meta"), "SCOFF": layout.offset("score"), "POSOFF": layout.offset("position")}
+    return dict(page_constexprs(layout), TIER=tier_constexprs(layout))
 
 
 def quant_block_n(head_dim: int) -> int:

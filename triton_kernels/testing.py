@@ -3,6 +3,7 @@
 They use only leankit's own reference machinery (``BidirectionalPageTable.grow``,
 ``PageLayout.encode``, ``PagePool.write_rows``), so a kernel compared against
 :mod:`leankit.attention` on these caches is compared against the format's source of truth.
+Also the tolerances, reference comparisons and poisoning fixture body the kernel tests share.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from leankit.allocator import FreePageList
-from leankit.attention import PagedKV
+from leankit.attention import PagedKV, paged_attention_ref
 from leankit.config import KVConfig
 from leankit.page_table import BidirectionalPageTable
 from leankit.pages import PageLayout, PagePool
+
+from . import tiles
 
 
 @dataclass
@@ -125,6 +128,30 @@ def random_queries(batch: int, q_heads: int, q_len: int, head_dim: int, ctx: tor
     return q, q_pos.to(torch.int64)
 
 
+def attention_case(gen: torch.Generator, spec: str, ctx: list[int], kv_heads: int, group: int, q_len: int, *,
+                   dtype=torch.float32, head_dim: int = 64, **cache):
+    """A filled cache of ``len(ctx)`` sequences and ``q_len`` queries per sequence for it.
+
+    Returns ``(cache, q, q_pos)``: :func:`build_paged_kv` (extra ``cache`` options passed on) and
+    :func:`random_queries` with ``kv_heads * group`` query heads, both drawn from ``gen``.
+    """
+    fc = build_paged_kv(spec, len(ctx), kv_heads, head_dim, torch.tensor(ctx), dtype=dtype, generator=gen,
+                        **cache)
+    q, q_pos = random_queries(len(ctx), kv_heads * group, q_len, head_dim, fc.ctx, dtype=dtype, generator=gen)
+    return fc, q, q_pos
+
+
+def case_id(spec: str, dtype: torch.dtype, kv_heads: int, group: int, ctx: list[int]) -> str:
+    """Test id of an attention case, e.g. ``K8V4-K4V2-float32-h3g3-ctx65_7``."""
+    return f"{spec}-{str(dtype)[6:]}-h{kv_heads}g{group}-ctx{'_'.join(map(str, ctx))}"
+
+
+def poison_outputs(monkeypatch) -> None:
+    """Body of the kernel tests' autouse fixture: every buffer a launcher allocates starts as NaN
+    (floats) or ``-7777`` (ints), so an element a kernel forgot to write shows up."""
+    monkeypatch.setattr(tiles, "POISON", True)
+
+
 def fresh_generator() -> tuple[torch.Generator, int]:
     """A generator with a fresh random seed (every run tests new data); the seed is returned for repro."""
     seed = int.from_bytes(os.urandom(4), "little")
@@ -157,3 +184,21 @@ def assert_close_normwise(actual: torch.Tensor, expected: torch.Tensor, dtype: t
         err = (a[fin] - e[fin]).abs().max()
         tol = tolerance(dtype)
         assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:g} x {scale:.3e}"
+
+
+def assert_all_close_normwise(actual, expected, dtype: torch.dtype, what: str = "") -> None:
+    """:func:`assert_close_normwise` for each pair of two equally long lists (e.g. one tensor per tier)."""
+    assert len(actual) == len(expected), f"{what}: {len(actual)} tensors != {len(expected)}"
+    for a, e in zip(actual, expected):
+        assert_close_normwise(a, e, dtype, what)
+
+
+def assert_matches_attention_ref(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, kv: PagedKV,
+                                 q_pos: torch.Tensor, scale: float, what: str = "") -> torch.Tensor:
+    """A kernel's ``(out, lse)`` against :func:`leankit.attention.paged_attention_ref` (dtype, shapes,
+    and the normwise tolerance of ``q.dtype``). Returns the reference lse."""
+    ref_out, ref_lse = paged_attention_ref(q, kv, q_pos, scale)
+    assert out.dtype == q.dtype and out.shape == ref_out.shape and lse.shape == ref_lse.shape, what
+    assert_close_normwise(out, ref_out, q.dtype, f"out {what}")
+    assert_close_normwise(lse, ref_lse, q.dtype, f"lse {what}")
+    return ref_lse

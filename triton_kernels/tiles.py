@@ -31,6 +31,8 @@ reach an accumulator.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -56,29 +58,39 @@ def check_head_dim(f: int) -> None:
                          "use LEANKIT_BACKEND=torch for this model")
 
 
-def tier_constexprs(layout, prefix: str) -> dict:
-    """Compile-time description of one tier's page layout, keys prefixed by ``prefix``.
+class Tier(NamedTuple):
+    """Compile-time layout of one precision tier's pages, passed to the kernels as one ``tl.constexpr``.
 
     ``T`` tokens per page, key/value bits, and the byte offset of each of the six segments.
     """
+
+    T: int
+    KBITS: int
+    VBITS: int
+    KOFF: int
+    KMOFF: int
+    VOFF: int
+    VMOFF: int
+    SCOFF: int
+    POSOFF: int
+
+
+def tier_constexprs(layout) -> Tier:
+    """The :class:`Tier` of one page layout."""
     p = layout.precision
-    return {
-        f"{prefix}T": layout.tokens,
-        f"{prefix}KBITS": p.k_bits,
-        f"{prefix}VBITS": p.v_bits,
-        f"{prefix}KOFF": layout.offset("k_data"),
-        f"{prefix}KMOFF": layout.offset("k_meta"),
-        f"{prefix}VOFF": layout.offset("v_data"),
-        f"{prefix}VMOFF": layout.offset("v_meta"),
-        f"{prefix}SCOFF": layout.offset("score"),
-        f"{prefix}POSOFF": layout.offset("position"),
-    }
+    return Tier(T=layout.tokens, KBITS=p.k_bits, VBITS=p.v_bits, KOFF=layout.offset("k_data"),
+                KMOFF=layout.offset("k_meta"), VOFF=layout.offset("v_data"), VMOFF=layout.offset("v_meta"),
+                SCOFF=layout.offset("score"), POSOFF=layout.offset("position"))
 
 
-def dummy_tier_constexprs(prefix: str) -> dict:
-    """Constexprs for an absent low tier (never executed: ``HAS_LOW=False``)."""
-    return {f"{prefix}{k}": v for k, v in
-            {"T": 1, "KBITS": 8, "VBITS": 8, "KOFF": 0, "KMOFF": 0, "VOFF": 0, "VMOFF": 0, "SCOFF": 0, "POSOFF": 0}.items()}
+# Stands in for an absent low tier (never executed: ``HAS_LOW=False``).
+NO_TIER = Tier(T=1, KBITS=8, VBITS=8, KOFF=0, KMOFF=0, VOFF=0, VMOFF=0, SCOFF=0, POSOFF=0)
+
+
+def page_constexprs(layout) -> dict:
+    """Page geometry every tier of a cache shares: head_dim ``F``, ``NG`` groups, page size, dense dtype."""
+    return {"F": layout.head_dim, "NG": layout.groups, "PAGE_SIZE": layout.page_size,
+            "DENSE": tl_dtype(layout.dense_dtype)}
 
 
 @triton.jit
@@ -94,11 +106,54 @@ def slot_pages(tab_row, slot, valid, R, T: tl.constexpr, LOW: tl.constexpr):
 
 
 @triton.jit
+def position_ptrs(pool, page, row, POSOFF: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Pointers to the int32 position of each slot (``POS_OFF + 4 * row`` in its page)."""
+    return pool.to(tl.pointer_type(tl.int32)) + page * (PAGE_SIZE // 4) + POSOFF // 4 + row
+
+
+@triton.jit
+def score_ptrs(pool, page, row, SCOFF: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Pointers to the fp16 score of each slot (``SC_OFF + 2 * row`` in its page)."""
+    return pool.to(tl.pointer_type(tl.float16)) + page * (PAGE_SIZE // 2) + SCOFF // 2 + row
+
+
+@triton.jit
 def load_positions(pool, page, row, valid, POSOFF: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """int32 positions ``[BLOCK_N]``; dead slots read as ``POS_DEAD`` (never visible)."""
-    p32 = pool.to(tl.pointer_type(tl.int32))
-    off = page * (PAGE_SIZE // 4) + POSOFF // 4 + row
-    return tl.load(p32 + off, mask=valid, other=2147483647)
+    return tl.load(position_ptrs(pool, page, row, POSOFF, PAGE_SIZE), mask=valid, other=2147483647)
+
+
+@triton.jit
+def slot_tile(pool, tab_row, start, n_live, R, TIER: tl.constexpr, LOW: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Slots ``start .. start + BLOCK_N - 1`` of one tier: ``(slot, valid, page, row, position)``, where
+    ``valid = slot < n_live`` and dead slots read position ``POS_DEAD``."""
+    slot = start + tl.arange(0, BLOCK_N)
+    valid = slot < n_live
+    page, row = slot_pages(tab_row, slot, valid, R, TIER.T, LOW)
+    return slot, valid, page, row, load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
+
+
+@triton.jit
+def dense_ptrs(pool, page, row, OFF: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr,
+               PAGE_SIZE: tl.constexpr):
+    """``[N, F]`` pointers to the raw ``DENSE`` rows of an unquantized side's data segment at ``OFF``."""
+    ISZ: tl.constexpr = DENSE.primitive_bitwidth // 8
+    base = page * (PAGE_SIZE // ISZ) + OFF // ISZ + row * F
+    return pool.to(tl.pointer_type(DENSE)) + base[:, None] + tl.arange(0, F)[None, :]
+
+
+@triton.jit
+def code_ptrs(pool, page, row, OFF: tl.constexpr, KB: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """``[N, KB]`` pointers to the packed code bytes of a quantized side's data segment at ``OFF``."""
+    base = page * PAGE_SIZE + OFF + row * KB
+    return pool + base[:, None] + tl.arange(0, KB)[None, :]
+
+
+@triton.jit
+def meta_index(page, row, MOFF: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """``[N]`` fp16 index in the pool of each slot's first (scale, min) pair; group ``j`` is at ``+ 2 j``."""
+    return page * (PAGE_SIZE // 2) + MOFF // 2 + row * (2 * NG)
 
 
 @triton.jit
@@ -130,17 +185,14 @@ def load_side(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BIT
     f = tl.arange(0, F)
     if BITS >= 16:
         # Unquantized side: the raw model-dtype row (LeanKV keeps it lossless).
-        ISZ: tl.constexpr = DENSE.primitive_bitwidth // 8
-        pd = pool.to(tl.pointer_type(DENSE))
-        base = page * (PAGE_SIZE // ISZ) + OFF // ISZ + row * F
-        x = tl.load(pd + base[:, None] + f[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x = tl.load(dense_ptrs(pool, page, row, OFF, F, DENSE, PAGE_SIZE), mask=valid[:, None],
+                    other=0.0).to(tl.float32)
     else:
         KB: tl.constexpr = F * BITS // 8
-        base = page * PAGE_SIZE + OFF + row * KB
-        byt = tl.load(pool + base[:, None] + tl.arange(0, KB)[None, :], mask=valid[:, None], other=0)
+        byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
         codes = unpack_codes(byt, BITS).to(tl.float32)
         p16 = pool.to(tl.pointer_type(tl.float16))
-        mbase = page * (PAGE_SIZE // 2) + MOFF // 2 + row * (2 * NG)
+        mbase = meta_index(page, row, MOFF, NG, PAGE_SIZE)
         if NG == 1:
             scale = tl.load(p16 + mbase, mask=valid, other=0.0).to(tl.float32)[:, None]
             mn = tl.load(p16 + mbase + 1, mask=valid, other=0.0).to(tl.float32)[:, None]
@@ -152,6 +204,67 @@ def load_side(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BIT
         # LeanKV Eq. (2): x_hat = s * Q - z, with z = -min.
         x = codes * scale + mn
     return x
+
+
+# ---------------------------------------------------------------------------- attention steps
+@triton.jit
+def program_head(H):
+    """``(bh, b, h)``: the (sequence, KV head) ``bh = b * H + h`` of a program (grid axis 0)."""
+    bh = tl.program_id(0)
+    return bh, bh // H, bh % H
+
+
+@triton.jit
+def tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER: tl.constexpr, F: tl.constexpr,
+                NG: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT: tl.constexpr, PREC: tl.constexpr):
+    """Base-2 logits ``q k^T * sm_scale`` ``[M, BLOCK_N]`` of one key tile of ``TIER``, ``-inf`` where the
+    key's stored position is after the query's.
+
+    ``qpos`` broadcasts against ``kpos[None, :]``: a scalar (decode: one query position for the
+    whole group) or an ``[M, 1]`` column (prefill: one per query row).
+    """
+    k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * sm_scale
+    return tl.where(kpos[None, :] <= qpos, s, float("-inf"))
+
+
+@triton.jit
+def online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER: tl.constexpr, F: tl.constexpr,
+                        NG: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DOT: tl.constexpr, PREC: tl.constexpr):
+    """One online-softmax step (FlashAttention, base 2): fold the logits tile ``s`` ``[M, BLOCK_N]``
+    into the running max ``m`` and sum ``l`` ``[M]`` and the output ``acc`` ``[M, F]``, loading the
+    tile's values for ``p v``. Rows that have seen no key yet keep ``m = -inf``, ``l = 0``."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, 1)
+    v = load_side(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
+def softmax_init(M: tl.constexpr, F: tl.constexpr):
+    """Empty online-softmax state of ``M`` rows: ``(m = -inf, l = 0, acc = 0 [M, F])``, fp32."""
+    return tl.full([M], float("-inf"), tl.float32), tl.zeros([M], tl.float32), tl.zeros([M, F], tl.float32)
+
+
+@triton.jit
+def softmax_output(l, acc):
+    """Normalized output rows ``acc / l``; 0 for a row that saw no key."""
+    has = l > 0.0
+    return tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
+
+
+@triton.jit
+def softmax_lse(m, l):
+    """Natural-log log-sum-exp of each row from its base-2 running max ``m`` and sum ``l``; ``-inf``
+    for a row that saw no key."""
+    has = l > 0.0
+    return tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
 
 
 # ---------------------------------------------------------------------------- launcher helpers
@@ -243,13 +356,24 @@ def layer_views(kv):
 
 
 def tier_args(layouts) -> dict:
-    """Constexprs of both tiers (``H_*`` high, ``L_*`` low) plus the shared page geometry."""
-    hi = layouts[0]
-    out = {"F": hi.head_dim, "NG": hi.groups, "PAGE_SIZE": hi.page_size, "DENSE": tl_dtype(hi.dense_dtype),
-               "HAS_LOW": len(layouts) > 1}
-    out.update(tier_constexprs(hi, "H_"))
-    out.update(tier_constexprs(layouts[1], "L_") if len(layouts) > 1 else dummy_tier_constexprs("L_"))
-    return out
+    """Constexprs of both tiers (``HI`` high, ``LO`` low, a :class:`Tier` each) and the page geometry."""
+    two = len(layouts) > 1
+    return dict(page_constexprs(layouts[0]), HAS_LOW=two, HI=tier_constexprs(layouts[0]),
+                LO=tier_constexprs(layouts[1]) if two else NO_TIER)
+
+
+def layer_launch(q: torch.Tensor, kv):
+    """The start every attention launcher shares, for ``q`` ``[B, Hq, Q, F]`` over the layer ``kv``.
+
+    Checks the head_dim and gives ``q`` a contiguous last dim (the kernels take its other strides).
+    Returns ``(q, tables, n_pages, lens, tier_stride, G, tier constexprs)``: the page-table views of
+    :func:`layer_views`, the GQA group size ``G = Hq / Hkv`` and :func:`tier_args`.
+    """
+    check_head_dim(q.shape[-1])
+    tables, n_pages, lens, stride_tier = layer_views(kv)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return q, tables, n_pages, lens, stride_tier, q.shape[1] // tables.shape[1], tier_args(kv.layouts)
 
 
 def page_counts(n_pages: torch.Tensor, has_low: bool) -> tuple[int, int, int]:
