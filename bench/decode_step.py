@@ -84,7 +84,10 @@ def main(argv=None):
     p.add_argument("--context", type=int, nargs="+", default=[1024])
     p.add_argument("--kv", nargs="+", default=["K8V4"])
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     model, tok = leankit.load_model(a.model)
     print(f"{'kv':>10} {'batch':>5} {'context':>7} {'dyn ms':>8} {'lean ms':>8} {'ratio':>6} {'kv ratio':>8}")
     for ctx in a.context:
