@@ -17,6 +17,20 @@ Storage invariants shared by all policies (see :mod:`leankit.page_table`): tier 
 holds ``lens[t]`` tokens in slots ``0 .. lens[t]-1``. Removing a token moves a surviving token
 from the tier's tail into its slot (:meth:`PagePool.copy_slots`), and pages left empty at the
 tail return to the free list, so pruning frees memory rather than masking it.
+
+Threshold interpretation (LeanKV). The paper states ``Th``/``Tl`` two ways: §4 "Prompt Phase"
+prunes "the least important Np tokens, whose cumulative significance is below the threshold Tl"
+and keeps at low precision "the next Nl tokens, with a cumulative significance less than Th",
+while Algorithm 1 (lines 5, 8, 10, 13, 16) compares a single token's ``Score`` with ``Th``/``Tl``.
+leankit uses the **cumulative** reading in both phases: ``Score(t) >= T`` in Algorithm 1 means
+``C(t) >= T``, where ``C(t)`` is the normalized significance of all classified tokens of the head
+whose score is at most ``Score(t)`` (the candidate included), plus the significance already
+pruned from that head. Because ``C`` is monotone in the score, this is a per-head score cut-off
+(:func:`significance_cutoffs`), so Algorithm 1 still compares single scores. With this reading
+the prompt-phase classes are a fixed point of Algorithm 1 (re-placing any classified token as a
+candidate returns its class and picks no victim), a token's class changes in the generation
+phase only when its running score crosses its head's cut-off, and the pruned significance of a
+head stays below ``Tl`` in both phases instead of growing by ``Tl`` at every step.
 """
 
 from __future__ import annotations
@@ -252,7 +266,7 @@ def read_tokens(pool, layout, page: torch.Tensor, off: torch.Tensor, dtype=torch
     base = page.long() * pool.page_size
     n = page.numel()
     rows, offsets, acc = [], [], 0
-    for seg_off, nb in zip(layout.seg_offsets, layout.seg_bytes):
+    for seg_off, nb in zip(layout.seg_offsets, layout.seg_bytes, strict=True):
         width = -(-nb // 16) * 16  # keep every segment 16-byte aligned, as in a real page
         offsets.append(acc)
         acc += width
@@ -362,7 +376,8 @@ class _Base:
             m = read_tier_meta(cache, tier, layers)
             if m.score.shape[-1]:
                 rec = received[tier].unsqueeze(0)
-                new = update_significance(m.score, m.pos, rec, q_first.view(1, -1, 1, 1), q_last.view(1, -1, 1, 1))
+                view = (1, -1, 1, 1)
+                new = update_significance(m.score, m.pos, rec, q_first.view(view), q_last.view(view))
                 upd = m.valid & has.view(1, -1, 1, 1)
                 new = torch.where(upd, new, m.score).to(torch.float16)
                 pages = new.view(*m.ids.shape, layout.tokens)
@@ -372,7 +387,8 @@ class _Base:
         return metas
 
     # -------------------------------------------------------------- moving tokens
-    def _compact(self, tier: int, layers: torch.Tensor, valid: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+    def _compact(self, tier: int, layers: torch.Tensor, valid: torch.Tensor,
+                 alive: torch.Tensor) -> torch.Tensor:
         """Fill the holes left by removed tokens with the tier's tail tokens; returns new lengths."""
         cache = self.cache
         new_len = alive.sum(-1, keepdim=True)
@@ -654,7 +670,8 @@ class StreamingPolicy(_Base):
     def __init__(self, cache):
         super().__init__(cache)
         if cache.cfg.low is not None:
-            raise ValueError("policy 'streaming' keeps a single precision tier; drop the low tier from the config")
+            raise ValueError("policy 'streaming' keeps a single precision tier; "
+                             "drop the low tier from the config")
         self.sink, self.window = cache.cfg.sink, cache.cfg.window
         self.first_pos: torch.Tensor | None = None
 
@@ -749,7 +766,8 @@ def make_policy(cache):
     name = cache.cfg.policy
     if name == "full":
         if cache.cfg.low is not None:
-            raise ValueError("policy 'full' keeps every token in the high tier; a low tier needs policy 'leankv'")
+            raise ValueError("policy 'full' keeps every token in the high tier; "
+                             "a low tier needs policy 'leankv'")
         return FullPolicy(cache)
     if name == "leankv":
         return LeanKVPolicy(cache)
