@@ -100,6 +100,7 @@ def main(argv=None) -> dict:
                "kv_bytes": [r["kv_bytes"] for r in reports],
                "tier_fraction": {k: v / tot for k, v in tiers.items()}, "seconds": t.seconds}
         results.append(row)
+        write_json(args.out, {"args": vars(args), "results": results, "partial": True})
         print(f"{row['config']:<44} ppl {row['ppl']:8.4f}  kv/fp16 {ratio:6.3f}  "
               f"high/low/pruned {tiers['high'] / tot:.2f}/{tiers['low'] / tot:.2f}/{tiers['pruned'] / tot:.2f}  "
               f"pages {sum(row['pages_used'])}  ({t.seconds:.0f}s)", flush=True)

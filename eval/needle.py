@@ -1,0 +1,169 @@
+"""Needle in a haystack: per-head dynamic allocation vs a static uniform budget at equal memory.
+
+A RULER-style needle ("The special magic number for <key> is <7 digits>.") is inserted at a
+given depth of a haystack of Paul Graham essays; the chat prompt then asks for the number and
+the assistant turn starts with "The special magic number for <key> is". Each sample is run:
+
+1. through a **dynamic** LeanKV config (per-head allocation from attention significance);
+2. through a **static** config with the same budget for every head (H2O heavy hitters + recent
+   window, or StreamingLLM), at the precision of the dynamic config's high tier, with its
+   budget set per sample so that its ``kv_bytes`` after the prompt match the dynamic run's;
+3. optionally uncompressed (``--fp16``), for reference.
+
+The answer is scored by teacher forcing through the compressed cache (one decode step per
+answer token, so the generation-phase compression runs too): ``hit`` means every answer token
+is the model's greedy choice (what greedy decoding would produce), and ``logp`` is the answer's
+total log-probability.
+
+Example::
+
+    python -m eval.needle --context 1500 --depths 0.1 0.3 0.5 0.7 0.9 \\
+        --dynamic "K8V4:policy=leankv,tl=0.2" --out out/needle.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+
+import torch
+
+from leankit.cache import LeanCache
+from leankit.config import KVConfig
+from leankit.data import paul_graham_essays
+
+from .common import Timer, label, parse_config, write_json
+from .model import load_smollm2
+
+KEYS = ["apple", "river", "falcon", "copper", "violet", "harbor", "meadow", "lantern", "glacier", "orchid"]
+
+
+def make_sample(tok, hay_ids: list[int], context: int, depth: float, rng: random.Random):
+    """``(prompt ids, answer ids, value)`` for one needle at ``depth`` (0 = start, 1 = end)."""
+    key = rng.choice(KEYS)
+    value = str(rng.randint(1_000_000, 9_999_999))
+    needle = f" The special magic number for {key} is {value}. "
+    text = tok.decode(hay_ids[:context])
+    cut = text.find(". ", int(len(text) * depth))
+    cut = len(text) if cut < 0 else cut + 2
+    doc = text[:cut] + needle + text[cut:]
+    question = f"What is the special magic number for {key} mentioned in the text above?"
+    msgs = [{"role": "user", "content": doc + "\n\n" + question}]
+    prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    prompt += f"The special magic number for {key} is"
+    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    a_ids = tok(" " + value + ".", add_special_tokens=False)["input_ids"]
+    return torch.tensor(p_ids), torch.tensor(a_ids), value
+
+
+@torch.no_grad()
+def run(model, prompt: torch.Tensor, answer: torch.Tensor, spec: str | None, kw: dict):
+    """Teacher-forced answer through a cache (``spec=None``: HF's uncompressed DynamicCache)."""
+    n = prompt.numel()
+    cache = None if spec is None else LeanCache(model, spec, max_seq_len=n + answer.numel() + 8, **kw)
+    x = prompt.view(1, -1)
+    out = model(input_ids=x, position_ids=torch.arange(n).view(1, -1), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    report = cache.memory_report() if cache is not None else None
+    past = out.past_key_values if cache is None else cache
+    logp, hit = 0.0, True
+    for i, tok_id in enumerate(answer.tolist()):
+        lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+        logp += float(lp[tok_id])
+        hit &= int(lp.argmax()) == tok_id
+        out = model(input_ids=torch.tensor([[tok_id]]), position_ids=torch.tensor([[n + i]]), past_key_values=past,
+                    use_cache=True)
+    return {"hit": bool(hit), "logp": logp, "prompt_report": report,
+            "final_report": cache.memory_report() if cache is not None else None}
+
+
+def full_pages(cfg: KVConfig, model, n_tokens: int) -> int:
+    """Pages a single-tier cache at ``cfg``'s high precision needs to keep all ``n_tokens``."""
+    c = model.config
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    t = cfg.tokens_per_page(hd, 0, torch.empty((), dtype=model.dtype).element_size())
+    return c.num_hidden_layers * c.num_key_value_heads * math.ceil(n_tokens / t)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dynamic", action="append", required=True,
+                    help='dynamic LeanKV config, e.g. "K8V4:policy=leankv,tl=0.2" (repeatable)')
+    ap.add_argument("--static", default="h2o", choices=("h2o", "streaming"),
+                    help="static uniform-budget baseline matched to each dynamic run's memory")
+    ap.add_argument("--context", type=int, default=1500, help="haystack tokens")
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--offset", type=int, default=0, help="haystack starts at this essay token")
+    ap.add_argument("--fp16", action="store_true", help="also run uncompressed")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_smollm2()
+    hay = "\n\n".join(t for _, t in paul_graham_essays())
+    hay_ids = tok(hay, add_special_tokens=False)["input_ids"][args.offset:]
+    rng = random.Random(args.seed)
+    samples = [make_sample(tok, hay_ids, args.context, d, rng) for d in args.depths]
+    rows = []
+    for dyn in args.dynamic:
+        spec, kw = parse_config(dyn)
+        cfg = KVConfig.parse(spec, **kw)
+        static_spec = str(cfg.high)
+        per = []
+        with Timer() as t:
+            for (p, a, value), depth in zip(samples, args.depths, strict=True):
+                d = run(model, p, a, spec, kw)
+                used = d["prompt_report"]["pages_used"]
+                budget = min(1.0, used / full_pages(cfg, model, p.numel()))
+                if args.static == "h2o":
+                    skw = {"policy": "h2o", "budget": budget}
+                else:
+                    keep = max(int(budget * p.numel()), cfg.sink + 1)
+                    skw = {"policy": "streaming", "window": keep - cfg.sink, "sink": cfg.sink}
+                if "page_size" in kw:
+                    skw["page_size"] = kw["page_size"]
+                s = run(model, p, a, static_spec, skw)
+                row = {"depth": depth, "value": value, "prompt_tokens": int(p.numel()),
+                       "dynamic": {"hit": d["hit"], "logp": d["logp"], "kv_bytes": d["prompt_report"]["kv_bytes"],
+                                   "ratio": d["prompt_report"]["ratio"],
+                                   "tokens_per_tier": d["prompt_report"]["tokens_per_tier"]},
+                       "static": {"config": label(static_spec, skw), "hit": s["hit"], "logp": s["logp"],
+                                  "kv_bytes": s["prompt_report"]["kv_bytes"], "ratio": s["prompt_report"]["ratio"]}}
+                if args.fp16:
+                    f = run(model, p, a, None, {})
+                    row["fp16"] = {"hit": f["hit"], "logp": f["logp"]}
+                per.append(row)
+                print(f"  depth {depth:.2f}: dynamic hit={d['hit']} logp={d['logp']:.2f} "
+                      f"(kv/fp16 {row['dynamic']['ratio']:.3f}) | static {row['static']['config']} hit={s['hit']} "
+                      f"logp={s['logp']:.2f} (kv/fp16 {row['static']['ratio']:.3f})"
+                      + (f" | fp16 hit={row['fp16']['hit']} logp={row['fp16']['logp']:.2f}" if args.fp16 else ""),
+                      flush=True)
+        summary = {
+            "dynamic": label(spec, kw), "static": args.static, "samples": per, "seconds": t.seconds,
+            "dynamic_acc": sum(r["dynamic"]["hit"] for r in per) / len(per),
+            "static_acc": sum(r["static"]["hit"] for r in per) / len(per),
+            "dynamic_logp": sum(r["dynamic"]["logp"] for r in per) / len(per),
+            "static_logp": sum(r["static"]["logp"] for r in per) / len(per),
+            "dynamic_ratio": sum(r["dynamic"]["ratio"] for r in per) / len(per),
+            "static_ratio": sum(r["static"]["ratio"] for r in per) / len(per),
+        }
+        if args.fp16:
+            summary["fp16_acc"] = sum(r["fp16"]["hit"] for r in per) / len(per)
+            summary["fp16_logp"] = sum(r["fp16"]["logp"] for r in per) / len(per)
+        rows.append(summary)
+        write_json(args.out, {"args": vars(args), "results": rows, "partial": True})
+        print(f"{summary['dynamic']}: dynamic acc {summary['dynamic_acc']:.2f} logp {summary['dynamic_logp']:.2f} "
+              f"kv/fp16 {summary['dynamic_ratio']:.3f} | static {args.static} acc {summary['static_acc']:.2f} "
+              f"logp {summary['static_logp']:.2f} kv/fp16 {summary['static_ratio']:.3f}  ({t.seconds:.0f}s)", flush=True)
+    payload = {"args": vars(args), "results": rows,
+               "cmd": "python -m eval.needle " + " ".join(os.sys.argv[1:] if argv is None else argv)}
+    write_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
