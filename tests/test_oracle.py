@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from leankit.cache import LeanCache
-from leankit.page_table import HIGH, LOW
+from leankit.page_table import LOW
 from leankit.policy import dense_attention_oracle, read_tier_meta, stored_token_reference
 
 F = 16
@@ -99,12 +99,12 @@ class Driver:
 
 
 CONFIGS = [
-    ("K8V4-K4V2", dict(th=0.4, tl=0.05, window=6)),
-    ("K4V4-K2V2", dict(th=0.3, tl=0.0, window=4, group_size=8)),
-    ("K8V4", dict(policy="leankv", tl=0.1, window=5)),
-    ("K8V8", dict(policy="h2o", budget=0.4)),
-    ("FP16", dict(policy="streaming", window=6, sink=2)),
-    ("K4V4", dict()),
+    ("K8V4-K4V2", {"th": 0.4, "tl": 0.05, "window": 6}),
+    ("K4V4-K2V2", {"th": 0.3, "tl": 0.0, "window": 4, "group_size": 8}),
+    ("K8V4", {"policy": "leankv", "tl": 0.1, "window": 5}),
+    ("K8V8", {"policy": "h2o", "budget": 0.4}),
+    ("FP16", {"policy": "streaming", "window": 6, "sink": 2}),
+    ("K4V4", {}),
 ]
 
 

@@ -42,7 +42,7 @@ def test_prompt_invariants(raw, window, th_tl):
     th, tl = th_tl
     scores = torch.tensor(raw, dtype=torch.float32)
     n = scores.numel()
-    new, cand, tau_l, tau_h = prompt_classify(scores, window, th, tl)
+    new, cand, tau_l, _tau_h = prompt_classify(scores, window, th, tl)
     w = min(window, n)
     n_p = int(((new == PRUNED) & cand).sum())
     n_l = int(((new == KEEP_LOW) & cand).sum())
@@ -113,8 +113,8 @@ def _one_head(scores, tiers, cand_idx, window_mass, pruned_mass=0.0):
 
 
 def test_algorithm1_high_candidate_moves_victim_to_low():
-    # Z = 1. Sorted masses: 0.05 (high) | cand 0.5 ... C(0.05)=0.05 < Tl? pick victim mass 0.15 -> C=0.15 in [Tl, Th).
-    new, tau_l, tau_h = _one_head([0.15, 0.2, 0.5], [HIGH, HIGH, HIGH], 2, window_mass=0.15)
+    # Z = 1: the victim (0.15) has C = 0.15, in [Tl, Th) = [0.1, 0.3); the candidate (0.5) goes high.
+    new, _tau_l, _tau_h = _one_head([0.15, 0.2, 0.5], [HIGH, HIGH, HIGH], 2, window_mass=0.15)
     assert new.tolist() == [KEEP_LOW, KEEP_HIGH, KEEP_HIGH]  # line 9: victim re-quantized to low
 
 
