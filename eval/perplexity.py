@@ -33,16 +33,24 @@ from .model import load_smollm2
 
 
 def documents(tok, n_docs: int, need: int, skip: int = 0) -> list[torch.Tensor]:
-    """Token ids (BOS first) of the first ``n_docs`` Wikipedia articles with at least ``need`` tokens."""
-    out = []
-    for _, text in wiki_articles()[skip:]:
+    """Token ids (BOS first) of ``n_docs`` Wikipedia articles with at least ``need`` tokens.
+
+    The first ``skip`` articles that are long enough are passed over, so ``--skip`` splits the
+    corpus into disjoint sets (for example, tune thresholds on ``--docs 3`` and confirm them on
+    ``--skip 3 --docs 8``).
+    """
+    out, seen = [], 0
+    for _, text in wiki_articles():
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        if len(ids) + 1 >= need:
+        if len(ids) + 1 < need:
+            continue
+        seen += 1
+        if seen > skip:
             out.append(torch.tensor([tok.bos_token_id] + ids[: need - 1]))
         if len(out) == n_docs:
             break
     if len(out) < n_docs:
-        raise RuntimeError(f"only {len(out)} articles have {need} tokens")
+        raise RuntimeError(f"only {len(out)} articles (after skipping {skip}) have {need} tokens")
     return out
 
 
@@ -69,7 +77,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", action="append", required=True,
                     help='KV config with overrides, e.g. "K8V4-K4V2:th=0.5,tl=0" (repeatable)')
     ap.add_argument("--docs", type=int, default=4)
-    ap.add_argument("--skip", type=int, default=0, help="skip this many articles first")
+    ap.add_argument("--skip", type=int, default=0, help="skip this many long-enough articles first (held-out splits)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=4)

@@ -42,6 +42,7 @@ import torch
 
 from .allocator import exclusive_cumsum
 from .attention import received_attention_ref
+from .backend import use_triton
 from .page_table import HIGH, LOW
 
 KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
@@ -368,7 +369,12 @@ class _Base:
         """
         cache = self.cache
         kv = cache.paged_kv(layer)
-        received = received_attention_ref(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
+        if use_triton(query):
+            from leankit_kernels.prefill_attention import received_attention
+
+            received = received_attention(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
+        else:
+            received = received_attention_ref(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
         has, q_first, q_last = self._query_span(step)
         layers = torch.tensor([layer], device=cache.device)
         metas = []

@@ -53,42 +53,48 @@ def _spy(monkeypatch, module, name, calls):
     monkeypatch.setattr(module, name, wrapped)
 
 
-def _deterministic_pool(monkeypatch):
-    """Start every pool page as zeros instead of ``torch.empty`` garbage.
+def _garbage_pool(monkeypatch):
+    """Fill every new pool page with fresh random bytes instead of ``torch.empty``'s leftovers.
 
-    With the mixed-tier ``leankv`` policy the generated tokens currently depend on the pool's
-    initial bytes (the torch backend alone differs from run to run), so both backends must start
-    from the same bytes to be comparable. The kernels never read a dead slot.
+    Each backend's run starts from different garbage, so equal tokens show that neither the
+    kernels nor the reference ever read a dead slot (a stale score, position or NaN code).
     """
     init, grow = PagePool.__init__, PagePool.grow
 
-    def zero_init(self, *a, **k):
+    def noisy_init(self, *a, **k):
         init(self, *a, **k)
-        self.storage.zero_()
+        self.storage.copy_(torch.randint(0, 256, self.storage.shape, dtype=torch.uint8))
 
-    def zero_grow(self, num_pages):
+    def noisy_grow(self, num_pages):
         old = self.num_pages
         grow(self, num_pages)
-        self.storage[old:].zero_()
+        tail = self.storage[old:]
+        tail.copy_(torch.randint(0, 256, tail.shape, dtype=torch.uint8))
 
-    monkeypatch.setattr(PagePool, "__init__", zero_init)
-    monkeypatch.setattr(PagePool, "grow", zero_grow)
+    monkeypatch.setattr(PagePool, "__init__", noisy_init)
+    monkeypatch.setattr(PagePool, "grow", noisy_grow)
 
 
 @pytest.mark.parametrize("spec,overrides", [("K8V4", {}), ("FP16", {}), ("K8V4-K4V2", {"window": 3})])
 def test_triton_backend_generates_same_tokens(spec, overrides, monkeypatch):
     import leankit_kernels.page_alloc as pa
     import leankit_kernels.paged_attention as pa_attn
+    import leankit_kernels.prefill_attention as pf
     import leankit_kernels.quant as qu
 
-    _deterministic_pool(monkeypatch)
+    _garbage_pool(monkeypatch)
     model = _tiny_llama()
     ref, ref_cache = _generate(model, spec, "torch", monkeypatch, **overrides)
     calls = {}
-    for mod, name in ((qu, "quantize_into_pages"), (pa_attn, "paged_attention"), (pa, "grow_pages")):
+    spied = ((qu, "quantize_into_pages"), (pa_attn, "paged_attention"), (pa, "grow_pages"),
+             (pf, "received_attention"))
+    for mod, name in spied:
         _spy(monkeypatch, mod, name, calls)
     got, cache = _generate(model, spec, "triton", monkeypatch, **overrides)
-    assert set(calls) == {"quantize_into_pages", "paged_attention", "grow_pages"}, calls
+    expected = {"quantize_into_pages", "paged_attention", "grow_pages"}
+    if cache.cfg.policy == "leankv":  # significance scores come from the kernel's second pass
+        expected.add("received_attention")
+    assert set(calls) == expected, calls
     assert len(set(ref.flatten().tolist())) > 2, "degenerate generation"
     assert torch.equal(got, ref), f"{spec}: triton {got.tolist()} != torch {ref.tolist()}"
     assert cache.memory_report()["pages_used"] == ref_cache.memory_report()["pages_used"]
