@@ -1,0 +1,39 @@
+"""eval.plot draws the result files of eval.perplexity / eval.needle (no model needed)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from eval import plot  # noqa: E402
+
+
+def _ppl(tmp_path, rows):
+    path = tmp_path / "ppl.json"
+    path.write_text(json.dumps({"args": {"docs": 2, "skip": 0}, "results": rows}))
+    return str(path)
+
+
+def test_plots_are_written(tmp_path):
+    ppl = _ppl(tmp_path, [{"config": "FP16", "ppl": 10.0, "kv_ratio": 2.67},
+                          {"config": "K8V4-K4V2:th=0.3,tl=0", "ppl": 10.1, "kv_ratio": 0.31},
+                          {"config": "K4V2", "ppl": 13.7, "kv_ratio": 0.25}])
+    needle = tmp_path / "needle.json"
+    needle.write_text(json.dumps({"results": [{"dynamic": "K8V4-K4V2:th=0.3,tl=0", "dynamic_acc": 0.8,
+                                               "static_acc": 0.4, "dynamic_ratio": 0.28, "fp16_acc": 1.0}]}))
+    made = plot.main(["--ppl", ppl, "--needle", str(needle), "--out", str(tmp_path / "png")])
+    assert [p.name for p in made] == ["perplexity_vs_memory.png", "needle_equal_memory.png"]
+    for p in made:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+def test_perplexity_plot_needs_an_fp16_row(tmp_path):
+    ppl = _ppl(tmp_path, [{"config": "K8V4", "ppl": 10.1, "kv_ratio": 0.44}])
+    with pytest.raises(ValueError, match="FP16"):
+        plot.main(["--ppl", ppl, "--out", str(tmp_path)])
+
+
+def test_no_inputs_is_a_usage_error():
+    with pytest.raises(SystemExit):
+        plot.main([])
