@@ -59,14 +59,22 @@ def make_sample(tok, hay_ids: list[int], context: int, depth: float, rng: random
 
 
 @torch.no_grad()
-def run(model, prompt: torch.Tensor, answer: torch.Tensor, spec: str | None, kw: dict):
-    """Teacher-forced answer through a cache (``spec=None``: HF's uncompressed DynamicCache)."""
+def run(model, prompt: torch.Tensor, answer: torch.Tensor, spec: str | None, kw: dict,
+        positions: list[int] | None = None):
+    """Teacher-forced answer through a cache (``spec=None``: HF's uncompressed DynamicCache).
+
+    With ``positions`` (the needle's prompt positions) the result also holds ``heads_with_needle``:
+    how many (layer, KV head) pairs still store every needle token after the prompt phase.
+    """
     n = prompt.numel()
     cache = None if spec is None else LeanCache(model, spec, max_seq_len=n + answer.numel() + 8, **kw)
     x = prompt.view(1, -1)
     out = model(input_ids=x, position_ids=torch.arange(n).view(1, -1), past_key_values=cache, use_cache=True,
                 logits_to_keep=1)
     report = cache.memory_report() if cache is not None else None
+    survival = None
+    if cache is not None and positions:
+        survival = int((needle_survival(cache, positions) == len(positions)).sum())
     past = out.past_key_values if cache is None else cache
     logp, hit = 0.0, True
     for i, tok_id in enumerate(answer.tolist()):
@@ -75,8 +83,31 @@ def run(model, prompt: torch.Tensor, answer: torch.Tensor, spec: str | None, kw:
         hit &= int(lp.argmax()) == tok_id
         out = model(input_ids=torch.tensor([[tok_id]]), position_ids=torch.tensor([[n + i]]), past_key_values=past,
                     use_cache=True)
-    return {"hit": bool(hit), "logp": logp, "prompt_report": report,
+    return {"hit": bool(hit), "logp": logp, "prompt_report": report, "heads_with_needle": survival,
             "final_report": cache.memory_report() if cache is not None else None}
+
+
+def needle_positions(tok, prompt: torch.Tensor, value: str) -> list[int]:
+    """Prompt positions of the needle's value tokens (its first occurrence, inside the haystack)."""
+    ids, val = prompt.tolist(), tok(" " + value, add_special_tokens=False)["input_ids"]
+    for i in range(len(ids) - len(val) + 1):
+        if ids[i: i + len(val)] == val:
+            return list(range(i, i + len(val)))
+    raise ValueError(f"needle value {value!r} not found in the prompt tokens")
+
+
+def needle_survival(cache: LeanCache, positions: list[int]) -> torch.Tensor:
+    """``[layers, kv_heads]`` count of needle tokens still stored (any tier) for sequence 0."""
+    from leankit.policy import read_tier_meta
+
+    want = torch.tensor(positions, dtype=torch.int32)
+    kept = torch.zeros(cache.num_layers, cache.num_kv_heads, dtype=torch.long)
+    layers = torch.arange(cache.num_layers)
+    for tier in range(len(cache.layouts)):
+        m = read_tier_meta(cache, tier, layers)  # pos/valid: [L, B, H, S]
+        hit = torch.isin(m.pos[:, 0], want) & m.valid[:, 0]
+        kept += hit.sum(-1)
+    return kept
 
 
 def full_pages(cfg: KVConfig, model, n_tokens: int) -> int:
@@ -98,6 +129,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offset", type=int, default=0, help="haystack starts at this essay token")
     ap.add_argument("--fp16", action="store_true", help="also run uncompressed")
+    ap.add_argument("--survival", action="store_true",
+                    help="count the (layer, KV head) pairs that still store every needle token after the prompt")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -116,7 +149,8 @@ def main(argv=None) -> dict:
         per = []
         with Timer() as t:
             for (p, a, value), depth in zip(samples, args.depths, strict=True):
-                d = run(model, p, a, spec, kw)
+                pos = needle_positions(tok, p, value) if args.survival else None
+                d = run(model, p, a, spec, kw, pos)
                 used = d["prompt_report"]["pages_used"]
                 budget = min(1.0, used / full_pages(cfg, model, p.numel()))
                 if args.static == "h2o":
@@ -126,13 +160,15 @@ def main(argv=None) -> dict:
                     skw = {"policy": "streaming", "window": keep - cfg.sink, "sink": cfg.sink}
                 if "page_size" in kw:
                     skw["page_size"] = kw["page_size"]
-                s = run(model, p, a, static_spec, skw)
+                s = run(model, p, a, static_spec, skw, pos)
                 row = {"depth": depth, "value": value, "prompt_tokens": int(p.numel()),
                        "dynamic": {"hit": d["hit"], "logp": d["logp"], "kv_bytes": d["prompt_report"]["kv_bytes"],
                                    "ratio": d["prompt_report"]["ratio"],
-                                   "tokens_per_tier": d["prompt_report"]["tokens_per_tier"]},
+                                   "tokens_per_tier": d["prompt_report"]["tokens_per_tier"],
+                                   "heads_with_needle": d["heads_with_needle"]},
                        "static": {"config": label(static_spec, skw), "hit": s["hit"], "logp": s["logp"],
-                                  "kv_bytes": s["prompt_report"]["kv_bytes"], "ratio": s["prompt_report"]["ratio"]}}
+                                  "kv_bytes": s["prompt_report"]["kv_bytes"], "ratio": s["prompt_report"]["ratio"],
+                                  "heads_with_needle": s["heads_with_needle"]}}
                 if args.fp16:
                     f = run(model, p, a, None, {})
                     row["fp16"] = {"hit": f["hit"], "logp": f["logp"]}
@@ -140,7 +176,9 @@ def main(argv=None) -> dict:
                 print(f"  depth {depth:.2f}: dynamic hit={d['hit']} logp={d['logp']:.2f} "
                       f"(kv/fp16 {row['dynamic']['ratio']:.3f}) | static {row['static']['config']} hit={s['hit']} "
                       f"logp={s['logp']:.2f} (kv/fp16 {row['static']['ratio']:.3f})"
-                      + (f" | fp16 hit={row['fp16']['hit']} logp={row['fp16']['logp']:.2f}" if args.fp16 else ""),
+                      + (f" | fp16 hit={row['fp16']['hit']} logp={row['fp16']['logp']:.2f}" if args.fp16 else "")
+                      + (f" | layer-heads keeping the whole needle: dynamic {d['heads_with_needle']}, static "
+                         f"{s['heads_with_needle']}" if args.survival else ""),
                       flush=True)
         summary = {
             "dynamic": label(spec, kw), "static": args.static, "samples": per, "seconds": t.seconds,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def _load(paths: list[str]) -> list[dict]:
-    return [json.loads(Path(p).read_text()) for p in paths]
+    return [{**json.loads(Path(p).read_text()), "source": Path(p).stem} for p in paths]
 
 
 def _pyplot():
@@ -50,7 +50,9 @@ def plot_perplexity(payloads: list[dict], out: Path) -> Path:
         if base is None:
             raise ValueError("a perplexity file needs an FP16 row to normalize against")
         args = payload.get("args", {})
-        name = f"docs {args.get('skip', 0)}..{args.get('skip', 0) + args.get('docs', 0) - 1}"
+        name = f"articles {args.get('skip', 0)}-{args.get('skip', 0) + args.get('docs', 0) - 1}"
+        if "source" in payload:
+            name += f" ({payload['source']})"
         pts = [(r["kv_ratio"], 100 * (r["ppl"] / base["ppl"] - 1), r["config"]) for r in rows if r is not base]
         # Points far above the targets (e.g. uniform K4V2) are pinned to the top edge, value in the label.
         shown = [(x, min(y, y_top), text if y <= y_top else f"{text} (+{y:.0f}%, off scale)") for x, y, text in pts]

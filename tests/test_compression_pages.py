@@ -228,3 +228,18 @@ def test_relabel_with_tight_rows(model, th):
     cache.pool.storage.fill_(0xFF)
     forward_steps(model, cache, ids, mask, decode=4)
     assert cache.memory_report()["tokens_per_tier"]["low"] > cache.memory_report()["tokens_per_tier"]["high"]
+
+
+def test_needle_survival_counts_stored_positions(model):
+    from eval.needle import needle_survival
+
+    ids, mask = prompt(batch=1, n=100)
+    full = make_cache(model, "K8V4")
+    stream = make_cache(model, "K8V4", policy="streaming", window=12, sink=3)
+    for cache in (full, stream):
+        forward_steps(model, cache, ids, mask, decode=0)
+    middle, edge = [40, 41, 42], [1, 2, 95]
+    shape = (full.num_layers, full.num_kv_heads)
+    assert torch.equal(needle_survival(full, middle), torch.full(shape, 3))
+    assert torch.equal(needle_survival(stream, middle), torch.zeros(shape, dtype=torch.long))
+    assert torch.equal(needle_survival(stream, edge), torch.full(shape, 3))  # sinks 1, 2 and window 95
