@@ -141,6 +141,7 @@ def main(argv=None) -> dict:
     hay_ids = tok(hay, add_special_tokens=False)["input_ids"][args.offset:]
     rng = random.Random(args.seed)
     samples = [make_sample(tok, hay_ids, args.context, d, rng) for d in args.depths]
+    needles = [needle_positions(tok, p, value) if args.survival else None for p, _, value in samples]
     rows = []
     for dyn in args.dynamic:
         spec, kw = parse_config(dyn)
@@ -148,8 +149,7 @@ def main(argv=None) -> dict:
         static_spec = str(cfg.high)
         per = []
         with Timer() as t:
-            for (p, a, value), depth in zip(samples, args.depths, strict=True):
-                pos = needle_positions(tok, p, value) if args.survival else None
+            for (p, a, value), depth, pos in zip(samples, args.depths, needles, strict=True):
                 d = run(model, p, a, spec, kw, pos)
                 used = d["prompt_report"]["pages_used"]
                 budget = min(1.0, used / full_pages(cfg, model, p.numel()))
@@ -158,8 +158,8 @@ def main(argv=None) -> dict:
                 else:
                     keep = max(int(budget * p.numel()), cfg.sink + 1)
                     skw = {"policy": "streaming", "window": keep - cfg.sink, "sink": cfg.sink}
-                if "page_size" in kw:
-                    skw["page_size"] = kw["page_size"]
+                # The static run stores its tokens exactly like the dynamic run's high tier.
+                skw.update({k: kw[k] for k in ("page_size", "group_size") if k in kw})
                 s = run(model, p, a, static_spec, skw, pos)
                 row = {"depth": depth, "value": value, "prompt_tokens": int(p.numel()),
                        "dynamic": {"hit": d["hit"], "logp": d["logp"], "kv_bytes": d["prompt_report"]["kv_bytes"],
@@ -180,18 +180,13 @@ def main(argv=None) -> dict:
                       + (f" | layer-heads keeping the whole needle: dynamic {d['heads_with_needle']}, static "
                          f"{s['heads_with_needle']}" if args.survival else ""),
                       flush=True)
-        summary = {
-            "dynamic": label(spec, kw), "static": args.static, "samples": per, "seconds": t.seconds,
-            "dynamic_acc": sum(r["dynamic"]["hit"] for r in per) / len(per),
-            "static_acc": sum(r["static"]["hit"] for r in per) / len(per),
-            "dynamic_logp": sum(r["dynamic"]["logp"] for r in per) / len(per),
-            "static_logp": sum(r["static"]["logp"] for r in per) / len(per),
-            "dynamic_ratio": sum(r["dynamic"]["ratio"] for r in per) / len(per),
-            "static_ratio": sum(r["static"]["ratio"] for r in per) / len(per),
-        }
+        summary = {"dynamic": label(spec, kw), "static": args.static, "samples": per, "seconds": t.seconds}
+        fields = {"dynamic": ("hit", "logp", "ratio"), "static": ("hit", "logp", "ratio")}
         if args.fp16:
-            summary["fp16_acc"] = sum(r["fp16"]["hit"] for r in per) / len(per)
-            summary["fp16_logp"] = sum(r["fp16"]["logp"] for r in per) / len(per)
+            fields["fp16"] = ("hit", "logp")
+        for side, keys in fields.items():  # means over the samples: dynamic_acc, static_logp, ...
+            for key in keys:
+                summary[f"{side}_{'acc' if key == 'hit' else key}"] = sum(r[side][key] for r in per) / len(per)
         rows.append(summary)
         write_json(args.out, {"args": vars(args), "results": rows, "partial": True})
         print(f"{summary['dynamic']}: dynamic acc {summary['dynamic_acc']:.2f} logp {summary['dynamic_logp']:.2f} "

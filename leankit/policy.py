@@ -369,12 +369,10 @@ class _Base:
         """
         cache = self.cache
         kv = cache.paged_kv(layer)
+        received_attention = received_attention_ref
         if use_triton(query):
             from leankit_kernels.prefill_attention import received_attention
-
-            received = received_attention(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
-        else:
-            received = received_attention_ref(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
+        received = received_attention(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
         has, q_first, q_last = self._query_span(step)
         layers = torch.tensor([layer], device=cache.device)
         metas = []
@@ -384,7 +382,7 @@ class _Base:
                 rec = received[tier].unsqueeze(0)
                 view = (1, -1, 1, 1)
                 new = update_significance(m.score, m.pos, rec, q_first.view(view), q_last.view(view))
-                upd = m.valid & has.view(1, -1, 1, 1)
+                upd = m.valid & has.view(view)
                 new = torch.where(upd, new, m.score).to(torch.float16)
                 pages = new.view(*m.ids.shape, layout.tokens)
                 cache.pool.write_scores(layout, m.ids[m.pvalid], pages[m.pvalid])
