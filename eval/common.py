@@ -6,22 +6,12 @@ import json
 import time
 from pathlib import Path
 
-from leankit.config import KVConfig
+from leankit.config import KVConfig, split_overrides
 
 
 def parse_config(text: str) -> tuple[str, dict]:
     """``"K8V4-K4V2:th=0.2,tl=0"`` -> ``("K8V4-K4V2", {"th": 0.2, "tl": 0.0})`` (validated)."""
-    spec, _, rest = text.partition(":")
-    kw: dict = {}
-    for item in filter(None, rest.split(",")):
-        key, _, val = item.partition("=")
-        key = key.strip()
-        if key in ("policy",):
-            kw[key] = val.strip()
-        elif key in ("window", "sink", "page_size", "group_size"):
-            kw[key] = int(val)
-        else:
-            kw[key] = float(val)
+    spec, kw = split_overrides(text)
     KVConfig.parse(spec, **kw)  # fail early on a bad config
     return spec, kw
 

@@ -10,6 +10,7 @@ one PNG each (needs the ``eval`` extra for matplotlib)::
 from __future__ import annotations
 
 import argparse
+import re
 import json
 from pathlib import Path
 
@@ -35,11 +36,18 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def _short(config: str) -> str:
+    """A compact point label: ``K8V4-K4V2:th=0.3,tl=0.0,group_size=32`` -> ``K8V4-K4V2:th=0.3,tl=0,gs32``."""
+    text = config.replace("low_group_size=", "low-gs").replace("group_size=", "gs")
+    return re.sub(r"=0\.0(?=,|$)", "=0", text)
+
+
 def plot_perplexity(payloads: list[dict], out: Path) -> Path:
     """Perplexity change vs FP16 (%) against ``kv_bytes / fp16`` for every config of every file.
 
     Each file is normalized by its own ``FP16`` row (files scored on different documents are not
-    mixed); the issue's targets (+1% at 0.33, +5% at 0.20) are drawn as a guide.
+    mixed); the issue's targets (+1% at 0.33, +5% at 0.20) are drawn as a guide. Rows with a
+    ``ppl_vs_fp16_ci95`` interval get it as an error bar.
     """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -53,10 +61,17 @@ def plot_perplexity(payloads: list[dict], out: Path) -> Path:
         name = f"articles {args.get('skip', 0)}-{args.get('skip', 0) + args.get('docs', 0) - 1}"
         if "source" in payload:
             name += f" ({payload['source']})"
-        pts = [(r["kv_ratio"], 100 * (r["ppl"] / base["ppl"] - 1), r["config"]) for r in rows if r is not base]
+        pts = [(r["kv_ratio"], 100 * (r["ppl"] / base["ppl"] - 1), _short(r["config"])) for r in rows if r is not base]
         # Points far above the targets (e.g. uniform K4V2) are pinned to the top edge, value in the label.
         shown = [(x, min(y, y_top), text if y <= y_top else f"{text} (+{y:.0f}%, off scale)") for x, y, text in pts]
-        ax.scatter([p[0] for p in shown], [p[1] for p in shown], label=name, marker="o^sD"[i % 4])
+        dots = ax.scatter([p[0] for p in shown], [p[1] for p in shown], label=name, marker="o^sD"[i % 4])
+        # Files written with per-token NLLs carry a 95% interval of the paired gap: draw it.
+        ci = [(r["kv_ratio"], 100 * r["ppl_vs_fp16"], 100 * r["ppl_vs_fp16_ci95"][0], 100 * r["ppl_vs_fp16_ci95"][1])
+              for r in rows if r is not base and "ppl_vs_fp16_ci95" in r and r["ppl_vs_fp16"] * 100 <= y_top]
+        if ci:
+            ax.errorbar([c[0] for c in ci], [c[1] for c in ci],
+                        yerr=[[c[1] - c[2] for c in ci], [c[3] - c[1] for c in ci]], fmt="none",
+                        ecolor=dots.get_facecolor()[0], elinewidth=0.8, capsize=2)
         for x, y, text in shown:
             ax.annotate(text, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")

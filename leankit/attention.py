@@ -163,22 +163,28 @@ def _grouped_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float,
-                        chunk_pages: int = 64, query_chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk_pages: int = 64, query_chunk: int = 512, return_logits: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's pages.
 
     Args:
         q_pos: int ``[B, Q]`` absolute positions of the queries (for the causal rule).
         scale: softmax scale (``head_dim ** -0.5`` for Llama).
+        return_logits: also return the scaled logits, so a few queries (decode, short chunks) get
+            their significance from :func:`received_from_logits` without a second pass over the
+            keys. They take ``4 * B * Hq * Q * N`` bytes: not for long prompts.
 
     Returns:
         ``(out, lse)``: ``out`` is ``[B, Q, Hq, F]`` in ``q.dtype`` (the layout HF's attention
         functions return); ``lse`` is the fp32 log-sum-exp ``[B, Hkv, G*Q]`` of the scaled scores
-        (``-inf`` for a query that sees no key, whose output is 0).
+        (``-inf`` for a query that sees no key, whose output is 0). With ``return_logits``, a third
+        item: one fp32 tensor per tier, ``[B, Hkv, G*Q, P_t * T_t]`` in the tier's slot order, with
+        ``-inf`` where a key is dead or after the query.
     """
     b, hq, nq, f = q.shape
     hkv = kv.table.shape[2]
     g = hq // hkv
     outs, lses = [], []
+    logits = [[[] for _ in kv.layouts] for _ in range(0, nq, query_chunk)] if return_logits else None
     for q0 in range(0, nq, query_chunk):
         qc = q[:, :, q0: q0 + query_chunk]
         nqc = qc.shape[2]
@@ -192,6 +198,8 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
             s = tile.scores(qg) * scale  # [B, Hkv, G*Qc, N]
             visible = tile.valid.unsqueeze(2) & (tile.pos.unsqueeze(2) <= qp.unsqueeze(-1))
             s = s.masked_fill(~visible, float("-inf"))
+            if logits is not None:
+                logits[q0 // query_chunk][tile.tier].append(s)
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             p = torch.exp(s - m_safe.unsqueeze(-1))
@@ -205,7 +213,39 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
         outs.append(out.view(b, hkv, g, nqc, f))
     out = torch.cat(outs, dim=3).reshape(b, hq, nq, f).transpose(1, 2).to(q.dtype)
     lse = torch.cat(lses, dim=3).reshape(b, hkv, g * nq)
-    return out, lse
+    if logits is None:
+        return out, lse
+    per_tier = []
+    for tier, layout in enumerate(kv.layouts):
+        n_slots = (int(kv.table.n_pages[tier, kv.layer].max()) if kv.table.n_pages[tier, kv.layer].numel() else 0) \
+            * layout.tokens
+        rows = [torch.cat(c[tier], -1) if c[tier] else q.new_full((b, hkv, g * min(query_chunk, nq - i * query_chunk),
+                                                                    n_slots), float("-inf"), dtype=torch.float32)
+                for i, c in enumerate(logits)]
+        # [B, Hkv, G*Qc, N] per query chunk -> [B, Hkv, G, Q, N] -> [B, Hkv, G*Q, N] (row h*G*Q + g*Q + q)
+        rows = [r.unflatten(2, (g, -1)) for r in rows]
+        per_tier.append(torch.cat(rows, 3).flatten(2, 3))
+    return out, lse, per_tier
+
+
+def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: int,
+                         q_valid: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """:func:`received_attention_ref` from the logits :func:`paged_attention_ref` kept.
+
+    ``p_ij = exp(s_ij - lse_i)`` summed over the step's live queries and averaged over the
+    ``group`` query heads of each KV group; the same numbers as the second pass, without reading
+    the keys again.
+    """
+    b, hkv, rows = lse.shape
+    live = torch.isfinite(lse)
+    if q_valid is not None:
+        live = live & q_valid.view(b, 1, 1, -1).expand(b, hkv, group, rows // group).reshape(b, hkv, rows)
+    lse_safe = torch.where(live, lse, torch.zeros_like(lse)).unsqueeze(-1)
+    out = []
+    for s in logits:
+        p = torch.exp((s - lse_safe).masked_fill(~live.unsqueeze(-1), float("-inf")))
+        out.append(p.sum(2) / group)
+    return out
 
 
 def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, lse: torch.Tensor,

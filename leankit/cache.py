@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .allocator import FreePageList, PoolExhausted
-from .attention import PagedKV, paged_attention_ref
+from .attention import PagedKV, paged_attention_ref, received_from_logits
 from .backend import use_triton
 from .config import KVConfig, fp16_token_bytes
 from .page_table import HIGH, LOW, BidirectionalPageTable
@@ -31,6 +31,9 @@ from .pages import PageLayout, PagePool
 from .quant import check_finite
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Steps of at most this many queries keep their attention logits for the significance update
+# (decode and eval chunks); longer prompts use the chunked second pass, which never holds Q x N.
+LOGITS_QUERY_LIMIT = 64
 
 
 def check_model_supported(config) -> None:
@@ -255,9 +258,16 @@ class LeanCache(Cache):
             from leankit_kernels.paged_attention import paged_attention
 
             out, lse = paged_attention(query, kv, st.q_pos, scaling)
+            received = None
+        elif self.policy.uses_significance and query.shape[2] <= LOGITS_QUERY_LIMIT:
+            # Few queries (decode, short chunks): keep the logits and take the significance from
+            # them, instead of a second pass that dequantizes every key again.
+            out, lse, logits = paged_attention_ref(query, kv, st.q_pos, scaling, return_logits=True)
+            received = received_from_logits(logits, lse, query.shape[1] // kv.table.shape[2], st.real)
         else:
             out, lse = paged_attention_ref(query, kv, st.q_pos, scaling)
-        self.policy.after_attention(layer, query, scaling, lse, st)
+            received = None
+        self.policy.after_attention(layer, query, scaling, lse, st, received)
         return out
 
     # ------------------------------------------------------------------ lifecycle

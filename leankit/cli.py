@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text through a LeanCache and report its memory")
     g.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint directory")
-    g.add_argument("--kv", default="K8V4", help="KV config, e.g. FP16, K8V4, K4V2, K8V4-K4V2")
+    g.add_argument("--kv", default="K8V4", help="KV config, e.g. FP16, K8V4, K4V2, K8V4-K4V2, or with overrides "
+                   "'K8V4-K4V2:th=0.2,tl=0,group_size=32'")
     g.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")

@@ -6,6 +6,7 @@ A configuration string names one or two *precision tiers* (LeanKV §4):
     K<b>V<b>             one tier, keys at b bits and values at b bits
     K<b>V<b>-K<b>V<b>    a high tier, then a low tier (LeanKV's unified compression)
 
+optionally followed by overrides after a colon, ``K8V4-K4V2:th=0.2,tl=0,group_size=32``,
 with ``b`` in {16, 8, 4, 2, 1}; 16 means "unquantized" (kept in the model's own dtype, so an
 fp32 model stays lossless). Mirror settings such as ``K4V8`` are legal on purpose: the paper's
 Hetero-KV ablation (Fig. 7) compares them.
@@ -41,6 +42,39 @@ META_BYTES_PER_GROUP = 4  # fp16 scale + fp16 minimum
 PAGE_ALIGN = 16  # every page segment starts on a 16-byte boundary (128-bit loads)
 
 _TIER_RE = re.compile(r"^K(\d+)V(\d+)$")
+_INT_OVERRIDES = ("window", "page_size", "group_size", "low_group_size", "sink")
+_STR_OVERRIDES = ("policy",)
+_FLOAT_OVERRIDES = ("th", "tl", "budget")
+
+
+def split_overrides(text: str) -> tuple[str, dict]:
+    """Split ``"K8V4-K4V2:th=0.2,tl=0"`` into ``("K8V4-K4V2", {"th": 0.2, "tl": 0.0})``.
+
+    The overrides are typed (``window``/``page_size``/``group_size``/``low_group_size``/``sink``
+    int, ``policy`` str, ``th``/``tl``/``budget`` float); an unknown key or a bad value raises
+    ``ValueError``. Without a colon the overrides are empty.
+    """
+    spec, _, rest = text.partition(":")
+    kw: dict = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, val = (x.strip() for x in item.partition("="))
+        if not eq or not val:
+            raise ValueError(f"override {item!r} of {text!r} is not key=value")
+        try:
+            if key in _INT_OVERRIDES:
+                kw[key] = int(val)
+            elif key in _FLOAT_OVERRIDES:
+                kw[key] = float(val)
+            elif key in _STR_OVERRIDES:
+                kw[key] = val
+            else:
+                known = _INT_OVERRIDES + _FLOAT_OVERRIDES + _STR_OVERRIDES
+                raise ValueError(f"unknown override {key!r} in {text!r}; known: {', '.join(known)}")
+        except ValueError as e:
+            if "override" in str(e):
+                raise
+            raise ValueError(f"bad value {val!r} for {key!r} in {text!r}") from None
+    return spec.strip(), kw
 
 
 def _align(n: int, a: int = PAGE_ALIGN) -> int:
@@ -128,6 +162,10 @@ class KVConfig:
         th, tl: LeanKV thresholds on cumulative significance (high / prune).
         page_size: bytes per unified page.
         group_size: quantization group along head_dim (``None`` = whole head_dim).
+        low_group_size: quantization group of the low tier (``None`` = ``group_size``). Fewer
+            bits need smaller groups to keep the same error (a 4-bit key of head_dim 64 loses
+            about twice the perplexity with one group as with two), while the 8-bit keys of the
+            high tier do not, so a finer low tier alone buys accuracy where the bytes are cheap.
         policy: ``"full"`` (keep every token), ``"leankv"`` (per-head dynamic), ``"h2o"``
             (static heavy-hitter budget), ``"streaming"`` (sinks + recent window).
         budget: fraction of tokens kept per head for ``h2o``.
@@ -141,6 +179,7 @@ class KVConfig:
     tl: float = 0.0
     page_size: int = 2048
     group_size: int | None = None
+    low_group_size: int | None = None
     policy: str = "full"
     budget: float | None = None
     sink: int = 4
@@ -149,7 +188,7 @@ class KVConfig:
     # ------------------------------------------------------------------ parsing
     @classmethod
     def parse(cls, spec: str | KVConfig, **overrides) -> KVConfig:
-        """Parse ``spec`` (see the module docstring) and apply keyword overrides.
+        """Parse ``spec`` (see the module docstring) and apply its overrides, then keyword overrides.
 
         Raises ``ValueError`` showing the grammar for a malformed spec or a bad override.
         """
@@ -157,6 +196,9 @@ class KVConfig:
             return dataclasses.replace(spec, **overrides) if overrides else spec
         if not isinstance(spec, str):
             raise ValueError(f"KV config must be a string, got {type(spec).__name__}. {GRAMMAR}")
+        if ":" in spec:
+            spec, inline = split_overrides(spec)
+            overrides = {**inline, **overrides}  # keyword arguments win over the string's
         text = spec.strip().upper()
         parts = text.split("-")
         if not text or len(parts) > 2:
@@ -195,8 +237,12 @@ class KVConfig:
             raise ValueError(f"tl ({self.tl}) must not exceed th ({self.th})")
         if self.page_size < 64 or self.page_size % PAGE_ALIGN:
             raise ValueError(f"page_size must be a multiple of {PAGE_ALIGN} and >= 64, got {self.page_size}")
-        if self.group_size is not None and self.group_size <= 0:
-            raise ValueError(f"group_size must be positive, got {self.group_size}")
+        for name in ("group_size", "low_group_size"):
+            gs = getattr(self, name)
+            if gs is not None and gs <= 0:
+                raise ValueError(f"{name} must be positive, got {gs}")
+        if self.low_group_size is not None and self.low is None:
+            raise ValueError(f"low_group_size needs a two-tier config such as 'K8V4-K4V2', got {self.spec or self}")
         if self.policy == "h2o" and not (self.budget is not None and 0.0 < self.budget <= 1.0):
             raise ValueError("policy 'h2o' needs budget in (0, 1], e.g. KVConfig.parse('FP16', policy='h2o', budget=0.2)")
         if self.sink < 0:
@@ -208,9 +254,15 @@ class KVConfig:
         """The tiers in order: high, then low if present."""
         return (self.high,) if self.low is None else (self.high, self.low)
 
+    def tier_group_size(self, tier: int) -> int | None:
+        """Quantization group size of tier ``tier`` (``None`` = the whole head_dim)."""
+        if tier == 1 and self.low_group_size is not None:
+            return self.low_group_size
+        return self.group_size
+
     def token_bytes(self, head_dim: int, tier: int = 0, dense_itemsize: int = 2) -> TokenBytes:
         """Bytes per (token, KV head) of tier ``tier`` (0 = high, 1 = low)."""
-        return self.tiers[tier].token_bytes(head_dim, self.group_size, dense_itemsize)
+        return self.tiers[tier].token_bytes(head_dim, self.tier_group_size(tier), dense_itemsize)
 
     def tokens_per_page(self, head_dim: int, tier: int = 0, dense_itemsize: int = 2) -> int:
         """Tokens that fit one unified page of ``page_size`` bytes at tier ``tier``.

@@ -68,7 +68,7 @@ class PageLayout:
             offsets.append(off)
             off += _align(t * s, PAGE_ALIGN)
         assert off <= cfg.page_size
-        return cls(cfg.tiers[tier], head_dim, cfg.group_size or head_dim, cfg.page_size, dense_dtype, t,
+        return cls(cfg.tiers[tier], head_dim, cfg.tier_group_size(tier) or head_dim, cfg.page_size, dense_dtype, t,
                    tuple(sizes), tuple(offsets))
 
     @property

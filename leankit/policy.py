@@ -284,6 +284,9 @@ def read_tokens(pool, layout, page: torch.Tensor, off: torch.Tensor, dtype=torch
 class _Base:
     """State and protocol shared by every policy: new tokens enter the high tier in arrival order."""
 
+    # Whether after_attention reads the step's received attention (significance policies do).
+    uses_significance = False
+
     def __init__(self, cache):
         self.cache = cache
         self.real_seen: torch.Tensor | None = None  # int [B]: real tokens stored per row
@@ -353,26 +356,32 @@ class _Base:
         cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, kk, vv, pos, score)
         lens += step.n_new.view(-1, 1).to(lens.dtype)
 
-    def after_attention(self, layer, query, scaling, lse, step) -> None:
-        """Hook run after ``layer``'s attention (nothing to do by default)."""
+    def after_attention(self, layer, query, scaling, lse, step, received=None) -> None:
+        """Hook run after ``layer``'s attention (nothing to do by default).
+
+        ``received``: the step's received attention per tier when the attention already has it
+        (:func:`~leankit.attention.received_from_logits`), else ``None`` (computed on demand).
+        """
 
     def end_step(self, step) -> None:
         """Close the step."""
         self.real_seen += step.n_new
 
     # -------------------------------------------------------------- scores
-    def _update_scores(self, layer: int, query, scaling, lse, step) -> list[TierMeta]:
+    def _update_scores(self, layer: int, query, scaling, lse, step, received=None) -> list[TierMeta]:
         """Add this step's received attention to the running significance of ``layer``'s tokens.
 
         Writes the score segments back to the pages and returns the layer's tier metadata
-        (``[1, B, H, S]``) holding the updated (fp16-rounded) scores.
+        (``[1, B, H, S]``) holding the updated (fp16-rounded) scores. ``received`` (per tier, as
+        :func:`~leankit.attention.received_attention_ref` returns it) skips the second pass.
         """
         cache = self.cache
-        kv = cache.paged_kv(layer)
-        received_attention = received_attention_ref
-        if use_triton(query):
-            from leankit_kernels.prefill_attention import received_attention
-        received = received_attention(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
+        if received is None:
+            kv = cache.paged_kv(layer)
+            received_attention = received_attention_ref
+            if use_triton(query):
+                from leankit_kernels.prefill_attention import received_attention
+            received = received_attention(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
         has, q_first, q_last = self._query_span(step)
         layers = torch.tensor([layer], device=cache.device)
         metas = []
@@ -523,6 +532,8 @@ class LeanKVPolicy(_Base):
     (``policy="leankv"`` with no low tier) only prunes (``Th`` is ignored).
     """
 
+    uses_significance = True
+
     def __init__(self, cache):
         super().__init__(cache)
         cfg = cache.cfg
@@ -600,9 +611,9 @@ class LeanKVPolicy(_Base):
         sizes = [m.score.shape[-1] for m in metas]
         return list(torch.split(new, sizes, dim=-1))
 
-    def after_attention(self, layer, query, scaling, lse, step) -> None:
+    def after_attention(self, layer, query, scaling, lse, step, received=None) -> None:
         """Update running significance; in the prompt phase, classify this layer's tokens now."""
-        metas = self._update_scores(layer, query, scaling, lse, step)
+        metas = self._update_scores(layer, query, scaling, lse, step, received)
         prompt = self._prompt_rows
         if prompt is None:
             return
@@ -635,6 +646,8 @@ class H2OPolicy(_Base):
     tokens; eviction runs after each step for all layers at once, with one batched recycle.
     """
 
+    uses_significance = True
+
     def __init__(self, cache):
         super().__init__(cache)
         if cache.cfg.low is not None:
@@ -642,8 +655,9 @@ class H2OPolicy(_Base):
         self.budget = cache.cfg.budget
         self._span = None
 
-    def after_attention(self, layer, query, scaling, lse, step) -> None:
-        self._update_scores(layer, query, scaling, lse, step)
+    def after_attention(self, layer, query, scaling, lse, step, received=None) -> None:
+        """Accumulate this step's received attention (H2O's heavy-hitter sums)."""
+        self._update_scores(layer, query, scaling, lse, step, received)
 
     def end_step(self, step) -> None:
         super().end_step(step)
@@ -721,15 +735,15 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
     """
     from .quant import dequantize, quantize
 
-    def roundtrip(y, bits):
+    def roundtrip(y, bits, group_size):
         if bits >= 16:
             return y.to(dense_dtype).float()
-        packed, sc, mn = quantize(y, bits, cfg.group_size)
+        packed, sc, mn = quantize(y, bits, group_size)
         return dequantize(packed, sc, mn, bits)
 
-    path = cfg.tiers[: tier + 1]
-    for prec in path:
-        k, v = roundtrip(k, prec.k_bits), roundtrip(v, prec.v_bits)
+    for t in range(tier + 1):
+        prec, gs = cfg.tiers[t], cfg.tier_group_size(t)
+        k, v = roundtrip(k, prec.k_bits, gs), roundtrip(v, prec.v_bits, gs)
     return k, v
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from leankit.config import GRAMMAR, KVConfig, Precision, fp16_token_bytes
+from leankit.config import GRAMMAR, KVConfig, Precision, fp16_token_bytes, split_overrides
 
 
 @pytest.mark.parametrize("spec,high,low", [
@@ -46,6 +46,20 @@ def test_overrides_and_errors():
         Precision(3, 4)
 
 
+def test_inline_overrides():
+    cfg = KVConfig.parse("K8V4-K4V2:th=0.2, tl=0,group_size=32,low_group_size=16,window=8")
+    assert (cfg.th, cfg.tl, cfg.group_size, cfg.low_group_size, cfg.window) == (0.2, 0.0, 32, 16, 8)
+    assert KVConfig.parse("K8V4-K4V2:th=0.2", th=0.4).th == 0.4  # keyword arguments win
+    assert KVConfig.parse("FP16:policy=h2o,budget=0.3").budget == 0.3
+    assert KVConfig.parse("K8V4:") == KVConfig.parse("K8V4")
+    assert split_overrides("K4V4:group_size=32") == ("K4V4", {"group_size": 32})
+    for bad, msg in [("K8V4:th", "key=value"), ("K8V4:thresh=0.1", "unknown override"),
+                     ("K8V4:window=big", "bad value"), ("K8V4:group_size=2.5", "bad value"),
+                     ("K8V4-K4V2:th=0.01,tl=0.1", "tl"), ("K9V4:th=0.1", "K<b>V<b>")]:
+        with pytest.raises(ValueError, match=msg):
+            KVConfig.parse(bad)
+
+
 def test_token_bytes_exact():
     # K8V4 at head_dim 64: 64 B keys + 4 B meta + 32 B values + 4 B meta + 2 B score + 4 B position.
     tb = KVConfig.parse("K8V4").token_bytes(64)
@@ -56,6 +70,22 @@ def test_token_bytes_exact():
     assert KVConfig.parse("FP16").token_bytes(64, dense_itemsize=4).total == 512 + 6
     assert KVConfig.parse("K8V4", group_size=16).token_bytes(64).k_meta == 16
     assert fp16_token_bytes(64) == 256
+
+
+def test_low_tier_group_size():
+    # The low tier alone at two groups: K4V2 pays 4 more metadata bytes per side, K8V4 none.
+    cfg = KVConfig.parse("K8V4-K4V2", low_group_size=32)
+    assert cfg.token_bytes(64, 0) == KVConfig.parse("K8V4").token_bytes(64)
+    assert cfg.token_bytes(64, 1).total == 32 + 8 + 16 + 8 + 6
+    assert cfg.tokens_per_page(64, 1) == 28  # 29 tokens would need 2064 bytes after 16-byte alignment
+    assert KVConfig.parse("K8V4-K4V2", group_size=16, low_group_size=32).token_bytes(64, 0).k_meta == 16
+    assert KVConfig.parse("K8V4-K4V2", group_size=16).tier_group_size(1) == 16
+    with pytest.raises(ValueError, match="two-tier"):
+        KVConfig.parse("K8V4", low_group_size=32)
+    with pytest.raises(ValueError, match="low_group_size"):
+        KVConfig.parse("K8V4-K4V2", low_group_size=0)
+    with pytest.raises(ValueError, match="divide"):
+        KVConfig.parse("K8V4-K4V2", low_group_size=24).token_bytes(64, 1)
 
 
 def test_tokens_per_page_follow_precision():

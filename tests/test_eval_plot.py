@@ -17,7 +17,8 @@ def _ppl(tmp_path, rows):
 
 def test_plots_are_written(tmp_path):
     ppl = _ppl(tmp_path, [{"config": "FP16", "ppl": 10.0, "kv_ratio": 2.67},
-                          {"config": "K8V4-K4V2:th=0.3,tl=0", "ppl": 10.1, "kv_ratio": 0.31},
+                          {"config": "K8V4-K4V2:th=0.3,tl=0", "ppl": 10.1, "kv_ratio": 0.31,
+                           "ppl_vs_fp16": 0.01, "ppl_vs_fp16_ci95": [0.004, 0.016]},
                           {"config": "K4V2", "ppl": 13.7, "kv_ratio": 0.25}])
     needle = tmp_path / "needle.json"
     needle.write_text(json.dumps({"results": [{"dynamic": "K8V4-K4V2:th=0.3,tl=0", "dynamic_acc": 0.8,
@@ -37,3 +38,9 @@ def test_perplexity_plot_needs_an_fp16_row(tmp_path):
 def test_no_inputs_is_a_usage_error():
     with pytest.raises(SystemExit):
         plot.main([])
+
+
+def test_point_labels_are_compact_and_keep_values():
+    assert plot._short("K8V4-K4V2:th=0.3,tl=0.0,group_size=32") == "K8V4-K4V2:th=0.3,tl=0,gs32"
+    assert plot._short("K8V4-K4V2:th=0.3,tl=0.05") == "K8V4-K4V2:th=0.3,tl=0.05"
+    assert plot._short("K8V4-K4V2:th=0.2,tl=0.0,low_group_size=32") == "K8V4-K4V2:th=0.2,tl=0,low-gs32"

@@ -106,6 +106,21 @@ def test_received_attention_decode_matches_reference(spec, dtype, g, ctx):
     testing.assert_all_close_normwise(got, ref, dtype, f"received (seed {seed})")
 
 
+@pytest.mark.parametrize("gs,low_gs", [(None, 32), (32, 16), (16, 64)])
+def test_tiers_with_their_own_group_size(gs, low_gs):
+    """High and low pages quantized at different group sizes (``low_group_size``): decode, the fused
+    score update and received attention each read a tier's metadata with that tier's group count."""
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [65, 20], 3, 3, 1, prune_frac=0.1, group_size=gs,
+                                          low_group_size=low_gs)
+    assert fc.kv.layouts[0].groups != fc.kv.layouts[1].groups
+    out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
+    ref_lse = testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+    got = received_attention(q, fc.kv, q_pos, 0.125, ref_lse)
+    ref = received_attention_ref(q, fc.kv, q_pos, 0.125, ref_lse)
+    testing.assert_all_close_normwise(got, ref, F32, f"received (seed {seed})")
+
+
 def test_multi_query_routes_to_prefill():
     fc, q, q_pos = testing.attention_case(testing.fresh_generator()[0], "K8V4-K4V2", [20], 3, 3, 5)
     a = paged_attention(q, fc.kv, q_pos, 0.125)

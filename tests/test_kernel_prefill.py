@@ -41,6 +41,17 @@ def test_prefill_matches_reference(case):
     testing.assert_all_close_normwise(sig, ref_sig, dtype, f"significance (seed {seed})")
 
 
+def test_prefill_tiers_with_their_own_group_size():
+    """Prefill attention and its significance over K8V4 pages at one group and K4V2 pages at two."""
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [65, 30], 3, 3, 21, prune_frac=0.1,
+                                          low_group_size=32)
+    out, lse, sig = prefill_attention(q, fc.kv, q_pos, 0.125, return_significance=True)
+    ref_lse = testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+    ref_sig = received_attention_ref(q, fc.kv, q_pos, 0.125, ref_lse)
+    testing.assert_all_close_normwise(sig, ref_sig, F32, f"significance (seed {seed})")
+
+
 def test_significance_ignores_padding_queries():
     gen, seed = testing.fresh_generator()
     fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [33, 20], 3, 3, 13)

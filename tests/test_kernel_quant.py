@@ -21,9 +21,9 @@ from leankit.quant import NonFiniteKVError
 _poison = pytest.fixture(autouse=True)(poison_outputs)
 
 
-def _setup(spec, dtype, n, head_dim=64, group_size=None, gen=None):
-    cfg = KVConfig.parse(spec, group_size=group_size)
-    lay = PageLayout.build(cfg, 0, head_dim, dtype)
+def _setup(spec, dtype, n, head_dim=64, group_size=None, gen=None, tier=0, **overrides):
+    cfg = KVConfig.parse(spec, group_size=group_size, **overrides)
+    lay = PageLayout.build(cfg, tier, head_dim, dtype)
     pages = (n + lay.tokens - 1) // lay.tokens + 2
     pool = PagePool(pages, cfg.page_size)
     pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, generator=gen, dtype=torch.uint8))
@@ -50,9 +50,9 @@ def _data(n, f, dtype, gen):
     return k.to(dtype), v.to(dtype)
 
 
-def _check(spec, dtype, n, group_size=None, head_dim=64):
+def _check(spec, dtype, n, group_size=None, head_dim=64, tier=0, **overrides):
     gen, seed = fresh_generator()
-    lay, pool, page, slot = _setup(spec, dtype, n, head_dim, group_size, gen)
+    lay, pool, page, slot = _setup(spec, dtype, n, head_dim, group_size, gen, tier, **overrides)
     k, v = _data(n, head_dim, dtype, gen)
     pos = torch.randint(0, 10_000, (n,), generator=gen)
     score = torch.rand(n, generator=gen)
@@ -73,6 +73,13 @@ def test_quantize_bytes_match_reference(spec, dtype, n):
 @pytest.mark.parametrize("spec,gs", [("K4V2", 16), ("K8V4", 32), ("K1V2", 8)])
 def test_quantize_groups_bytes_match_reference(spec, gs):
     _check(spec, torch.float32, 63, group_size=gs)
+
+
+@pytest.mark.parametrize("tier,groups", [(0, 1), (1, 2)])
+def test_quantize_tier_with_its_own_group_size(tier, groups):
+    """``low_group_size`` gives the low tier's pages their own group count; the high tier keeps one group."""
+    lay = _check("K8V4-K4V2", torch.float32, 37, tier=tier, low_group_size=32)[0]
+    assert lay.groups == groups
 
 
 def test_quantize_head_dim_128_bf16():

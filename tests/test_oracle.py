@@ -101,6 +101,7 @@ class Driver:
 CONFIGS = [
     ("K8V4-K4V2", {"th": 0.4, "tl": 0.05, "window": 6}),
     ("K4V4-K2V2", {"th": 0.3, "tl": 0.0, "window": 4, "group_size": 8}),
+    ("K8V4-K2V2", {"th": 0.3, "tl": 0.0, "window": 4, "low_group_size": 8}),
     ("K8V4", {"policy": "leankv", "tl": 0.1, "window": 5}),
     ("K8V8", {"policy": "h2o", "budget": 0.4}),
     ("FP16", {"policy": "streaming", "window": 6, "sink": 2}),

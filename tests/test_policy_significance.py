@@ -84,3 +84,28 @@ def test_cutoffs_do_not_depend_on_the_normalization_scale():
     a = significance_cutoffs(s, elig, z, pm, (0.05, 0.3))
     b = significance_cutoffs(s * 8.0, elig, z * 8.0, pm * 8.0, (0.05, 0.3))
     torch.testing.assert_close(a * 8.0, b)
+
+
+def test_significance_from_kept_logits_equals_the_second_pass():
+    """Decode and short chunks take the significance from the logits attention kept
+    (``received_from_logits``); it must equal the second pass over the keys, including dead
+    slots, pruned tokens, both tiers, padding queries and several query chunks."""
+    from leankit_kernels import testing as ktesting
+
+    from leankit.attention import paged_attention_ref, received_attention_ref, received_from_logits
+
+    gen = torch.Generator().manual_seed(7)
+    for q_len, query_chunk in ((1, 512), (13, 5)):
+        fc = ktesting.build_paged_kv("K8V4-K4V2", 3, 2, 16, torch.tensor([40, 23, 5]), prune_frac=0.2,
+                                     low_group_size=8, generator=gen)
+        q, q_pos = ktesting.random_queries(3, 6, q_len, 16, fc.ctx, generator=gen)
+        q_valid = torch.rand(3, q_len, generator=gen) > 0.3
+        out, lse, logits = paged_attention_ref(q, fc.kv, q_pos, 0.25, query_chunk=query_chunk, return_logits=True)
+        out2, lse2 = paged_attention_ref(q, fc.kv, q_pos, 0.25, query_chunk=query_chunk)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        got = received_from_logits(logits, lse, 3, q_valid)
+        ref = received_attention_ref(q, fc.kv, q_pos, 0.25, lse, q_valid)
+        assert len(got) == len(ref) == 2
+        for a, b in zip(got, ref):
+            assert a.shape == b.shape and bool((b > 0).any())
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # fp32: matmul shapes differ by query chunk

@@ -45,12 +45,12 @@ class Case:
     options: dict = field(default_factory=lambda: {"num_warps": 4, "num_stages": 2})
 
 
-def _layouts(spec: str, model: str, dtype=torch.float16):
+def _layouts(spec: str, model: str, dtype=torch.float16, **overrides):
     from leankit.config import KVConfig
     from leankit.pages import PageLayout
 
     f, _, ps = MODELS[model]
-    cfg = KVConfig.parse(spec, page_size=ps)
+    cfg = KVConfig.parse(spec, page_size=ps, **overrides)
     return tuple(PageLayout.build(cfg, t, f, dtype) for t in range(len(cfg.tiers)))
 
 
@@ -75,13 +75,15 @@ def cases() -> list[Case]:
                     {"pool": "*u8", "page_ptr": "*i32", "slot_ptr": "*i32", "k_out": "*fp32", "v_out": "*fp32",
                          "score_out": "*fp32", "pos_out": "*i32"}, dict(layout_constexprs(lay), BLOCK_N=16)))
 
-    def decode(spec, model, dname="fp16", save=False, direct=False):
+    def decode(spec, model, dname="fp16", save=False, direct=False, low_group_size=None):
         f, g, _ = MODELS[model]
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dname]
-        targs = tier_args(_layouts(spec, model, dtype))
+        extra = {} if low_group_size is None else {"low_group_size": low_group_size}
+        targs = tier_args(_layouts(spec, model, dtype, **extra))
         dot_t = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[dname]
         prec = "ieee" if dname == "fp32" else "tf32"
         tag = ("+scores" if save else "") + (" direct" if direct else "") + ("" if dname == "fp16" else f" {dname}")
+        tag += "" if low_group_size is None else f" low-gs{low_group_size}"
         return Case(f"decode {spec} d{f} G{g}{tag}", "paged_attention", "_decode_kernel",
                     {"q_ptr": fp[dname], "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "np_ptr": "*i32",
                          "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": fp[dname], "lse_ptr": "*fp32",
@@ -94,6 +96,7 @@ def cases() -> list[Case]:
     out.append(decode("K8V4-K4V2", "llama3", save=True))
     out.append(decode("K8V4-K4V2", "llama3", direct=True))
     out.append(decode("K8V4-K4V2", "smollm2"))
+    out.append(decode("K8V4-K4V2", "smollm2", save=True, low_group_size=32))
     out.append(decode("K8V4", "smollm2", dname="fp32"))
     out.append(decode("K8V4-K4V2", "llama3", dname="bf16"))
     out.append(Case("decode reduce d128 G4", "paged_attention", "_decode_reduce_kernel",
@@ -210,19 +213,19 @@ def main(argv=None) -> int:
             rows = list(ex.map(_run, todo))
     else:
         rows = [_run(t) for t in todo]
-    hdr = f"{'kernel':<34} {'arch':<7} {'warps':>5} {'regs':>5} {'shared B':>9} {'stack B':>7} {'spill st/ld B':>13}"
+    hdr = f"{'kernel':<42} {'arch':<7} {'warps':>5} {'regs':>5} {'shared B':>9} {'stack B':>7} {'spill st/ld B':>13}"
     print(hdr)
     print("-" * len(hdr))
     bad = 0
     for r in rows:
         if "error" in r:
             bad += 1
-            print(f"{r['kernel']:<34} {r['arch']:<7} COMPILE ERROR: {r['error']}")
+            print(f"{r['kernel']:<42} {r['arch']:<7} COMPILE ERROR: {r['error']}")
             continue
         spill = r["spill_st"] + r["spill_ld"] + r["stack"]
         bad += spill > 0
         flag = "  <-- SPILL" if spill else ""
-        print(f"{r['kernel']:<34} {r['arch']:<7} {r['warps']:>5} {r['regs']:>5} {r['shared']:>9} {r['stack']:>7} "
+        print(f"{r['kernel']:<42} {r['arch']:<7} {r['warps']:>5} {r['regs']:>5} {r['shared']:>9} {r['stack']:>7} "
               f"{r['spill_st']:>6}/{r['spill_ld']:<6}{flag}")
     print(f"\n{len(rows)} compiles, {bad} failing (spills or errors)")
     return 1 if bad else 0

@@ -75,18 +75,18 @@ SPLIT_BYTES_RATIO = 16
 
 @triton.jit
 def _decode_tier(m, l, acc, q, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr, LG_N,
-                 LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr, NG: tl.constexpr,
+                 LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
     """Online-softmax accumulation over slots ``[s0, s1)`` of one tier."""
     g = tl.arange(0, G_PAD)
     for start in range(s0, s1, BLOCK_N):
         slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
-        s = tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F, NG, DENSE, PAGE_SIZE,
+        s = tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE, PAGE_SIZE,
                         BLOCK_N, DOT, PREC)
         if SAVE_LOGITS:
             tl.store(lg_ptr + g[:, None] * LG_N + slot[None, :], s, mask=(g[:, None] < G) & valid[None, :])
-        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, NG, DENSE, PAGE_SIZE,
+        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE, PAGE_SIZE,
                                         BLOCK_N, DOT, PREC)
     return m, l, acc
 
@@ -94,7 +94,7 @@ def _decode_tier(m, l, acc, q, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr,
 @triton.jit
 def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_ptr, np_ptr, len_ptr, stride_tier,
                    part_acc, part_ml, out_ptr, lse_ptr, lg_ptr, H, R, PPS, NSPLIT, LG_N, sm_scale,
-                   G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, NG: tl.constexpr,
+                   G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
                    DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
                    SAVE_LOGITS: tl.constexpr, DIRECT: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
@@ -115,7 +115,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
     m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, tl.minimum(v0, nh) * HI.T,
                              tl.minimum(tl.minimum(v1, nh) * HI.T, lh), R, sm_scale, lg_row, LG_N,
-                             False, HI, F, NG, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+                             False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
         nl = tl.load(np_ptr + stride_tier + bh)
         ll = tl.load(len_ptr + stride_tier + bh)
@@ -123,7 +123,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
         m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, l0 * LO.T, tl.minimum(l1 * LO.T, ll), R,
                                  sm_scale, lg_row + G * LG_N, LG_N,
-                                 True, LO, F, NG, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+                                 True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
     gmask = g < G
     if DIRECT:
         _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)

@@ -88,15 +88,15 @@ def _load_queries(q_ptr, stride_qb, stride_qh, stride_qq, b, h, qi, g, rmask,
 
 @triton.jit
 def _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, n_slots, R, sm_scale,
-                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr, NG: tl.constexpr,
+                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                   DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                   PREC: tl.constexpr):
     for start in range(0, n_slots, BLOCK_N):
         _, valid, page, row, kpos = slot_tile(pool, tab_row, start, n_slots, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
         if tl.min(kpos, 0) <= qmax:  # causal skip: some query of the block sees a key of the tile
-            s = tile_logits(q, qpos_r[:, None], kpos, pool, page, row, valid, sm_scale, TIER, F, NG, DENSE,
+            s = tile_logits(q, qpos_r[:, None], kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE,
                             PAGE_SIZE, BLOCK_N, DOT, PREC)
-            m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, NG, DENSE,
+            m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE,
                                             PAGE_SIZE, BLOCK_N, DOT, PREC)
     return m, l, acc
 
@@ -104,7 +104,7 @@ def _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, n_slots, R, sm_scal
 @triton.jit
 def _prefill_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, pool, tab_ptr, len_ptr,
                     stride_tier, out_ptr, lse_ptr, H, R, NQ, sm_scale,
-                    G: tl.constexpr, F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    G: tl.constexpr, F: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     DENSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                     PREC: tl.constexpr, HAS_LOW: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
     """One (sequence, KV head, block of query rows ``i * G + g``) over all live slots of both tiers."""
@@ -115,10 +115,10 @@ def _prefill_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb,
     tab_row = tab_ptr + bh.to(tl.int64) * R
     m, l, acc = softmax_init(BLOCK_M, F)
     m, l, acc = _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, tl.load(len_ptr + bh), R, sm_scale,
-                              False, HI, F, NG, DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
+                              False, HI, F, DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
     if HAS_LOW:
         m, l, acc = _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, tl.load(len_ptr + stride_tier + bh),
-                                  R, sm_scale, True, LO, F, NG, DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
+                                  R, sm_scale, True, LO, F, DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
     out = softmax_output(l, acc)
     f = tl.arange(0, F)
     o_rows = ((b.to(tl.int64) * NQ + qi) * H + h) * G + g  # out is [B, Q, Hq, F]
@@ -130,12 +130,12 @@ def _prefill_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb,
 def _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool, tab_row,
                    out_row, n_out, n_live, blk, b, h, bh, R, NQ, sm_scale,
                    LOW: tl.constexpr, TIER: tl.constexpr, G: tl.constexpr, F: tl.constexpr,
-                   NG: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     slot, valid, page, row, kpos = slot_tile(pool, tab_row, blk * BLOCK_N, n_live, R, TIER, LOW, PAGE_SIZE,
                                              BLOCK_N)
     kmin = tl.min(kpos, 0)
-    k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, NG, DENSE, PAGE_SIZE,
+    k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG, DENSE, PAGE_SIZE,
                   BLOCK_N).to(DOT)
     got = tl.zeros([BLOCK_N], tl.float32)
     for r0 in range(0, NQ * G, BLOCK_M):
@@ -156,7 +156,7 @@ def _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, 
 @triton.jit
 def _received_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool, tab_ptr,
                      len_ptr, stride_tier, out_h, out_l, NH_OUT, NL_OUT, H, R, NQ, sm_scale,
-                     G: tl.constexpr, F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     G: tl.constexpr, F: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      DENSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                      PREC: tl.constexpr, HAS_LOW: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
     """Received probability of one tile of slots of one tier (``program_id(2)``) of one (sequence, head)."""
@@ -168,11 +168,11 @@ def _received_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb
     if tier == 0:
         _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool,
                        tab_row, out_h + bh.to(tl.int64) * NH_OUT, NH_OUT, tl.load(len_ptr + bh), blk, b, h, bh,
-                       R, NQ, sm_scale, False, HI, G, F, NG, DENSE, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT, PREC)
+                       R, NQ, sm_scale, False, HI, G, F, DENSE, PAGE_SIZE, BLOCK_M, BLOCK_N, DOT, PREC)
     elif HAS_LOW:
         _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool,
                        tab_row, out_l + bh.to(tl.int64) * NL_OUT, NL_OUT, tl.load(len_ptr + stride_tier + bh),
-                       blk, b, h, bh, R, NQ, sm_scale, True, LO, G, F, NG, DENSE, PAGE_SIZE, BLOCK_M, BLOCK_N,
+                       blk, b, h, bh, R, NQ, sm_scale, True, LO, G, F, DENSE, PAGE_SIZE, BLOCK_M, BLOCK_N,
                        DOT, PREC)
 
 

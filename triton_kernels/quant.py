@@ -117,13 +117,13 @@ def _token_slots(page_ptr, slot_ptr, n, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(k_ptr, v_ptr, stride_k, stride_v, page_ptr, slot_ptr, pos_ptr, score_ptr, pool, err, n,
-                     F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr,
+                     F: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr,
                      TIER: tl.constexpr, BLOCK_N: tl.constexpr):
     """Quantize ``BLOCK_N`` tokens' K and V into their page rows (one program, both sides)."""
     tok, valid, page, row = _token_slots(page_ptr, slot_ptr, n, BLOCK_N)
-    _quant_side(k_ptr, stride_k, tok, valid, pool, page, row, err, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, NG,
+    _quant_side(k_ptr, stride_k, tok, valid, pool, page, row, err, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG,
                 DENSE, PAGE_SIZE, BLOCK_N)
-    _quant_side(v_ptr, stride_v, tok, valid, pool, page, row, err, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, NG,
+    _quant_side(v_ptr, stride_v, tok, valid, pool, page, row, err, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, TIER.NG,
                 DENSE, PAGE_SIZE, BLOCK_N)
     sc = tl.load(score_ptr + tok, mask=valid, other=0.0).to(tl.float16)
     tl.store(score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE), sc, mask=valid)
@@ -133,15 +133,15 @@ def _quantize_kernel(k_ptr, v_ptr, stride_k, stride_v, page_ptr, slot_ptr, pos_p
 
 @triton.jit
 def _dequantize_kernel(pool, page_ptr, slot_ptr, k_out, v_out, score_out, pos_out, n,
-                       F: tl.constexpr, NG: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr,
+                       F: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr,
                        TIER: tl.constexpr, BLOCK_N: tl.constexpr):
     """Unpack + dequantize page rows back to fp32 ``[n, F]`` K/V, fp32 scores and int32 positions."""
     tok, valid, page, row = _token_slots(page_ptr, slot_ptr, n, BLOCK_N)
     f = tl.arange(0, F)
     out = tok.to(tl.int64)[:, None] * F + f[None, :]
-    k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N)
     tl.store(k_out + out, k, mask=valid[:, None])
-    v = load_side(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    v = load_side(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N)
     tl.store(v_out + out, v, mask=valid[:, None])
     sc = tl.load(score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE), mask=valid)
     tl.store(score_out + tok, sc.to(tl.float32), mask=valid)

@@ -35,7 +35,8 @@ class FilledCache:
 
 def build_paged_kv(spec: str, batch: int, kv_heads: int, head_dim: int, ctx, *, dtype=torch.float32,
                    low_frac: float = 0.5, prune_frac: float = 0.0, layers: int = 2, layer: int = 1,
-                   group_size: int | None = None, page_size: int | None = None, spare_pages: int = 3,
+                   group_size: int | None = None, low_group_size: int | None = None,
+                   page_size: int | None = None, spare_pages: int = 3,
                    generator: torch.Generator | None = None, device="cpu", scale_k: float = 2.0,
                    fill: int | None = 0xFF) -> FilledCache:
     """Fill layer ``layer`` of a fresh cache with random tokens, per-head tier mixes and pruning.
@@ -52,6 +53,8 @@ def build_paged_kv(spec: str, batch: int, kv_heads: int, head_dim: int, ctx, *, 
     overrides = {}
     if group_size is not None:
         overrides["group_size"] = group_size
+    if low_group_size is not None:
+        overrides["low_group_size"] = low_group_size
     if page_size is not None:
         overrides["page_size"] = page_size
     cfg = KVConfig.parse(spec, **overrides)

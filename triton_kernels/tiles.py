@@ -61,10 +61,13 @@ def check_head_dim(f: int) -> None:
 class Tier(NamedTuple):
     """Compile-time layout of one precision tier's pages, passed to the kernels as one ``tl.constexpr``.
 
-    ``T`` tokens per page, key/value bits, and the byte offset of each of the six segments.
+    ``T`` tokens per page, key/value bits, ``NG`` quantization groups per token and side (a tier
+    may use its own group size, see ``KVConfig.low_group_size``), and the byte offset of each of
+    the six segments.
     """
 
     T: int
+    NG: int
     KBITS: int
     VBITS: int
     KOFF: int
@@ -78,18 +81,18 @@ class Tier(NamedTuple):
 def tier_constexprs(layout) -> Tier:
     """The :class:`Tier` of one page layout."""
     p = layout.precision
-    return Tier(T=layout.tokens, KBITS=p.k_bits, VBITS=p.v_bits, KOFF=layout.offset("k_data"),
+    return Tier(T=layout.tokens, NG=layout.groups, KBITS=p.k_bits, VBITS=p.v_bits, KOFF=layout.offset("k_data"),
                 KMOFF=layout.offset("k_meta"), VOFF=layout.offset("v_data"), VMOFF=layout.offset("v_meta"),
                 SCOFF=layout.offset("score"), POSOFF=layout.offset("position"))
 
 
 # Stands in for an absent low tier (never executed: ``HAS_LOW=False``).
-NO_TIER = Tier(T=1, KBITS=8, VBITS=8, KOFF=0, KMOFF=0, VOFF=0, VMOFF=0, SCOFF=0, POSOFF=0)
+NO_TIER = Tier(T=1, NG=1, KBITS=8, VBITS=8, KOFF=0, KMOFF=0, VOFF=0, VMOFF=0, SCOFF=0, POSOFF=0)
 
 
 def page_constexprs(layout) -> dict:
-    """Page geometry every tier of a cache shares: head_dim ``F``, ``NG`` groups, page size, dense dtype."""
-    return {"F": layout.head_dim, "NG": layout.groups, "PAGE_SIZE": layout.page_size,
+    """Page geometry every tier of a cache shares: head_dim ``F``, page size, dense dtype."""
+    return {"F": layout.head_dim, "PAGE_SIZE": layout.page_size,
             "DENSE": tl_dtype(layout.dense_dtype)}
 
 
@@ -216,7 +219,7 @@ def program_head(H):
 
 @triton.jit
 def tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER: tl.constexpr, F: tl.constexpr,
-                NG: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                 DOT: tl.constexpr, PREC: tl.constexpr):
     """Base-2 logits ``q k^T * sm_scale`` ``[M, BLOCK_N]`` of one key tile of ``TIER``, ``-inf`` where the
     key's stored position is after the query's.
@@ -224,14 +227,14 @@ def tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER: tl.conste
     ``qpos`` broadcasts against ``kpos[None, :]``: a scalar (decode: one query position for the
     whole group) or an ``[M, 1]`` column (prefill: one per query row).
     """
-    k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N)
     s = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * sm_scale
     return tl.where(kpos[None, :] <= qpos, s, float("-inf"))
 
 
 @triton.jit
 def online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER: tl.constexpr, F: tl.constexpr,
-                        NG: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                         DOT: tl.constexpr, PREC: tl.constexpr):
     """One online-softmax step (FlashAttention, base 2): fold the logits tile ``s`` ``[M, BLOCK_N]``
     into the running max ``m`` and sum ``l`` ``[M]`` and the output ``acc`` ``[M, F]``, loading the
@@ -241,7 +244,7 @@ def online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER: tl.constexpr
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 1)
-    v = load_side(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, NG, DENSE, PAGE_SIZE, BLOCK_N)
+    v = load_side(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
     return m_new, l, acc
 

@@ -1,0 +1,39 @@
+"""eval.perplexity's scoring and its paired comparison against FP16 (tiny model, no downloads)."""
+
+import math
+
+import pytest
+import torch
+
+from eval.perplexity import paired_gap, score_document
+from leankit.testing import tiny_model
+
+
+def test_paired_gap_interval():
+    gen = torch.Generator().manual_seed(0)
+    base = torch.rand(4000, generator=gen, dtype=torch.float64) * 5
+    d = 0.01 + 0.1 * torch.randn(4000, generator=gen, dtype=torch.float64)
+    g = paired_gap(base + d, base)
+    assert g["gap"] == pytest.approx(math.expm1(float(d.mean())))
+    half = 1.96 * float(d.std()) / math.sqrt(4000)
+    assert g["gap_lo"] == pytest.approx(math.expm1(float(d.mean()) - half))
+    assert g["gap_hi"] == pytest.approx(math.expm1(float(d.mean()) + half))
+    assert g["gap_lo"] < 0.01 < g["gap_hi"]  # the true shift lies inside
+    same = paired_gap(base, base)
+    assert same["gap"] == same["gap_lo"] == same["gap_hi"] == 0.0
+
+
+def test_score_document_is_exact_for_a_lossless_cache():
+    """FP16 keeps an fp32 model lossless, so chunked scoring through the cache equals one full forward."""
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 97, (1 + 40 + 3 * 8,), generator=torch.Generator().manual_seed(1))
+    nll, rep = score_document(model, ids, "FP16", {}, context=40, chunk=8, chunks=3)
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0, 39:-2]
+    ref = torch.nn.functional.cross_entropy(logits, ids[40:64], reduction="none")
+    assert nll.shape == (24,)
+    torch.testing.assert_close(nll, ref.double(), rtol=1e-5, atol=1e-5)
+    assert rep["tokens_per_tier"]["high"] > 0
+
+    lossy, _ = score_document(model, ids, "K4V2", {}, context=40, chunk=8, chunks=3)
+    assert not torch.allclose(lossy, nll)  # the quantized cache really is what gets scored
