@@ -30,7 +30,7 @@ import random
 
 import torch
 
-from leankit.cache import LeanCache
+from leankit.cache import LeanCache, attention_head_dim
 from leankit.config import KVConfig
 from leankit.data import paul_graham_essays
 
@@ -113,8 +113,7 @@ def needle_survival(cache: LeanCache, positions: list[int]) -> torch.Tensor:
 def full_pages(cfg: KVConfig, model, n_tokens: int) -> int:
     """Pages a single-tier cache at ``cfg``'s high precision needs to keep all ``n_tokens``."""
     c = model.config
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    t = cfg.tokens_per_page(hd, 0, torch.empty((), dtype=model.dtype).element_size())
+    t = cfg.tokens_per_page(attention_head_dim(c), 0, torch.empty((), dtype=model.dtype).element_size())
     return c.num_hidden_layers * c.num_key_value_heads * math.ceil(n_tokens / t)
 
 

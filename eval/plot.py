@@ -10,8 +10,8 @@ one PNG each (needs the ``eval`` extra for matplotlib)::
 from __future__ import annotations
 
 import argparse
-import re
 import json
+import re
 from pathlib import Path
 
 

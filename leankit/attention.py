@@ -184,7 +184,7 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
     hkv = kv.table.shape[2]
     g = hq // hkv
     outs, lses = [], []
-    logits = [[[] for _ in kv.layouts] for _ in range(0, nq, query_chunk)] if return_logits else None
+    logits = [] if return_logits else None  # per query chunk: one [B, Hkv, G, Qc, N_t] per tier
     for q0 in range(0, nq, query_chunk):
         qc = q[:, :, q0: q0 + query_chunk]
         nqc = qc.shape[2]
@@ -194,12 +194,13 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
         m = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
         l_sum = torch.zeros_like(m)
         acc = torch.zeros_like(qg)
+        tier_logits = [[] for _ in kv.layouts]
         for tile in iter_page_tiles(kv, chunk_pages):
             s = tile.scores(qg) * scale  # [B, Hkv, G*Qc, N]
             visible = tile.valid.unsqueeze(2) & (tile.pos.unsqueeze(2) <= qp.unsqueeze(-1))
             s = s.masked_fill(~visible, float("-inf"))
             if logits is not None:
-                logits[q0 // query_chunk][tile.tier].append(s)
+                tier_logits[tile.tier].append(s)
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             p = torch.exp(s - m_safe.unsqueeze(-1))
@@ -211,20 +212,16 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
         lses.append(torch.where(l_sum > 0, m + torch.log(l_sum.clamp_min(1e-30)), torch.full_like(m, float("-inf")))
                     .view(b, hkv, g, nqc))
         outs.append(out.view(b, hkv, g, nqc, f))
+        if logits is not None:
+            # A tier without tiles has no pages at all: its logits are empty ([..., 0]).
+            logits.append([(torch.cat(ts, -1) if ts else m.new_empty((*m.shape, 0))).unflatten(2, (g, nqc))
+                           for ts in tier_logits])
     out = torch.cat(outs, dim=3).reshape(b, hq, nq, f).transpose(1, 2).to(q.dtype)
     lse = torch.cat(lses, dim=3).reshape(b, hkv, g * nq)
     if logits is None:
         return out, lse
-    per_tier = []
-    for tier, layout in enumerate(kv.layouts):
-        n_slots = (int(kv.table.n_pages[tier, kv.layer].max()) if kv.table.n_pages[tier, kv.layer].numel() else 0) \
-            * layout.tokens
-        rows = [torch.cat(c[tier], -1) if c[tier] else q.new_full((b, hkv, g * min(query_chunk, nq - i * query_chunk),
-                                                                    n_slots), float("-inf"), dtype=torch.float32)
-                for i, c in enumerate(logits)]
-        # [B, Hkv, G*Qc, N] per query chunk -> [B, Hkv, G, Q, N] -> [B, Hkv, G*Q, N] (row h*G*Q + g*Q + q)
-        rows = [r.unflatten(2, (g, -1)) for r in rows]
-        per_tier.append(torch.cat(rows, 3).flatten(2, 3))
+    # Rows in lse's order (query head g, then query q): [B, Hkv, G, Q, N] -> [B, Hkv, G*Q, N].
+    per_tier = [torch.cat([c[t] for c in logits], 3).flatten(2, 3) for t in range(len(kv.layouts))]
     return out, lse, per_tier
 
 

@@ -36,6 +36,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LOGITS_QUERY_LIMIT = 64
 
 
+def attention_head_dim(config) -> int:
+    """Channels per attention head of a model config (``head_dim``, else hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def check_model_supported(config) -> None:
     """Raise ``ValueError`` unless every layer of ``config`` is a full-attention Llama-family layer."""
     mtype = getattr(config, "model_type", None)
@@ -128,7 +133,7 @@ class LeanCache(Cache):
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.num_q_heads = cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = attention_head_dim(cfg)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.layouts = tuple(PageLayout.build(self.cfg, t, self.head_dim, self.dtype)
@@ -254,11 +259,11 @@ class LeanCache(Cache):
         """Attention of the step's queries over ``layer``'s pages; returns ``[B, Q, Hq, F]``."""
         st = self._step
         kv = self.paged_kv(layer)
+        received = None  # the policy computes it from lse unless the attention pass already has it
         if use_triton(query):
             from leankit_kernels.paged_attention import paged_attention
 
             out, lse = paged_attention(query, kv, st.q_pos, scaling)
-            received = None
         elif self.policy.uses_significance and query.shape[2] <= LOGITS_QUERY_LIMIT:
             # Few queries (decode, short chunks): keep the logits and take the significance from
             # them, instead of a second pass that dequantizes every key again.
@@ -266,7 +271,6 @@ class LeanCache(Cache):
             received = received_from_logits(logits, lse, query.shape[1] // kv.table.shape[2], st.real)
         else:
             out, lse = paged_attention_ref(query, kv, st.q_pos, scaling)
-            received = None
         self.policy.after_attention(layer, query, scaling, lse, st, received)
         return out
 

@@ -42,17 +42,16 @@ META_BYTES_PER_GROUP = 4  # fp16 scale + fp16 minimum
 PAGE_ALIGN = 16  # every page segment starts on a 16-byte boundary (128-bit loads)
 
 _TIER_RE = re.compile(r"^K(\d+)V(\d+)$")
-_INT_OVERRIDES = ("window", "page_size", "group_size", "low_group_size", "sink")
-_STR_OVERRIDES = ("policy",)
-_FLOAT_OVERRIDES = ("th", "tl", "budget")
+# The type of every setting a config string may override (``KVConfig`` fields).
+_OVERRIDE_TYPES = {"window": int, "page_size": int, "group_size": int, "low_group_size": int, "sink": int,
+                   "th": float, "tl": float, "budget": float, "policy": str}
 
 
 def split_overrides(text: str) -> tuple[str, dict]:
     """Split ``"K8V4-K4V2:th=0.2,tl=0"`` into ``("K8V4-K4V2", {"th": 0.2, "tl": 0.0})``.
 
-    The overrides are typed (``window``/``page_size``/``group_size``/``low_group_size``/``sink``
-    int, ``policy`` str, ``th``/``tl``/``budget`` float); an unknown key or a bad value raises
-    ``ValueError``. Without a colon the overrides are empty.
+    Each value is converted to the type of the ``KVConfig`` field it sets; an unknown key or a
+    bad value raises ``ValueError``. Without a colon the overrides are empty.
     """
     spec, _, rest = text.partition(":")
     kw: dict = {}
@@ -60,19 +59,11 @@ def split_overrides(text: str) -> tuple[str, dict]:
         key, eq, val = (x.strip() for x in item.partition("="))
         if not eq or not val:
             raise ValueError(f"override {item!r} of {text!r} is not key=value")
+        if key not in _OVERRIDE_TYPES:
+            raise ValueError(f"unknown override {key!r} in {text!r}; known: {', '.join(_OVERRIDE_TYPES)}")
         try:
-            if key in _INT_OVERRIDES:
-                kw[key] = int(val)
-            elif key in _FLOAT_OVERRIDES:
-                kw[key] = float(val)
-            elif key in _STR_OVERRIDES:
-                kw[key] = val
-            else:
-                known = _INT_OVERRIDES + _FLOAT_OVERRIDES + _STR_OVERRIDES
-                raise ValueError(f"unknown override {key!r} in {text!r}; known: {', '.join(known)}")
-        except ValueError as e:
-            if "override" in str(e):
-                raise
+            kw[key] = _OVERRIDE_TYPES[key](val)
+        except ValueError:
             raise ValueError(f"bad value {val!r} for {key!r} in {text!r}") from None
     return spec.strip(), kw
 

@@ -78,8 +78,7 @@ def cases() -> list[Case]:
     def decode(spec, model, dname="fp16", save=False, direct=False, low_group_size=None):
         f, g, _ = MODELS[model]
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dname]
-        extra = {} if low_group_size is None else {"low_group_size": low_group_size}
-        targs = tier_args(_layouts(spec, model, dtype, **extra))
+        targs = tier_args(_layouts(spec, model, dtype, low_group_size=low_group_size))
         dot_t = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[dname]
         prec = "ieee" if dname == "fp32" else "tf32"
         tag = ("+scores" if save else "") + (" direct" if direct else "") + ("" if dname == "fp16" else f" {dname}")

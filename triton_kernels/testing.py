@@ -50,11 +50,7 @@ def build_paged_kv(spec: str, batch: int, kv_heads: int, head_dim: int, ctx, *, 
     ring is shuffled so page ids are scattered.
     """
     gen = generator or torch.Generator().manual_seed(0)
-    overrides = {}
-    if group_size is not None:
-        overrides["group_size"] = group_size
-    if low_group_size is not None:
-        overrides["low_group_size"] = low_group_size
+    overrides = {"group_size": group_size, "low_group_size": low_group_size}  # None: the config defaults
     if page_size is not None:
         overrides["page_size"] = page_size
     cfg = KVConfig.parse(spec, **overrides)
