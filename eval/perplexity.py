@@ -29,6 +29,7 @@ import math
 import os
 
 import torch
+from tqdm.auto import tqdm
 
 from leankit.cache import LeanCache
 from leankit.data import wiki_articles
@@ -61,7 +62,11 @@ def documents(tok, n_docs: int, need: int, skip: int = 0) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def score_document(model, ids: torch.Tensor, spec: str, kw: dict, context: int, chunk: int, chunks: int):
-    """``(token_nll, memory_report)`` of one document under one KV config (``token_nll``: fp64 ``[n]``)."""
+    """``(token_nll, memory_report, logprobs)`` of one document under one KV config.
+
+    ``token_nll``: fp64 ``[n]``; ``logprobs``: fp32 ``[n, vocab]`` next-token log-probabilities at
+    every scored position (for the KL divergence to the FP16 cache).
+    """
     cache = LeanCache(model, spec, max_seq_len=context + chunk * chunks + 8, **kw)
     x = ids.view(1, -1)
     pos = torch.arange(x.shape[1]).view(1, -1)
@@ -73,16 +78,33 @@ def score_document(model, ids: torch.Tensor, spec: str, kw: dict, context: int, 
         logits.append(out.logits if i < chunks - 1 else out.logits[:, :-1])
     logits = torch.cat(logits, 1)[0].float()
     target = x[0, context: context + chunk * chunks]
-    nll = torch.nn.functional.cross_entropy(logits, target, reduction="none")
-    return nll.double(), cache.memory_report()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    nll = -logprobs.gather(1, target.view(-1, 1)).squeeze(1)
+    return nll.double(), cache.memory_report(), logprobs
+
+
+def token_kl(base_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-position ``KL(P_base || P)`` in nats, fp64 ``[n]``, from log-probabilities ``[n, vocab]``.
+
+    Unlike the NLL of the one observed token, the KL compares the whole next-token distribution
+    with the FP16 cache's, so its per-token spread is far smaller: it ranks configs whose
+    perplexity gaps lie inside each other's intervals.
+    """
+    b = base_logprobs.double()
+    return (b.exp() * (b - logprobs.double())).sum(-1)
+
+
+def mean_ci(x: torch.Tensor) -> dict:
+    """Mean of ``x`` and its 95% normal interval (``mean +- 1.96 sd / sqrt(n)``)."""
+    m = float(x.mean())
+    se = float(x.std()) / math.sqrt(x.numel()) if x.numel() > 1 else float("nan")
+    return {"mean": m, "lo": m - 1.96 * se, "hi": m + 1.96 * se}
 
 
 def paired_gap(token_nll: torch.Tensor, base_nll: torch.Tensor) -> dict:
     """``ppl / ppl_base - 1`` and its 95% interval from the paired per-token NLL differences."""
-    d = token_nll.double() - base_nll.double()
-    se = float(d.std()) / math.sqrt(d.numel()) if d.numel() > 1 else float("nan")
-    m = float(d.mean())
-    return {"gap": math.expm1(m), "gap_lo": math.expm1(m - 1.96 * se), "gap_hi": math.expm1(m + 1.96 * se)}
+    d = mean_ci(token_nll.double() - base_nll.double())
+    return {"gap": math.expm1(d["mean"]), "gap_lo": math.expm1(d["lo"]), "gap_hi": math.expm1(d["hi"])}
 
 
 def main(argv=None) -> dict:
@@ -102,17 +124,27 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     configs = [parse_config(c) for c in args.config]
+    # FP16 runs first, so that every other config's KL to it is computed as it goes.
+    configs.sort(key=lambda c: label(*c) != "FP16")
     model, tok = load_smollm2()
     docs = documents(tok, args.docs, args.context + args.chunk * args.chunks + 1, args.skip)
     results = []
     token_nll = {}
+    base_logprobs = None  # FP16's next-token log-probabilities per document
     for spec, kw in configs:
-        nlls, reports = [], []
+        nlls, reports, kls = [], [], []
+        is_base = label(spec, kw) == "FP16"
+        if is_base:
+            base_logprobs = []
         with Timer() as t:
-            for ids in docs:
-                a, rep = score_document(model, ids, spec, kw, args.context, args.chunk, args.chunks)
+            for d, ids in enumerate(tqdm(docs, desc=label(spec, kw), leave=False)):
+                a, rep, logprobs = score_document(model, ids, spec, kw, args.context, args.chunk, args.chunks)
                 nlls.append(a)
                 reports.append(rep)
+                if is_base:
+                    base_logprobs.append(logprobs)
+                elif base_logprobs is not None:
+                    kls.append(token_kl(base_logprobs[d], logprobs))
         all_nll = torch.cat(nlls)
         nll, n = float(all_nll.sum()), all_nll.numel()
         ratio = sum(r["kv_bytes"] for r in reports) / sum(r["fp16_bytes"] for r in reports)
@@ -123,12 +155,16 @@ def main(argv=None) -> dict:
                "kv_bytes": [r["kv_bytes"] for r in reports],
                "tier_fraction": {k: v / tot for k, v in tiers.items()}, "seconds": t.seconds,
                "doc_nll": [float(x.mean()) for x in nlls]}
+        if kls:
+            kl = mean_ci(torch.cat(kls))
+            row["kl_vs_fp16"], row["kl_vs_fp16_ci95"] = kl["mean"], [kl["lo"], kl["hi"]]
         token_nll[row["config"]] = all_nll
         results.append(row)
         write_json(args.out, {"args": vars(args), "results": results, "partial": True})
         print(f"{row['config']:<44} ppl {row['ppl']:8.4f}  kv/fp16 {ratio:6.3f}  "
               f"high/low/pruned {tiers['high'] / tot:.2f}/{tiers['low'] / tot:.2f}/{tiers['pruned'] / tot:.2f}  "
-              f"pages {sum(row['pages_used'])}  ({t.seconds:.0f}s)", flush=True)
+              f"pages {sum(row['pages_used'])}"
+              + (f"  KL {row['kl_vs_fp16']:.5f}" if kls else "") + f"  ({t.seconds:.0f}s)", flush=True)
     if "FP16" in token_nll:
         print("relative to FP16 (95% interval from paired per-token differences):")
         for r in results:

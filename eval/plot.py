@@ -37,8 +37,13 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def _short(config: str) -> str:
-    """A compact point label: ``K8V4-K4V2:th=0.3,tl=0.0,group_size=32`` -> ``K8V4-K4V2:th=0.3,tl=0,gs32``."""
+    """A compact point label: ``K8V4-K4V2:th=0.3,tl=0.0,group_size=32`` -> ``K8V4-K4V2:th=0.3,tl=0,gs32``.
+
+    ``rotate=True`` becomes ``rot`` (``rotate=False`` is dropped).
+    """
     text = config.replace("low_group_size=", "low-gs").replace("group_size=", "gs")
+    text = re.sub(r"(?<=[:,])rotate=True", "rot", text)
+    text = re.sub(r"(,rotate=False|(?<=:)rotate=False,?)", "", text).rstrip(":")
     return re.sub(r"=0\.0(?=,|$)", "=0", text)
 
 

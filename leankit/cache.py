@@ -29,6 +29,7 @@ from .config import KVConfig, fp16_token_bytes
 from .page_table import HIGH, LOW, BidirectionalPageTable
 from .pages import PageLayout, PagePool
 from .quant import check_finite
+from .rotation import hadamard, rotate, unrotate
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Steps of at most this many queries keep their attention logits for the significance update
@@ -136,6 +137,9 @@ class LeanCache(Cache):
         self.head_dim = attention_head_dim(cfg)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # rotate=1: pages hold K/V in a Hadamard basis; queries are rotated to match and the
+        # attention output is rotated back (leankit.rotation).
+        self.rotation = hadamard(self.head_dim, self.device, self.dtype) if self.cfg.rotate else None
         self.layouts = tuple(PageLayout.build(self.cfg, t, self.head_dim, self.dtype)
                              for t in range(len(self.cfg.tiers)))
         self.max_seq_len = int(max_seq_len or getattr(cfg, "max_position_embeddings", 8192))
@@ -226,7 +230,11 @@ class LeanCache(Cache):
             )
         check_finite(key_states, "key")
         check_finite(value_states, "value")
-        self.policy.store(layer, key_states, value_states, self._step)
+        if self.rotation is None:
+            self.policy.store(layer, key_states, value_states, self._step)
+        else:
+            self.policy.store(layer, rotate(key_states, self.rotation), rotate(value_states, self.rotation),
+                              self._step)
         key_states._leankit_handle = (self, layer)
         return key_states, value_states
 
@@ -259,6 +267,8 @@ class LeanCache(Cache):
         """Attention of the step's queries over ``layer``'s pages; returns ``[B, Q, Hq, F]``."""
         st = self._step
         kv = self.paged_kv(layer)
+        if self.rotation is not None:
+            query = rotate(query, self.rotation)
         received = None  # the policy computes it from lse unless the attention pass already has it
         if use_triton(query):
             from leankit_kernels.paged_attention import paged_attention
@@ -272,7 +282,7 @@ class LeanCache(Cache):
         else:
             out, lse = paged_attention_ref(query, kv, st.q_pos, scaling)
         self.policy.after_attention(layer, query, scaling, lse, st, received)
-        return out
+        return out if self.rotation is None else unrotate(out, self.rotation)
 
     # ------------------------------------------------------------------ lifecycle
     def release(self, rows: torch.Tensor) -> int:

@@ -43,8 +43,17 @@ PAGE_ALIGN = 16  # every page segment starts on a 16-byte boundary (128-bit load
 
 _TIER_RE = re.compile(r"^K(\d+)V(\d+)$")
 # The type of every setting a config string may override (``KVConfig`` fields).
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
 _OVERRIDE_TYPES = {"window": int, "page_size": int, "group_size": int, "low_group_size": int, "sink": int,
-                   "th": float, "tl": float, "budget": float, "policy": str}
+                   "th": float, "tl": float, "budget": float, "policy": str, "rotate": _parse_bool}
 
 
 def split_overrides(text: str) -> tuple[str, dict]:
@@ -161,6 +170,9 @@ class KVConfig:
             (static heavy-hitter budget), ``"streaming"`` (sinks + recent window).
         budget: fraction of tokens kept per head for ``h2o``.
         sink: number of attention-sink tokens kept by ``streaming``.
+        rotate: quantize keys and values in an orthonormal Hadamard basis along head_dim (see
+            :mod:`leankit.rotation`; not part of LeanKV). Same bytes, lower quantization error;
+            needs a power-of-two head_dim.
     """
 
     high: Precision
@@ -174,6 +186,7 @@ class KVConfig:
     policy: str = "full"
     budget: float | None = None
     sink: int = 4
+    rotate: bool = False
     spec: str = field(default="", compare=False)
 
     # ------------------------------------------------------------------ parsing

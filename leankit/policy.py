@@ -732,8 +732,11 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
     Every token enters the high tier; a low-tier token was re-quantized from its dequantized
     high-tier value (both the prompt-phase classification and Algorithm 1 only move tokens down),
     so the low tier holds ``low(high(x))``. Use it with :func:`dense_attention_oracle`.
+    With ``cfg.rotate`` the round trips run in the Hadamard basis and the result is rotated
+    back, so the oracle keeps using unrotated queries.
     """
     from .quant import dequantize, quantize
+    from .rotation import hadamard, rotate, unrotate
 
     def roundtrip(y, bits, group_size):
         if bits >= 16:
@@ -741,9 +744,14 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
         packed, sc, mn = quantize(y, bits, group_size)
         return dequantize(packed, sc, mn, bits)
 
+    h = hadamard(k.shape[-1], k.device, k.dtype) if cfg.rotate else None
+    if h is not None:
+        k, v = rotate(k, h), rotate(v, h)
     for t in range(tier + 1):
         prec, gs = cfg.tiers[t], cfg.tier_group_size(t)
         k, v = roundtrip(k, prec.k_bits, gs), roundtrip(v, prec.v_bits, gs)
+    if h is not None:
+        k, v = unrotate(k, h.float()), unrotate(v, h.float())
     return k, v
 
 

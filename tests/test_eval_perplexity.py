@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from eval.perplexity import paired_gap, score_document
+from eval.perplexity import paired_gap, score_document, token_kl
 from leankit.testing import tiny_model
 
 
@@ -27,7 +27,7 @@ def test_score_document_is_exact_for_a_lossless_cache():
     """FP16 keeps an fp32 model lossless, so chunked scoring through the cache equals one full forward."""
     model = tiny_model("llama-gqa")
     ids = torch.randint(3, 97, (1 + 40 + 3 * 8,), generator=torch.Generator().manual_seed(1))
-    nll, rep = score_document(model, ids, "FP16", {}, context=40, chunk=8, chunks=3)
+    nll, rep, logprobs = score_document(model, ids, "FP16", {}, context=40, chunk=8, chunks=3)
     with torch.no_grad():
         logits = model(input_ids=ids[None]).logits[0, 39:-2]
     ref = torch.nn.functional.cross_entropy(logits, ids[40:64], reduction="none")
@@ -35,5 +35,20 @@ def test_score_document_is_exact_for_a_lossless_cache():
     torch.testing.assert_close(nll, ref.double(), rtol=1e-5, atol=1e-5)
     assert rep["tokens_per_tier"]["high"] > 0
 
-    lossy, _ = score_document(model, ids, "K4V2", {}, context=40, chunk=8, chunks=3)
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1), rtol=1e-5, atol=1e-5)
+
+    lossy, _, lossy_logprobs = score_document(model, ids, "K4V2", {}, context=40, chunk=8, chunks=3)
     assert not torch.allclose(lossy, nll)  # the quantized cache really is what gets scored
+    kl = token_kl(logprobs, lossy_logprobs)
+    assert kl.shape == (24,) and bool((kl > 0).all())
+    assert torch.allclose(token_kl(logprobs, logprobs), torch.zeros(24, dtype=torch.float64), atol=1e-12)
+
+
+def test_token_kl_matches_the_definition():
+    gen = torch.Generator().manual_seed(2)
+    p = torch.log_softmax(torch.randn(5, 11, generator=gen), -1)
+    q = torch.log_softmax(torch.randn(5, 11, generator=gen), -1)
+    ref = torch.stack([torch.nn.functional.kl_div(q[i].double(), p[i].double(), log_target=True, reduction="sum")
+                       for i in range(5)])
+    torch.testing.assert_close(token_kl(p, q), ref)
+    assert bool((token_kl(p, q) > 0).all())

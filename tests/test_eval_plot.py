@@ -44,3 +44,7 @@ def test_point_labels_are_compact_and_keep_values():
     assert plot._short("K8V4-K4V2:th=0.3,tl=0.0,group_size=32") == "K8V4-K4V2:th=0.3,tl=0,gs32"
     assert plot._short("K8V4-K4V2:th=0.3,tl=0.05") == "K8V4-K4V2:th=0.3,tl=0.05"
     assert plot._short("K8V4-K4V2:th=0.2,tl=0.0,low_group_size=32") == "K8V4-K4V2:th=0.2,tl=0,low-gs32"
+    assert plot._short("K8V4-K4V2:th=0.25,tl=0.0,group_size=32,rotate=True") == "K8V4-K4V2:th=0.25,tl=0,gs32,rot"
+    assert plot._short("K8V4-K4V2:th=0.2,rotate=False") == "K8V4-K4V2:th=0.2"
+    assert plot._short("K8V4:rotate=True") == "K8V4:rot"
+    assert plot._short("K8V4:rotate=False") == "K8V4"

@@ -106,11 +106,18 @@ CONFIGS = [
     ("K8V8", {"policy": "h2o", "budget": 0.4}),
     ("FP16", {"policy": "streaming", "window": 6, "sink": 2}),
     ("K4V4", {}),
+    # Hadamard basis: queries rotated in, output rotated back, every tier's round trip rotated.
+    ("K8V4-K2V2", {"th": 0.3, "tl": 0.05, "window": 4, "rotate": True}),
+    ("K4V4", {"rotate": True}),
 ]
 
 
+def _config_id(c) -> str:
+    return c[0] + "-" + c[1].get("policy", "auto") + ("-rot" if c[1].get("rotate") else "")
+
+
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("spec,kw", CONFIGS, ids=[c[0] + "-" + c[1].get("policy", "auto") for c in CONFIGS])
+@pytest.mark.parametrize("spec,kw", CONFIGS, ids=[_config_id(c) for c in CONFIGS])
 def test_paged_attention_matches_oracle(spec, kw, hq, hkv):
     model = tiny_model(hq, hkv)
     cache = LeanCache(model, spec, page_size=256, max_seq_len=128, **kw)
