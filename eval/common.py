@@ -30,6 +30,23 @@ class Timer:
         self.seconds = time.perf_counter() - self.t0
 
 
+def add_run_options(ap) -> None:
+    """Add the options every evaluation script shares: ``--threads`` and ``--out``."""
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def start_run(args):
+    """Apply ``--threads`` and load the evaluation model: ``(model, tokenizer)``."""
+    import torch
+
+    from .model import load_smollm2
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_smollm2()
+
+
 def write_json(path: str | None, payload: dict) -> None:
     """Write results (if a path is given), creating the parent directory."""
     if not path:

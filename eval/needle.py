@@ -34,8 +34,7 @@ from leankit.cache import LeanCache, attention_head_dim
 from leankit.config import KVConfig
 from leankit.data import paul_graham_essays
 
-from .common import Timer, label, parse_config, write_json
-from .model import load_smollm2
+from .common import Timer, add_run_options, label, parse_config, start_run, write_json
 
 KEYS = ["apple", "river", "falcon", "copper", "violet", "harbor", "meadow", "lantern", "glacier", "orchid"]
 
@@ -130,12 +129,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--fp16", action="store_true", help="also run uncompressed")
     ap.add_argument("--survival", action="store_true",
                     help="count the (layer, KV head) pairs that still store every needle token after the prompt")
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=None)
+    add_run_options(ap)
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tok = load_smollm2()
+    model, tok = start_run(args)
     hay = "\n\n".join(t for _, t in paul_graham_essays())
     hay_ids = tok(hay, add_special_tokens=False)["input_ids"][args.offset:]
     rng = random.Random(args.seed)

@@ -34,8 +34,7 @@ from tqdm.auto import tqdm
 from leankit.cache import LeanCache
 from leankit.data import wiki_articles
 
-from .common import Timer, label, parse_config, write_json
-from .model import load_smollm2
+from .common import Timer, add_run_options, label, parse_config, start_run, write_json
 
 
 def documents(tok, n_docs: int, need: int, skip: int = 0) -> list[torch.Tensor]:
@@ -116,17 +115,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    add_run_options(ap)
     args = ap.parse_args(argv)
     if args.chunk > 64:
         ap.error("--chunk must be at most 64")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     configs = [parse_config(c) for c in args.config]
     # FP16 runs first, so that every other config's KL to it is computed as it goes.
     configs.sort(key=lambda c: label(*c) != "FP16")
-    model, tok = load_smollm2()
+    model, tok = start_run(args)
     docs = documents(tok, args.docs, args.context + args.chunk * args.chunks + 1, args.skip)
     results = []
     token_nll = {}

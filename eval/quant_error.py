@@ -22,8 +22,7 @@ from leankit.config import KVConfig
 from leankit.data import wiki_articles
 from leankit.policy import stored_token_reference
 
-from .common import write_json
-from .model import load_smollm2
+from .common import add_run_options, start_run, write_json
 
 CASES = (("K", 8, None), ("K", 4, None), ("K", 4, 32), ("V", 4, None), ("V", 4, 32), ("V", 2, None), ("V", 2, 32))
 
@@ -53,12 +52,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--article", type=int, default=40, help="index into the Wikipedia articles")
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=None)
+    add_run_options(ap)
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tok = load_smollm2()
+    model, tok = start_run(args)
     text = wiki_articles()[args.article][1]
     ids = torch.tensor([tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"][: args.tokens - 1])
     states = layer_states(model, ids)

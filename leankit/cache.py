@@ -230,11 +230,10 @@ class LeanCache(Cache):
             )
         check_finite(key_states, "key")
         check_finite(value_states, "value")
-        if self.rotation is None:
-            self.policy.store(layer, key_states, value_states, self._step)
-        else:
-            self.policy.store(layer, rotate(key_states, self.rotation), rotate(value_states, self.rotation),
-                              self._step)
+        k, v = key_states, value_states
+        if self.rotation is not None:  # the pages hold K/V in the Hadamard basis
+            k, v = rotate(k, self.rotation), rotate(v, self.rotation)
+        self.policy.store(layer, k, v, self._step)
         key_states._leankit_handle = (self, layer)
         return key_states, value_states
 

@@ -42,7 +42,6 @@ META_BYTES_PER_GROUP = 4  # fp16 scale + fp16 minimum
 PAGE_ALIGN = 16  # every page segment starts on a 16-byte boundary (128-bit loads)
 
 _TIER_RE = re.compile(r"^K(\d+)V(\d+)$")
-# The type of every setting a config string may override (``KVConfig`` fields).
 def _parse_bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -52,6 +51,7 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+# The type of every setting a config string may override (``KVConfig`` fields).
 _OVERRIDE_TYPES = {"window": int, "page_size": int, "group_size": int, "low_group_size": int, "sink": int,
                    "th": float, "tl": float, "budget": float, "policy": str, "rotate": _parse_bool}
 

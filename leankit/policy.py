@@ -751,7 +751,7 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
         prec, gs = cfg.tiers[t], cfg.tier_group_size(t)
         k, v = roundtrip(k, prec.k_bits, gs), roundtrip(v, prec.v_bits, gs)
     if h is not None:
-        k, v = unrotate(k, h.float()), unrotate(v, h.float())
+        k, v = unrotate(k, h), unrotate(v, h)
     return k, v
 
 
