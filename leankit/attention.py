@@ -10,6 +10,13 @@ Masking is by stored position, not by physical slot: key ``j`` is visible to que
 is a live slot of its tier and ``pos[j] <= pos[i]``. That handles causality, left padding (pad
 tokens are never stored) and pruning (a pruned token is simply gone) with one rule.
 
+A forward step's own new tokens are not read back from the pages: the step attends to them at
+their exact values (:func:`step_attention`), as HF's ``QuantizedCache`` and the LeanKV paper's
+prompt phase do, and the two partial softmaxes are merged by their log-sum-exp
+(:func:`merge_attention`). The pages therefore only ever serve tokens of *earlier* steps, which
+is also what makes prefill cost what plain attention costs: the prompt never waits for its own
+quantized copy.
+
 GQA: the ``G = Hq / Hkv`` query heads of a group are stacked into one ``[G * Q, F]`` operand, so
 each dequantized K/V tile is shared by the whole group (as the Triton kernel does).
 """
@@ -303,3 +310,106 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
                 acc[..., lo:hi] += p.sum(2)
         out.append(acc / g)
     return out
+
+
+# ============================================================================ the step's own tokens
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_real: torch.Tensor,
+                   scale: float, *, keep_logits: bool = False):
+    """Exact attention of a step's queries over the step's own new tokens (no pages involved).
+
+    Args:
+        q: ``[B, Hq, Q, F]`` queries; ``k``/``v``: ``[B, Hkv, Q, F]`` the step's new keys/values as
+            the model produced them (exact, never quantized).
+        q_pos: int ``[B, Q]`` positions of the step's tokens (queries and keys alike).
+        k_real: bool ``[B, Q]``: the token is real (pad and finished-row tokens are never keys).
+        keep_logits: also return the masked scaled logits ``[B, Hkv, G*Q, Q]`` (for significance).
+
+    Returns:
+        ``(out [B, Q, Hq, F] fp32, lse [B, Hkv, G*Q] fp32, logits or None)``; rows are laid out
+        as in :func:`paged_attention_ref` (query head ``h*G + g`` -> row ``g*Q + i`` of KV head
+        ``h``), so :func:`merge_attention` combines the two directly.
+    """
+    b, hq, nq, f = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = _grouped_queries(q.float(), hkv)
+    s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*Q, Q]
+    s = s.masked_fill(~_step_visible(q_pos, k_real, g, 0, nq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    out = torch.matmul(p, v.float())  # rows with no visible key: p = 0, out = 0
+    out = out.view(b, hkv, g, nq, f).reshape(b, hq, nq, f).transpose(1, 2)
+    return out, lse, (s if keep_logits else None)
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Combine two partial attentions over disjoint key sets by their log-sum-exp.
+
+    ``out_*``: ``[B, Q, Hq, F]`` (each normalized over its own keys, 0 where it saw none);
+    ``lse_*``: ``[B, Hkv, G*Q]``. Returns ``(out fp32 [B, Q, Hq, F], lse [B, Hkv, G*Q])``:
+    ``out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b})`` computed around the
+    larger of the two (the flash-decoding split merge).
+    """
+    b, nq, hq, _ = out_a.shape
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(lse_a - m_safe), torch.exp(lse_b - m_safe)
+    total = wa + wb
+    lse = m_safe + torch.log(total)  # -inf where neither side saw a key
+    norm = total.clamp_min(1e-30)
+
+    def per_row(w):  # [B, Hkv, G*Q] -> [B, Q, Hq, 1]
+        return (w / norm).reshape(b, hq, nq).transpose(1, 2).unsqueeze(-1)
+
+    out = out_a.float() * per_row(wa) + out_b.float() * per_row(wb)
+    return out, lse
+
+
+def step_received(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_real: torch.Tensor, scale: float,
+                  lse: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+                  query_chunk: int = 256) -> torch.Tensor:
+    """Attention probability each of the step's new tokens received from the step's queries.
+
+    The significance of a new token (LeanKV §4): ``sum_i p_ij`` over the step's real queries,
+    averaged over the ``G`` query heads of its KV group, ``[B, Hkv, Q]`` fp32. ``lse`` is the
+    queries' final log-sum-exp ``[B, Hkv, G*Q]`` over *all* keys they saw (old pages included);
+    without it the step has no older keys and each row's softmax is over the new keys alone.
+    ``logits`` (from :func:`step_attention` with ``keep_logits``) skips the matmul; otherwise the
+    scores are recomputed ``query_chunk`` queries at a time: one extra pass of plain matmuls over
+    the new keys, never a ``Q x Q`` matrix per head for long prompts.
+    """
+    b, hq, nq, _ = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    live_q = k_real  # a query contributes iff it is a real token of the step
+    out = torch.zeros(b, hkv, nq, device=q.device)
+    kf = k.float().transpose(-1, -2)
+    for q0 in range(0, nq, query_chunk if logits is None else nq):
+        q1 = min(nq, q0 + (query_chunk if logits is None else nq))
+        nqc = q1 - q0
+        if logits is None:
+            qg = _grouped_queries(q[:, :, q0:q1].float(), hkv)
+            s = torch.matmul(qg, kf) * scale
+            s = s.masked_fill(~_step_visible(q_pos, k_real, g, q0, q1), float("-inf"))
+        else:
+            s = logits
+        if lse is None:
+            lse_c = torch.logsumexp(s, dim=-1)
+        else:
+            lse_c = lse.view(b, hkv, g, nq)[..., q0:q1].reshape(b, hkv, g * nqc)
+        live = torch.isfinite(lse_c) & live_q[:, q0:q1].view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, -1)
+        lse_safe = torch.where(live, lse_c, torch.zeros_like(lse_c)).unsqueeze(-1)
+        p = torch.exp((s - lse_safe).masked_fill(~live.unsqueeze(-1), float("-inf")))
+        out += p.sum(2)
+    return out / g
+
+
+def _step_visible(q_pos: torch.Tensor, k_real: torch.Tensor, group: int, q0: int, q1: int) -> torch.Tensor:
+    """bool ``[B, 1, G*(q1-q0), Q]``: new key ``j`` is visible to query row ``g*(q1-q0) + i``.
+
+    A key is visible iff it is a real token of the step and not after the query (``pos_j <= pos_i``).
+    """
+    b, nq = q_pos.shape
+    qp = q_pos.to(torch.int64)
+    vis = k_real.view(b, 1, nq) & (qp.view(b, 1, nq) <= qp[:, q0:q1].view(b, q1 - q0, 1))
+    return vis.unsqueeze(1).expand(b, group, q1 - q0, nq).reshape(b, 1, group * (q1 - q0), nq)

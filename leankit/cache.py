@@ -23,12 +23,13 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .allocator import FreePageList, PoolExhausted
-from .attention import PagedKV, paged_attention_ref, received_from_logits
+from .attention import (PagedKV, merge_attention, paged_attention_ref, received_attention_ref,
+                        received_from_logits, step_attention, step_received)
 from .backend import use_triton
 from .config import KVConfig, fp16_token_bytes
 from .page_table import HIGH, LOW, BidirectionalPageTable
 from .pages import PageLayout, PagePool
-from .quant import check_finite
+from .quant import NonFiniteKVError, check_finite
 from .rotation import hadamard, rotate, unrotate
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -69,6 +70,13 @@ class StepState:
     n_new: torch.Tensor  # int [B]: real new tokens per row
     q_pos: torch.Tensor  # int [B, Q]: absolute positions of the queries
     q_len: int
+    has_query: torch.Tensor  # bool [B]: the row has a real token this step
+    q_first: torch.Tensor  # long [B]: position of the row's first real token (a large sentinel if none)
+    q_last: torch.Tensor  # long [B]: position of the row's last real token (a small sentinel if none)
+    lens_before: torch.Tensor  # int32 [2, L, B, H]: tokens per tier once the step's pages were planned
+
+
+_NO_POS = 1 << 30  # sentinel position of a row with no real token in the step
 
 
 class LeanLayer(CacheLayerMixin):
@@ -153,6 +161,8 @@ class LeanCache(Cache):
         self.finished: torch.Tensor | None = None
         self._seen = 0
         self._step: StepState | None = None
+        self._pending: dict = {}  # layer -> the step's exact (key, value) until attention stores them
+        self._policy_saved = None
         self._peak = (0, 0)  # (kv_bytes, fp16_bytes) at the step that used the most pages
         eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         self.eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
@@ -194,9 +204,20 @@ class LeanCache(Cache):
         else:
             q_pos = position_ids.to(dev).expand(batch, q_len)
         rank = torch.cumsum(real.int(), dim=1) - 1
-        self._step = StepState(real, rank, real.sum(1), q_pos.to(torch.int32), q_len)
-        self.policy.begin_step(self._step)
-        return q_pos.long()
+        qp = q_pos.long()
+        q_first = torch.where(real, qp, torch.full_like(qp, _NO_POS)).amin(1)
+        q_last = torch.where(real, qp, torch.full_like(qp, -_NO_POS)).amax(1)
+        step = StepState(real, rank, real.sum(1), q_pos.to(torch.int32), q_len, real.any(1), q_first, q_last,
+                         self.table.lens)
+        self.policy.begin_step(step)
+        # What a failed step rolls back to: token counts (and policy counters) once the step's pages
+        # are planned. Tokens are appended past these counts, so restoring them drops the step's
+        # tokens, while the pages the step reserved stay with their heads for the next step.
+        step.lens_before = self.table.lens.clone()
+        self._policy_saved = self.policy.save_state()
+        self._step = step
+        self._pending = {}
+        return qp
 
     def end_step(self) -> None:
         """Close the forward step: advance the logical length, run end-of-step policy work."""
@@ -222,20 +243,39 @@ class LeanCache(Cache):
 
     # ------------------------------------------------------------------ layer protocol
     def _store(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Store the step's real new tokens of ``layer`` and tag the returned K/V for attention."""
+        """Take the step's new K/V of ``layer``; they are written to the pages after attention.
+
+        The step attends to its own tokens at their exact values, so quantizing them can wait for
+        :meth:`attend`, which stores them once their significance is known. Returns the K/V
+        unchanged (tagged for the ``"leankit"`` attention).
+        """
         if self._step is None:
             raise RuntimeError(
                 "LeanCache.update was called outside a forward step: call leankit.enable(model) "
                 "(LeanCache does this) and run the model through its forward/generate"
             )
-        check_finite(key_states, "key")
-        check_finite(value_states, "value")
-        k, v = key_states, value_states
-        if self.rotation is not None:  # the pages hold K/V in the Hadamard basis
-            k, v = rotate(k, self.rotation), rotate(v, self.rotation)
-        self.policy.store(layer, k, v, self._step)
+        try:
+            check_finite(key_states, f"layer {layer} key")
+            check_finite(value_states, f"layer {layer} value")
+        except NonFiniteKVError:
+            self.abort_step()
+            raise
+        self._pending[layer] = (key_states, value_states)
         key_states._leankit_handle = (self, layer)
         return key_states, value_states
+
+    def abort_step(self) -> None:
+        """Drop the current step: every layer's tokens of it are forgotten, the cache stays usable.
+
+        Restores the token counts and policy counters saved when the step's pages were planned
+        (earlier layers of the step may already have stored their tokens); pages the step
+        reserved stay owned by their heads and serve the next step.
+        """
+        if self._step is None:
+            return
+        self.table.lens.copy_(self._step.lens_before)
+        self.policy.load_state(self._policy_saved)
+        self._step, self._pending = None, {}
 
     def write_tokens(self, tier: int, layer: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
@@ -262,26 +302,70 @@ class LeanCache(Cache):
         """The page view attention reads for ``layer``."""
         return PagedKV(self.pool, self.layouts, self.table, layer)
 
-    def attend(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention of the step's queries over ``layer``'s pages; returns ``[B, Q, Hq, F]``."""
-        st = self._step
-        kv = self.paged_kv(layer)
-        if self.rotation is not None:
-            query = rotate(query, self.rotation)
-        received = None  # the policy computes it from lse unless the attention pass already has it
-        if use_triton(query):
-            from leankit_kernels.paged_attention import paged_attention
+    def attend(self, layer: int, query: torch.Tensor, scaling: float, module=None, attention_mask=None) -> torch.Tensor:
+        """Attention of the step's queries for ``layer``; returns ``[B, Q, Hq, F]``.
 
-            out, lse = paged_attention(query, kv, st.q_pos, scaling)
-        elif self.policy.uses_significance and query.shape[2] <= LOGITS_QUERY_LIMIT:
-            # Few queries (decode, short chunks): keep the logits and take the significance from
-            # them, instead of a second pass that dequantizes every key again.
-            out, lse, logits = paged_attention_ref(query, kv, st.q_pos, scaling, return_logits=True)
-            received = received_from_logits(logits, lse, query.shape[1] // kv.table.shape[2], st.real)
+        Keys of earlier steps are read from the pages (paged attention over their codes); the
+        step's own new keys are used at their exact values and the two parts are merged by
+        log-sum-exp. A step with nothing stored before it (a prompt) is plain SDPA with the
+        model's own mask (``module``/``attention_mask`` from the attention function), exactly
+        what an uncompressed cache computes. The new tokens are then quantized into the pages.
+        """
+        st = self._step
+        k_new, v_new = self._pending.pop(layer)
+        policy = self.policy
+        sig = policy.uses_significance
+        nq = query.shape[2]
+        group = query.shape[1] // self.num_kv_heads
+        received_old = received_new = None
+        if self._seen == 0:  # nothing stored yet: the whole step is one exact attention
+            if module is not None:
+                from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+                out = sdpa_attention_forward(module, query, k_new, v_new, attention_mask, scaling=scaling)[0]
+            else:
+                out = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling)[0]
+            if sig:
+                received_new = step_received(query, k_new, st.q_pos, st.real, scaling)
         else:
-            out, lse = paged_attention_ref(query, kv, st.q_pos, scaling)
-        self.policy.after_attention(layer, query, scaling, lse, st, received)
-        return out if self.rotation is None else unrotate(out, self.rotation)
+            kv = self.paged_kv(layer)
+            q_pages = query if self.rotation is None else rotate(query, self.rotation)
+            keep_logits = sig and nq <= LOGITS_QUERY_LIMIT
+            logits = None
+            if use_triton(query):
+                from leankit_kernels.paged_attention import paged_attention
+
+                out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
+            elif keep_logits:  # few queries: keep the logits for the significance update
+                out_old, lse_old, logits = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling,
+                                                               return_logits=True)
+            else:
+                out_old, lse_old = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling)
+            if self.rotation is not None:
+                out_old = unrotate(out_old.float(), self.rotation)
+            out_new, lse_new, logits_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
+                                                          keep_logits=keep_logits)
+            out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
+            if sig:
+                if logits is not None:
+                    received_old = received_from_logits(logits, lse, group, st.real)
+                else:
+                    received_attention = received_attention_ref
+                    if use_triton(query):
+                        from leankit_kernels.prefill_attention import received_attention
+                    received_old = received_attention(q_pages, kv, st.q_pos, scaling, lse, q_valid=st.real)
+                received_new = step_received(query, k_new, st.q_pos, st.real, scaling, lse=lse, logits=logits_new)
+                policy.update_scores(layer, st, received_old)
+        k_store, v_store = k_new, v_new
+        if self.rotation is not None:  # the pages hold K/V in the Hadamard basis
+            k_store, v_store = rotate(k_new, self.rotation), rotate(v_new, self.rotation)
+        try:
+            policy.store(layer, k_store, v_store, st, received_new)
+        except NonFiniteKVError:  # e.g. a value beyond the fp16 range of the quantization metadata
+            self.abort_step()
+            raise
+        policy.after_store(layer, st)
+        return out.to(query.dtype)
 
     # ------------------------------------------------------------------ lifecycle
     def release(self, rows: torch.Tensor) -> int:
@@ -298,7 +382,7 @@ class LeanCache(Cache):
         if self.table is not None:
             self.table.release_sequences(torch.ones(self.table.shape[1], dtype=torch.bool, device=self.device),
                                          self.free_list)
-        self.table, self.finished, self._seen, self._step = None, None, 0, None
+        self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
         self.policy.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -35,7 +35,7 @@ def leankit_attention(module, query, key, value, attention_mask, dropout: float 
     cache, layer = handle
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return cache.attend(layer, query, scaling), None
+    return cache.attend(layer, query, scaling, module=module, attention_mask=attention_mask), None
 
 
 def _decoder(model):

@@ -41,8 +41,6 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import exclusive_cumsum
-from .attention import received_attention_ref
-from .backend import use_triton
 from .page_table import HIGH, LOW
 
 KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
@@ -299,6 +297,13 @@ class _Base:
         """Forget all sequences."""
         self.real_seen = None
 
+    def save_state(self):
+        """What :meth:`load_state` needs to undo the per-layer work of a step that fails midway."""
+        return None
+
+    def load_state(self, saved) -> None:
+        """Undo the per-layer work of a failed step (see :meth:`save_state`)."""
+
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]``."""
         if self.real_seen is not None:
@@ -314,11 +319,7 @@ class _Base:
     @staticmethod
     def _query_span(step):
         """Per row: (has real query, first real query position, last real query position)."""
-        has = step.real.any(1)
-        qp = step.q_pos.long()
-        q_first = torch.where(step.real, qp, torch.full_like(qp, _BIG)).amin(1)
-        q_last = torch.where(step.real, qp, torch.full_like(qp, -_BIG)).amax(1)
-        return has, q_first, q_last
+        return step.has_query, step.q_first, step.q_last
 
     def _grow_for_new(self, step) -> None:
         """Conservatively reserve high-tier room for the step's new tokens, one batched call (§5.3)."""
@@ -336,8 +337,14 @@ class _Base:
             self._init_state(self.cache.table.shape[1])
         self._grow_for_new(step)
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, step) -> None:
-        """Quantize the real new tokens of ``layer`` into the next high-tier slots."""
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, received=None) -> None:
+        """Quantize the real new tokens of ``layer`` into the next high-tier slots.
+
+        ``k``/``v``: ``[B, H, Q, F]`` (the basis the pages hold). ``received`` ``[B, H, Q]``: the
+        attention each new token received from the step's queries
+        (:func:`~leankit.attention.step_received`), which becomes its initial significance; ``None``
+        stores 0 (policies that do not track significance).
+        """
         cache = self.cache
         b_idx, q_idx = step.real.nonzero(as_tuple=True)
         if b_idx.numel() == 0:
@@ -352,52 +359,44 @@ class _Base:
         kk = k[b_rep, h_idx, q_rep]
         vv = v[b_rep, h_idx, q_rep]
         pos = step.q_pos[b_rep, q_rep]
-        score = torch.zeros(kk.shape[0], device=k.device)
+        if received is None:
+            score = torch.zeros(kk.shape[0], device=k.device)
+        else:  # the running mean of a token no query has seen yet, after this step's queries (§4)
+            _, q_first, q_last = self._query_span(step)
+            score = update_significance(torch.zeros(kk.shape[0], device=k.device), pos, received[b_rep, h_idx, q_rep],
+                                        q_first[b_rep], q_last[b_rep])
         cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, kk, vv, pos, score)
         lens += step.n_new.view(-1, 1).to(lens.dtype)
 
-    def after_attention(self, layer, query, scaling, lse, step, received=None) -> None:
-        """Hook run after ``layer``'s attention (nothing to do by default).
-
-        ``received``: the step's received attention per tier when the attention already has it
-        (:func:`~leankit.attention.received_from_logits`), else ``None`` (computed on demand).
-        """
+    def after_store(self, layer: int, step) -> None:
+        """Hook run once ``layer``'s new tokens are stored (nothing to do by default)."""
 
     def end_step(self, step) -> None:
         """Close the step."""
         self.real_seen += step.n_new
 
     # -------------------------------------------------------------- scores
-    def _update_scores(self, layer: int, query, scaling, lse, step, received=None) -> list[TierMeta]:
-        """Add this step's received attention to the running significance of ``layer``'s tokens.
+    def update_scores(self, layer: int, step, received) -> None:
+        """Add this step's received attention to the running significance of ``layer``'s stored tokens.
 
-        Writes the score segments back to the pages and returns the layer's tier metadata
-        (``[1, B, H, S]``) holding the updated (fp16-rounded) scores. ``received`` (per tier, as
-        :func:`~leankit.attention.received_attention_ref` returns it) skips the second pass.
+        ``received``: per tier ``[B, H, P_t * T_t]``, the probability mass each slot received from
+        the step's queries (:func:`~leankit.attention.received_from_logits` or
+        :func:`~leankit.attention.received_attention_ref`, computed with the step's final
+        log-sum-exp), for the tokens stored by *earlier* steps. Rewrites the score segments.
         """
         cache = self.cache
-        if received is None:
-            kv = cache.paged_kv(layer)
-            received_attention = received_attention_ref
-            if use_triton(query):
-                from leankit_kernels.prefill_attention import received_attention
-            received = received_attention(query, kv, step.q_pos, scaling, lse, q_valid=step.real)
         has, q_first, q_last = self._query_span(step)
         layers = torch.tensor([layer], device=cache.device)
-        metas = []
+        view = (1, -1, 1, 1)
         for tier, layout in enumerate(cache.layouts):
             m = read_tier_meta(cache, tier, layers)
-            if m.score.shape[-1]:
-                rec = received[tier].unsqueeze(0)
-                view = (1, -1, 1, 1)
-                new = update_significance(m.score, m.pos, rec, q_first.view(view), q_last.view(view))
-                upd = m.valid & has.view(view)
-                new = torch.where(upd, new, m.score).to(torch.float16)
-                pages = new.view(*m.ids.shape, layout.tokens)
-                cache.pool.write_scores(layout, m.ids[m.pvalid], pages[m.pvalid])
-                m.score = new.float()
-            metas.append(m)
-        return metas
+            if not m.score.shape[-1]:
+                continue
+            new = update_significance(m.score, m.pos, received[tier].unsqueeze(0), q_first.view(view),
+                                      q_last.view(view))
+            new = torch.where(m.valid & has.view(view), new, m.score).to(torch.float16)
+            pages = new.view(*m.ids.shape, layout.tokens)
+            cache.pool.write_scores(layout, m.ids[m.pvalid], pages[m.pvalid])
 
     # -------------------------------------------------------------- moving tokens
     def _compact(self, tier: int, layers: torch.Tensor, valid: torch.Tensor,
@@ -565,6 +564,14 @@ class LeanKVPolicy(_Base):
             self.watermark = self.watermark.index_select(0, beam_idx)
             self.started = self.started.index_select(0, beam_idx)
 
+    def save_state(self):
+        # Only the prompt-phase classification (after_store, per layer) changes state mid-step.
+        return None if self.pruned_mass is None else self.pruned_mass.clone()
+
+    def load_state(self, saved) -> None:
+        if saved is not None:
+            self.pruned_mass.copy_(saved)
+
     def _total_mass(self, metas: list[TierMeta]) -> torch.Tensor:
         z = sum(_masked_sum(m.score, m.valid) for m in metas)
         return z
@@ -611,9 +618,8 @@ class LeanKVPolicy(_Base):
         sizes = [m.score.shape[-1] for m in metas]
         return list(torch.split(new, sizes, dim=-1))
 
-    def after_attention(self, layer, query, scaling, lse, step, received=None) -> None:
-        """Update running significance; in the prompt phase, classify this layer's tokens now."""
-        metas = self._update_scores(layer, query, scaling, lse, step, received)
+    def after_store(self, layer: int, step) -> None:
+        """Prompt phase: classify ``layer``'s tokens of the rows that just stored their prompt."""
         prompt = self._prompt_rows
         if prompt is None:
             return
@@ -622,9 +628,11 @@ class LeanKVPolicy(_Base):
         # Prompt rows have nothing classified yet: every token at or before `cut` is a candidate.
         if not bool((prompt & (cut >= q_first)).any()):
             return
+        cache = self.cache
+        layers = torch.tensor([layer], device=cache.device)
+        metas = [read_tier_meta(cache, t, layers) for t in range(len(cache.layouts))]
         wm = torch.full_like(q_last, -_BIG)
         news = self._plan(metas, prompt, cut, wm, self.pruned_mass[layer: layer + 1])
-        layers = torch.tensor([layer], device=self.cache.device)
         pruned = self.apply_classes(layers, metas, news)
         self.pruned_mass[layer] += pruned[0]
 
@@ -654,10 +662,6 @@ class H2OPolicy(_Base):
             raise ValueError("policy 'h2o' keeps a single precision tier; drop the low tier from the config")
         self.budget = cache.cfg.budget
         self._span = None
-
-    def after_attention(self, layer, query, scaling, lse, step, received=None) -> None:
-        """Accumulate this step's received attention (H2O's heavy-hitter sums)."""
-        self._update_scores(layer, query, scaling, lse, step, received)
 
     def end_step(self, step) -> None:
         super().end_step(step)

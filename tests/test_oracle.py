@@ -1,9 +1,11 @@
 """Oracle: paged attention over a compressed cache equals dense attention under the same decisions.
 
 The cache is driven by hand (begin_step / update / attend / end_step) with random keys, values
-and queries, so every token's original K/V is known. After each layer's tokens are stored, the
-tier of every token is read back from the pages; the oracle dequantizes the original K/V the
-way that tier holds them, masks the pruned tokens, and runs a dense softmax.
+and queries, so every token's original K/V is known. Before each layer's attention, the tier of
+every token stored by an earlier step is read back from the pages; the oracle dequantizes the
+original K/V the way that tier holds them, masks the pruned tokens, and runs a dense softmax.
+The step's own new tokens enter the oracle at their exact values: a step attends to the tokens
+it brings exactly and to earlier tokens through their stored codes (leankit.attention).
 """
 
 from __future__ import annotations
@@ -58,15 +60,15 @@ class Driver:
                             self.orig.setdefault((layer, bi), {}).setdefault(h, {})[int(pos[bi, qi])] = (
                                 k[bi, h, qi].clone(), v[bi, h, qi].clone())
             cache.layers[layer].update(k, v)
-            ref = self.oracle(layer, q_, pos)
+            ref = self.oracle(layer, q_, pos, real)
             out = cache.attend(layer, q_, scale)
             sel = real.view(b, q, 1, 1).expand_as(out)
             err = (out - ref).abs()[sel].max() / ref.abs()[sel].max()
             self.worst = max(self.worst, float(err))
         cache.end_step()
 
-    def oracle(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-        """Dense attention over the tokens the cache holds for ``layer`` right now."""
+    def oracle(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Dense attention over the tokens the cache holds for ``layer`` plus the step's exact new ones."""
         cache = self.cache
         b = q.shape[0]
         layers = torch.tensor([layer])
@@ -86,8 +88,14 @@ class Driver:
         keep = torch.zeros(b, self.hkv, n, dtype=torch.bool)
         for bi in range(b):
             for h in range(self.hkv):
+                new = set(q_pos[bi][real[bi]].tolist())
                 for j, (p, (k0, v0)) in enumerate(sorted(self.orig[(layer, bi)][h].items())):
                     kp[bi, h, j] = p
+                    if p in new:  # this step's token: attended at its exact value
+                        assert (bi, h, p) not in tiers, "a token of the step was stored before its attention"
+                        keep[bi, h, j] = True
+                        kk[bi, h, j], vv[bi, h, j] = k0, v0
+                        continue
                     t = tiers.get((bi, h, p))
                     if t is None:
                         self.pruned_seen += 1
