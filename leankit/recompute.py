@@ -74,10 +74,9 @@ class ActToKVParams:
             raise ValueError(f"LayerNorm needs norm_bias of shape [{d}]")
         if self.k_norm_weight is not None and self.k_norm_weight.shape != (self.head_dim,):
             raise ValueError(f"k_norm_weight must be [{self.head_dim}], got {tuple(self.k_norm_weight.shape)}")
-        if self.inv_freq is not None:
-            if self.head_dim % 2 or self.inv_freq.shape != (self.head_dim // 2,):
-                raise ValueError(f"inv_freq must be [{self.head_dim // 2}] (full rotary over an even head_dim), "
-                                 f"got {tuple(self.inv_freq.shape)}")
+        if self.inv_freq is not None and (self.head_dim % 2 or self.inv_freq.shape != (self.head_dim // 2,)):
+            raise ValueError(f"inv_freq must be [{self.head_dim // 2}] (full rotary over an even head_dim), "
+                             f"got {tuple(self.inv_freq.shape)}")
 
     @property
     def hidden_size(self) -> int:

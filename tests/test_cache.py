@@ -7,8 +7,7 @@ from transformers import DynamicCache
 import leankit
 from leankit import LeanCache, PoolExhausted
 from leankit.quant import NonFiniteKVError
-
-from leankit.testing import tiny_config, tiny_model
+from leankit.testing import tiny_model
 
 
 def _batch(seed=0, rows=3, width=13, vocab=97):

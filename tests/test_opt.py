@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_oracle import Driver
 from transformers import DynamicCache, OPTConfig, OPTForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from leankit import LeanCache
-from test_oracle import Driver
 
 
 def opt_model(seed: int, **kw) -> OPTForCausalLM:
     """A tiny OPT: hidden 64, 4 heads of 16 channels (MHA), 2 layers."""
-    cfg = dict(vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-               word_embed_proj_dim=64)
+    cfg = {"vocab_size": 97, "hidden_size": 64, "ffn_dim": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "max_position_embeddings": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+           "word_embed_proj_dim": 64}
     cfg.update(kw)
     torch.manual_seed(seed)
     return OPTForCausalLM(OPTConfig(**cfg)).eval()

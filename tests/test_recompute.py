@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from leankit.recompute import ActToKVParams, act_to_kv, act_to_kv_ref, layer_params, model_params, rope_tables
 
-COMMON = dict(vocab_size=97, num_hidden_layers=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2)
+COMMON = {"vocab_size": 97, "num_hidden_layers": 2, "max_position_embeddings": 256, "pad_token_id": 0,
+          "bos_token_id": 1, "eos_token_id": 2}
 
 
 def build(kind: str, seed: int, dtype=torch.float32):
