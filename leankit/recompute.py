@@ -227,12 +227,30 @@ def act_to_kv_ref(act: torch.Tensor, positions: torch.Tensor | None, params: Act
     return k.contiguous(), v.contiguous()
 
 
-def act_to_kv(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKVParams):
+def act_to_kv(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKVParams,
+              rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``act_to_kv_ref`` on CPU, the fused Triton kernel where :func:`leankit.backend.use_triton` says so."""
     from .backend import use_triton
 
     if use_triton(act):
         from leankit_kernels.act_to_kv import act_to_kv as kernel
 
-        return kernel(act, positions, params)
-    return act_to_kv_ref(act, positions, params)
+        return kernel(act, positions, params, rope=rope)
+    return act_to_kv_ref(act, positions, params, rope=rope)
+
+
+def recompute_kv(pool, act_layout, page_ids: torch.Tensor, rows: torch.Tensor, params: ActToKVParams,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """K/V of ``n`` ACT tokens read from their pages: ``(k, v [n, Hkv, F], positions [n] int32)``.
+
+    ``page_ids`` ``[n, S]`` and ``rows`` ``[n]`` locate the tokens (see
+    :meth:`leankit.page_table.ActPageTable.locate`); the activations are read in the model dtype
+    (:meth:`leankit.pages.ActLayout.read`) and projected with :func:`act_to_kv` (the Triton
+    kernel on CUDA, the reference on CPU). ``rope`` may pass this step's :func:`rope_tables` for
+    the same tokens, shared across layers.
+    """
+    if act_layout.hidden != params.hidden_size:
+        raise ValueError(f"ACT pages hold hidden {act_layout.hidden}, the layer expects {params.hidden_size}")
+    act, pos = act_layout.read(pool, page_ids, rows)
+    k, v = act_to_kv(act, pos, params, rope=rope)
+    return k, v, pos
