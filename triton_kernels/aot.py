@@ -4,7 +4,8 @@
 
 Compiles each kernel with the constexprs of realistic deployments (Llama-3-8B-like heads:
 head_dim 128, 32 query / 8 KV heads, 4096-byte pages; SmolLM2-like heads: head_dim 64, 9 / 3
-heads, 2048-byte pages; fp16 models, plus an fp32 decode variant) for ``sm_80`` and ``sm_90``,
+heads, 2048-byte pages; fp16 models, plus an fp32 decode variant; the ACT->KV recompute at the
+layer shapes of Llama-3-8B, Qwen3-8B, OPT-13B and SmolLM2) for ``sm_80`` and ``sm_90``,
 runs the ``ptxas -v`` that ships with Triton (the one Triton itself uses for that arch) on the
 PTX, and prints registers, shared memory and spills per (kernel, arch). Exits with status 1 if
 any kernel spills (spill stores/loads or a stack frame) or fails to compile.
