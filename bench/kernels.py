@@ -24,6 +24,16 @@ On CUDA, each row is also timed with ``triton.testing.do_bench`` (kernel launche
 bounds are passed in, so no host sync is timed) and reported as µs, achieved GB/s (modelled
 bytes / time), % of the device's peak bandwidth and measured speedup over the FP16 row. Without
 CUDA the timing columns read "not measured": nothing is ever estimated and printed as a time.
+
+A second table models the fused ACT->KV recompute kernel (``leankit_kernels.act_to_kv``, one
+layer, ``n`` tokens) on real layer shapes from the planner's presets. FLOPs are the planner's own
+``ModelSpec.kv_gen_flops_per_token() * n`` (``2 * hidden * 2 * kv_dim``, KVPR Eq. 8 for MHA), so
+the kernel and the time model price recomputation with one number; norm, bias and RoPE add
+``O(n * hidden)`` and are left out. Bytes: the stacked ``[Wk Wv]`` weights, the norm weights and
+bias, the activations once, the RoPE tables and the K/V written. Next to them: page bytes per
+token and layer of an ACT block and of FP16 KV pages (``leankit.config.act_kv_token_bytes``), the
+KV memory the ACT blocks save for the ``n`` tokens (negative: ACT costs more, the GQA case), and
+the recompute FLOPs per byte saved.
 """
 
 from __future__ import annotations
@@ -244,6 +254,83 @@ def run(shape: Shape, batches=BATCHES, contexts=CONTEXTS, configs=CONFIGS, measu
     return rows
 
 
+# ---------------------------------------------------------------------------- ACT -> KV recompute
+ACT_MODELS = ("opt-13b", "opt-6.7b", "llama-3-8b", "smollm2-135m")
+ACT_TOKENS = (32, 512, 4096)
+
+
+def act_to_kv_call(model: str, n: int, page_size: int = 2048, dtype_bytes: int = 2) -> dict:
+    """Modelled FLOPs and bytes of one ``act_to_kv`` launch (one layer, ``n`` tokens), and the
+    page bytes per token of ACT against FP16 KV (see the module docstring)."""
+    from leankit.config import KVConfig, act_kv_token_bytes
+    from leankit.planner.model_spec import get_model
+
+    spec = get_model(model)
+    d, kv_dim, f = spec.hidden, spec.kv_dim, spec.head_dim
+    rope = not spec.bias  # the OPT presets: learned positions, biases; the others: RoPE, no bias
+    flops = n * spec.kv_gen_flops_per_token()
+    weights = 2 * kv_dim * d + (2 * kv_dim if spec.bias else 0) + d * (2 if spec.bias else 1)
+    moved = dtype_bytes * (weights + n * d + (n * f if rope else 0) + 2 * n * kv_dim)
+    per_tok = act_kv_token_bytes(KVConfig.parse("FP16", page_size=page_size), d, spec.num_kv_heads, f, dtype_bytes)
+    saved = n * (per_tok["kv"] - per_tok["act"])
+    return {"model": spec.name, "tokens": n, "flops": flops, "bytes": moved, "act_tok": per_tok["act"],
+            "kv_tok": per_tok["kv"], "saved": saved, "flop_per_saved": flops / saved if saved > 0 else float("nan"),
+            "pred_us": max(moved / H100_BW, flops / H100_FLOPS) * 1e6}
+
+
+def measure_act_to_kv(model: str, n: int, device) -> float:
+    """Median µs of one ``act_to_kv`` launch on random fp16 weights of the model's layer shape."""
+    import triton
+    from leankit_kernels.act_to_kv import act_to_kv
+
+    from leankit.planner.model_spec import get_model
+    from leankit.recompute import ActToKVParams, rope_tables
+
+    spec = get_model(model)
+    d, h, f = spec.hidden, spec.num_kv_heads, spec.head_dim
+    dt = torch.float16
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dt)
+
+    params = ActToKVParams(
+        norm="layer" if spec.bias else "rms", norm_weight=r(d), norm_bias=r(d) if spec.bias else None,
+        norm_eps=1e-5, weight=r(2 * h * f, d) * d ** -0.5, bias=r(2 * h * f) if spec.bias else None,
+        num_kv_heads=h, head_dim=f,
+        inv_freq=None if spec.bias else 1.0 / 10000 ** (torch.arange(0, f, 2, device=device).float() / f))
+    act = r(n, d)
+    pos = torch.arange(n, device=device)
+    rope = rope_tables(params, pos) if params.has_rope else None
+    ms = triton.testing.do_bench(lambda: act_to_kv(act, pos, params, rope=rope), warmup=25, rep=100,
+                                 return_mode="median")
+    return ms * 1e3
+
+
+def run_act_to_kv(models=ACT_MODELS, tokens=ACT_TOKENS, measure_cuda: bool | None = None,
+                  out=sys.stdout) -> list[dict]:
+    """Build (and print) the ACT->KV table; returns its rows."""
+    cuda = torch.cuda.is_available() if measure_cuda is None else measure_cuda
+    rows = []
+    for m in models:
+        for n in tokens:
+            r = act_to_kv_call(m, n)
+            if cuda:
+                r["us"] = measure_act_to_kv(m, n, torch.device("cuda"))
+            rows.append(r)
+    print("\nACT->KV recompute (leankit_kernels.act_to_kv), one layer, fp16, 2048-byte pages", file=out)
+    hdr = (f"{'model':<13} {'n':>5} {'GFLOP':>8} {'MB moved':>9} {'FLOP/B':>7} {'roofline us':>11} "
+           f"{'ACT B/tok':>9} {'KV B/tok':>9} {'saved MB':>9} {'FLOP/B saved':>12} | {'us':>12}")
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+    for r in rows:
+        t = f"{r['us']:>12.1f}" if cuda else f"{'not measured':>12}"
+        print(f"{r['model']:<13} {r['tokens']:>5} {r['flops'] / 1e9:>8.3f} {r['bytes'] / 1e6:>9.2f} "
+              f"{r['flops'] / r['bytes']:>7.1f} {r['pred_us']:>11.2f} {r['act_tok']:>9.1f} {r['kv_tok']:>9.1f} "
+              f"{r['saved'] / 1e6:>9.3f} {r['flop_per_saved']:>12.1f} | {t}", file=out)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -260,6 +347,7 @@ def main(argv=None) -> int:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         check_correctness(shape, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rows = run(shape)
+    run_act_to_kv()
     k8v4 = [r["byte_ratio"] for r in rows if r["config"] == "K8V4"]
     print(f"\nK8V4 / FP16 modelled bytes: {min(k8v4):.3f} .. {max(k8v4):.3f} "
           f"({model_call('K8V4', 1, 1024, shape)['token_bytes']:.0f} vs "

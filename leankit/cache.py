@@ -32,7 +32,7 @@ from .pages import PageLayout, PagePool
 from .quant import NonFiniteKVError, check_finite
 from .rotation import hadamard, rotate, unrotate
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "opt")
 # Steps of at most this many queries keep their attention logits for the significance update
 # (decode and eval chunks); longer prompts use the chunked second pass, which never holds Q x N.
 LOGITS_QUERY_LIMIT = 64
@@ -43,8 +43,17 @@ def attention_head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def attention_kv_heads(config) -> int:
+    """KV heads of a model config (``num_key_value_heads``; OPT has none and is MHA)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def check_model_supported(config) -> None:
-    """Raise ``ValueError`` unless every layer of ``config`` is a full-attention Llama-family layer."""
+    """Raise ``ValueError`` unless every layer of ``config`` is a full-attention layer LeanCache serves.
+
+    Llama-family (Llama, Mistral, SmolLM2), Qwen2, Qwen3 (``k_norm`` before RoPE: the cache only
+    sees post-RoPE K/V, so nothing changes for it) and OPT (learned positions, biases, no RoPE).
+    """
     mtype = getattr(config, "model_type", None)
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -121,7 +130,7 @@ class LeanCache(Cache):
         print(cache.memory_report())
 
     Args:
-        model: a Llama-family (Llama, Mistral, SmolLM2) or Qwen2 causal LM.
+        model: a Llama-family (Llama, Mistral, SmolLM2), Qwen2, Qwen3 or OPT causal LM.
         kv: a KV config string or :class:`KVConfig` (see :meth:`KVConfig.parse`).
         num_pages: fixed pool size. ``None`` starts small and grows the pool on demand; a fixed
             pool raises :class:`PoolExhausted` when it runs out.
@@ -140,7 +149,7 @@ class LeanCache(Cache):
         check_model_supported(cfg)
         self.cfg = KVConfig.parse(kv, **overrides)
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_kv_heads = attention_kv_heads(cfg)
         self.num_q_heads = cfg.num_attention_heads
         self.head_dim = attention_head_dim(cfg)
         param = next(model.parameters())

@@ -19,6 +19,21 @@ planner): a token of one KV head at precision ``K<bk>V<bv>`` costs
 bytes, where quantized data is ``head_dim * bits / 8`` bytes, metadata is one fp16 scale and one
 fp16 minimum per quantization group (Eq. 2), the running significance score is fp16 and the
 position is int32 (the six segments of a unified page, §5.2).
+
+ACT pages (HybridServe §3.3, CAPTURE) live in the same pool and hold a layer's input activation
+instead: ``hidden`` values in the model dtype plus the int32 position, per token and *layer*
+(one activation serves every KV head). A token's vector is split into ``S`` channel slices of
+``C = hidden / S`` values, one slice per page, so a page of ``page_size`` bytes holds ``T``
+tokens' slices without wasting most of itself when ``hidden * itemsize`` is close to or above
+``page_size`` (see :func:`act_geometry`). Per token and layer, with page padding::
+
+    ACT = page_size * S / T                       ~ hidden * itemsize + 4 S
+    KV  = page_size / T_kv * num_kv_heads         ~ 2 * num_kv_heads * head_dim * itemsize (+ meta)
+
+so ACT saves memory only when ``hidden < 2 * num_kv_heads * head_dim`` at the same dtype: about
+half for MHA (``hidden = heads * head_dim``), and never for GQA models with
+``hidden > 2 * num_kv_heads * head_dim`` (SmolLM2: 576 against 384). :func:`act_kv_token_bytes`
+gives both numbers so a planner can decline ACT.
 """
 
 from __future__ import annotations
@@ -292,3 +307,89 @@ class KVConfig:
 
     def __str__(self) -> str:
         return "-".join(str(t) for t in self.tiers)
+
+
+# ---------------------------------------------------------------------------- ACT pages
+@dataclass(frozen=True)
+class ActGeometry:
+    """How ``hidden``-value activations of one token split over ACT pages of ``page_size`` bytes.
+
+    Attributes:
+        hidden, itemsize, page_size: the activation width, its element size and the page size.
+        slices: ``S``, pages one token's vector spans (channel slices).
+        channels: ``C = hidden / S`` values of one slice.
+        tokens: ``T``, tokens per page.
+        data_offset, position_offset: byte offsets of the two page segments (``[T, C]`` values,
+            then ``[T]`` int32 positions, each 16-byte aligned).
+    """
+
+    hidden: int
+    itemsize: int
+    page_size: int
+    slices: int
+    channels: int
+    tokens: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's slice in a page."""
+        return self.channels * self.itemsize
+
+    @property
+    def data_offset(self) -> int:
+        return 0
+
+    @property
+    def position_offset(self) -> int:
+        return _align(self.tokens * self.row_bytes)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token occupies over its ``S`` pages, without page padding."""
+        return self.slices * (self.row_bytes + POSITION_BYTES)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Page bytes per token and layer, page padding included (full pages)."""
+        return self.page_size * self.slices / self.tokens
+
+
+def _act_tokens(row_bytes: int, page_size: int) -> int:
+    t = page_size // (row_bytes + POSITION_BYTES)
+    while t > 0 and _align(t * row_bytes) + _align(t * POSITION_BYTES) > page_size:
+        t -= 1
+    return t
+
+
+def act_geometry(hidden: int, itemsize: int, page_size: int) -> ActGeometry:
+    """The ACT page geometry with the fewest page bytes per token.
+
+    Candidates are the slice counts ``S`` dividing ``hidden`` whose slice rows are whole 16-byte
+    units (so every row load is 128-bit aligned; any divisor if none is); ties go to the smaller
+    ``S`` (fewer pages per token to look up). Raises ``ValueError`` for sizes that cannot fit.
+    """
+    if hidden <= 0 or itemsize <= 0:
+        raise ValueError(f"hidden ({hidden}) and itemsize ({itemsize}) must be positive")
+    divisors = [s for s in range(1, hidden + 1) if hidden % s == 0]
+    aligned = [s for s in divisors if (hidden // s * itemsize) % PAGE_ALIGN == 0] or divisors
+    best = None
+    for s in aligned:
+        t = _act_tokens(hidden // s * itemsize, page_size)
+        if t and (best is None or page_size * s / t < best.bytes_per_token):
+            best = ActGeometry(hidden, itemsize, page_size, s, hidden // s, t)
+    if best is None:
+        raise ValueError(f"page_size {page_size} cannot hold one activation slice of hidden {hidden}")
+    return best
+
+
+def act_kv_token_bytes(cfg: KVConfig, hidden: int, num_kv_heads: int, head_dim: int,
+                       dense_itemsize: int = 2) -> dict:
+    """Page bytes per token and layer of an ACT block and of ``cfg``'s KV pages, side by side.
+
+    Returns ``{"act", "kv", "act_over_kv", "act_saves"}``; ``kv`` prices every token at the high
+    tier. ``act_saves`` is false where ACT costs at least as much as KV (GQA models with
+    ``hidden >= 2 * num_kv_heads * head_dim``), the case a planner declines.
+    """
+    act = act_geometry(hidden, dense_itemsize, cfg.page_size).bytes_per_token
+    kv = cfg.kv_bytes_per_token(head_dim, num_kv_heads, 0, dense_itemsize)
+    return {"act": act, "kv": kv, "act_over_kv": act / kv, "act_saves": act < kv}

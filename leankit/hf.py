@@ -8,7 +8,10 @@ model still works everywhere.
 
 It also installs a forward pre-hook and a forward hook on the decoder stack. The pre-hook hands
 the step's 2-D padding mask and positions to the LeanCache (``begin_step``), which is how pad
-tokens are kept out of the pages; the hook closes the step (``end_step``).
+tokens are kept out of the pages; the hook closes the step (``end_step``). When the caller gives
+no positions, the pre-hook supplies the model's own default: cache length + arange for
+Llama-family models, the count of real tokens in the padding mask for OPT (whose learned
+position table then adds its offset of 2 itself).
 """
 
 from __future__ import annotations
@@ -65,12 +68,16 @@ def _pre_hook(module, args, kwargs):
     embeds = _arg("inputs_embeds", args, kwargs, params)
     ref = input_ids if input_ids is not None else embeds
     position_ids = _arg("position_ids", args, kwargs, params)
-    q_pos = cache.begin_step(ref.shape[0], ref.shape[1], _arg("attention_mask", args, kwargs, params),
-                             position_ids, input_ids)
+    mask = _arg("attention_mask", args, kwargs, params)
+    if position_ids is None and module._leankit_mask_positions and mask is not None and mask.dim() == 2:
+        # OPT's own default: positions count the real tokens of the row (left padding starts at 0).
+        # Pad tokens get 0 instead of OPT's -1; they are never stored, so real tokens are unchanged.
+        position_ids = (mask.long().cumsum(1) - 1).clamp_min(0)[:, -ref.shape[1]:]
+        kwargs["position_ids"] = position_ids
+    q_pos = cache.begin_step(ref.shape[0], ref.shape[1], mask, position_ids, input_ids)
     if position_ids is None:
         kwargs["position_ids"] = q_pos
-        return args, kwargs
-    return None
+    return args, kwargs
 
 
 def _post_hook(module, args, kwargs, output):
@@ -97,6 +104,8 @@ def enable(model):
     dec = _decoder(model)
     if not getattr(dec, _HOOKED, False):
         dec._leankit_params = list(inspect.signature(dec.forward).parameters)
+        # OPT derives missing positions from the padding mask, Llama-family models from the cache length.
+        dec._leankit_mask_positions = getattr(model.config, "model_type", None) == "opt"
         dec.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         dec.register_forward_hook(_post_hook, with_kwargs=True)
         setattr(dec, _HOOKED, True)

@@ -14,6 +14,16 @@ into its slot, so pruning frees memory for real instead of masking it.
 All growth and recycling for a step is one :meth:`FreePageList.allocate` /
 :meth:`FreePageList.release` call covering every (tier, layer, sequence, head): no Python loop
 over heads.
+
+**ACT pages** (:class:`ActPageTable`) are indexed by (layer, sequence), one row each, not per
+head: an activation block is the input of the whole layer, and recomputing it yields the K/V of
+every KV head at once (one GEMM against the stacked weights), so a per-head row would store the
+same bytes ``H`` times or point ``H`` entries at one page. A row lists the ACT pages of its
+sequence block by block: a block is ``T`` consecutive ACT tokens split into ``S`` channel slices,
+so ACT slot ``s`` (the ``s``-th ACT token of the row) lives in row ``s % T`` of the pages in
+columns ``(s // T) * S .. (s // T) * S + S - 1``. ACT tokens are appended in order and never
+moved (no per-head pruning applies to them), which keeps this a plain left-to-right row; the
+pages come from the same :class:`~leankit.allocator.FreePageList` as KV pages.
 """
 
 from __future__ import annotations
@@ -148,3 +158,65 @@ class BidirectionalPageTable:
         self.tables = self.tables.index_select(1, index)
         self.n_pages = self.n_pages.index_select(2, index)
         self.lens = self.lens.index_select(2, index)
+
+
+class ActPageTable:
+    """ACT page rows, one per (layer, sequence) (see the module docstring).
+
+    Attributes:
+        slices, tokens: ``S`` pages per block and ``T`` tokens per page (from the ACT layout).
+        tables: int32 ``[L, B, R]`` page ids, ``-1`` where empty (``R`` = blocks x ``S``).
+        n_blocks: int32 ``[L, B]`` blocks owned; ``lens``: int32 ``[L, B]`` ACT tokens stored.
+    """
+
+    def __init__(self, num_layers: int, batch: int, max_tokens: int, slices: int, tokens: int, device):
+        self.slices, self.tokens = slices, tokens
+        self.row_len = -(-max_tokens // tokens) * slices
+        self.tables = torch.full((num_layers, batch, self.row_len), -1, dtype=torch.int32, device=device)
+        self.n_blocks = torch.zeros((num_layers, batch), dtype=torch.int32, device=device)
+        self.lens = torch.zeros((num_layers, batch), dtype=torch.int32, device=device)
+
+    def nbytes(self) -> int:
+        """Metadata bytes: the rows plus the counters."""
+        return sum(t.numel() * t.element_size() for t in (self.tables, self.n_blocks, self.lens))
+
+    def blocks_needed(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """Extra blocks ``[L, B]`` each row needs to append ``new_tokens[l, b]`` more ACT tokens."""
+        total = self.lens + new_tokens.to(torch.int32)
+        return (torch.div(total + self.tokens - 1, self.tokens, rounding_mode="floor") - self.n_blocks).clamp_min(0)
+
+    def grow(self, extra_blocks: torch.Tensor, free_list: FreePageList) -> None:
+        """Give row ``(l, b)`` ``extra_blocks[l, b]`` more blocks (``S`` pages each) in one allocation.
+
+        Raises :class:`~leankit.allocator.PoolExhausted` (nothing changed) if the pool is short,
+        ``ValueError`` if a row would overflow.
+        """
+        extra = extra_blocks.to(torch.int32)
+        if int(extra.sum()) == 0:
+            return
+        if bool(((self.n_blocks + extra) * self.slices > self.row_len).any()):
+            raise ValueError(f"a sequence outgrew its ACT row ({self.row_len // self.slices} blocks)")
+        pages = (extra * self.slices).reshape(-1)
+        ids, offsets = free_list.allocate(pages)
+        owner = torch.repeat_interleave(torch.arange(pages.numel(), device=ids.device), pages.long())
+        col = self.n_blocks.reshape(-1)[owner].long() * self.slices + torch.arange(ids.numel(), device=ids.device) \
+            - offsets[owner]
+        self.tables.view(-1, self.row_len)[owner, col] = ids.to(torch.int32)
+        self.n_blocks += extra
+
+    def locate(self, layer: int, b: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page ids [n, S], row [n])`` of ACT slots ``slot`` of sequences ``b`` in ``layer``."""
+        slot = slot.reshape(-1).long()
+        col = (slot // self.tokens * self.slices)[:, None] + torch.arange(self.slices, device=slot.device)
+        return self.tables[layer][b.reshape(-1).long()[:, None], col], slot % self.tokens
+
+    def release_sequences(self, seq_mask: torch.Tensor, free_list: FreePageList) -> int:
+        """Return every ACT page of the sequences where ``seq_mask[b]`` is true; returns the count."""
+        rows = self.tables[:, seq_mask.bool()]
+        ids = rows[rows >= 0]
+        if ids.numel():
+            free_list.release(ids)
+        self.tables[:, seq_mask.bool()] = -1
+        self.n_blocks[:, seq_mask.bool()] = 0
+        self.lens[:, seq_mask.bool()] = 0
+        return int(ids.numel())

@@ -19,6 +19,21 @@ six segments, each starting on a 16-byte boundary::
 
 The number of tokens per page ``T`` follows from the precision, so a K4V2 page holds about
 twice the tokens of a K8V4 page.
+
+**ACT pages** (HybridServe §3.3, CAPTURE; :class:`ActLayout`) are a second page kind in the same
+pool: instead of one head's K/V they hold a layer's *input activations* (the hidden state before
+the input norm) in the model dtype, from which :mod:`leankit.recompute` rebuilds the K/V of every
+KV head of the layer. A token's ``hidden`` values are split into ``S`` equal channel slices
+(:func:`leankit.config.act_geometry` picks ``S`` to waste the fewest page bytes), and a page
+holds slice ``s`` of ``T`` consecutive tokens as two 16-byte-aligned segments::
+
+    [ values     | positions ]
+      T x C x isz  T x 4        (bytes; C = hidden / S channels, isz = model dtype size)
+
+Every page carries its tokens' int32 positions, so each page is self-describing like a KV page
+(the copy in slice 0 is the one read back). Because one ACT block serves all KV heads, ACT pages
+are indexed by (layer, sequence), not by (layer, sequence, head): see
+:class:`leankit.page_table.ActPageTable`.
 """
 
 from __future__ import annotations
@@ -27,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PAGE_ALIGN, KVConfig, Precision, _align
+from .config import PAGE_ALIGN, ActGeometry, KVConfig, Precision, _align, act_geometry
 from .quant import META_DTYPE, dequantize, quantize
 
 SEGMENTS = ("k_data", "k_meta", "v_data", "v_meta", "score", "position")
@@ -131,6 +146,91 @@ class PageLayout:
     def positions(self, pages: torch.Tensor) -> torch.Tensor:
         """Token positions ``[..., T]`` (int32) of gathered pages."""
         return self.segment(pages, "position").contiguous().view(torch.int32).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class ActLayout:
+    """Byte layout of an ACT page: ``T`` tokens x ``C`` channels of one slice, then ``T`` positions.
+
+    Attributes:
+        geometry: the :class:`~leankit.config.ActGeometry` (hidden, slices ``S``, channels ``C``,
+            tokens ``T``, segment offsets).
+        dtype: the model dtype the activations are stored in.
+    """
+
+    geometry: ActGeometry
+    dtype: torch.dtype
+
+    @classmethod
+    def build(cls, hidden: int, dtype: torch.dtype, page_size: int) -> ActLayout:
+        """Lay out ACT pages of ``page_size`` bytes for ``hidden``-value activations of ``dtype``."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return cls(act_geometry(hidden, itemsize, page_size), dtype)
+
+    @property
+    def hidden(self) -> int:
+        return self.geometry.hidden
+
+    @property
+    def slices(self) -> int:
+        return self.geometry.slices
+
+    @property
+    def tokens(self) -> int:
+        return self.geometry.tokens
+
+    @property
+    def page_size(self) -> int:
+        return self.geometry.page_size
+
+    def _check(self, pool: PagePool, page_ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalize ``page_ids`` to ``[n, S]`` and ``rows`` to ``[n]`` (int64), or raise ``ValueError``."""
+        if pool.page_size != self.page_size:
+            raise ValueError(f"pool pages are {pool.page_size} bytes, the ACT layout expects {self.page_size}")
+        rows = rows.reshape(-1).long()
+        n = rows.numel()
+        if page_ids.numel() != n * self.slices:
+            raise ValueError(f"ACT page ids must be [n, S={self.slices}] for n={n} rows, got {tuple(page_ids.shape)}")
+        return page_ids.reshape(n, self.slices).long(), rows
+
+    def _byte_index(self, page_ids: torch.Tensor, rows: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+        """Flat pool byte index ``[n, S, nbytes]`` of row ``rows`` of a segment at ``offset``."""
+        start = page_ids * self.page_size + offset + rows[:, None] * nbytes
+        return start[..., None] + torch.arange(nbytes, device=page_ids.device)
+
+    def write(self, pool: PagePool, page_ids: torch.Tensor, rows: torch.Tensor, act: torch.Tensor,
+              positions: torch.Tensor) -> None:
+        """Store ``n`` activations ``act`` ``[n, hidden]`` and their positions ``[n]``.
+
+        Token ``i``'s slice ``s`` goes to row ``rows[i]`` of page ``page_ids[i, s]``. Checks
+        everything before writing, so a bad call leaves the pool unchanged.
+        """
+        g = self.geometry
+        page_ids, rows = self._check(pool, page_ids, rows)
+        n = rows.numel()
+        if act.shape != (n, g.hidden):
+            raise ValueError(f"act must be [n={n}, hidden={g.hidden}], got {tuple(act.shape)}")
+        if positions.reshape(-1).shape[0] != n:
+            raise ValueError(f"positions must hold one entry per token ({n}), got {tuple(positions.shape)}")
+        if n == 0:
+            return
+        flat = pool.storage.view(-1)
+        data = act.to(self.dtype).contiguous().view(torch.uint8).reshape(n, g.slices, g.row_bytes)
+        flat[self._byte_index(page_ids, rows, g.data_offset, g.row_bytes).reshape(-1)] = data.reshape(-1)
+        pos = positions.reshape(-1, 1).to(device=flat.device, dtype=torch.int32).view(torch.uint8)
+        pos = pos[:, None, :].expand(n, g.slices, 4)
+        flat[self._byte_index(page_ids, rows, g.position_offset, 4).reshape(-1)] = pos.reshape(-1)
+
+    def read(self, pool: PagePool, page_ids: torch.Tensor, rows: torch.Tensor):
+        """Read ``n`` tokens back: ``(act [n, hidden] in the model dtype, positions [n] int32)``."""
+        g = self.geometry
+        page_ids, rows = self._check(pool, page_ids, rows)
+        n = rows.numel()
+        flat = pool.storage.view(-1)
+        data = flat[self._byte_index(page_ids, rows, g.data_offset, g.row_bytes).reshape(-1)]
+        act = data.view(self.dtype).reshape(n, g.hidden)
+        pos = flat[self._byte_index(page_ids[:, :1], rows, g.position_offset, 4).reshape(-1)]
+        return act, pos.view(torch.int32).reshape(n)
 
 
 class PagePool:

@@ -7,8 +7,7 @@ from transformers import DynamicCache
 import leankit
 from leankit import LeanCache, PoolExhausted
 from leankit.quant import NonFiniteKVError
-
-from leankit.testing import tiny_config, tiny_model
+from leankit.testing import tiny_model
 
 
 def _batch(seed=0, rows=3, width=13, vocab=97):
@@ -165,10 +164,10 @@ def test_memory_report_keys_and_ratio():
 
 
 def test_unsupported_models_raise():
-    from transformers import AutoModelForCausalLM, MistralConfig
+    from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig
 
-    with pytest.raises(ValueError, match="model types"):
-        LeanCache(AutoModelForCausalLM.from_config(tiny_config("opt")), "K8V4")
+    with pytest.raises(ValueError, match="model types"):  # OPT is served now (tests/test_opt.py); GPT-2 is not
+        LeanCache(AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2)), "K8V4")
     mistral = AutoModelForCausalLM.from_config(MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
                                                              num_hidden_layers=2, num_attention_heads=4,
                                                              num_key_value_heads=2, sliding_window=16))

@@ -40,3 +40,25 @@ def test_without_cuda_timings_are_not_measured(bench):
     assert text.count("| not measured not measured not measured not measured") == len(bench.CONFIGS)
     ratio = {r["config"]: r["byte_ratio"] for r in rows}
     assert ratio["FP16"] == 1.0 and ratio["K4V2"] < ratio["K8V4-K4V2"] < ratio["K8V4"] < ratio["K8V8"] < 1.0
+
+
+def test_act_to_kv_model_agrees_with_planner(bench):
+    """The kernel's modelled FLOPs are the planner's kv_gen_flops_per_token; ACT saves memory on MHA only."""
+    from leankit.planner.model_spec import get_model
+
+    for name in bench.ACT_MODELS:
+        spec = get_model(name)
+        r = bench.act_to_kv_call(name, 37)
+        assert r["flops"] == 37 * spec.kv_gen_flops_per_token() == 37 * 2 * spec.hidden * 2 * spec.kv_dim
+        # the weights alone are a lower bound on the bytes moved
+        assert r["bytes"] > 2 * 2 * spec.kv_dim * spec.hidden
+        assert (r["saved"] > 0) == (not spec.is_gqa), name
+    opt = bench.act_to_kv_call("opt-13b", 100)
+    assert opt["act_tok"] / opt["kv_tok"] <= 0.52
+
+
+def test_act_to_kv_without_cuda_not_measured(bench):
+    out = io.StringIO()
+    rows = bench.run_act_to_kv(models=("opt-13b",), tokens=(8, 64), measure_cuda=False, out=out)
+    assert len(rows) == 2 and all("us" not in r for r in rows)
+    assert out.getvalue().count("| not measured") == 2

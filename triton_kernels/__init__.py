@@ -18,6 +18,10 @@ position), addressed through the bidirectional page table of :mod:`leankit.page_
 * :mod:`.prefill_attention` -- causal FlashAttention-style prefill over the pages (prompt plus
   cached prefix) with causal tile skipping by stored position, and the significance pass
   ``received_attention`` (probability each key received, recomputed from the saved lse).
+* :mod:`.act_to_kv` -- the fused ACT -> KV recompute (HybridServe / CAPTURE / KVPR): a layer's
+  stored input activations -> input norm -> one ``tl.dot`` GEMM against the stacked ``[Wk Wv]``
+  -> bias -> ``k_norm`` -> RoPE, one launch per layer and step, into a dense ``[n, Hkv, F]`` K/V
+  scratch tile; the kernel mirror of :func:`leankit.recompute.act_to_kv_ref`.
 * :mod:`.page_alloc` -- one-launch page allocation/recycling: exclusive prefix sum
   (``tl.cumsum``) over every (tier, layer, sequence, head) demand against the circular free list,
   writing page ids into the bidirectional table (high from the left, low from the right).

@@ -4,7 +4,8 @@
 
 Compiles each kernel with the constexprs of realistic deployments (Llama-3-8B-like heads:
 head_dim 128, 32 query / 8 KV heads, 4096-byte pages; SmolLM2-like heads: head_dim 64, 9 / 3
-heads, 2048-byte pages; fp16 models, plus an fp32 decode variant) for ``sm_80`` and ``sm_90``,
+heads, 2048-byte pages; fp16 models, plus an fp32 decode variant; the ACT->KV recompute at the
+layer shapes of Llama-3-8B, Qwen3-8B, OPT-13B and SmolLM2) for ``sm_80`` and ``sm_90``,
 runs the ``ptxas -v`` that ships with Triton (the one Triton itself uses for that arch) on the
 PTX, and prints registers, shared memory and spills per (kernel, arch). Exits with status 1 if
 any kernel spills (spill stores/loads or a stack frame) or fails to compile.
@@ -122,6 +123,7 @@ def cases() -> list[Case]:
                     dict(targs, G=4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=tl.float16, PREC="tf32"),
                     divisible=("stride_qb", "stride_qh", "stride_qq"),
                     options={"num_warps": prefill_warps(128), "num_stages": 2}))
+    out += act_to_kv_cases()
     from .page_alloc import BLOCK as ABLOCK
 
     out.append(Case("page alloc grow", "page_alloc", "_grow_kernel",
@@ -130,6 +132,30 @@ def cases() -> list[Case]:
     out.append(Case("page alloc shrink", "page_alloc", "_shrink_kernel",
                     {"drop_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32"},
                     {"BLOCK": ABLOCK}))
+    return out
+
+
+# name -> (hidden, KV heads, head_dim, norm, bias, k_norm, rope) of real layer shapes
+ACT_MODELS = {"llama3-8b": (4096, 8, 128, 1, False, False, True), "qwen3-8b": (4096, 8, 128, 1, False, True, True),
+              "opt-13b": (5120, 40, 128, 2, True, False, False), "smollm2": (576, 3, 64, 1, False, False, True)}
+
+
+def act_to_kv_cases() -> list[Case]:
+    """The fused ACT->KV projection for each layer shape of :data:`ACT_MODELS` (fp16), plus fp32 SmolLM2."""
+    from .act_to_kv import BLOCK_M, act_block_k
+
+    out = []
+    for name, (d, h, f, norm, bias, knorm, rope) in ACT_MODELS.items():
+        for dname in ("fp16", "fp32") if name == "smollm2" else ("fp16",):
+            ptr = {"fp16": "*fp16", "fp32": "*fp32"}[dname]
+            args = ("a_ptr", "w_ptr", "b_ptr", "nw_ptr", "nb_ptr", "knw_ptr", "cos_ptr", "sin_ptr", "k_out", "v_out")
+            dot, prec = (tl.float16, "tf32") if dname == "fp16" else (tl.float32, "ieee")
+            out.append(Case(f"act_to_kv {name}" + ("" if dname == "fp16" else f" {dname}"), "act_to_kv",
+                            "_act_to_kv_kernel", dict.fromkeys(args, ptr),
+                            {"D": d, "H": h, "F": f, "NORM": norm, "HAS_BIAS": bias, "HAS_KNORM": knorm,
+                             "HAS_ROPE": rope, "DOT": dot, "PREC": prec, "BLOCK_M": BLOCK_M,
+                             "BLOCK_K": act_block_k(f)},
+                            floats=("eps", "k_eps"), divisible=("stride_a",)))
     return out
 
 
