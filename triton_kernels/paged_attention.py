@@ -217,6 +217,11 @@ def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool,
                         True, LO, PAGE_SIZE, G, G_PAD, BLOCK_N)
 
 
+def decode_loop_tokens(layout) -> int:
+    """Token slots one iteration of the decode kernel's inner loop reads for a tier of ``layout``."""
+    return BLOCK_N_DECODE
+
+
 def group_pad(g: int) -> int:
     """Rows of the query tile: the group size padded to a power of two >= 16 (MMA minimum)."""
     return max(16, triton.next_power_of_2(g))
