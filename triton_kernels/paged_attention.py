@@ -51,9 +51,11 @@ from . import tiles
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
+    code_ptrs,
     dot_config,
     kernel_for,
     layer_launch,
+    meta_index,
     online_softmax_step,
     page_counts,
     program_head,
@@ -63,6 +65,7 @@ from .tiles import (
     softmax_lse,
     softmax_output,
     tile_logits,
+    unpack_codes,
 )
 
 __all__ = ["paged_attention", "received_attention", "score_update_ref"]
@@ -74,7 +77,86 @@ SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
-def _decode_tier(m, l, acc, q, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr, LG_N,
+def _codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
+           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
+    """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
+    codes < 256 are exact in fp16, bf16 and fp32)."""
+    KB: tl.constexpr = F * BITS // 8
+    byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
+    codes = unpack_codes(byt, BITS)
+    if DOT == tl.float16:
+        # fp16 bits 0x6400 | c are the number 1024 + c (c < 1024): a bit-or instead of an int->float
+        # conversion per element. Keys keep the offset (folded into their min, _code_bias: q is
+        # an exact operand and the MMA accumulates in fp32, so it cancels exactly enough). Values
+        # drop it here, exactly in fp16: their other operand, p * scale, is rounded to fp16, and
+        # its rounding error times 1024 would swamp the output.
+        x = (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        if not BIASED:
+            x = x - 1024.0
+        return x
+    return codes.to(DOT)
+
+
+@triton.jit
+def _code_bias(DOT: tl.constexpr):
+    """The offset :func:`_codes` leaves on key codes: 1024 for fp16 operands, 0 otherwise."""
+    if DOT == tl.float16:
+        return 1024.0
+    return 0.0
+
+
+@triton.jit
+def _scale_min(pool, page, row, valid, MOFF: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """``(scale, min)`` fp32 ``[N]`` of a one-group side: one 4-byte vector load per token."""
+    p16 = pool.to(tl.pointer_type(tl.float16))
+    pair = tl.load(p16 + meta_index(page, row, MOFF, 1, PAGE_SIZE)[:, None] + tl.arange(0, 2)[None, :],
+                   mask=valid[:, None], other=0.0)
+    return tl.split(pair.to(tl.float32))
+
+
+@triton.jit
+def _decode_step(m, l, acc, q, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+                 TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Logits ``[G_PAD, BLOCK_N]`` of one slot tile and the online-softmax step over it.
+
+    A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
+    element path (LeanKV Eq. (2) applied after the matmul): ``q . k_hat = s (q . Q) + m sum(q)`` and
+    ``p @ v_hat = (p s) @ Q + (p @ m)``, so the ``[N, F]`` tile is only unpacked codes, converted
+    once to the MMA operand type. Other sides (dense, or several groups per token) dequantize in
+    registers (:func:`leankit_kernels.tiles.load_side`).
+    """
+    KFAST: tl.constexpr = TIER.KBITS < 16 and TIER.NG == 1
+    VFAST: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1
+    if KFAST:
+        kq = _codes(pool, page, row, valid, TIER.KOFF, TIER.KBITS, F, PAGE_SIZE, DOT, True)
+        ks, km = _scale_min(pool, page, row, valid, TIER.KMOFF, PAGE_SIZE)
+        km = km - _code_bias(DOT) * ks  # codes arrive as c + bias
+        raw = tl.dot(q, tl.trans(kq), input_precision=PREC)
+        s = (raw * ks[None, :] + qsum[:, None] * km[None, :]) * sm_scale
+        s = tl.where(kpos[None, :] <= qpos, s, float("-inf"))
+    else:
+        s = tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE, PAGE_SIZE,
+                        BLOCK_N, DOT, PREC)
+    if VFAST:
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        vq = _codes(pool, page, row, valid, TIER.VOFF, TIER.VBITS, F, PAGE_SIZE, DOT, False)
+        vs, vm = _scale_min(pool, page, row, valid, TIER.VMOFF, PAGE_SIZE)
+        pv = tl.dot((p * vs[None, :]).to(DOT), vq, input_precision=PREC)
+        acc = acc * alpha[:, None] + pv + tl.sum(p * vm[None, :], 1)[:, None]
+        m = m_new
+    else:
+        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE, PAGE_SIZE,
+                                        BLOCK_N, DOT, PREC)
+    return s, m, l, acc
+
+
+@triton.jit
+def _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr, LG_N,
                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
@@ -82,12 +164,10 @@ def _decode_tier(m, l, acc, q, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr,
     g = tl.arange(0, G_PAD)
     for start in range(s0, s1, BLOCK_N):
         slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
-        s = tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE, PAGE_SIZE,
-                        BLOCK_N, DOT, PREC)
+        s, m, l, acc = _decode_step(m, l, acc, q, qsum, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F,
+                                    DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
         if SAVE_LOGITS:
             tl.store(lg_ptr + g[:, None] * LG_N + slot[None, :], s, mask=(g[:, None] < G) & valid[None, :])
-        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE, PAGE_SIZE,
-                                        BLOCK_N, DOT, PREC)
     return m, l, acc
 
 
@@ -106,6 +186,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     qpos = tl.load(qpos_ptr + b * stride_pb)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + f[None, :],
                 mask=(g < G)[:, None], other=0.0).to(DOT)
+    qsum = tl.sum(q.to(tl.float32), 1)  # the m * sum(q) term of q . k_hat (one-group quantized keys)
     tab_row = tab_ptr + bh.to(tl.int64) * R
     m, l, acc = softmax_init(G_PAD, F)
     v0 = split * PPS
@@ -113,7 +194,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     nh = tl.load(np_ptr + bh)
     lh = tl.load(len_ptr + bh)
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
-    m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, tl.minimum(v0, nh) * HI.T,
+    m, l, acc = _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, tl.minimum(v0, nh) * HI.T,
                              tl.minimum(tl.minimum(v1, nh) * HI.T, lh), R, sm_scale, lg_row, LG_N,
                              False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
@@ -121,7 +202,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
         ll = tl.load(len_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
-        m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, l0 * LO.T, tl.minimum(l1 * LO.T, ll), R,
+        m, l, acc = _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, l0 * LO.T, tl.minimum(l1 * LO.T, ll), R,
                                  sm_scale, lg_row + G * LG_N, LG_N,
                                  True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
     gmask = g < G
