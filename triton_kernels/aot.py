@@ -105,7 +105,7 @@ def cases() -> list[Case]:
                          "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": fp[dname], "lse_ptr": "*fp32",
                          "lg_ptr": "*fp32"},
                     dict(targs, G=g, G_PAD=group_pad(g), BLOCK_N=BLOCK_N_DECODE, DOT=dot_t, PREC=prec,
-                         SAVE_LOGITS=save, DIRECT=direct), divisible=("stride_qb", "stride_qh"),
+                         SAVE_LOGITS=save, DIRECT=direct),
                     loop_tokens=decode_loop_tokens(lays[0]) if metric else 0,
                     token_bytes=read_bytes_per_token(lays[0]) if metric else 0)
 
