@@ -22,4 +22,13 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15
 
-.PHONY: install demo test
+# On a CUDA machine with torch, triton and transformers preinstalled (no network, no weights):
+# leankit without dependencies, the CUDA tests, then the decode benchmark into results/gpu/.
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_PY) -m pytest -q -m cuda tests/test_cuda_kernels.py
+	$(GPU_PY) bench/kernels.py --head-dim 64 --kv-heads 3 --group 3 --page-size 2048 --out results/gpu
+	$(GPU_PY) bench/kernels.py --head-dim 128 --kv-heads 8 --group 4 --page-size 4096 --out results/gpu
+
+.PHONY: install demo test gpu-check

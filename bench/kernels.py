@@ -196,6 +196,30 @@ def measure(spec: str, batch: int, ctx: int, shape: Shape, device) -> float:
     return ms * 1e3
 
 
+def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth in B/s (bytes read + written per ``copy_``)."""
+    import triton
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def measure_sdpa(batch: int, ctx: int, shape: Shape, device) -> float:
+    """Median µs of torch SDPA for one decode query over dense fp16 K/V of the same shape (GQA)."""
+    import triton
+
+    hq = shape.kv_heads * shape.group
+    q = torch.randn(batch, hq, 1, shape.head_dim, device=device, dtype=torch.float16)
+    k = torch.randn(batch, shape.kv_heads, ctx, shape.head_dim, device=device, dtype=torch.float16)
+    v = torch.randn_like(k)
+    fn = torch.nn.functional.scaled_dot_product_attention
+    ms = triton.testing.do_bench(lambda: fn(q, k, v, enable_gqa=True), warmup=25, rep=100, return_mode="median")
+    return ms * 1e3
+
+
 def peak_bandwidth(device) -> float | None:
     name = torch.cuda.get_device_name(device)
     for key, bw in PEAK_BW.items():
@@ -211,6 +235,7 @@ def run(shape: Shape, batches=BATCHES, contexts=CONTEXTS, configs=CONFIGS, measu
     cuda = torch.cuda.is_available() if measure_cuda is None else measure_cuda
     device = torch.device("cuda") if cuda else None
     peak = peak_bandwidth(device) if cuda else None
+    copy_bw = copy_bandwidth(device) if cuda else None
     rows = []
     for b in batches:
         for n in contexts:
@@ -223,6 +248,11 @@ def run(shape: Shape, batches=BATCHES, contexts=CONTEXTS, configs=CONFIGS, measu
                     torch.cuda.empty_cache()
                     r["gbps"] = m["bytes"] / (r["us"] * 1e-6) / 1e9
                     r["peak_pct"] = 100 * r["gbps"] * 1e9 / peak if peak else None
+                    r["copy_frac"] = r["gbps"] * 1e9 / copy_bw
+                    if spec == "FP16":
+                        sdpa_us = measure_sdpa(b, n, shape, device)
+                    r["sdpa_us"] = sdpa_us
+                    r["speedup_sdpa"] = sdpa_us / r["us"]
                 if spec == "FP16":
                     base = r
                 r["byte_ratio"] = r["bytes"] / base["bytes"] if base else float("nan")
@@ -331,6 +361,34 @@ def run_act_to_kv(models=ACT_MODELS, tokens=ACT_TOKENS, measure_cuda: bool | Non
     return rows
 
 
+def write_results(rows: list[dict], shape: Shape, folder: str) -> str:
+    """Write ``rows`` as JSON and a markdown table into ``folder``; returns the file stem."""
+    import json
+
+    os.makedirs(folder, exist_ok=True)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    stem = os.path.join(folder, f"decode_d{shape.head_dim}_h{shape.kv_heads}g{shape.group}_p{shape.page_size}")
+    with open(stem + ".json", "w") as fh:
+        json.dump({"device": dev, "shape": shape.__dict__, "rows": rows}, fh, indent=1, default=str)
+    lines = [f"# Decode attention, one layer (device: {dev})", "",
+             f"head_dim {shape.head_dim}, {shape.kv_heads} KV heads x {shape.group}, {shape.page_size}-byte pages. "
+             "`python bench/kernels.py` with `triton.testing.do_bench` (median). GB/s counts modelled bytes; "
+             "copy = fraction of a measured device-to-device copy's bandwidth; x FP16 = speedup over the FP16 "
+             "paged kernel; x SDPA = speedup over torch SDPA on dense fp16 K/V.", "",
+             "| config | B | ctx | us | GB/s | of copy BW | x FP16 paged | x SDPA | bytes / FP16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "us" in r:
+            lines.append(f"| {r['config']} | {r['batch']} | {r['context']} | {r['us']:.1f} | {r['gbps']:.0f} | "
+                         f"{r['copy_frac']:.2f} | {r['speedup']:.2f} | {r['speedup_sdpa']:.2f} | {r['byte_ratio']:.3f} |")
+        else:
+            lines.append(f"| {r['config']} | {r['batch']} | {r['context']} | not measured | | | | | "
+                         f"{r['byte_ratio']:.3f} |")
+    with open(stem + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return stem
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -340,13 +398,18 @@ def main(argv=None) -> int:
     ap.add_argument("--low-frac", type=float, default=0.5, help="low-tier share of tokens (two-tier configs)")
     ap.add_argument("--check", action="store_true",
                     help="first compare the kernel with leankit's reference (CPU: through the Triton interpreter)")
+    ap.add_argument("--out", default="", help="also write JSON + markdown results into this folder")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     a = ap.parse_args(argv)
     shape = Shape(a.head_dim, a.kv_heads, a.group, a.page_size, a.low_frac)
     if a.check:
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")
         check_correctness(shape, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    rows = run(shape)
+    rows = run(shape, batches=tuple(a.batches), contexts=tuple(a.contexts))
+    if a.out:
+        print(f"results: {write_results(rows, shape, a.out)}.json/.md")
     run_act_to_kv()
     k8v4 = [r["byte_ratio"] for r in rows if r["config"] == "K8V4"]
     print(f"\nK8V4 / FP16 modelled bytes: {min(k8v4):.3f} .. {max(k8v4):.3f} "

@@ -101,3 +101,66 @@ def test_triton_backend_generates_same_tokens(spec, overrides, monkeypatch):
     assert cache.memory_report()["pages_used"] == ref_cache.memory_report()["pages_used"]
     if overrides:  # the mixed config really used both tiers
         assert cache.memory_report()["tokens_per_tier"]["low"] > 0
+
+
+def _specialization(kernel, args: tuple, kwargs: dict, dynamic: tuple) -> tuple:
+    """Triton's compile key of one launch, by its rules: every constexpr's value, and for each
+    runtime argument not in ``dynamic`` (``do_not_specialize``) the classes it specializes on
+    (integers: == 1, % 16 == 0, needs 64 bits; pointers: 16-byte alignment; floats: none)."""
+    names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.__code__.co_varnames
+    key = []
+    for name, v in zip(names, args):
+        if name in dynamic:
+            continue
+        if isinstance(v, torch.Tensor):
+            key.append((name, v.dtype, v.data_ptr() % 16 == 0))
+        elif isinstance(v, bool) or not isinstance(v, int):
+            key.append((name, type(v).__name__))
+        else:
+            key.append((name, v == 1, v % 16 == 0, abs(v) >= 2**31))
+    key.extend(sorted((k, str(v)) for k, v in kwargs.items()))
+    return tuple(key)
+
+
+@pytest.mark.parametrize("spec,overrides", [("K8V4", {"page_size": 256}),
+                                            ("K8V4-K4V2", {"window": 3, "page_size": 256})])
+def test_one_generation_compiles_at_most_two_decode_variants(spec, overrides, monkeypatch):
+    """A whole ``generate`` (contexts growing over many pages, splits changing) launches the decode
+    kernel with at most 2 distinct specialization keys (one with split-K, one direct), so a GPU
+    compiles at most 2 variants instead of one per page-count class."""
+    import leankit_kernels.paged_attention as pa_attn
+
+    keys, dyn = set(), set()
+    launches = []
+    real = pa_attn.kernel_for
+
+    def recording(kernel, device):
+        launched = real(kernel, device)
+        if kernel is not pa_attn._decode_kernel:
+            return launched
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    keys.add(_specialization(kernel, args, kwargs, pa_attn.DECODE_DYNAMIC))
+                    names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.__code__.co_varnames
+                    dyn.add(tuple(v for n, v in zip(names, args) if n in ("PPS", "NSPLIT", "LG_N", "R")))
+                    launches.append(grid)
+                    return launched[grid](*args, **kwargs)
+                return launch
+        return _Grid()
+
+    monkeypatch.setattr(pa_attn, "kernel_for", recording)
+    # Split as on an H100 (132 SMs), not the interpreter's fixed 2: splits and pages per split move.
+    choose = pa_attn.choose_splits
+    monkeypatch.setattr(pa_attn, "choose_splits", lambda bh, mp, g, f, ps, sms: choose(bh, mp, g, f, ps, 132))
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    model = _tiny_llama()
+    ids = torch.tensor([[5, 17, 33, 8, 91, 44, 23, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 24]])
+    cache = LeanCache(model, spec, **overrides)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                       max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert len(launches) >= 23 * 2, f"decode ran {len(launches)} times"
+    assert len(dyn) > 2, f"the page counts per launch hardly moved ({dyn}): the test is too short"
+    assert 1 <= len(keys) <= 2, f"{len(keys)} decode variants: {keys}"

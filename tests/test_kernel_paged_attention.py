@@ -128,3 +128,56 @@ def test_multi_query_routes_to_prefill():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     with pytest.raises(ValueError):
         paged_attention(q, fc.kv, q_pos, 0.125, update_scores=True)
+
+
+def _score_bytes(kv):
+    """Mask of every byte of the pool that lies in a score segment."""
+    storage = kv.pool.storage
+    mask = torch.zeros_like(storage, dtype=torch.bool)
+    for lay in kv.layouts:
+        off = lay.offset("score")
+        mask[:, off: off + 2 * lay.tokens] = True
+    return mask
+
+
+@pytest.mark.parametrize("spec,g,ctx", [("K8V4-K4V2", 3, [65, 20]), ("K4V2", 2, [41])])
+def test_saved_logits_score_update_with_caller_lse(spec, g, ctx):
+    """``save_logits=True`` + :func:`apply_score_update` with an lse the caller changed (as when it
+    merges extra keys into the softmax) equals the reference update with that lse; the decode call
+    itself leaves every byte alone."""
+    from leankit_kernels.paged_attention import apply_score_update
+
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, 3, g, 1, prune_frac=0.1)
+    q_valid = torch.ones(len(ctx), 1, dtype=torch.bool)
+    before = fc.kv.pool.storage.clone()
+    out, lse, saved = paged_attention(q, fc.kv, q_pos, 0.125, save_logits=True, num_splits=2)
+    assert torch.equal(fc.kv.pool.storage, before), "save_logits alone must not write the pool"
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+    extra = torch.rand(lse.shape, generator=gen) * 2.0  # log-mass of keys merged in by the caller
+    merged = torch.logaddexp(lse, extra)
+    score_update_ref(q, fc.kv, q_pos, 0.125, merged, q_valid)
+    expected = fc.kv.pool.storage.clone()
+    fc.kv.pool.storage.copy_(before)
+    apply_score_update(fc.kv, saved, merged, q_pos, q_valid)
+    got = fc.kv.pool.storage
+    sc = _score_bytes(fc.kv)
+    assert torch.equal(got[~sc], before[~sc]), f"non-score bytes changed (seed {seed})"
+    for tier, lay in enumerate(fc.kv.layouts):
+        ids, valid = fc.kv.table.tier_pages(tier, fc.kv.layer)
+        ids = ids[valid].unique().long()
+        off = lay.offset("score")
+        ga = got[ids, off: off + 2 * lay.tokens].contiguous().view(torch.float16).float()
+        ea = expected[ids, off: off + 2 * lay.tokens].contiguous().view(torch.float16).float()
+        live = torch.isfinite(ea)
+        assert torch.equal(live, torch.isfinite(ga)), f"seed {seed}"
+        torch.testing.assert_close(ga[live], ea[live], rtol=2e-3, atol=1e-7, msg=f"seed {seed}")
+    assert not torch.equal(got, before), "no score was updated"
+    with pytest.raises(ValueError, match="lse has shape"):
+        apply_score_update(fc.kv, saved, merged[:, :1], q_pos, q_valid)
+
+
+def test_save_logits_is_decode_only():
+    fc, q, q_pos = testing.attention_case(testing.fresh_generator()[0], "K8V4", [20], 3, 3, 4)
+    with pytest.raises(ValueError, match="decode"):
+        paged_attention(q, fc.kv, q_pos, 0.125, save_logits=True)

@@ -7,8 +7,17 @@ head_dim 128, 32 query / 8 KV heads, 4096-byte pages; SmolLM2-like heads: head_d
 heads, 2048-byte pages; fp16 models, plus an fp32 decode variant; the ACT->KV recompute at the
 layer shapes of Llama-3-8B, Qwen3-8B, OPT-13B and SmolLM2) for ``sm_80`` and ``sm_90``,
 runs the ``ptxas -v`` that ships with Triton (the one Triton itself uses for that arch) on the
-PTX, and prints registers, shared memory and spills per (kernel, arch). Exits with status 1 if
-any kernel spills (spill stores/loads or a stack frame) or fails to compile.
+PTX, and prints registers, shared memory and spills per (kernel, arch).
+
+It also disassembles each cubin (``cuobjdump -sass``, shipped with Triton) and finds its loops
+(a backward branch closes a loop body). Local-memory traffic (``LDL``/``STL``: spills, or a stack
+frame) inside a loop body fails the check; outside every loop it is reported with its reason (a
+value parked across a loop, or prologue/epilogue spills) and passes. For the decode kernel it
+prints the static issue metric: SASS instructions of the inner loop body times warps, per KB of
+K/V page bytes (K data + K meta + V data + V meta + position) one iteration reads. Everything is
+static: compiled with no GPU. ``--report FILE`` writes the tables as markdown.
+
+Exits with status 1 if any kernel fails to compile or spills inside a loop.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import sass
+
 # name -> (head_dim, query heads per KV head, page_size)
 MODELS = {"llama3": (128, 4, 4096), "smollm2": (64, 3, 2048)}
 
@@ -44,6 +55,10 @@ class Case:
     floats: tuple = ("sm_scale",)
     divisible: tuple = ()
     options: dict = field(default_factory=lambda: {"num_warps": 4, "num_stages": 2})
+    # Decode cases with a single tier: tokens one inner-loop iteration reads, and their page bytes
+    # per token (K/V data + meta + position); 0 = no issue metric for this case.
+    loop_tokens: int = 0
+    token_bytes: int = 0
 
 
 def _layouts(spec: str, model: str, dtype=torch.float16, **overrides):
@@ -57,7 +72,7 @@ def _layouts(spec: str, model: str, dtype=torch.float16, **overrides):
 
 def cases() -> list[Case]:
     """The compile matrix (every kernel at least once, the decode kernel for every config)."""
-    from .paged_attention import BLOCK_N_DECODE, group_pad
+    from .paged_attention import BLOCK_N_DECODE, decode_loop_tokens, group_pad
     from .prefill_attention import BLOCK_M, BLOCK_N, prefill_warps
     from .quant import layout_constexprs, quant_block_n
     from .tiles import tier_args
@@ -84,15 +99,21 @@ def cases() -> list[Case]:
         prec = "ieee" if dname == "fp32" else "tf32"
         tag = ("+scores" if save else "") + (" direct" if direct else "") + ("" if dname == "fp16" else f" {dname}")
         tag += "" if low_group_size is None else f" low-gs{low_group_size}"
+        lays = _layouts(spec, model, dtype, low_group_size=low_group_size)
+        metric = len(lays) == 1 and not save and dname == "fp16"
         return Case(f"decode {spec} d{f} G{g}{tag}", "paged_attention", "_decode_kernel",
                     {"q_ptr": fp[dname], "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "np_ptr": "*i32",
                          "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": fp[dname], "lse_ptr": "*fp32",
                          "lg_ptr": "*fp32"},
                     dict(targs, G=g, G_PAD=group_pad(g), BLOCK_N=BLOCK_N_DECODE, DOT=dot_t, PREC=prec,
-                         SAVE_LOGITS=save, DIRECT=direct), divisible=("stride_qb", "stride_qh"))
+                         SAVE_LOGITS=save, DIRECT=direct),
+                    loop_tokens=decode_loop_tokens(lays[0]) if metric else 0,
+                    token_bytes=read_bytes_per_token(lays[0]) if metric else 0)
 
     for spec in ("FP16", "K8V8", "K8V4", "K4V2", "K8V4-K4V2"):
         out.append(decode(spec, "llama3"))
+    for spec in ("FP16", "K8V4", "K4V2"):
+        out.append(decode(spec, "smollm2"))
     out.append(decode("K8V4-K4V2", "llama3", save=True))
     out.append(decode("K8V4-K4V2", "llama3", direct=True))
     out.append(decode("K8V4-K4V2", "smollm2"))
@@ -203,9 +224,14 @@ def compile_case(case: Case, cc: int) -> dict:
         if not case.options.get("enable_fp_fusion", True):
             cmd.insert(1, "--fmad=false")
         res = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    log = res.stdout + res.stderr
-    if res.returncode:
-        raise RuntimeError(f"ptxas failed for {case.label} {arch}:\n{log}")
+        log = res.stdout + res.stderr
+        if res.returncode:
+            raise RuntimeError(f"ptxas failed for {case.label} {arch}:\n{log}")
+        insns = sass.instructions(sass.disassemble(os.path.join(d, "k.cubin"),
+                                                   os.path.join(os.path.dirname(_ptxas(cc)), "cuobjdump")))
+    all_loops = sass.loops(insns)
+    local = sass.local_memory(insns, all_loops)
+    inner = max((lp.size for lp in sass.innermost(all_loops)), default=0)
 
     def grab(pat, default=0):
         mm = re.search(pat, log)
@@ -214,7 +240,9 @@ def compile_case(case: Case, cc: int) -> dict:
     return {"kernel": case.label, "arch": arch, "regs": grab(r"Used (\d+) registers"),
                 "shared": int(k.metadata.shared), "stack": grab(r"(\d+) bytes stack frame"),
                 "spill_st": grab(r"(\d+) bytes spill stores"), "spill_ld": grab(r"(\d+) bytes spill loads"),
-                "warps": case.options["num_warps"]}
+                "warps": case.options["num_warps"], "local_in_loops": local.in_loops,
+                "local_outside": local.outside, "local_reason": local.reason, "loop_body": inner,
+                "loop_kb": case.loop_tokens * case.token_bytes / 1024}
 
 
 def _run(args):
@@ -226,11 +254,61 @@ def _run(args):
         return {"kernel": case.label, "arch": f"sm_{cc}", "error": f"{type(e).__name__}: {e}"[:400]}
 
 
+def read_bytes_per_token(layout) -> int:
+    """Page bytes the decode kernel reads per token: K/V data + meta and the int32 position."""
+    from leankit.pages import SEGMENTS
+
+    return sum(b for seg, b in zip(SEGMENTS, layout.seg_bytes) if seg != "score")
+
+
+def _status(r: dict) -> tuple[bool, str]:
+    """``(fails, note)`` of one compile row: an error or local memory inside a loop fails."""
+    if "error" in r:
+        return True, f"COMPILE ERROR: {r['error']}"
+    if r["local_in_loops"]:
+        return True, f"<-- SPILL IN LOOP ({r['local_in_loops']} local ops inside a loop body)"
+    if r["local_outside"] or r["spill_st"] + r["spill_ld"] + r["stack"]:
+        return False, f"spill outside loops: {r['local_reason'] or 'stack frame without local ops'}"
+    return False, ""
+
+
+def resource_table(rows: list[dict]) -> list[str]:
+    """Markdown rows of registers / shared memory / spills per (kernel, arch)."""
+    out = ["| kernel | arch | warps | regs | shared B | stack B | spill st/ld B | local ops in loops / outside | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        bad, note = _status(r)
+        if "error" in r:
+            out.append(f"| {r['kernel']} | {r['arch']} | | | | | | | {note} |")
+            continue
+        out.append(f"| {r['kernel']} | {r['arch']} | {r['warps']} | {r['regs']} | {r['shared']} | {r['stack']} | "
+                   f"{r['spill_st']}/{r['spill_ld']} | {r['local_in_loops']}/{r['local_outside']} | {note} |")
+    return out
+
+
+def issue_table(rows: list[dict]) -> list[str]:
+    """Markdown rows of the decode inner loop's static issue count per KB of K/V page bytes read."""
+    out = ["| decode kernel | arch | loop body (SASS instr) | warps | KB read per iteration | "
+           "warp instr per KB | vs FP16 |", "|---|---|---|---|---|---|---|"]
+    met = [r for r in rows if "error" not in r and r["loop_kb"]]
+    for r in met:
+        r["per_kb"] = r["loop_body"] * r["warps"] / r["loop_kb"]
+    for r in met:
+        d = r["kernel"].split()[2]
+        ref = [x for x in met if x["arch"] == r["arch"] and x["kernel"].split()[1] == "FP16"
+               and x["kernel"].split()[2] == d]
+        ratio = f"{r['per_kb'] / ref[0]['per_kb']:.2f}x" if ref else "-"
+        out.append(f"| {r['kernel']} | {r['arch']} | {r['loop_body']} | {r['warps']} | {r['loop_kb']:.2f} | "
+                   f"{r['per_kb']:.1f} | {ratio} |")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities (default 80 90)")
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="parallel compiles")
     ap.add_argument("--only", default="", help="compile only kernels whose label contains this text")
+    ap.add_argument("--report", default="", help="also write the tables as markdown to this file")
     a = ap.parse_args(argv)
     todo = [(i, cc) for i, c in enumerate(cases()) if a.only in c.label for cc in a.arch]
     if a.jobs > 1:
@@ -238,21 +316,26 @@ def main(argv=None) -> int:
             rows = list(ex.map(_run, todo))
     else:
         rows = [_run(t) for t in todo]
-    hdr = f"{'kernel':<42} {'arch':<7} {'warps':>5} {'regs':>5} {'shared B':>9} {'stack B':>7} {'spill st/ld B':>13}"
-    print(hdr)
-    print("-" * len(hdr))
-    bad = 0
-    for r in rows:
-        if "error" in r:
-            bad += 1
-            print(f"{r['kernel']:<42} {r['arch']:<7} COMPILE ERROR: {r['error']}")
-            continue
-        spill = r["spill_st"] + r["spill_ld"] + r["stack"]
-        bad += spill > 0
-        flag = "  <-- SPILL" if spill else ""
-        print(f"{r['kernel']:<42} {r['arch']:<7} {r['warps']:>5} {r['regs']:>5} {r['shared']:>9} {r['stack']:>7} "
-              f"{r['spill_st']:>6}/{r['spill_ld']:<6}{flag}")
-    print(f"\n{len(rows)} compiles, {bad} failing (spills or errors)")
+    bad = sum(_status(r)[0] for r in rows)
+    res, iss = resource_table(rows), issue_table(rows)
+    print("\n".join(res))
+    if len(iss) > 2:
+        print("\nDecode inner loop, static issue count (SASS instructions x warps per KB of K/V page bytes read):")
+        print("\n".join(iss))
+    print(f"\n{len(rows)} compiles, {bad} failing (compile errors or spills inside a loop)")
+    if a.report:
+        with open(a.report, "w") as fh:
+            fh.write(f"# AOT compile report (static)\n\nCompiled with no GPU by `python -m leankit_kernels.aot`, "
+                     f"Triton {triton.__version__} (its bundled ptxas and cuobjdump), torch {torch.__version__}. "
+                     "Registers and spills from `ptxas -v`; loops and local-memory instructions from "
+                     "`cuobjdump -sass` of the same cubin. Nothing here was run on a GPU.\n\n")
+            fh.write("\n".join(res) + "\n")
+            if len(iss) > 2:
+                fh.write("\n## Decode inner loop issue count\n\nStatic SASS instructions of the innermost loop "
+                         "body (one iteration) times warps per program, divided by the K/V page bytes "
+                         "(K data + K meta + V data + V meta + int32 position) that iteration reads. A "
+                         "proxy for an issue-bound loop; measured GB/s on a GPU decides.\n\n")
+                fh.write("\n".join(iss) + "\n")
     return 1 if bad else 0
 
 

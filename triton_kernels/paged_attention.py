@@ -41,6 +41,8 @@ registers, and quantize/pack writes whole rows).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -51,9 +53,11 @@ from . import tiles
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
+    code_ptrs,
     dot_config,
     kernel_for,
     layer_launch,
+    meta_index,
     online_softmax_step,
     page_counts,
     program_head,
@@ -63,9 +67,10 @@ from .tiles import (
     softmax_lse,
     softmax_output,
     tile_logits,
+    unpack_codes,
 )
 
-__all__ = ["paged_attention", "received_attention", "score_update_ref"]
+__all__ = ["DecodeLogits", "apply_score_update", "paged_attention", "received_attention", "score_update_ref"]
 
 BLOCK_N_DECODE = 32
 # A split must read at least this many times the bytes of the fp32 partial (acc, max, sum) it
@@ -74,7 +79,86 @@ SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
-def _decode_tier(m, l, acc, q, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr, LG_N,
+def _codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
+           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
+    """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
+    codes < 256 are exact in fp16, bf16 and fp32)."""
+    KB: tl.constexpr = F * BITS // 8
+    byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
+    codes = unpack_codes(byt, BITS)
+    if DOT == tl.float16:
+        # fp16 bits 0x6400 | c are the number 1024 + c (c < 1024): a bit-or instead of an int->float
+        # conversion per element. Keys keep the offset (folded into their min, _code_bias: q is
+        # an exact operand and the MMA accumulates in fp32, so it cancels exactly enough). Values
+        # drop it here, exactly in fp16: their other operand, p * scale, is rounded to fp16, and
+        # its rounding error times 1024 would swamp the output.
+        x = (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        if not BIASED:
+            x = x - 1024.0
+        return x
+    return codes.to(DOT)
+
+
+@triton.jit
+def _code_bias(DOT: tl.constexpr):
+    """The offset :func:`_codes` leaves on key codes: 1024 for fp16 operands, 0 otherwise."""
+    if DOT == tl.float16:
+        return 1024.0
+    return 0.0
+
+
+@triton.jit
+def _scale_min(pool, page, row, valid, MOFF: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """``(scale, min)`` fp32 ``[N]`` of a one-group side: one 4-byte vector load per token."""
+    p16 = pool.to(tl.pointer_type(tl.float16))
+    pair = tl.load(p16 + meta_index(page, row, MOFF, 1, PAGE_SIZE)[:, None] + tl.arange(0, 2)[None, :],
+                   mask=valid[:, None], other=0.0)
+    return tl.split(pair.to(tl.float32))
+
+
+@triton.jit
+def _decode_step(m, l, acc, q, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+                 TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Logits ``[G_PAD, BLOCK_N]`` of one slot tile and the online-softmax step over it.
+
+    A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
+    element path (LeanKV Eq. (2) applied after the matmul): ``q . k_hat = s (q . Q) + m sum(q)`` and
+    ``p @ v_hat = (p s) @ Q + (p @ m)``, so the ``[N, F]`` tile is only unpacked codes, converted
+    once to the MMA operand type. Other sides (dense, or several groups per token) dequantize in
+    registers (:func:`leankit_kernels.tiles.load_side`).
+    """
+    KFAST: tl.constexpr = TIER.KBITS < 16 and TIER.NG == 1
+    VFAST: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1
+    if KFAST:
+        kq = _codes(pool, page, row, valid, TIER.KOFF, TIER.KBITS, F, PAGE_SIZE, DOT, True)
+        ks, km = _scale_min(pool, page, row, valid, TIER.KMOFF, PAGE_SIZE)
+        km = km - _code_bias(DOT) * ks  # codes arrive as c + bias
+        raw = tl.dot(q, tl.trans(kq), input_precision=PREC)
+        s = (raw * ks[None, :] + qsum[:, None] * km[None, :]) * sm_scale
+        s = tl.where(kpos[None, :] <= qpos, s, float("-inf"))
+    else:
+        s = tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE, PAGE_SIZE,
+                        BLOCK_N, DOT, PREC)
+    if VFAST:
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        vq = _codes(pool, page, row, valid, TIER.VOFF, TIER.VBITS, F, PAGE_SIZE, DOT, False)
+        vs, vm = _scale_min(pool, page, row, valid, TIER.VMOFF, PAGE_SIZE)
+        pv = tl.dot((p * vs[None, :]).to(DOT), vq, input_precision=PREC)
+        acc = acc * alpha[:, None] + pv + tl.sum(p * vm[None, :], 1)[:, None]
+        m = m_new
+    else:
+        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE, PAGE_SIZE,
+                                        BLOCK_N, DOT, PREC)
+    return s, m, l, acc
+
+
+@triton.jit
+def _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr, LG_N,
                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
@@ -82,16 +166,23 @@ def _decode_tier(m, l, acc, q, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr,
     g = tl.arange(0, G_PAD)
     for start in range(s0, s1, BLOCK_N):
         slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
-        s = tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE, PAGE_SIZE,
-                        BLOCK_N, DOT, PREC)
+        s, m, l, acc = _decode_step(m, l, acc, q, qsum, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F,
+                                    DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
         if SAVE_LOGITS:
             tl.store(lg_ptr + g[:, None] * LG_N + slot[None, :], s, mask=(g[:, None] < G) & valid[None, :])
-        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE, PAGE_SIZE,
-                                        BLOCK_N, DOT, PREC)
     return m, l, acc
 
 
-@triton.jit
+# Runtime integers the kernels must not specialize on: page counts per split, split count, logit
+# row length and table width change as a generation grows, and Triton would compile a variant for
+# each value class (== 1, % 16 == 0) it sees, a stall of about a second each; strides are read once
+# per program, so specializing on their alignment buys nothing.
+DECODE_DYNAMIC = ("stride_qb", "stride_qh", "stride_pb", "stride_tier", "H", "R", "PPS", "NSPLIT", "LG_N")
+REDUCE_DYNAMIC = ("H", "NSPLIT")
+SCORE_DYNAMIC = ("stride_pb", "stride_tier", "H", "R", "LG_N")
+
+
+@triton.jit(do_not_specialize=DECODE_DYNAMIC)
 def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_ptr, np_ptr, len_ptr, stride_tier,
                    part_acc, part_ml, out_ptr, lse_ptr, lg_ptr, H, R, PPS, NSPLIT, LG_N, sm_scale,
                    G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
@@ -106,6 +197,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     qpos = tl.load(qpos_ptr + b * stride_pb)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + f[None, :],
                 mask=(g < G)[:, None], other=0.0).to(DOT)
+    qsum = tl.sum(q.to(tl.float32), 1)  # the m * sum(q) term of q . k_hat (one-group quantized keys)
     tab_row = tab_ptr + bh.to(tl.int64) * R
     m, l, acc = softmax_init(G_PAD, F)
     v0 = split * PPS
@@ -113,7 +205,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     nh = tl.load(np_ptr + bh)
     lh = tl.load(len_ptr + bh)
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
-    m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, tl.minimum(v0, nh) * HI.T,
+    m, l, acc = _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, tl.minimum(v0, nh) * HI.T,
                              tl.minimum(tl.minimum(v1, nh) * HI.T, lh), R, sm_scale, lg_row, LG_N,
                              False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
@@ -121,7 +213,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
         ll = tl.load(len_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
-        m, l, acc = _decode_tier(m, l, acc, q, qpos, pool, tab_row, l0 * LO.T, tl.minimum(l1 * LO.T, ll), R,
+        m, l, acc = _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, l0 * LO.T, tl.minimum(l1 * LO.T, ll), R,
                                  sm_scale, lg_row + G * LG_N, LG_N,
                                  True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
     gmask = g < G
@@ -147,7 +239,7 @@ def _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G: tl.constexpr, G_PAD: tl
     tl.store(lse_ptr + bh * G + g, softmax_lse(m, l), mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REDUCE_DYNAMIC)
 def _decode_reduce_kernel(part_acc, part_ml, out_ptr, lse_ptr, H, NSPLIT,
                           G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr):
     """Merge the splits of one (sequence, KV head): ``out = sum_s w_s acc_s / sum_s w_s l_s``."""
@@ -190,7 +282,7 @@ def _score_tier(lg_row, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
     tl.store(p16, new.to(tl.float16), mask=vis)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCORE_DYNAMIC)
 def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool, tab_ptr, len_ptr, stride_tier,
                          H, R, LG_N, G: tl.constexpr, G_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_LOW: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
@@ -217,28 +309,54 @@ def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool,
                         True, LO, PAGE_SIZE, G, G_PAD, BLOCK_N)
 
 
+def decode_loop_tokens(layout) -> int:
+    """Token slots one iteration of the decode kernel's inner loop reads for a tier of ``layout``."""
+    return BLOCK_N_DECODE
+
+
 def group_pad(g: int) -> int:
     """Rows of the query tile: the group size padded to a power of two >= 16 (MMA minimum)."""
     return max(16, triton.next_power_of_2(g))
 
 
+# Decode programs resident per SM: the decode kernels use at most ~128 registers x 128 threads
+# (python -m leankit_kernels.aot), so 4 fit the 64K-register file of sm_80/sm_90.
+CTAS_PER_SM = 4
+
+
 def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: int | None) -> int:
     """Flash-decoding split factor for ``bh`` (sequence, KV head) programs of up to ``max_pages`` pages.
 
-    Enough programs for about two waves on ``sms`` multiprocessors (short contexts at small batch
-    need split-K to use the GPU at all), but never splits so small that the partials' traffic
-    (``8 G (F + 2)`` bytes per split: fp32 written, then read by the reduce) exceeds
-    ``1 / SPLIT_BYTES_RATIO`` of the page bytes the split reads. ``sms=None`` (interpreter): 2.
+    Enough programs to fill every resident slot once (``CTAS_PER_SM * sms``: short contexts at
+    small batch need split-K to use the GPU at all), but never splits so small that the partials'
+    traffic (``8 G (F + 2)`` bytes per split: fp32 written, then read by the reduce) exceeds
+    ``1 / SPLIT_BYTES_RATIO`` of the page bytes the split reads. Programs whose head has fewer
+    pages than the longest one find an empty range and exit at once. ``sms=None`` (interpreter): 2.
     """
     min_pages = max(1, triton.cdiv(SPLIT_BYTES_RATIO * 8 * g * (f + 2), page_size))
-    want = triton.cdiv(2 * sms, bh) if sms else 2
+    want = triton.cdiv(CTAS_PER_SM * sms, bh) if sms else 2
     return max(1, min(want, triton.cdiv(max_pages, min_pages)))
+
+
+@dataclass
+class DecodeLogits:
+    """Scaled base-2 logits a decode launch saved for a later score update (:func:`apply_score_update`).
+
+    ``logits`` fp32 ``[B*Hkv, 2, G, n]``: row ``(bh, tier, g)`` holds the logit of each slot of
+    that tier (dead or unseen slots are never read). ``q_pos`` is the query position they were
+    computed for.
+    """
+
+    logits: torch.Tensor
+    n: int
+    group: int
+    q_pos: torch.Tensor
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, *,
                     update_scores: bool = False, q_valid: torch.Tensor | None = None,
                     num_splits: int | None = None, block_n: int = BLOCK_N_DECODE,
-                    page_bounds: tuple[int, int, int] | None = None):
+                    page_bounds: tuple[int, int, int] | None = None, save_logits: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's unified pages (kernel mirror of
     :func:`leankit.attention.paged_attention_ref`).
 
@@ -249,20 +367,27 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         q_pos: int ``[B, Q]`` query positions (keys with ``pos <= q_pos`` are visible).
         scale: softmax scale.
         update_scores: decode only; also update every live token's running significance in
-            its page's score segment (``s <- s + (p_bar - s) / (q_pos - pos + 1)``).
+            its page's score segment (``s <- s + (p_bar - s) / (q_pos - pos + 1)``) with this
+            call's own lse (:func:`apply_score_update` on the saved logits).
         q_valid: bool ``[B, Q]``; rows where it is false update no score.
-        num_splits: split-K factor (default: enough programs for about two waves on the GPU).
+        num_splits: split-K factor (default: enough programs to fill the GPU once).
         page_bounds: ``(max high pages, max low pages, max total pages)`` over the layer's heads
-            when the caller already knows them (upper bounds are fine); saves the one host sync
-            the launcher otherwise spends reading them from the page table.
+            when the caller already knows them (upper bounds are fine). With them the launcher
+            reads nothing from the device (no host sync): grids come from the bounds, and programs
+            of heads with less work find empty ranges and exit.
+        save_logits: decode only; also return a :class:`DecodeLogits` for a later
+            :func:`apply_score_update` with an lse the caller supplies (e.g. after merging more
+            keys into the softmax).
 
     Returns:
-        ``(out [B, Q, Hq, F] in q.dtype, lse fp32 [B, Hkv, G*Q])``.
+        ``(out [B, Q, Hq, F] in q.dtype, lse fp32 [B, Hkv, G*Q])``, plus the :class:`DecodeLogits`
+        (``None`` when no key can be seen) with ``save_logits=True``.
     """
     b, hq, nq, f = q.shape
     if nq > 1:
-        if update_scores:
-            raise ValueError("update_scores is a decode (Q == 1) feature; use received_attention for prefill")
+        if update_scores or save_logits:
+            raise ValueError("update_scores / save_logits are decode (Q == 1) features; use received_attention "
+                             f"for prefill (got {nq} queries)")
         return prefill_attention(q, kv, q_pos, scale)
     q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
@@ -273,7 +398,7 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     if max_pages == 0:
         out.zero_()
         lse.fill_(float("-inf"))
-        return out, lse
+        return (out, lse, None) if save_logits else (out, lse)
     q_pos = q_pos.to(device=dev, dtype=torch.int32)
     bh = b * hkv
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
@@ -281,8 +406,9 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     pps = triton.cdiv(max_pages, max(1, s))
     s = triton.cdiv(max_pages, pps)
     direct = s == 1
+    keep = update_scores or save_logits
     lg_n = max(max_h * targs["HI"].T, max_l * targs["LO"].T if targs["HAS_LOW"] else 0)
-    if update_scores:
+    if keep:
         logits = tiles.empty((bh, 2, g, lg_n), dtype=torch.float32, device=dev)
     else:
         logits, lg_n = tiles.empty(1, dtype=torch.float32, device=dev), 0
@@ -293,20 +419,50 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
         part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, float(scale) * LOG2E,
-        G=g, G_PAD=gp, BLOCK_N=block_n, DOT=dot_t, PREC=prec, SAVE_LOGITS=update_scores, DIRECT=direct,
+        G=g, G_PAD=gp, BLOCK_N=block_n, DOT=dot_t, PREC=prec, SAVE_LOGITS=keep, DIRECT=direct,
         num_warps=4, num_stages=2, **targs)
     if not direct:
         kernel_for(_decode_reduce_kernel, dev)[(bh,)](part_acc, part_ml, out, lse, hkv, s, G=g, G_PAD=gp, F=f,
                                                       num_warps=4)
+    saved = DecodeLogits(logits, lg_n, g, q_pos) if keep else None
     if update_scores:
-        qv = (torch.ones(b, dtype=torch.int32, device=dev) if q_valid is None
-              else q_valid.reshape(b, -1)[:, 0].to(device=dev, dtype=torch.int32).contiguous())
-        sblk = 64
-        kernel_for(_score_update_kernel, dev)[(bh, triton.cdiv(lg_n, sblk), 2 if targs["HAS_LOW"] else 1)](
-            logits, lse, q_pos, q_pos.stride(0), qv, kv.pool.storage, tables, lens, stride_tier, hkv, r, lg_n,
-            G=g, G_PAD=gp, PAGE_SIZE=targs["PAGE_SIZE"], BLOCK_N=sblk, HAS_LOW=targs["HAS_LOW"],
-            HI=targs["HI"], LO=targs["LO"], num_warps=4)
-    return out, lse
+        apply_score_update(kv, saved, lse, q_valid=q_valid)
+    return (out, lse, saved) if save_logits else (out, lse)
+
+
+def apply_score_update(kv: PagedKV, saved: DecodeLogits | None, lse: torch.Tensor,
+                       q_pos: torch.Tensor | None = None, q_valid: torch.Tensor | None = None) -> None:
+    """Fused running-significance update of the layer's score segments from saved decode logits.
+
+    For every live slot visible to the query: ``s <- s + (p_bar - s) / (q_pos - pos + 1)``, with
+    ``p_bar = mean_g exp(logit_g - lse_g)`` over the group's query heads (LeanKV §4). ``lse`` fp32
+    ``[B, Hkv, G]`` (natural log) is the caller's: the decode call's own, or one that also counts
+    keys the caller merged into the softmax. ``q_pos`` int ``[B, 1]`` defaults to the positions the
+    logits were computed for. A row whose lse is ``-inf`` everywhere, or whose ``q_valid`` is
+    false, updates nothing. Reads no value back to the host.
+    """
+    if saved is None:
+        return
+    tables, _n_pages, lens, stride_tier = tiles.layer_views(kv)
+    b, hkv, r = tables.shape
+    g = saved.group
+    if tuple(lse.shape) != (b, hkv, g):
+        raise ValueError(f"apply_score_update: lse has shape {tuple(lse.shape)}, expected {(b, hkv, g)} "
+                         f"(batch, KV heads, group) of layer {kv.layer}")
+    if saved.logits.shape[0] != b * hkv:
+        raise ValueError(f"apply_score_update: saved logits are for {saved.logits.shape[0]} (sequence, head) rows, "
+                         f"layer {kv.layer} has {b * hkv}")
+    dev = saved.logits.device
+    targs = tiles.tier_args(kv.layouts)
+    qv = (torch.ones(b, dtype=torch.int32, device=dev) if q_valid is None
+          else q_valid.reshape(b, -1)[:, 0].to(device=dev, dtype=torch.int32).contiguous())
+    lse = lse.to(device=dev, dtype=torch.float32).contiguous()
+    q_pos = saved.q_pos if q_pos is None else q_pos.to(device=dev, dtype=torch.int32)
+    sblk = 64
+    kernel_for(_score_update_kernel, dev)[(b * hkv, triton.cdiv(saved.n, sblk), 2 if targs["HAS_LOW"] else 1)](
+        saved.logits, lse, q_pos, q_pos.stride(0), qv, kv.pool.storage, tables, lens, stride_tier, hkv, r, saved.n,
+        G=g, G_PAD=group_pad(g), PAGE_SIZE=targs["PAGE_SIZE"], BLOCK_N=sblk, HAS_LOW=targs["HAS_LOW"],
+        HI=targs["HI"], LO=targs["LO"], num_warps=4)
 
 
 def score_update_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, lse: torch.Tensor,

@@ -307,6 +307,7 @@ def _interpret_device_calls() -> None:
 
     if getattr(JITFunction, "_leankit_interpreted_calls", False):
         return
+    _scalar_loop_bounds()
 
     def __call__(self, *args, **kwargs):
         from triton.runtime.interpreter import InterpretedFunction
@@ -318,6 +319,30 @@ def _interpret_device_calls() -> None:
 
     JITFunction.__call__ = __call__
     JITFunction._leankit_interpreted_calls = True
+
+
+def _scalar_loop_bounds() -> None:
+    """Let the interpreter use a runtime scalar (a kernel argument, a loaded count) as a loop bound
+    on every supported Triton.
+
+    The interpreter holds scalars as 1-element numpy arrays. Triton 3.6's interpreter converts a
+    loop bound with ``int(array)``, which numpy >= 2.4 refuses for arrays of one element that are
+    not 0-d (``only 0-dimensional arrays can be converted``); later Triton squeezes first. The
+    interpreter re-installs ``tensor.__index__`` at every launch, so the hook that installs it is
+    wrapped to put the squeezing conversion back. A no-op where the hook does not exist.
+    """
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_leankit_scalar_index", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _patch_lang_tensor._leankit_scalar_index = True
+    interpreter._patch_lang_tensor = _patch_lang_tensor
 
 
 # When true, every output and scratch buffer a launcher allocates starts as NaN (floats) or a
