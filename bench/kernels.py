@@ -203,7 +203,6 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
-    del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
 
