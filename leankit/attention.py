@@ -313,33 +313,88 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
 
 
 # ============================================================================ the step's own tokens
+# Elements of one query chunk's score matrix [B, Hkv, G*Qc, Q] (fp32): 8M elements = 32 MB.
+STEP_CHUNK_ELEMS = 1 << 23
+
+
+def _step_bias(q_pos: torch.Tensor, k_real: torch.Tensor, live: torch.Tensor, group: int, q0: int,
+               q1: int) -> torch.Tensor:
+    """Additive mask ``[B, 1, G*(q1-q0), Q]`` of query rows ``q0 .. q1-1`` over the step's new keys.
+
+    Key ``j`` is visible to query ``i`` iff it is a real token of the step and ``pos_j <= pos_i``
+    (0 where visible, ``-inf`` where not). A row that is not a live query (padding, finished
+    row) sees every key instead: it never counts, and this keeps its softmax finite.
+    """
+    b, nq = q_pos.shape
+    qp = q_pos.to(torch.int64)
+    vis = k_real.view(b, 1, nq) & (qp.view(b, 1, nq) <= qp[:, q0:q1].view(b, q1 - q0, 1))
+    vis = vis | ~live[:, q0:q1].view(b, q1 - q0, 1)
+    bias = torch.zeros(vis.shape, device=q_pos.device).masked_fill_(~vis, float("-inf"))
+    return bias.unsqueeze(1).expand(b, group, q1 - q0, nq).reshape(b, 1, group * (q1 - q0), nq)
+
+
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_real: torch.Tensor,
-                   scale: float, *, keep_logits: bool = False):
+                   scale: float, *, lse_other: torch.Tensor | None = None, received: bool = False):
     """Exact attention of a step's queries over the step's own new tokens (no pages involved).
+
+    One pass of plain matmuls per chunk of queries: ``S = q kᵀ`` (mask added in the same
+    ``baddbmm``), ``P = softmax(S)``, ``out = P v`` and, with ``received``, each new token's
+    significance ``sum_i w_i P_ij`` in the same pass.
 
     Args:
         q: ``[B, Hq, Q, F]`` queries; ``k``/``v``: ``[B, Hkv, Q, F]`` the step's new keys/values as
             the model produced them (exact, never quantized).
         q_pos: int ``[B, Q]`` positions of the step's tokens (queries and keys alike).
-        k_real: bool ``[B, Q]``: the token is real (pad and finished-row tokens are never keys).
-        keep_logits: also return the masked scaled logits ``[B, Hkv, G*Q, Q]`` (for significance).
+        k_real: bool ``[B, Q]``: the token is real (pad and finished-row tokens are never keys,
+            and their queries never count).
+        lse_other: ``[B, Hkv, G*Q]`` log-sum-exp of the same queries over the keys of earlier
+            steps (from paged attention), so that the significance uses each query's final
+            softmax over *all* keys: ``p_ij = P_ij * exp(lse_new_i - lse_total_i)``.
+        received: also return the probability each new token received from the step's live
+            queries, averaged over the ``G`` query heads of its KV group (LeanKV §4).
 
     Returns:
-        ``(out [B, Q, Hq, F] fp32, lse [B, Hkv, G*Q] fp32, logits or None)``; rows are laid out
-        as in :func:`paged_attention_ref` (query head ``h*G + g`` -> row ``g*Q + i`` of KV head
-        ``h``), so :func:`merge_attention` combines the two directly.
+        ``(out [B, Q, Hq, F] fp32, lse [B, Hkv, G*Q] fp32, received [B, Hkv, Q] or None)``; rows
+        are laid out as in :func:`paged_attention_ref` (query head ``h*G + g`` -> row ``g*Q + i``
+        of KV head ``h``), so :func:`merge_attention` combines the two directly. A row that sees
+        no key has ``lse = -inf`` and output 0.
     """
     b, hq, nq, f = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    qg = _grouped_queries(q.float(), hkv)
-    s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*Q, Q]
-    s = s.masked_fill(~_step_visible(q_pos, k_real, g, 0, nq), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
-    out = torch.matmul(p, v.float())  # rows with no visible key: p = 0, out = 0
-    out = out.view(b, hkv, g, nq, f).reshape(b, hq, nq, f).transpose(1, 2)
-    return out, lse, (s if keep_logits else None)
+    qg = (q.float() * scale).view(b, hkv, g, nq, f)
+    kt = k.float().transpose(-1, -2)  # [B, Hkv, F, Q]
+    vf = v.float()
+    out = q.new_empty((b, hkv, g, nq, f), dtype=torch.float32)
+    lse = q.new_empty((b, hkv, g, nq), dtype=torch.float32)
+    recv = q.new_zeros((b, hkv, nq), dtype=torch.float32) if received else None
+    live = k_real
+    rows = max(1, STEP_CHUNK_ELEMS // max(1, b * hq * nq))
+    for q0 in range(0, nq, rows):
+        q1 = min(nq, q0 + rows)
+        nqc = q1 - q0
+        bias = _step_bias(q_pos, k_real, live, g, q0, q1)  # [B, 1, G*Qc, Q]
+        qc = qg[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f)
+        s = torch.matmul(qc, kt).add_(bias)
+        lse_c = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*Qc]
+        p = torch.softmax(s, dim=-1)
+        o = torch.matmul(p, vf)
+        seen = torch.isfinite(lse_c)  # live rows always see their own token
+        o = torch.where(seen.unsqueeze(-1), o, torch.zeros_like(o))
+        lse_c = torch.where(seen, lse_c, torch.full_like(lse_c, float("-inf")))
+        out[:, :, :, q0:q1] = o.view(b, hkv, g, nqc, f)
+        lse[:, :, :, q0:q1] = lse_c.view(b, hkv, g, nqc)
+        if received:
+            w = live[:, q0:q1].view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, g * nqc).float()
+            if lse_other is not None:
+                other = lse_other.view(b, hkv, g, nq)[..., q0:q1].reshape(b, hkv, g * nqc)
+                total = torch.logaddexp(other, lse_c)
+                w = w * torch.exp(lse_c - torch.where(torch.isfinite(total), total, lse_c))
+            recv += torch.matmul(w.unsqueeze(2), p).squeeze(2)
+    out = out.reshape(b, hq, nq, f).transpose(1, 2)
+    if recv is not None:
+        recv /= g
+    return out, lse.view(b, hkv, g * nq), recv
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
@@ -365,51 +420,36 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     return out, lse
 
 
-def step_received(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_real: torch.Tensor, scale: float,
-                  lse: torch.Tensor | None = None, logits: torch.Tensor | None = None,
-                  query_chunk: int = 256) -> torch.Tensor:
-    """Attention probability each of the step's new tokens received from the step's queries.
+def step_received(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_real: torch.Tensor,
+                  scale: float, ordered: bool = False) -> torch.Tensor:
+    """Significance of a prompt's tokens: the attention each received from the prompt's live queries.
 
-    The significance of a new token (LeanKV §4): ``sum_i p_ij`` over the step's real queries,
-    averaged over the ``G`` query heads of its KV group, ``[B, Hkv, Q]`` fp32. ``lse`` is the
-    queries' final log-sum-exp ``[B, Hkv, G*Q]`` over *all* keys they saw (old pages included);
-    without it the step has no older keys and each row's softmax is over the new keys alone.
-    ``logits`` (from :func:`step_attention` with ``keep_logits``) skips the matmul; otherwise the
-    scores are recomputed ``query_chunk`` queries at a time: one extra pass of plain matmuls over
-    the new keys, never a ``Q x Q`` matrix per head for long prompts.
+    For a step with no older keys (each query's softmax runs over the step's own keys alone),
+    averaged over the ``G`` query heads of each KV group: ``[B, Hkv, Q]`` fp32 (LeanKV §4,
+    prompt phase). One extra pass of plain matmuls over the new keys, a chunk of queries at a
+    time: ``S = q kᵀ + mask``, ``E = exp(S - rowmax)`` in place, and the weighted row sum
+    ``sum_i (live_i / sum_j E_ij) E_ij`` as one more matmul, so no probability matrix is
+    normalized or kept.
+
+    ``ordered``: the real tokens' positions increase along the step (the usual case; see
+    :attr:`leankit.cache.StepState.ordered`), so a chunk of queries sees no key after its last
+    query and the pass stops there: about half the work of the full ``Q x Q`` product.
     """
-    b, hq, nq, _ = q.shape
+    b, hq, nq, f = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    live_q = k_real  # a query contributes iff it is a real token of the step
-    out = torch.zeros(b, hkv, nq, device=q.device)
-    kf = k.float().transpose(-1, -2)
-    for q0 in range(0, nq, query_chunk if logits is None else nq):
-        q1 = min(nq, q0 + (query_chunk if logits is None else nq))
+    qg = (q.float() * scale).view(b, hkv, g, nq, f)
+    kt = k.float().transpose(-1, -2)  # [B, Hkv, F, Q]
+    recv = q.new_zeros((b, hkv * g, 1, nq), dtype=torch.float32)
+    rows = max(1, STEP_CHUNK_ELEMS // max(1, b * hq * nq))
+    for q0 in range(0, nq, rows):
+        q1 = min(nq, q0 + rows)
         nqc = q1 - q0
-        if logits is None:
-            qg = _grouped_queries(q[:, :, q0:q1].float(), hkv)
-            s = torch.matmul(qg, kf) * scale
-            s = s.masked_fill(~_step_visible(q_pos, k_real, g, q0, q1), float("-inf"))
-        else:
-            s = logits
-        if lse is None:
-            lse_c = torch.logsumexp(s, dim=-1)
-        else:
-            lse_c = lse.view(b, hkv, g, nq)[..., q0:q1].reshape(b, hkv, g * nqc)
-        live = torch.isfinite(lse_c) & live_q[:, q0:q1].view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, -1)
-        lse_safe = torch.where(live, lse_c, torch.zeros_like(lse_c)).unsqueeze(-1)
-        p = torch.exp((s - lse_safe).masked_fill(~live.unsqueeze(-1), float("-inf")))
-        out += p.sum(2)
-    return out / g
-
-
-def _step_visible(q_pos: torch.Tensor, k_real: torch.Tensor, group: int, q0: int, q1: int) -> torch.Tensor:
-    """bool ``[B, 1, G*(q1-q0), Q]``: new key ``j`` is visible to query row ``g*(q1-q0) + i``.
-
-    A key is visible iff it is a real token of the step and not after the query (``pos_j <= pos_i``).
-    """
-    b, nq = q_pos.shape
-    qp = q_pos.to(torch.int64)
-    vis = k_real.view(b, 1, nq) & (qp.view(b, 1, nq) <= qp[:, q0:q1].view(b, q1 - q0, 1))
-    return vis.unsqueeze(1).expand(b, group, q1 - q0, nq).reshape(b, 1, group * (q1 - q0), nq)
+        nk = q1 if ordered else nq  # keys past the chunk's last query are after every query in it
+        bias = _step_bias(q_pos[:, :nk], k_real[:, :nk], k_real[:, :nk], 1, q0, q1).unsqueeze(1)
+        qc = qg[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f)
+        s = torch.matmul(qc, kt[..., :nk]).view(b, hkv, g, nqc, nk).add_(bias)  # [B, Hkv, G, Qc, Nk]
+        s.sub_(s.amax(-1, keepdim=True)).exp_()
+        w = k_real[:, q0:q1].float().view(b, 1, 1, nqc) / s.sum(-1).view(b, hkv * g, 1, nqc)
+        recv[..., :nk] += torch.matmul(w, s.view(b, hkv * g, nqc, nk))
+    return recv.view(b, hkv, g, nq).sum(2) / g

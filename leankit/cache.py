@@ -29,7 +29,7 @@ from .backend import use_triton
 from .config import KVConfig, fp16_token_bytes
 from .page_table import HIGH, LOW, BidirectionalPageTable
 from .pages import PageLayout, PagePool
-from .quant import NonFiniteKVError, check_finite
+from .quant import NonFiniteKVError
 from .rotation import hadamard, rotate, unrotate
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "opt")
@@ -83,6 +83,7 @@ class StepState:
     q_first: torch.Tensor  # long [B]: position of the row's first real token (a large sentinel if none)
     q_last: torch.Tensor  # long [B]: position of the row's last real token (a small sentinel if none)
     lens_before: torch.Tensor  # int32 [2, L, B, H]: tokens per tier once the step's pages were planned
+    ordered: bool  # every row's real tokens have increasing positions (so no key follows a later query)
 
 
 _NO_POS = 1 << 30  # sentinel position of a row with no real token in the step
@@ -216,8 +217,10 @@ class LeanCache(Cache):
         qp = q_pos.long()
         q_first = torch.where(real, qp, torch.full_like(qp, _NO_POS)).amin(1)
         q_last = torch.where(real, qp, torch.full_like(qp, -_NO_POS)).amax(1)
+        # One check per step (a host read on GPU, prompts only): causal work can stop at the diagonal.
+        ordered = q_len == 1 or bool(self._positions_increase(real, qp))
         step = StepState(real, rank, real.sum(1), q_pos.to(torch.int32), q_len, real.any(1), q_first, q_last,
-                         self.table.lens)
+                         self.table.lens, ordered)
         self.policy.begin_step(step)
         # What a failed step rolls back to: token counts (and policy counters) once the step's pages
         # are planned. Tokens are appended past these counts, so restoring them drops the step's
@@ -227,6 +230,13 @@ class LeanCache(Cache):
         self._step = step
         self._pending = {}
         return qp
+
+    @staticmethod
+    def _positions_increase(real: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """bool: along every row, each real token's position exceeds every earlier real token's."""
+        marked = torch.where(real, q_pos, torch.full_like(q_pos, -_NO_POS))
+        before = torch.cummax(marked, dim=1).values[:, :-1]
+        return ~(real[:, 1:] & (q_pos[:, 1:] <= before)).any()
 
     def end_step(self) -> None:
         """Close the forward step: advance the logical length, run end-of-step policy work."""
@@ -263,12 +273,6 @@ class LeanCache(Cache):
                 "LeanCache.update was called outside a forward step: call leankit.enable(model) "
                 "(LeanCache does this) and run the model through its forward/generate"
             )
-        try:
-            check_finite(key_states, f"layer {layer} key")
-            check_finite(value_states, f"layer {layer} value")
-        except NonFiniteKVError:
-            self.abort_step()
-            raise
         self._pending[layer] = (key_states, value_states)
         key_states._leankit_handle = (self, layer)
         return key_states, value_states
@@ -328,32 +332,32 @@ class LeanCache(Cache):
         group = query.shape[1] // self.num_kv_heads
         received_old = received_new = None
         if self._seen == 0:  # nothing stored yet: the whole step is one exact attention
-            if module is not None:
+            if module is not None:  # exactly what an uncompressed cache computes for a prompt
                 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
                 out = sdpa_attention_forward(module, query, k_new, v_new, attention_mask, scaling=scaling)[0]
+                if sig:
+                    received_new = step_received(query, k_new, st.q_pos, st.real, scaling, st.ordered)
             else:
-                out = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling)[0]
-            if sig:
-                received_new = step_received(query, k_new, st.q_pos, st.real, scaling)
+                out, _, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
+                                                      received=sig)
         else:
             kv = self.paged_kv(layer)
             q_pages = query if self.rotation is None else rotate(query, self.rotation)
-            keep_logits = sig and nq <= LOGITS_QUERY_LIMIT
             logits = None
             if use_triton(query):
                 from leankit_kernels.paged_attention import paged_attention
 
                 out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
-            elif keep_logits:  # few queries: keep the logits for the significance update
+            elif sig and nq <= LOGITS_QUERY_LIMIT:  # few queries: keep the logits for the significance update
                 out_old, lse_old, logits = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling,
                                                                return_logits=True)
             else:
                 out_old, lse_old = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling)
             if self.rotation is not None:
                 out_old = unrotate(out_old.float(), self.rotation)
-            out_new, lse_new, logits_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
-                                                          keep_logits=keep_logits)
+            out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
+                                                            lse_other=lse_old, received=sig)
             out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
             if sig:
                 if logits is not None:
@@ -363,16 +367,15 @@ class LeanCache(Cache):
                     if use_triton(query):
                         from leankit_kernels.prefill_attention import received_attention
                     received_old = received_attention(q_pages, kv, st.q_pos, scaling, lse, q_valid=st.real)
-                received_new = step_received(query, k_new, st.q_pos, st.real, scaling, lse=lse, logits=logits_new)
                 policy.update_scores(layer, st, received_old)
         k_store, v_store = k_new, v_new
         if self.rotation is not None:  # the pages hold K/V in the Hadamard basis
             k_store, v_store = rotate(k_new, self.rotation), rotate(v_new, self.rotation)
         try:
             policy.store(layer, k_store, v_store, st, received_new)
-        except NonFiniteKVError:  # e.g. a value beyond the fp16 range of the quantization metadata
+        except NonFiniteKVError as e:  # NaN/Inf, or a value beyond the fp16 range of the metadata
             self.abort_step()
-            raise
+            raise NonFiniteKVError(f"layer {layer}: {e}; the step was dropped and the cache is unchanged") from e
         policy.after_store(layer, st)
         return out.to(query.dtype)
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import PAGE_ALIGN, ActGeometry, KVConfig, Precision, _align, act_geometry
-from .quant import META_DTYPE, dequantize, quantize
+from .quant import META_DTYPE, check_finite, dequantize, quantize
 
 SEGMENTS = ("k_data", "k_meta", "v_data", "v_meta", "score", "position")
 
@@ -102,6 +102,7 @@ class PageLayout:
     def _encode_side(self, x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[0]
         if bits >= 16:
+            check_finite(x)  # quantized sides catch NaN/Inf through their group metadata
             data = x.to(self.dense_dtype).contiguous().view(torch.uint8).reshape(n, -1)
             return data, x.new_empty((n, 0), dtype=torch.uint8)
         packed, scale, mn = quantize(x, bits, self.group_size)
@@ -123,11 +124,13 @@ class PageLayout:
         return pages[..., off: off + self.tokens * nb].unflatten(-1, (self.tokens, nb))
 
     def _decode_side(self, pages: torch.Tensor, side: str, bits: int, dtype: torch.dtype) -> torch.Tensor:
-        data = self.segment(pages, f"{side}_data")
+        return self.decode_side(self.segment(pages, f"{side}_data"), self.segment(pages, f"{side}_meta"), bits, dtype)
+
+    def decode_side(self, data: torch.Tensor, meta: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantize one side's byte rows: ``data`` ``[..., Kb]`` and ``meta`` ``[..., 4G]`` uint8."""
         if bits >= 16:
             return data.contiguous().view(self.dense_dtype).to(dtype)
-        meta = self.segment(pages, f"{side}_meta").contiguous().view(META_DTYPE)
-        meta = meta.unflatten(-1, (self.groups, 2))
+        meta = meta.contiguous().view(META_DTYPE).unflatten(-1, (self.groups, 2))
         return dequantize(data, meta[..., 0], meta[..., 1], bits, dtype)
 
     def decode(self, pages: torch.Tensor, dtype: torch.dtype = torch.float32):
@@ -275,16 +278,17 @@ class PagePool:
         """Scatter per-token byte rows (from :meth:`PageLayout.encode`) into their page slots.
 
         ``page_ids`` and ``slots`` are ``[n]``: token ``i`` goes to slot ``slots[i]`` of page
-        ``page_ids[i]``. All six segments are written with one indexed store each.
+        ``page_ids[i]``. Each of the six segments is one indexed row store into the segment's
+        strided ``[num_pages, T, bytes]`` view (one index per token, not per byte).
         """
-        flat = self.storage.view(-1)
-        base = page_ids.long() * self.page_size
-        for off, nb, row in zip(layout.seg_offsets, layout.seg_bytes, rows):
-            if nb == 0:
-                continue
-            start = base + off + slots.long() * nb
-            idx = start[:, None] + torch.arange(nb, device=flat.device)
-            flat[idx.reshape(-1)] = row.reshape(-1)
+        p, s = page_ids.long(), slots.long()
+        for name, nb, row in zip(SEGMENTS, layout.seg_bytes, rows):
+            if nb:
+                self.segment_view(layout, name)[p, s] = row.reshape(-1, nb)
+
+    def read_rows(self, layout: PageLayout, page_ids: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
+        """Bytes ``[n, bytes]`` of segment ``name`` of the slots ``slots`` of pages ``page_ids``."""
+        return self.segment_view(layout, name)[page_ids.long(), slots.long()]
 
     def write_scores(self, layout: PageLayout, page_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Overwrite the whole score segment of pages ``page_ids`` ``[n]`` with ``scores`` ``[n, T]``."""
@@ -294,11 +298,8 @@ class PagePool:
 
     def copy_slots(self, layout: PageLayout, src_pages, src_slots, dst_pages, dst_slots) -> None:
         """Copy whole tokens (all six segments) between slots of pages of the same layout."""
-        flat = self.storage.view(-1)
-        for off, nb in zip(layout.seg_offsets, layout.seg_bytes):
-            if nb == 0:
-                continue
-            ar = torch.arange(nb, device=flat.device)
-            src = (src_pages.long() * self.page_size + off + src_slots.long() * nb)[:, None] + ar
-            dst = (dst_pages.long() * self.page_size + off + dst_slots.long() * nb)[:, None] + ar
-            flat[dst.reshape(-1)] = flat[src.reshape(-1)]
+        sp, ss, dp, ds = src_pages.long(), src_slots.long(), dst_pages.long(), dst_slots.long()
+        for name, nb in zip(SEGMENTS, layout.seg_bytes):
+            if nb:
+                view = self.segment_view(layout, name)
+                view[dp, ds] = view[sp, ss]

@@ -35,7 +35,6 @@ head stays below ``Tl`` in both phases instead of growing by ``Tl`` at every ste
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -258,25 +257,14 @@ def locate_slots(table, tier: int, layer: torch.Tensor, b: torch.Tensor, h: torc
 def read_tokens(pool, layout, page: torch.Tensor, off: torch.Tensor, dtype=torch.float32):
     """Dequantize ``n`` tokens ``(k, v)`` ``[n, F]`` from slots ``off`` of pages ``page``.
 
-    Only the tokens' own bytes are read (one indexed load per segment), laid out as a one-token
-    page of the same layout so that :meth:`PageLayout.decode` parses them.
+    Only the tokens' own K/V bytes are read (one indexed row load per segment).
     """
-    flat = pool.storage.view(-1)
-    base = page.long() * pool.page_size
-    n = page.numel()
-    rows, offsets, acc = [], [], 0
-    for seg_off, nb in zip(layout.seg_offsets, layout.seg_bytes, strict=True):
-        width = -(-nb // 16) * 16  # keep every segment 16-byte aligned, as in a real page
-        offsets.append(acc)
-        acc += width
-        row = torch.zeros(n, width, dtype=torch.uint8, device=flat.device)
-        if nb:
-            idx = (base + seg_off + off.long() * nb)[:, None] + torch.arange(nb, device=flat.device)
-            row[:, :nb] = flat[idx]
-        rows.append(row)
-    one = dataclasses.replace(layout, tokens=1, page_size=acc, seg_offsets=tuple(offsets))
-    k, v, _, _ = one.decode(torch.cat(rows, dim=-1), dtype)
-    return k[:, 0], v[:, 0]
+    prec = layout.precision
+    k = layout.decode_side(pool.read_rows(layout, page, off, "k_data"), pool.read_rows(layout, page, off, "k_meta"),
+                           prec.k_bits, dtype)
+    v = layout.decode_side(pool.read_rows(layout, page, off, "v_data"), pool.read_rows(layout, page, off, "v_meta"),
+                           prec.v_bits, dtype)
+    return k, v
 
 
 class _Base:
@@ -342,7 +330,7 @@ class _Base:
 
         ``k``/``v``: ``[B, H, Q, F]`` (the basis the pages hold). ``received`` ``[B, H, Q]``: the
         attention each new token received from the step's queries
-        (:func:`~leankit.attention.step_received`), which becomes its initial significance; ``None``
+        (:func:`~leankit.attention.step_attention`), which becomes its initial significance; ``None``
         stores 0 (policies that do not track significance).
         """
         cache = self.cache

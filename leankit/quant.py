@@ -66,7 +66,6 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None):
     Returns ``(packed uint8 [..., F*bits/8], scale fp16 [..., G], minimum fp16 [..., G])`` with
     ``G = F / group_size``.
     """
-    check_finite(x)
     f = x.shape[-1]
     gs = group_size or f
     if f % gs:
@@ -78,7 +77,10 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None):
     mn16 = lo.to(META_DTYPE)
     # Scale from the stored minimum so that the largest element maps inside [0, qmax].
     sc16 = ((hi - mn16.float()) / qmax).to(META_DTYPE)
+    # One check on the per-group metadata covers the input too: a NaN/Inf element makes its
+    # group's min or max (and so the stored min or scale) non-finite.
     if not (torch.isfinite(mn16).all() and torch.isfinite(sc16).all()):
+        check_finite(x)
         raise NonFiniteKVError("KV values exceed the fp16 range of the quantization metadata")
     sc = sc16.float().unsqueeze(-1)
     safe = torch.where(sc > 0, sc, torch.ones_like(sc))

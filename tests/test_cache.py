@@ -180,14 +180,37 @@ def test_bad_config_string():
         LeanCache(tiny_model(), "K8V3")
 
 
-def test_non_finite_kv_rejected():
+def test_non_finite_kv_rejected_and_the_step_dropped():
+    """NaN K/V raise NonFiniteKVError naming the layer; the step's tokens of every layer are dropped."""
     model = tiny_model("llama-gqa")
     cache = LeanCache(model, "K8V4")
     cache.begin_step(1, 2)
+    cache.update(torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), 0)
+    cache.attend(0, torch.randn(1, 6, 2, 16), 0.25)  # layer 0 stores its two tokens
+    assert int(cache.table.lens.sum()) == 2 * 2
     k = torch.randn(1, 2, 2, 16)
     k[0, 1, 1, 3] = float("nan")
-    with pytest.raises(NonFiniteKVError):
-        cache.update(k, torch.randn(1, 2, 2, 16), 0)
+    cache.update(k, torch.randn(1, 2, 2, 16), 1)
+    with pytest.raises(NonFiniteKVError, match="layer 1"):
+        cache.attend(1, torch.randn(1, 6, 2, 16), 0.25)
+    assert int(cache.table.lens.sum()) == 0 and cache.get_seq_length() == 0
+
+    def drive(c, g):  # one whole step of finite K/V through every layer
+        c.begin_step(1, 2)
+        outs = []
+        for layer in range(2):
+            c.update(torch.randn(1, 2, 2, 16, generator=g), torch.randn(1, 2, 2, 16, generator=g), layer)
+            outs.append(c.attend(layer, torch.randn(1, 6, 2, 16, generator=g), 0.25))
+        c.end_step()
+        return outs
+
+    fresh = LeanCache(model, "K8V4")
+    for _ in range(2):  # the failed cache behaves exactly like a fresh one, step after step
+        seed = torch.randint(0, 1 << 30, ()).item()
+        for a, b in zip(drive(cache, torch.Generator().manual_seed(seed)),
+                        drive(fresh, torch.Generator().manual_seed(seed)), strict=True):
+            assert torch.equal(a, b)
+    assert torch.equal(cache.table.lens, fresh.table.lens)
 
 
 def test_enable_is_idempotent_and_fallback_works():
