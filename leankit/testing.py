@@ -31,3 +31,23 @@ def tiny_model(kind: str = "llama-gqa", seed: int = 0, **kw):
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_config(kind, **kw)).eval()
+
+
+def tiny_tokenizer(vocab_size: int = 97):
+    """A word-level fast tokenizer built in code, matching :func:`tiny_model`'s vocabulary.
+
+    Ids 0-3 are ``<pad>``, ``<s>``, ``</s>``, ``<unk>``; the rest are the words ``w4`` ...
+    ``w{vocab_size - 1}`` (anything else is ``<unk>``). It prepends ``<s>`` and pads on the left,
+    as a decoder-only model wants for batched generation.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, vocab_size)})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", padding_side="left")
