@@ -6,8 +6,9 @@ import torch
 
 
 def tiny_config(kind: str = "llama-gqa", **kw):
-    """A tiny random-init config: ``llama-mha``, ``llama-gqa``, ``qwen2`` or ``opt``."""
-    from transformers import LlamaConfig, OPTConfig, Qwen2Config
+    """A tiny random-init config: ``llama-mha``, ``llama-gqa``, ``qwen2``, ``qwen3``, ``phi3``,
+    ``gemma3`` (sliding and full layers, ``k_norm``), ``mistral-sliding`` or ``opt``."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -19,6 +20,21 @@ def tiny_config(kind: str = "llama-gqa", **kw):
         return LlamaConfig(num_attention_heads=6, num_key_value_heads=2, **common)
     if kind == "qwen2":
         return Qwen2Config(num_attention_heads=4, num_key_value_heads=2, **common)
+    if kind == "qwen3":  # q_norm/k_norm before RoPE, explicit head_dim
+        return Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **common)
+    if kind == "phi3":  # fused qkv projection
+        return Phi3Config(num_attention_heads=4, num_key_value_heads=2, **common)
+    if kind == "gemma3":
+        # three layers: sliding, full, sliding; a window of 8 so short tests cross it
+        common["num_hidden_layers"] = kw.get("num_hidden_layers", 3)
+        return Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                                sliding_window=kw.get("sliding_window", 8),
+                                layer_types=kw.get("layer_types", ["sliding_attention", "full_attention",
+                                                                   "sliding_attention"]),
+                                **{k: v for k, v in common.items() if k not in ("sliding_window", "layer_types")})
+    if kind == "mistral-sliding":  # every layer slides: nothing to compress, still served
+        return MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=kw.get("sliding_window", 8),
+                             **{k: v for k, v in common.items() if k != "sliding_window"})
     if kind == "opt":
         return OPTConfig(vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
                          max_position_embeddings=512)
