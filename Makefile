@@ -31,7 +31,7 @@ FLOOR_TESTS ?= tests
 test-floor: $(VENV)/.installed
 	rm -rf $(FLOOR_VENV)
 	python3 -m venv $(FLOOR_VENV)
-	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+	$(PY) -c "import sys; print('\\n'.join(p for p in sys.path if p.endswith('-packages')))" > \
 	    "$$($(FLOOR_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_base.pth"
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(FLOOR_VENV)/constraints.txt
 	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/constraints.txt transformers==$(FLOOR_TRANSFORMERS)

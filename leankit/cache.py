@@ -102,23 +102,23 @@ class MemoryReport(dict):
 
         t, rows = self["tokens_per_tier"], self["tokens_per_row"]
         lines = [
-            f"LeanCache {self['config']} ({self['compressed_layers']} of {self['model_layers']} layers compressed, "
-            f"model dtype {self['dense_dtype']})",
+            (f"LeanCache {self['config']} ({self['compressed_layers']} of {self['model_layers']} layers "
+             f"compressed, model dtype {self['dense_dtype']})"),
             f"  tokens per row      {', '.join(str(r) for r in rows) or '-'} (real tokens, padding excluded)",
-            f"  per layer and head  high {t['high']:.1f}, low {t['low']:.1f}, pruned {t['pruned']:.1f} "
-            "(tokens, summed over rows)",
-            f"  pages               {self['pages_used']} of {self['pages_total']} in use, "
-            f"{self['page_size']} B each: {size(self['kv_bytes'])}",
+            (f"  per layer and head  high {t['high']:.1f}, low {t['low']:.1f}, pruned {t['pruned']:.1f} "
+             "(tokens, summed over rows)"),
+            (f"  pages               {self['pages_used']} of {self['pages_total']} in use, "
+             f"{self['page_size']} B each: {size(self['kv_bytes'])}"),
             f"  page table          {size(self['table_bytes'])}",
         ]
         if self["plain_layers"]:
             lines.append(f"  plain layers        {size(self['plain_bytes'])} in {self['plain_layers']} "
                          "sliding-window layers")
+        dense = "  vs " + self["dense_dtype"] + " cache"
         lines += [
             f"  total               {size(self['total_bytes'])}",
             f"  vs fp16 cache       {self['ratio']:.3f}x of {size(self['fp16_bytes'])}",
-            f"{'  vs ' + self['dense_dtype'] + ' cache':<22}{self['dense_ratio']:.3f}x of {size(self['dense_bytes'])} "
-            "(the model's own dtype)",
+            f"{dense:<22}{self['dense_ratio']:.3f}x of {size(self['dense_bytes'])} (the model's own dtype)",
             f"  peak pages          {size(self['peak_kv_bytes'])}, {self['peak_ratio']:.3f}x fp16",
         ]
         return "\n".join(lines)

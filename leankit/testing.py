@@ -8,7 +8,15 @@ import torch
 def tiny_config(kind: str = "llama-gqa", **kw):
     """A tiny random-init config: ``llama-mha``, ``llama-gqa``, ``qwen2``, ``qwen3``, ``phi3``,
     ``gemma3`` (sliding and full layers, ``k_norm``), ``mistral-sliding`` or ``opt``."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        OPTConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)

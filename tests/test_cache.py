@@ -8,7 +8,6 @@ import leankit
 from leankit import LeanCache, PoolExhausted
 from leankit.cache import check_model_supported
 from leankit.quant import NonFiniteKVError
-
 from leankit.testing import tiny_config, tiny_model
 
 

@@ -392,9 +392,10 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
     mem.update(gpu_weights=k * w16 + emb + wbuf, gpu_buffers=buffers + work + GPU_RESERVE)
     if fixed > gpu_cap:
         mem["shortfall"] = _shortfall(fixed, gpu_cap)
-        return (False, f"GPU needs {fixed / GiB:.1f} GiB before any cache ({k} resident layers and buffers "
-                       f"{mem['gpu_weights'] / GiB:.1f} GiB, batch working memory {work / GiB:.1f} GiB), "
-                       f"has {gpu_cap / GiB:.1f} GiB", mem, 0.0)
+        why = (f"GPU needs {fixed / GiB:.1f} GiB before any cache ({k} resident layers and buffers "
+               f"{mem['gpu_weights'] / GiB:.1f} GiB, batch working memory {work / GiB:.1f} GiB), "
+               f"has {gpu_cap / GiB:.1f} GiB")
+        return False, why, mem, 0.0
     free = gpu_cap - fixed
     if choice.mode == "attn_offload":
         gpu_tokens = 0.0
