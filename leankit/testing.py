@@ -49,6 +49,18 @@ def tiny_config(kind: str = "llama-gqa", **kw):
     raise ValueError(kind)
 
 
+def left_padded_batch(rows: int = 3, width: int = 13, seed: int = 0, pad_step: int = 4, vocab: int = 97):
+    """``(input_ids, attention_mask)`` of random tokens, row ``r`` left-padded with
+    ``(r * pad_step) % (width - 2)`` pad tokens (id 0), so every row keeps at least two real tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, width), generator=g)
+    mask = torch.ones_like(ids)
+    for r in range(rows):
+        pad = (r * pad_step) % (width - 2)
+        ids[r, :pad], mask[r, :pad] = 0, 0
+    return ids, mask
+
+
 def tiny_model(kind: str = "llama-gqa", seed: int = 0, **kw):
     """A tiny random-init causal LM in eval mode."""
     from transformers import AutoModelForCausalLM

@@ -8,18 +8,11 @@ import leankit
 from leankit import LeanCache, PoolExhausted
 from leankit.cache import check_model_supported
 from leankit.quant import NonFiniteKVError
-from leankit.testing import tiny_config, tiny_model
+from leankit.testing import left_padded_batch, tiny_config, tiny_model
 
 
-def _batch(seed=0, rows=3, width=13, vocab=97):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (rows, width), generator=g)
-    mask = torch.ones_like(ids)
-    for r in range(rows):
-        pad = (r * 4) % (width - 2)
-        ids[r, :pad] = 0
-        mask[r, :pad] = 0
-    return ids, mask
+def _batch(seed=0, rows=3, width=13):
+    return left_padded_batch(rows, width, seed)
 
 
 def _generate(model, ids, mask, cache, **kw):

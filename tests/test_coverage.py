@@ -10,17 +10,11 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from leankit import LeanCache
 from leankit.cache import LeanLayer
-from leankit.testing import tiny_model
+from leankit.testing import left_padded_batch, tiny_model
 
 
-def _batch(rows=3, width=11, vocab=97, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (rows, width), generator=g)
-    mask = torch.ones_like(ids)
-    for r in range(rows):
-        pad = (r * 3) % (width - 2)
-        ids[r, :pad], mask[r, :pad] = 0, 0
-    return ids, mask
+def _batch(rows=3, width=11):
+    return left_padded_batch(rows, width, seed=1, pad_step=3)
 
 
 def _generate(model, ids, mask, cache, new=14):

@@ -51,37 +51,25 @@ def kv_list(text: str) -> list[str | None]:
     return specs
 
 
-def _non_negative(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (v >= 0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return v
+def _checked(kind, ok, rule: str):
+    """An argparse type: convert with ``kind`` (int or float), then require ``ok(value)``."""
+    noun = "an integer" if kind is int else "a number"
+
+    def convert(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return v
+
+    return convert
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    """argparse type: a share in [0, 1]."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"is a share of tokens and must lie in [0, 1], got {text}")
-    return v
+_non_negative = _checked(float, lambda v: 0 <= v < float("inf"), "must be a finite number >= 0")
+_positive_int = _checked(int, lambda v: v >= 1, "must be >= 1")
+_fraction = _checked(float, lambda v: 0.0 <= v <= 1.0, "is a share of tokens and must lie in [0, 1]")
 
 
 def _weight_bits(text: str) -> tuple[int, ...]:
