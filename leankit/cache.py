@@ -183,7 +183,10 @@ class LeanCache(Cache):
         print(cache.memory_report())
 
     Args:
-        model: a Llama-family (Llama, Mistral, SmolLM2) or Qwen2 causal LM.
+        model: a causal LM of a type in ``SUPPORTED_MODEL_TYPES`` (Llama, SmolLM2, Mistral, Qwen2,
+            Qwen3, Phi3, Gemma3). Full-attention layers are compressed into pages; sliding-window
+            layers (Gemma3's local layers, Mistral with ``sliding_window``) keep transformers' own
+            plain sliding-window cache layer, and ``memory_report`` counts their bytes.
         kv: a KV config string or :class:`KVConfig` (see :meth:`KVConfig.parse`).
         num_pages: fixed pool size. ``None`` starts small and grows the pool on demand; a fixed
             pool raises :class:`PoolExhausted` when it runs out.

@@ -55,7 +55,7 @@ def test_gemma3_compresses_only_its_full_layers():
     assert "1 of 3 layers compressed" in str(rep) and "sliding-window layers" in str(rep)
 
 
-def test_gemma3_quantized_runs_with_beams_and_reset():
+def test_gemma3_beam_search_and_reset():
     model = tiny_model("gemma3")
     ids, mask = _batch(rows=2)
     cache = LeanCache(model, "FP16")
