@@ -31,4 +31,21 @@ gpu-check:
 	$(GPU_PY) bench/kernels.py --head-dim 64 --kv-heads 3 --group 3 --page-size 2048 --out results/gpu
 	$(GPU_PY) bench/kernels.py --head-dim 128 --kv-heads 8 --group 4 --page-size 4096 --out results/gpu
 
-.PHONY: install demo test gpu-check
+# The oldest transformers leankit declares (pyproject.toml), tested in a throwaway venv that reuses
+# this venv's packages (torch, triton ...) and installs only transformers and its own needs at the
+# floor. `make test-floor FLOOR_TESTS="tests/test_cache.py"` runs a subset.
+FLOOR_TRANSFORMERS ?= 5.0.0
+FLOOR_VENV ?= .venv-floor
+FLOOR_TESTS ?= tests
+test-floor: $(VENV)/.installed
+	rm -rf $(FLOOR_VENV)
+	python3 -m venv $(FLOOR_VENV)
+	$(PY) -c "import sys; print('\\n'.join(p for p in sys.path if p.endswith('-packages')))" > \
+	    "$$($(FLOOR_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_base.pth"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(FLOOR_VENV)/constraints.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/constraints.txt transformers==$(FLOOR_TRANSFORMERS)
+	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(FLOOR_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -q -m "not slow" $(FLOOR_TESTS)
+
+.PHONY: install demo test test-floor gpu-check

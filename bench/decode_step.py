@@ -93,7 +93,7 @@ def main(argv=None):
     for ctx in a.context:
         for kv in a.kv:
             md, ml, r, rep = measure(model, tok, a.batch, ctx, kv, a.steps)
-            print(f"{kv:>10} {a.batch:>5} {ctx:>7} {md * 1e3:8.1f} {ml * 1e3:8.1f} {r:6.2f} {rep['ratio']:8.3f}")
+            print(f"{kv:>10} {a.batch:>5} {ctx:>7} {md * 1e3:8.1f} {ml * 1e3:8.1f} {r:6.2f} {rep['pages_ratio']:8.3f}")
 
 
 if __name__ == "__main__":

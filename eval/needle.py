@@ -158,11 +158,11 @@ def main(argv=None) -> dict:
                 s = run(model, p, a, static_spec, skw, pos)
                 row = {"depth": depth, "value": value, "prompt_tokens": int(p.numel()),
                        "dynamic": {"hit": d["hit"], "logp": d["logp"], "kv_bytes": d["prompt_report"]["kv_bytes"],
-                                   "ratio": d["prompt_report"]["ratio"],
+                                   "ratio": d["prompt_report"]["pages_ratio"],
                                    "tokens_per_tier": d["prompt_report"]["tokens_per_tier"],
                                    "heads_with_needle": d["heads_with_needle"]},
                        "static": {"config": label(static_spec, skw), "hit": s["hit"], "logp": s["logp"],
-                                  "kv_bytes": s["prompt_report"]["kv_bytes"], "ratio": s["prompt_report"]["ratio"],
+                                  "kv_bytes": s["prompt_report"]["kv_bytes"], "ratio": s["prompt_report"]["pages_ratio"],
                                   "heads_with_needle": s["heads_with_needle"]}}
                 if args.fp16:
                     f = run(model, p, a, None, {})

@@ -7,16 +7,21 @@ Quick use::
     cache = leankit.LeanCache(model, "K8V4")
     out = model.generate(**tok("Hello", return_tensors="pt"), past_key_values=cache, max_new_tokens=32)
     print(cache.memory_report())
+
+or, for every later ``generate`` call and pipeline over the model::
+
+    leankit.apply(model, "K8V4")          # leankit.apply(model, None) undoes it
 """
 
 from .allocator import PoolExhausted
+from .apply_cache import apply, remove
 from .config import KVConfig, Precision
 from .quant import NonFiniteKVError
 
 __version__ = "0.1.0"
 
 __all__ = ["KVConfig", "Precision", "PoolExhausted", "NonFiniteKVError", "LeanCache", "enable", "load_model",
-           "__version__"]
+           "apply", "remove", "__version__"]
 
 
 def __getattr__(name):

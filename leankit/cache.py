@@ -32,7 +32,10 @@ from .pages import PageLayout, PagePool
 from .quant import NonFiniteKVError
 from .rotation import hadamard, rotate, unrotate
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "opt")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
+# Layer types LeanCache serves: full attention is compressed into pages; sliding-window layers keep
+# transformers' own plain sliding-window cache layer (their window already bounds their memory).
+COMPRESSED, PLAIN = "full_attention", "sliding_attention"
 # Steps of at most this many queries keep their attention logits for the significance update
 # (decode and eval chunks); longer prompts use the chunked second pass, which never holds Q x N.
 LOGITS_QUERY_LIMIT = 64
@@ -48,26 +51,83 @@ def attention_kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def check_model_supported(config) -> None:
-    """Raise ``ValueError`` unless every layer of ``config`` is a full-attention layer LeanCache serves.
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
-    Llama-family (Llama, Mistral, SmolLM2), Qwen2, Qwen3 (``k_norm`` before RoPE: the cache only
-    sees post-RoPE K/V, so nothing changes for it) and OPT (learned positions, biases, no RoPE).
-    """
+
+def layer_types(config) -> list[str]:
+    """Attention type of every decoder layer: ``config.layer_types`` when the model declares it,
+    else sliding for all layers when a sliding window is set and enabled, else full."""
+    config = _text_config(config)
+    n = config.num_hidden_layers
+    declared = getattr(config, "layer_types", None)
+    if declared:
+        return list(declared)
+    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    return [PLAIN if sliding else COMPRESSED] * n
+
+
+def check_model_supported(config) -> None:
+    """Raise ``ValueError`` unless LeanCache can serve every layer of ``config``: a supported model
+    type whose layers are full attention (compressed) or sliding-window attention (kept plain)."""
+    config = _text_config(config)
     mtype = getattr(config, "model_type", None)
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"leankit's LeanCache supports model types {SUPPORTED_MODEL_TYPES}; got {mtype!r}. "
-            "Other architectures (and layer types such as sliding-window attention) are not handled."
+            "Other architectures are not handled."
         )
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if other or (mtype == "mistral" and sliding):
-        raise ValueError(
-            f"LeanCache cannot handle layer types {other or ['sliding_attention']} of this {mtype} model: "
-            "only full-attention layers are supported"
-        )
+    other = sorted({t for t in layer_types(config) if t not in (COMPRESSED, PLAIN)})
+    if other:
+        raise ValueError(f"LeanCache cannot handle layer types {other} of this {mtype} model: only "
+                         f"{COMPRESSED!r} (compressed) and {PLAIN!r} (kept plain) layers are supported")
+
+
+def _plain_layer(config):
+    """transformers' own sliding-window cache layer for an uncompressed layer."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    return DynamicSlidingWindowLayer(sliding_window=_text_config(config).sliding_window)
+
+
+def _query_length(arg) -> int:
+    # transformers >= 5.13 passes the query length, older 5.x the cache_position tensor
+    return arg if isinstance(arg, int) else int(arg.shape[-1])
+
+
+class MemoryReport(dict):
+    """:meth:`LeanCache.memory_report` as a dict (every key documented there) with a readable ``str``."""
+
+    def __str__(self) -> str:
+        def size(n: float) -> str:
+            for unit in ("B", "KiB", "MiB"):
+                if abs(n) < 1024:
+                    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+                n /= 1024
+            return f"{n:.2f} GiB"
+
+        t, rows = self["tokens_per_tier"], self["tokens_per_row"]
+        lines = [
+            (f"LeanCache {self['config']} ({self['compressed_layers']} of {self['model_layers']} layers "
+             f"compressed, model dtype {self['dense_dtype']})"),
+            f"  tokens per row      {', '.join(str(r) for r in rows) or '-'} (real tokens, padding excluded)",
+            (f"  per layer and head  high {t['high']:.1f}, low {t['low']:.1f}, pruned {t['pruned']:.1f} "
+             "(tokens, summed over rows)"),
+            (f"  pages               {self['pages_used']} of {self['pages_total']} in use, "
+             f"{self['page_size']} B each: {size(self['kv_bytes'])}"),
+            f"  page table          {size(self['table_bytes'])}",
+        ]
+        if self["plain_layers"]:
+            lines.append(f"  plain layers        {size(self['plain_bytes'])} in {self['plain_layers']} "
+                         "sliding-window layers")
+        dense = "  vs " + self["dense_dtype"] + " cache"
+        lines += [
+            f"  total               {size(self['total_bytes'])}",
+            f"  vs fp16 cache       {self['ratio']:.3f}x of {size(self['fp16_bytes'])}",
+            f"{dense:<22}{self['dense_ratio']:.3f}x of {size(self['dense_bytes'])} (the model's own dtype)",
+            f"  peak pages          {size(self['peak_kv_bytes'])}, {self['peak_ratio']:.3f}x fp16",
+        ]
+        return "\n".join(lines)
 
 
 @dataclass
@@ -103,16 +163,22 @@ class LeanLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        self.cache.check_kv_shape(key_states, value_states)
         return self.cache._store(self.layer_idx, key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self.cache._seen
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache._seen + query_length, 0
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        return self.cache._seen + _query_length(query_length), 0
 
     def get_max_length(self) -> int:
         return self.cache.max_seq_len
+
+    def get_max_cache_shape(self) -> int:
+        """transformers < 5.13 spelling of the size bound: -1, as for a dynamic layer (the page pool
+        grows on demand, so no static mask of a fixed length may be built)."""
+        return -1
 
     def reset(self) -> None:
         self.cache.reset()
@@ -131,7 +197,10 @@ class LeanCache(Cache):
         print(cache.memory_report())
 
     Args:
-        model: a Llama-family (Llama, Mistral, SmolLM2), Qwen2, Qwen3 or OPT causal LM.
+        model: a causal LM of a type in ``SUPPORTED_MODEL_TYPES`` (Llama, SmolLM2, Mistral, Qwen2,
+            Qwen3, Phi3, Gemma3, OPT). Full-attention layers are compressed into pages; sliding-window
+            layers (Gemma3's local layers, Mistral with ``sliding_window``) keep transformers' own
+            plain sliding-window cache layer, and ``memory_report`` counts their bytes.
         kv: a KV config string or :class:`KVConfig` (see :meth:`KVConfig.parse`).
         num_pages: fixed pool size. ``None`` starts small and grows the pool on demand; a fixed
             pool raises :class:`PoolExhausted` when it runs out.
@@ -146,10 +215,19 @@ class LeanCache(Cache):
 
     def __init__(self, model, kv: str | KVConfig = "K8V4", *, num_pages: int | None = None,
                  max_seq_len: int | None = None, eos_token_id=None, **overrides):
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        cfg = _text_config(model.config)
         check_model_supported(cfg)
         self.cfg = KVConfig.parse(kv, **overrides)
-        self.num_layers = cfg.num_hidden_layers
+        types = layer_types(cfg)
+        # Global layer index -> page-table layer index (None: a plain sliding-window layer). The
+        # page table, the policy and ``num_layers`` cover the compressed layers only.
+        table_index, n = [], 0
+        for t in types:
+            table_index.append(n if t == COMPRESSED else None)
+            n += t == COMPRESSED
+        self.table_index = tuple(table_index)
+        self.model_layers = len(types)
+        self.num_layers = n
         self.num_kv_heads = attention_kv_heads(cfg)
         self.num_q_heads = cfg.num_attention_heads
         self.head_dim = attention_head_dim(cfg)
@@ -179,10 +257,44 @@ class LeanCache(Cache):
         from .policy import make_policy  # the placement policy of this config
 
         self.policy = make_policy(self)
-        super().__init__(layers=[LeanLayer(self, i) for i in range(self.num_layers)])
+        self._text_cfg = cfg
+        super().__init__(layers=self._build_layers())
         from .hf import enable
 
         enable(model)
+
+    def _build_layers(self) -> list:
+        return [LeanLayer(self, t) if t is not None else _plain_layer(self._text_cfg) for t in self.table_index]
+
+    # ------------------------------------------------------------------ model checks
+    def _shape_text(self) -> str:
+        return (f"{self.model_layers} layers, {self.num_kv_heads} KV heads of head_dim {self.head_dim}")
+
+    def check_model(self, config) -> None:
+        """Raise ``ValueError`` naming both shapes when ``config`` is not the model this cache was built
+        for (layer count, KV heads, head_dim). Python ints only: no device sync."""
+        config = _text_config(config)
+        got = (config.num_hidden_layers, config.num_key_value_heads, attention_head_dim(config))
+        if got != (self.model_layers, self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"this LeanCache was built for a model with {self._shape_text()}, but is used with a model with "
+                f"{got[0]} layers, {got[1]} KV heads of head_dim {got[2]}: build a LeanCache for this model")
+
+    def check_kv_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Raise ``ValueError`` when a layer hands K/V whose heads or head_dim differ from this cache's."""
+        if key_states.dim() != 4 or key_states.shape[1] != self.num_kv_heads or key_states.shape[-1] != self.head_dim \
+                or value_states.shape != key_states.shape:
+            raise ValueError(
+                f"this LeanCache was built for a model with {self._shape_text()}, but a layer handed keys of shape "
+                f"{tuple(key_states.shape)} and values of shape {tuple(value_states.shape)} (expected "
+                f"[batch, {self.num_kv_heads}, tokens, {self.head_dim}]): build a LeanCache for this model")
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """``Cache.update`` with a clear error for a layer index this cache does not have."""
+        if not 0 <= layer_idx < self.model_layers:
+            raise ValueError(f"layer {layer_idx} does not exist in this LeanCache, built for a model with "
+                             f"{self._shape_text()}: build a LeanCache for this model")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ------------------------------------------------------------------ step protocol
     def begin_step(self, batch: int, q_len: int, attention_mask=None, position_ids=None,
@@ -396,6 +508,7 @@ class LeanCache(Cache):
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
         self.policy.reset()
+        self.layers = self._build_layers()  # fresh plain layers; LeanLayers hold no state
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]``.
@@ -403,6 +516,12 @@ class LeanCache(Cache):
         Rows may be duplicated, so pages are copied (never shared): every new row gets fresh
         pages in one batched allocation, the page bytes are copied, and the old pages are freed.
         """
+        self._reorder_pages(beam_idx)  # may raise PoolExhausted, before any plain layer moved
+        for layer in self.layers:
+            if not isinstance(layer, LeanLayer):
+                layer.reorder_cache(beam_idx)
+
+    def _reorder_pages(self, beam_idx: torch.LongTensor) -> None:
         if self.table is None:
             return
         beam_idx = beam_idx.to(self.device).long()
@@ -440,39 +559,65 @@ class LeanCache(Cache):
         """Logical tokens seen per row (padding included, as ``DynamicCache`` counts them)."""
         return self._seen
 
-    def memory_report(self) -> dict:
-        """Exact memory accounting of the cache (every byte of every page in use).
+    def memory_report(self) -> MemoryReport:
+        """Exact memory accounting of the cache: a dict (with a readable ``str``).
 
-        Keys: ``pages_used``, ``pages_total``, ``page_size``, ``kv_bytes`` (bytes of pages in
-        use), ``fp16_bytes`` (what an fp16 DynamicCache holds for the same real tokens),
-        ``ratio`` (= kv_bytes / fp16_bytes), ``tokens_per_tier`` (``high``/``low``/``pruned``
-        summed over layers, sequences and heads), ``table_bytes`` (page-table metadata),
-        ``pool_bytes``, ``config``, and ``peak_kv_bytes``/``peak_ratio`` (at the step that used
-        the most pages, so finished requests that already returned their pages still show).
+        Bytes (every ``*_bytes`` key is in bytes):
+            ``kv_bytes``: pages in use (``pages_used`` x ``page_size``), every byte of each page;
+            ``table_bytes``: page-table metadata; ``plain_bytes``: K/V held by uncompressed
+            (sliding-window) layers, in the model's dtype; ``total_bytes``: the sum of the three;
+            ``pool_bytes``: the whole pool, in use or free.
+        Baselines, for the same real tokens (padding excluded) of the live rows:
+            ``fp16_bytes``: an fp16 ``DynamicCache``; ``dense_bytes``: a ``DynamicCache`` in the
+            model's own dtype ``dense_dtype`` (an fp32 model keeps fp32 K/V, twice fp16, and so
+            does ``FP16`` on it: 16 bits means "unquantized", kept in the model's dtype).
+            The plain layers count the same in the baselines as in the total.
+        Ratios: ``ratio`` = total_bytes / fp16_bytes, ``dense_ratio`` = total_bytes / dense_bytes,
+            ``pages_ratio`` = kv_bytes / fp16 bytes of the compressed layers (pages alone).
+        Tokens: ``tokens_per_row`` real tokens each row has seen (0 for a finished row);
+            ``tokens_per_tier`` high/low/pruned tokens summed over rows and averaged over the
+            compressed layers and KV heads (all high: equals ``sum(tokens_per_row)``);
+            ``slots_per_tier`` the same as raw (token, layer, KV head) slot counts.
+        Peak: ``peak_kv_bytes``/``peak_ratio``, pages against the fp16 bytes of the compressed
+            layers at the step that used the most pages (finished requests still show).
+        Also ``config``, ``pages_used``, ``pages_total``, ``page_size``, ``compressed_layers``,
+        ``plain_layers``, ``model_layers``.
         """
         pages_used = self.free_list.capacity - self.free_list.num_free
         kv_bytes = pages_used * self.cfg.page_size
         if self.table is None:
-            logical = high = low = 0
+            rows, high, low = [], 0, 0
         else:
             high = int(self.table.lens[HIGH].sum())
             low = int(self.table.lens[LOW].sum())
-            logical = int(self.policy.logical_tokens().sum()) * self.num_layers * self.num_kv_heads
-        fp16 = self._fp16_bytes()
-        return {
-            "config": str(self.cfg),
-            "pages_used": pages_used,
-            "pages_total": self.pool.num_pages,
-            "page_size": self.cfg.page_size,
-            "kv_bytes": kv_bytes,
-            "fp16_bytes": fp16,
-            "ratio": kv_bytes / fp16 if fp16 else float("nan"),
-            "tokens_per_tier": {"high": high, "low": low, "pruned": max(logical - high - low, 0)},
-            "table_bytes": self.table.nbytes() if self.table is not None else 0,
-            "pool_bytes": self.pool.num_pages * self.cfg.page_size,
-            "peak_kv_bytes": self._peak[0],
-            "peak_ratio": self._peak[0] / self._peak[1] if self._peak[1] else float("nan"),
-        }
+            rows = [int(x) for x in self.policy.logical_tokens().tolist()]
+        slots = self.num_layers * self.num_kv_heads
+        logical_slots = sum(rows) * slots
+        pruned = max(logical_slots - high - low, 0)
+        table_bytes = self.table.nbytes() if self.table is not None else 0
+        plain = [layer for layer in self.layers if not isinstance(layer, LeanLayer)]
+        plain_elems = sum(t.numel() for layer in plain for t in (layer.keys, layer.values) if t is not None)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        compressed_fp16 = self._fp16_bytes()
+        fp16 = compressed_fp16 + plain_elems * 2
+        dense = compressed_fp16 // 2 * itemsize + plain_elems * itemsize
+        total = kv_bytes + table_bytes + plain_elems * itemsize
+
+        def div(a, b):
+            return a / b if b else float("nan")
+
+        return MemoryReport(
+            config=str(self.cfg), pages_used=pages_used, pages_total=self.pool.num_pages,
+            page_size=self.cfg.page_size, kv_bytes=kv_bytes, table_bytes=table_bytes,
+            plain_bytes=plain_elems * itemsize, total_bytes=total, pool_bytes=self.pool.num_pages * self.cfg.page_size,
+            fp16_bytes=fp16, dense_bytes=dense, dense_dtype=str(self.dtype).removeprefix("torch."),
+            ratio=div(total, fp16), dense_ratio=div(total, dense), pages_ratio=div(kv_bytes, compressed_fp16),
+            tokens_per_row=rows,
+            tokens_per_tier={"high": div(high, slots), "low": div(low, slots), "pruned": div(pruned, slots)},
+            slots_per_tier={"high": high, "low": low, "pruned": pruned},
+            compressed_layers=self.num_layers, plain_layers=len(plain), model_layers=self.model_layers,
+            peak_kv_bytes=self._peak[0], peak_ratio=div(*self._peak),
+        )
 
     def _fp16_bytes(self) -> int:
         """Bytes an fp16 DynamicCache would hold for the live rows' real tokens."""

@@ -1,6 +1,8 @@
 """The ``leankit`` command line.
 
+    leankit --version
     leankit generate --model smollm2-135m --kv K8V4 --prompt "..." [--max-new-tokens N] [--chat]
+                     [--temperature T] [--top-p P] [--stream]
     leankit plan --model opt-30b --hardware rtx4090-pcie4 --batch 128 --prompt 512 --gen 128
 """
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
 
 def _fmt_bytes(n: float) -> str:
@@ -25,33 +28,107 @@ def memory_line(report: dict) -> str:
             f"now {report['pages_used']} pages in use")
 
 
+DEFAULT_PROMPT = "The three most important ideas in computer science are"
+
+
+def version_string() -> str:
+    """``leankit X (torch Y, transformers Z)``, read from package metadata (nothing is imported)."""
+    from leankit import __version__
+
+    def ver(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"leankit {__version__} (torch {ver('torch')}, transformers {ver('transformers')})"
+
+
+def check_generate_args(args) -> None:
+    """Reject bad ``generate`` input before any model is loaded (``ValueError`` naming the flag)."""
+    for i, p in enumerate(args.prompt or []):
+        if not p.strip():
+            which = f"--prompt #{i + 1}" if len(args.prompt) > 1 else "--prompt"
+            raise ValueError(f"{which} is empty: give the text to continue, e.g. --prompt \"{DEFAULT_PROMPT}\"")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature is not None and not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0 (omit it for greedy decoding), got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    if args.stream and len(args.prompt or [None]) > 1:
+        raise ValueError("--stream prints one sequence as it is generated: give a single --prompt")
+
+
+def sampling_kwargs(args) -> dict:
+    """``generate`` keyword arguments for the decoding flags: greedy unless ``--sample``,
+    ``--temperature`` or ``--top-p`` asks for sampling (then temperature 0.7, top-p 0.95 by default)."""
+    if not (args.sample or args.temperature is not None or args.top_p is not None):
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": 0.7 if args.temperature is None else args.temperature,
+            "top_p": 0.95 if args.top_p is None else args.top_p}
+
+
+def make_streamer(tok, args, total: int):
+    """The streamer ``generate`` reports to: the text itself with ``--stream``, else a token progress
+    bar on stderr (shown only on a terminal, unless ``--no-progress``)."""
+    from transformers import TextStreamer
+    from transformers.generation.streamers import BaseStreamer
+
+    if args.stream:
+        return TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+
+    from tqdm.auto import tqdm
+
+    class ProgressStreamer(BaseStreamer):
+        """Advance a tqdm bar by one per decoding step (the first ``put`` is the prompt)."""
+
+        def __init__(self):
+            self.bar = tqdm(total=total, desc="generating", unit="tok", file=sys.stderr, leave=False,
+                            disable=True if args.no_progress else None)
+            self.prompt_seen, self.steps = False, 0
+
+        def put(self, value):
+            if self.prompt_seen:
+                self.steps += 1
+                self.bar.update(1)
+            self.prompt_seen = True
+
+        def end(self):
+            self.bar.close()
+
+    return ProgressStreamer()
+
+
 def cmd_generate(args) -> int:
     """Generate text with a LeanCache and print it plus one memory line."""
     import torch
 
     import leankit
 
+    check_generate_args(args)
     cfg = leankit.KVConfig.parse(args.kv, **({"window": args.window} if args.window is not None else {}))
     model, tok = leankit.load_model(args.model)
-    prompts = args.prompt or ["The three most important ideas in computer science are"]
+    prompts = args.prompt or [DEFAULT_PROMPT]
     if args.chat:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                    for p in prompts]
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not args.chat)
+    if enc.input_ids.shape[1] == 0:
+        raise ValueError("the prompt gives no tokens: give some text with --prompt")
     cache = leankit.LeanCache(model, cfg, eos_token_id=model.generation_config.eos_token_id)
-    gen_kwargs = dict(max_new_tokens=args.max_new_tokens, past_key_values=cache, pad_token_id=tok.pad_token_id)
-    if args.sample:
+    gen_kwargs = dict(max_new_tokens=args.max_new_tokens, past_key_values=cache, pad_token_id=tok.pad_token_id,
+                      streamer=make_streamer(tok, args, args.max_new_tokens), **sampling_kwargs(args))
+    if gen_kwargs["do_sample"]:
         torch.manual_seed(args.seed)
-        gen_kwargs.update(do_sample=True, temperature=args.temperature, top_p=0.95)
-    else:
-        gen_kwargs.update(do_sample=False)
     with torch.no_grad():
         out = model.generate(**enc, **gen_kwargs)
     report = cache.memory_report()  # rows that hit EOS have already returned their pages
-    for row in out[:, enc.input_ids.shape[1]:]:
-        print(tok.decode(row, skip_special_tokens=True).strip())
-        print("---" if len(prompts) > 1 else "", end="\n" if len(prompts) > 1 else "")
+    if not args.stream:
+        for row in out[:, enc.input_ids.shape[1]:]:
+            print(tok.decode(row, skip_special_tokens=True).strip())
+            print("---" if len(prompts) > 1 else "", end="\n" if len(prompts) > 1 else "")
     print(memory_line(report))
     return 0
 
@@ -59,6 +136,7 @@ def cmd_generate(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``leankit`` command."""
     p = argparse.ArgumentParser(prog="leankit", description="KV cache compression for Hugging Face transformers")
+    p.add_argument("--version", action="version", version=version_string())
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text through a LeanCache and report its memory")
     g.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint directory")
@@ -68,8 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature > 0 (implies --sample; default 0.7 when sampling)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass in (0, 1] (implies --sample; default 0.95 when sampling)")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    g.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g.add_argument("--window", type=int, default=None, help="recent window W (compressed configs)")
     g.set_defaults(func=cmd_generate)
     try:

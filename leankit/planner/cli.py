@@ -24,6 +24,71 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def kv_list(text: str) -> list[str | None]:
+    """Parse ``--kv``: comma-separated cache formats, each a KV config that may carry its own
+    overrides, ``"fp16,K8V4:group_size=32,K8V4-K4V2:th=0.2,tl=0"``.
+
+    A comma starts a new format unless the next item is a ``key=value`` override of the format
+    before it. The tier part is upper-cased (``k8v4`` = ``K8V4``), the overrides are kept as given;
+    ``fp16``/``none``/``plain`` is the plain lossless cache (``None``). Each format is validated
+    with :meth:`KVConfig.parse`, so a bad one raises ``ValueError`` naming it.
+    """
+    from leankit.config import KVConfig
+
+    specs: list[str] = []
+    for item in _csv(text):
+        if "=" in item and ":" not in item and specs and specs[-1] is not None:
+            specs[-1] += "," + item  # an override of the format before it
+        elif "=" in item and ":" not in item:
+            raise ValueError(f"--kv: override {item!r} does not follow a KV config (write e.g. 'K8V4:{item}')")
+        else:
+            head, colon, rest = item.partition(":")
+            specs.append(None if head.lower() in ("fp16", "none", "plain") and not colon else
+                         head.strip().upper() + colon + rest)
+    for spec in specs:
+        if spec is not None:
+            KVConfig.parse(spec)
+    return specs
+
+
+def _checked(kind, ok, rule: str):
+    """An argparse type: convert with ``kind`` (int or float), then require ``ok(value)``."""
+    noun = "an integer" if kind is int else "a number"
+
+    def convert(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text}")
+        return v
+
+    return convert
+
+
+_non_negative = _checked(float, lambda v: 0 <= v < float("inf"), "must be a finite number >= 0")
+_positive_int = _checked(int, lambda v: v >= 1, "must be >= 1")
+_fraction = _checked(float, lambda v: 0.0 <= v <= 1.0, "is a share of tokens and must lie in [0, 1]")
+
+
+def _weight_bits(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated weight bit widths among 16, 8, 4."""
+    items = _csv(text)
+    if not items:
+        raise argparse.ArgumentTypeError(f"needs at least one bit width among 16, 8, 4, got {text!r}")
+    out = []
+    for item in items:
+        try:
+            b = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a bit width (use 16, 8 or 4)") from None
+        if b not in (16, 8, 4):
+            raise argparse.ArgumentTypeError(f"bit width {b} is not among 16, 8, 4")
+        out.append(b)
+    return tuple(dict.fromkeys(out))
+
+
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to an argparse ``subparsers`` object and return its parser."""
     p = subparsers.add_parser(
@@ -40,22 +105,26 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="detect",
                    help=f"preset ({', '.join(hardware_names())}), 'detect' to profile this machine, or a saved "
                         "profile .json (default detect)")
-    p.add_argument("--batch", type=int, default=32, help="requests in the batch (default 32)")
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens per request (default 512)")
-    p.add_argument("--gen", type=int, default=128, help="tokens generated per request (default 128)")
+    p.add_argument("--batch", type=_positive_int, default=32, help="requests in the batch (default 32)")
+    p.add_argument("--prompt", type=_positive_int, default=512, help="prompt tokens per request (default 512)")
+    p.add_argument("--gen", type=_positive_int, default=128, help="tokens generated per request (default 128)")
     p.add_argument("--kv", default="fp16",
                    help="comma-separated cache formats to consider: 'fp16' (plain lossless cache) and/or leankit "
-                        "configs such as K8V4, K4V4, K8V4-K4V2 (default: fp16 only)")
-    p.add_argument("--high-fraction", type=float, default=1.0,
+                        "configs such as K8V4, K4V4, K8V4-K4V2, each with its own overrides "
+                        "('fp16,K8V4:group_size=32,K8V4-K4V2:th=0.2,tl=0'; default: fp16 only)")
+    p.add_argument("--high-fraction", type=_fraction, default=1.0,
                    help="share of tokens in the high tier of two-tier configs (default 1.0, an upper bound)")
-    p.add_argument("--weight-bits", default="16", help="comma-separated bits for streamed weights, e.g. 16,4")
+    p.add_argument("--weight-bits", type=_weight_bits, default=(16,),
+                   help="comma-separated bits for streamed weights among 16, 8, 4, e.g. 16,4")
     p.add_argument("--no-act", action="store_true", help="do not consider the KV-activation hybrid cache")
     p.add_argument("--no-kvpr", action="store_true", help="do not consider KVPR partial recomputation")
     p.add_argument("--no-attn-offload", action="store_true", help="do not consider CPU attention")
     p.add_argument("--no-weight-placement", action="store_true",
                    help="stream every layer's weights instead of searching how many stay on the GPU")
-    p.add_argument("--gpu-mem", type=float, default=None, help="GPU memory limit in GiB (default: the profile's)")
-    p.add_argument("--host-mem", type=float, default=None, help="host memory limit in GiB (default: the profile's)")
+    p.add_argument("--gpu-mem", type=_non_negative, default=None,
+                   help="GPU memory limit in GiB, 0 included (default: the profile's)")
+    p.add_argument("--host-mem", type=_non_negative, default=None,
+                   help="host memory limit in GiB, 0 included (default: the profile's)")
     p.add_argument("--timeline", metavar="PATH", default=None,
                    help="draw PCIe against compute per layer for the plan and the KV-only baseline to PATH (png)")
     p.add_argument("--save-profile", metavar="PATH", default=None,
@@ -75,20 +144,18 @@ def run_plan(args) -> int:
 
     try:
         model = get_model(args.model)
-        kvs = []
-        for k in _csv(args.kv):
-            kvs.append(None if k.lower() in ("fp16", "none", "plain") else k.upper())
-        wbits = tuple(int(b) for b in _csv(args.weight_bits))
-        allowed = Allowed(kv_configs=tuple(kvs) or (None,), activation_cache=not args.no_act, kvpr=not args.no_kvpr,
-                          attention_offload=not args.no_attn_offload, weight_bits=wbits,
+        kvs = kv_list(args.kv)
+        wbits = args.weight_bits if isinstance(args.weight_bits, tuple) else _weight_bits(args.weight_bits)
+        allowed = Allowed(kv_configs=tuple(dict.fromkeys(kvs)) or (None,), activation_cache=not args.no_act,
+                          kvpr=not args.no_kvpr, attention_offload=not args.no_attn_offload, weight_bits=wbits,
                           weight_placement=not args.no_weight_placement, high_fraction=args.high_fraction)
-        limits = Limits(gpu_mem=args.gpu_mem * GiB if args.gpu_mem else None,
-                        host_mem=args.host_mem * GiB if args.host_mem else None)
+        limits = Limits(gpu_mem=None if args.gpu_mem is None else args.gpu_mem * GiB,
+                        host_mem=None if args.host_mem is None else args.host_mem * GiB)
         wl = Workload(args.batch, args.prompt, args.gen)
         if str(args.hardware).lower() == "detect":
             print("profiling this machine (a few seconds)...", file=sys.stderr)
         hw = get_hardware(args.hardware, model=model, save_path=args.save_profile)
-    except ValueError as e:
+    except (ValueError, argparse.ArgumentTypeError) as e:
         print(f"leankit plan: error: {e}", file=sys.stderr)
         return 2
     p = plan(model, hw, wl, allowed, limits)

@@ -167,6 +167,12 @@ class HardwareProfile:
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"unknown hardware profile field(s) {sorted(unknown)}")
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if n not in d]
+        if missing:
+            raise ValueError(f"hardware profile lacks required field(s) {missing}; a profile needs "
+                             f"{', '.join(required)} (see `leankit plan --hardware detect --save-profile`)")
         d = dict(d)
         d["fits"] = {k: LinearFit.from_dict(v) for k, v in d.get("fits", {}).items()}
         return cls(**d)
@@ -181,7 +187,13 @@ class HardwareProfile:
     @classmethod
     def load(cls, path: str | os.PathLike) -> HardwareProfile:
         """Read a profile written by :meth:`save`."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            d = json.loads(Path(path).read_text())
+            if not isinstance(d, dict):
+                raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+            return cls.from_dict(d)
+        except ValueError as e:  # json.JSONDecodeError is a ValueError too
+            raise ValueError(f"bad hardware profile {path}: {e}") from None
 
     def summary(self) -> str:
         """One line per figure, human units."""

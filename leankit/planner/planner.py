@@ -133,6 +133,10 @@ class Allowed:
                 raise ValueError(f"weight_bits must be among 16, 8, 4; got {b}")
         if not self.kv_configs:
             raise ValueError("at least one KV config is needed (None = plain fp16)")
+        if not self.weight_bits:
+            raise ValueError("at least one weight bit width is needed, e.g. weight_bits=(16,)")
+        if not 0.0 <= self.high_fraction <= 1.0:
+            raise ValueError(f"high_fraction is a share of tokens and must lie in [0, 1], got {self.high_fraction}")
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,23 @@ class Limits:
 
     gpu_mem: float | None = None
     host_mem: float | None = None
+
+    def __post_init__(self):
+        for name in ("gpu_mem", "host_mem"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a non-negative number of bytes, got {v!r}")
+
+    def gpu(self, hw: HardwareProfile) -> float:
+        """GPU memory to plan with: the limit when set (0 included), else the profile's. On a CPU-only
+        machine the compute device's memory is the host's."""
+        if self.gpu_mem is not None:
+            return self.gpu_mem
+        return hw.host_mem if hw.device == "cpu" else hw.gpu_mem
+
+    def host(self, hw: HardwareProfile) -> float:
+        """Host memory to plan with: the limit when set (0 included), else the profile's."""
+        return self.host_mem if self.host_mem is not None else hw.host_mem
 
 
 @dataclass(frozen=True)
@@ -333,6 +354,11 @@ def _pl_min(A, B, counts, lo: float, hi: float) -> tuple[float, float]:
     return float(ph[k]), float(vals[k])
 
 
+def _shortfall(need: float, cap: float) -> float:
+    """How far a need overshoots its memory (need / capacity; infinite for a zero capacity)."""
+    return need / cap if cap > 0 else math.inf
+
+
 def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_host):
     """GPU and host memory accounting. Returns (ok, reason, memory dict, GPU cache tokens per layer)."""
     L = model.num_layers
@@ -343,8 +369,8 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
     emb = model.embedding_params() * model.dtype_bytes
     B = wl.batch
     n_final = sum(p + wl.gen for p in wl.prompts)  # cache tokens per layer at the end
-    gpu_cap = limits.gpu_mem or (hw.host_mem if unified else hw.gpu_mem)
-    host_cap = limits.host_mem or hw.host_mem
+    gpu_cap = limits.gpu(hw)
+    host_cap = limits.host(hw)
     work = B * (4 * model.hidden + model.intermediate) * 4
     mem: dict[str, float] = {"gpu_capacity": gpu_cap, "host_capacity": 0.0 if unified else host_cap}
     if unified:
@@ -352,6 +378,7 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
         need = L * w16 + emb + work + n_final * L * per_tok
         mem.update(gpu_weights=L * w16 + emb, gpu_cache=n_final * L * per_tok, gpu_used=need, host_used=0.0)
         if need > gpu_cap:
+            mem["shortfall"] = _shortfall(need, gpu_cap)
             return False, f"needs {need / GiB:.1f} GiB, memory holds {gpu_cap / GiB:.1f} GiB", mem, 0.0
         return True, "", mem, float(n_final)
     mb = allowed.minibatch_tokens
@@ -364,7 +391,11 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
     fixed = k * w16 + emb + wbuf + buffers + work + GPU_RESERVE
     mem.update(gpu_weights=k * w16 + emb + wbuf, gpu_buffers=buffers + work + GPU_RESERVE)
     if fixed > gpu_cap:
-        return (False, f"GPU needs {fixed / GiB:.1f} GiB before any cache, has {gpu_cap / GiB:.1f} GiB", mem, 0.0)
+        mem["shortfall"] = _shortfall(fixed, gpu_cap)
+        why = (f"GPU needs {fixed / GiB:.1f} GiB before any cache ({k} resident layers and buffers "
+               f"{mem['gpu_weights'] / GiB:.1f} GiB, batch working memory {work / GiB:.1f} GiB), "
+               f"has {gpu_cap / GiB:.1f} GiB")
+        return False, why, mem, 0.0
     free = gpu_cap - fixed
     if choice.mode == "attn_offload":
         gpu_tokens = 0.0
@@ -383,6 +414,7 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
     mem.update(host_weights=host_w, host_cache=host_cache, host_used=host_w + host_cache,
                gpu_used=fixed + mem.get("gpu_cache", 0.0))
     if host_w + host_cache > host_cap:
+        mem["shortfall"] = _shortfall(host_w + host_cache, host_cap)
         return (False, f"host needs {(host_w + host_cache) / GiB:.1f} GiB, has {host_cap / GiB:.1f} GiB", mem,
                 gpu_tokens)
     return True, "", mem, gpu_tokens
@@ -670,7 +702,7 @@ def _minibatch_report(wl: Workload, plan: Plan, gen_t: float, kv_t: float, allow
 
 # --------------------------------------------------------------------------------- search
 def _k_max(model: ModelSpec, hw: HardwareProfile, limits: Limits, weight_bits: int) -> int:
-    gpu_cap = limits.gpu_mem or hw.gpu_mem
+    gpu_cap = limits.gpu(hw)
     emb = model.embedding_params() * model.dtype_bytes
     w16 = model.weight_bytes_per_layer(16)
     wq = model.weight_bytes_per_layer(weight_bits)
@@ -691,6 +723,41 @@ def _k_candidates(k_hi: int) -> list[int]:
 def _search_k(evalf, k_hi: int) -> list[Plan]:
     """Evaluate every candidate resident-layer count."""
     return [evalf(k) for k in _k_candidates(k_hi)]
+
+
+def _infeasible_summary(model: ModelSpec, hw: HardwareProfile, wl: Workload, allowed: Allowed, limits: Limits,
+                        candidates: list[Plan]) -> str:
+    """Why no candidate fits.
+
+    First a bound no choice can beat: the cache of every token at the cheapest allowed bytes per
+    token against GPU and host memory together. When even that does not fit, the cache is the
+    limit, whatever the weights or buffers need. Otherwise the candidate that came closest (its
+    ``memory["shortfall"]``, bytes needed / bytes available, is smallest) names the binding limit;
+    quoting any other would blame a resource that another choice already satisfies.
+    """
+    if not candidates:
+        return "no feasible plan: no candidate was allowed (check --kv, --weight-bits and the --no-* flags)"
+    unified = hw.device == "cpu"
+    gpu_cap = limits.gpu(hw)
+    total_cap = gpu_cap if unified else gpu_cap + limits.host(hw)
+    per_tok = min(model.kv_bytes_per_token(kv, allowed.high_fraction) for kv in allowed.kv_configs)
+    if allowed.activation_cache:
+        per_tok = min(per_tok, model.act_bytes_per_token())
+    tokens = sum(p + wl.gen for p in wl.prompts)
+    cache = tokens * model.num_layers * per_tok
+    bits = 16 if unified else min(allowed.weight_bits)
+    weights = model.num_layers * model.weight_bytes_per_layer(bits) + model.embedding_params() * model.dtype_bytes
+    where = "memory" if unified else "GPU and host memory together"
+    if cache > total_cap:
+        return (f"no feasible plan: the cache alone needs {cache / GiB:.1f} GiB ({tokens} tokens x "
+                f"{model.num_layers} layers x {per_tok:.0f} B per token at best), more than the {where} "
+                f"({total_cap / GiB:.1f} GiB); lower --batch, --prompt or --gen, or allow a smaller --kv")
+    if cache + weights > total_cap:
+        return (f"no feasible plan: the weights ({weights / GiB:.1f} GiB at {bits} bits) and the cache "
+                f"({cache / GiB:.1f} GiB at best) need {(weights + cache) / GiB:.1f} GiB, more than the {where} "
+                f"({total_cap / GiB:.1f} GiB)")
+    best = min(candidates, key=lambda p: p.memory.get("shortfall", math.inf))
+    return f"no feasible plan: the closest candidate ({best.choice.label()}) fails: {best.infeasible_reason}"
 
 
 def plan(model: ModelSpec | str, hardware: HardwareProfile | str, workload: Workload,
@@ -756,9 +823,8 @@ def plan(model: ModelSpec | str, hardware: HardwareProfile | str, workload: Work
         baseline = evaluate(model, hw, workload, b.choice, base_allowed, limits, True)
 
     if not feasible:
-        why = sorted({p.infeasible_reason for p in candidates})
-        out = Plan(model, hw, workload, Choice(None, "kv", 0), False,
-                   "no feasible plan: " + "; ".join(why[:3]), candidates=len(candidates))
+        out = Plan(model, hw, workload, Choice(None, "kv", 0), False, _infeasible_summary(model, hw, workload, allowed, limits, candidates),
+                   candidates=len(candidates))
         out.baseline = baseline
         out.reasons = {"feasibility": out.infeasible_reason}
         return out

@@ -1,0 +1,94 @@
+"""``leankit.apply(model, kv)``: make plain ``model.generate`` use a fresh LeanCache per call.
+
+A LeanCache holds one batch of requests, so one object cannot serve several ``generate`` calls
+(``pipeline("text-generation")`` over a list makes one call per prompt or batch). ``apply``
+therefore wraps the generate method of this one model instance: each call that brings no
+``past_key_values`` gets a new ``LeanCache(model, kv, **overrides)``, built with the end-of-sequence
+ids that call stops on, so finished rows free their pages at once.
+
+Why an instance wrapper and not a transformers hook: ``generate``'s keyword arguments are its
+public, documented interface, while the place where it builds its default cache
+(``_prepare_cache_for_generation``) and the ``cache_implementation`` registry are private and
+have changed across 5.x releases. Pipelines call ``self.model.generate``, which finds the
+instance attribute first, so they are covered too. Nothing of transformers is patched: other
+model instances are untouched, and ``apply(model, None)`` (or :func:`remove`) restores the
+original method and attention implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .config import KVConfig
+
+_STATE = "_leankit_apply"
+
+
+def apply(model, kv: str | KVConfig | None, **overrides):
+    """Make ``model.generate`` (and pipelines over ``model``) use a fresh LeanCache per call.
+
+    Args:
+        model: a causal LM that :class:`~leankit.LeanCache` serves.
+        kv: KV config string or :class:`KVConfig` (``"K8V4"``, ``"K8V4-K4V2:th=0.25,tl=0"``), or
+            ``None`` to undo a previous ``apply``.
+        **overrides: :class:`KVConfig` overrides, and ``num_pages`` / ``max_seq_len`` for the cache.
+
+    Returns the model. Calling ``apply`` again replaces the config. A call that passes its own
+    ``past_key_values`` or ``use_cache=False`` is left alone. Raises ``ValueError`` for a bad
+    config or an architecture LeanCache cannot serve, leaving the model unchanged.
+    """
+    if kv is None:
+        if overrides:
+            raise ValueError(f"apply(model, None) undoes apply and takes no overrides, got {sorted(overrides)}")
+        remove(model)
+        return model
+    from .cache import check_model_supported
+    from .hf import enable
+
+    cache_kw = {k: overrides.pop(k) for k in ("num_pages", "max_seq_len") if k in overrides}
+    cfg = KVConfig.parse(kv, **overrides)  # validate before touching the model
+    check_model_supported(model.config)
+    state = getattr(model, _STATE, None)
+    if state is None:
+        state = {"attn": getattr(model.config, "_attn_implementation", None),
+                 "generate": model.__dict__.get("generate")}
+    enable(model)
+    original = state["generate"] or type(model).generate.__get__(model)
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if kwargs.get("past_key_values") is None and kwargs.get("use_cache", True) is not False:
+            kwargs["past_key_values"] = _fresh_cache(model, cfg, cache_kw, kwargs)
+        return original(*args, **kwargs)
+
+    generate.leankit_config = cfg
+    model.generate = generate
+    setattr(model, _STATE, state)
+    return model
+
+
+def remove(model):
+    """Undo :func:`apply`: the model's own ``generate`` and attention implementation come back.
+
+    A model ``apply`` never touched is returned as it is. Returns the model.
+    """
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return model
+    if state["generate"] is None:
+        model.__dict__.pop("generate", None)
+    else:
+        model.generate = state["generate"]
+    if state["attn"] is not None and model.config._attn_implementation != state["attn"]:
+        model.set_attn_implementation(state["attn"])
+    delattr(model, _STATE)
+    return model
+
+
+def _fresh_cache(model, cfg: KVConfig, cache_kw: dict, kwargs: dict):
+    """A new LeanCache for one ``generate`` call, freeing rows on the ids that call stops on."""
+    from .cache import LeanCache
+
+    gen_cfg = kwargs.get("generation_config") or model.generation_config
+    eos = kwargs.get("eos_token_id", getattr(gen_cfg, "eos_token_id", None))
+    return LeanCache(model, cfg, eos_token_id=eos, **cache_kw)

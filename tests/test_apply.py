@@ -1,0 +1,90 @@
+"""``leankit.apply``: plain generate and text-generation pipelines get a fresh LeanCache per call."""
+
+import pytest
+import torch
+from transformers import pipeline
+
+import leankit
+from leankit import LeanCache
+from leankit import cache as cache_module
+from leankit.testing import tiny_model, tiny_tokenizer
+
+PROMPTS = ["w5 w6 w7 w8", "w9", "w10 w11 w12", "w13 w14"]
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """Record every LeanCache the wrapper builds."""
+    caches = []
+    init = cache_module.LeanCache.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        caches.append(self)
+
+    monkeypatch.setattr(cache_module.LeanCache, "__init__", spy)
+    return caches
+
+
+def _pipe(model, tok, **kw):
+    pipe = pipeline("text-generation", model=model, tokenizer=tok, device="cpu")
+    return [o[0]["generated_text"] for o in pipe(PROMPTS, max_new_tokens=6, do_sample=False, **kw)]
+
+
+def test_pipeline_over_a_list_uses_a_fresh_cache_per_call(built):
+    model, tok = tiny_model("llama-gqa"), tiny_tokenizer()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    ref = _pipe(model, tok)  # DynamicCache
+    leankit.apply(model, "FP16")
+    assert _pipe(model, tok) == ref  # lossless, one prompt per call
+    assert len(built) == len(PROMPTS) and len({id(c) for c in built}) == len(PROMPTS)
+    assert _pipe(model, tok, batch_size=3) == ref  # left-padded batches of 3, then 1
+    assert len(built) == len(PROMPTS) + 2
+    leankit.apply(model, "K8V4", window=8)  # a new config replaces the old one
+    out = _pipe(model, tok)
+    assert len(out) == len(PROMPTS) and built[-1].cfg == leankit.KVConfig.parse("K8V4", window=8)
+
+
+def test_plain_generate_and_eos_from_the_call(built):
+    model = tiny_model("qwen2")
+    ids, mask = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]]), torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
+        leankit.apply(model, "FP16")
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
+        assert torch.equal(out, ref) and len(built) == 1 and built[0].eos_ids.numel() == 0
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, eos_token_id=[2, 7])
+        assert built[1].eos_ids.tolist() == [2, 7]
+        # a call that brings its own cache, or none at all, is left alone
+        own = LeanCache(model, "K8V4")
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, past_key_values=own, eos_token_id=None)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, use_cache=False, eos_token_id=None)
+    assert built[2:] == [own]
+
+
+def test_apply_none_and_remove_restore_the_model():
+    model = tiny_model("llama-gqa")
+    attn = model.config._attn_implementation
+    leankit.apply(model, "K8V4")
+    assert "generate" in model.__dict__ and model.config._attn_implementation == "leankit"
+    leankit.apply(model, "K4V2")  # re-applying keeps the original to restore
+    leankit.apply(model, None)
+    assert "generate" not in model.__dict__ and model.config._attn_implementation == attn
+    leankit.apply(model, "K8V4")
+    leankit.remove(model)
+    assert "generate" not in model.__dict__
+    assert leankit.remove(model) is model  # removing twice is harmless
+
+
+def test_apply_rejects_bad_input_and_leaves_the_model_alone():
+    model = tiny_model("llama-gqa")
+    for bad in ("K8V3", "K4V2-K8V4"):
+        with pytest.raises(ValueError):
+            leankit.apply(model, bad)
+    with pytest.raises(ValueError, match="th"):
+        leankit.apply(model, "K8V4", th="0.3")
+    with pytest.raises(ValueError, match="overrides"):
+        leankit.apply(model, None, window=3)
+    assert "generate" not in model.__dict__ and not hasattr(model, "_leankit_apply")
+    with pytest.raises(ValueError, match="model types"):
+        leankit.apply(tiny_model("opt"), "K8V4")

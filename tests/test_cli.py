@@ -1,0 +1,102 @@
+"""``leankit`` command line: --version, decoding flags, streaming, progress and bad input."""
+
+import pytest
+
+import leankit
+from leankit.cli import build_parser, main, sampling_kwargs
+from leankit.testing import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """Serve ``--model tiny`` from a random-init Llama and a tokenizer built in code."""
+    loaded = []
+
+    def load(name):
+        assert name == "tiny"
+        model, tok = tiny_model("llama-gqa"), tiny_tokenizer()
+        model.generation_config.pad_token_id = tok.pad_token_id
+        loaded.append(model)
+        return model, tok
+
+    monkeypatch.setattr(leankit, "load_model", load)
+    return loaded
+
+
+def _gen(*extra):
+    return main(["generate", "--model", "tiny", "--max-new-tokens", "5", "--no-progress", *extra])
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"leankit {leankit.__version__}") and "transformers" in out
+
+
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_empty_prompt_is_a_clear_error_before_loading(tiny, capsys, prompt):
+    assert _gen("--prompt", prompt) == 2
+    err = capsys.readouterr().err
+    assert "--prompt is empty" in err and "Traceback" not in err
+    assert not tiny  # rejected before any model is loaded
+    assert _gen("--prompt", "w5", "--prompt", "") == 2
+    assert "--prompt #2 is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,msg", [(["--temperature", "0"], "--temperature"), (["--top-p", "1.5"], "--top-p"),
+                                       (["--top-p", "0"], "--top-p"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+                                       (["--stream", "--prompt", "w5", "--prompt", "w6"], "single --prompt")])
+def test_bad_decoding_flags(tiny, capsys, flags, msg):
+    assert main(["generate", "--model", "tiny", *flags]) == 2
+    assert msg in capsys.readouterr().err
+    assert not tiny
+
+
+def test_sampling_flags_select_sampling():
+    p = build_parser()
+    assert sampling_kwargs(p.parse_args(["generate"])) == {"do_sample": False}
+    assert sampling_kwargs(p.parse_args(["generate", "--temperature", "1.3"])) == \
+        {"do_sample": True, "temperature": 1.3, "top_p": 0.95}
+    assert sampling_kwargs(p.parse_args(["generate", "--top-p", "0.5"])) == \
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.5}
+    assert sampling_kwargs(p.parse_args(["generate", "--sample"]))["do_sample"] is True
+
+
+def test_generate_greedy_batch_prints_each_row_and_memory(tiny, capsys):
+    assert _gen("--prompt", "w5 w6 w7", "--prompt", "w9") == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out.count("---") == 2 and out[-1].startswith("[leankit] KV K8V4")
+    assert all(w.startswith("w") or w == "<unk>" for w in out[0].split())
+
+
+def test_generate_sampling_is_seeded(tiny, capsys):
+    outs = []
+    for _ in range(2):
+        assert _gen("--prompt", "w5 w6", "--temperature", "1.5", "--seed", "3") == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+
+
+def test_stream_prints_the_text_once(tiny, capsys):
+    assert _gen("--prompt", "w5 w6 w7", "--stream") == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 and out[1].startswith("[leankit]")  # the streamed text, then the memory line
+    assert len(out[0].split()) == 5
+
+
+def test_progress_bar_counts_decoding_steps(tiny, capsys, monkeypatch):
+    from leankit import cli
+
+    seen = []
+    real = cli.make_streamer
+
+    def spy(tok, args, total):
+        s = real(tok, args, total)
+        seen.append(s)
+        return s
+
+    monkeypatch.setattr(cli, "make_streamer", spy)
+    assert main(["generate", "--model", "tiny", "--max-new-tokens", "6", "--prompt", "w5"]) == 0
+    assert seen[0].bar.total == 6 and seen[0].steps == 6

@@ -1,0 +1,127 @@
+"""``leankit plan`` input handling: every bad input gives a clear error, every edge value is honoured."""
+
+import json
+
+import pytest
+
+from leankit.planner import Allowed, Limits, Workload, plan
+from leankit.planner.cli import kv_list, main
+from leankit.planner.hardware import GiB, HardwareProfile, get_hardware
+
+BASE = ["plan", "--model", "opt-30b", "--hardware", "rtx4090-pcie4", "--gen", "8"]
+
+
+def _json(capsys, *extra):
+    rc = main(BASE + ["--json", *extra])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def _argparse_error(capsys, *extra) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(BASE + list(extra))
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_kv_with_inline_overrides_parses():
+    assert kv_list("K8V4:group_size=32") == ["K8V4:group_size=32"]
+    assert kv_list("fp16, k8v4-k4v2:th=0.2,tl=0 ,K4V4") == [None, "K8V4-K4V2:th=0.2,tl=0", "K4V4"]
+    with pytest.raises(ValueError, match="does not follow"):
+        kv_list("th=0.2,K8V4")
+    with pytest.raises(ValueError, match="unknown override"):
+        kv_list("K8V4:grp=32")
+
+
+def test_cli_kv_group_size_reaches_the_plan(capsys):
+    rc, d = _json(capsys, "--kv", "K8V4:group_size=32", "--no-act", "--no-kvpr", "--no-attn-offload")
+    assert rc == 0 and d["kv"] == "K8V4:group_size=32"
+
+
+def test_gpu_mem_zero_is_honoured(capsys):
+    rc, d = _json(capsys, "--gpu-mem", "0")
+    assert rc == 1 and not d["feasible"]
+    assert "has 0.0 GiB" in d["infeasible_reason"] or "(0.0 GiB" in d["infeasible_reason"]
+
+
+def test_host_mem_zero_is_honoured(capsys):
+    # OPT-30B's 56 GiB of weights cannot live on a 24 GiB GPU once the host holds nothing
+    rc, d = _json(capsys, "--host-mem", "0")
+    assert rc == 1 and "24.0 GiB" in d["infeasible_reason"]
+    # a model that fits the GPU whole still plans with no host memory, every layer resident
+    rc = main(["plan", "--model", "smollm2-135m", "--hardware", "rtx4090-pcie4", "--gen", "8", "--json",
+               "--host-mem", "0"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and d["gpu_layers"] == 30
+
+
+def test_limits_zero_differs_from_unset():
+    hw = get_hardware("rtx4090-pcie4")
+    assert Limits(gpu_mem=0).gpu(hw) == 0 and Limits().gpu(hw) == hw.gpu_mem
+    assert Limits(host_mem=0.0).host(hw) == 0 and Limits().host(hw) == hw.host_mem
+    with pytest.raises(ValueError, match="gpu_mem"):
+        Limits(gpu_mem=-1)
+
+
+@pytest.mark.parametrize("flag", ["--gpu-mem", "--host-mem"])
+def test_negative_memory_rejected(capsys, flag):
+    err = _argparse_error(capsys, flag, "-5")
+    assert flag in err and ">= 0" in err
+
+
+def test_hardware_json_with_missing_fields(tmp_path, capsys):
+    p = tmp_path / "hw.json"
+    p.write_text(json.dumps({"name": "mine", "h2d_bw": 1e10, "gpu_mem": 8 * GiB}))
+    rc = main(["plan", "--hardware", str(p)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    for name in ("d2h_bw", "gpu_flops", "cpu_mem_bw", "host_mem"):
+        assert name in err
+    assert "'gpu_mem'" not in err.split("lacks")[1].split(";")[0]  # only the missing ones are named
+    p.write_text("[1, 2]")
+    assert main(["plan", "--hardware", str(p)]) == 2
+    assert "JSON object" in capsys.readouterr().err
+    p.write_text("{not json")
+    assert main(["plan", "--hardware", str(p)]) == 2
+    assert "bad hardware profile" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="lacks required"):
+        HardwareProfile.from_dict({"name": "x"})
+
+
+@pytest.mark.parametrize("value,msg", [(",", "at least one"), ("abc", "'abc' is not a bit width"),
+                                       ("16,3", "3 is not among")])
+def test_bad_weight_bits(capsys, value, msg):
+    err = _argparse_error(capsys, "--weight-bits", value)
+    assert "--weight-bits" in err and msg in err
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "x"])
+def test_high_fraction_outside_unit_interval_rejected(capsys, value):
+    assert "--high-fraction" in _argparse_error(capsys, "--high-fraction", value)
+    with pytest.raises(ValueError, match="high_fraction"):
+        Allowed(high_fraction=1.5)
+    with pytest.raises(ValueError, match="weight bit"):
+        Allowed(weight_bits=())
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--prompt", "--gen"])
+def test_workload_must_be_positive(capsys, flag):
+    assert flag in _argparse_error(capsys, flag, "0")
+
+
+def test_huge_workload_names_the_binding_limit(capsys):
+    """batch 100000 x prompt 100000: the cache of 10^10 tokens fits nowhere; the message must say so,
+    not quote a candidate with many resident layers whose GPU working set overshoots by 0.2 GiB."""
+    rc = main(["plan", "--model", "opt-13b", "--hardware", "a100-40gb-pcie4", "--batch", "100000", "--prompt",
+               "100000", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    reason = d["infeasible_reason"]
+    assert "cache alone needs" in reason and "before any cache" not in reason
+    assert "10012800000 tokens" in reason and "552.0 GiB" in reason  # 40 GiB GPU + 512 GiB host
+
+
+def test_infeasible_reason_comes_from_the_closest_candidate():
+    # a cache that fits memory in total, but a GPU limit below what weights + buffers need
+    p = plan("opt-30b", "rtx4090-pcie4", Workload(4, 64, 8), limits=Limits(gpu_mem=1 * GiB))
+    assert not p.feasible and "closest candidate" in p.infeasible_reason
+    assert "0 layers resident" in p.infeasible_reason  # the smallest GPU need, not an arbitrary one
