@@ -12,7 +12,7 @@ CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Egypt"
 
 
 def test_score_matches_full_forward_when_lossless(smollm2):
-    from eval.lm_eval_leankit import LeanKitLM
+    from leankit.eval import LeanKitLM
 
     model, tok = smollm2
     lm = LeanKitLM(pretrained=model, tokenizer=tok, kv="FP16", chunk=3, batch_size=1)
@@ -29,7 +29,7 @@ def test_local_task_through_cache(smollm2, tmp_path):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from eval.lm_eval_leankit import LeanKitLM
+    from leankit.eval import LeanKitLM
 
     model, tok = smollm2
     data = tmp_path / "capitals.jsonl"
