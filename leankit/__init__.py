@@ -9,6 +9,7 @@ Quick use::
     print(cache.memory_report())
 """
 
+from . import presets
 from .allocator import PoolExhausted
 from .config import KVConfig, Precision
 from .quant import NonFiniteKVError
@@ -16,7 +17,7 @@ from .quant import NonFiniteKVError
 __version__ = "0.1.0"
 
 __all__ = ["KVConfig", "Precision", "PoolExhausted", "NonFiniteKVError", "LeanCache", "enable", "load_model",
-           "__version__"]
+           "presets", "__version__"]
 
 
 def __getattr__(name):
