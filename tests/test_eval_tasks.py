@@ -162,20 +162,6 @@ def test_every_task_runs_through_leankit_cache(tiny):
     assert all(c.cfg.group_size == 8 and c.cfg.window == 16 for c in caches)
 
 
-def test_lossless_score_matches_a_plain_forward(tiny):
-    from leankit.eval import LeanKitLM
-
-    model, tok = tiny
-    lm = LeanKitLM(pretrained=model, tokenizer=tok, kv="FP16", chunk=5, batch_size=1)
-    ctx = tok("The capital of Greece", add_special_tokens=False).input_ids
-    cont = tok(" is Athens, a city.", add_special_tokens=False).input_ids
-    got, _ = lm.score(ctx, cont)
-    with torch.no_grad():
-        logp = model(torch.tensor([ctx + cont])).logits[0].float().log_softmax(-1)
-    want = float(sum(logp[len(ctx) - 1 + i, t] for i, t in enumerate(cont)))
-    assert got == pytest.approx(want, abs=1e-4)
-
-
 # ------------------------------------------------------------------ model arguments
 def test_each_override_is_its_own_model_argument(tiny):
     from leankit.eval import LeanKitLM
