@@ -234,3 +234,22 @@ def test_lm_eval_argv_defaults():
                                               str(TASK_DIR)]
     assert lm_eval_argv(["ls", "tasks"]) == ["ls", "tasks", "--include_path", str(TASK_DIR)]
     assert lm_eval_argv(["run", "--model=hf", "--include_path", "/x"]) == ["run", "--model=hf", "--include_path", "/x"]
+
+
+@pytest.mark.slow
+def test_shipped_tasks_lossless_on_smollm2(smollm2):
+    """FP16 through LeanCache answers the shipped generation tasks exactly as HF's own cache does."""
+    from lm_eval.models.huggingface import HFLM
+
+    from leankit.eval import LeanKitLM
+
+    model, tok = smollm2
+    tasks = ["leankit_niah_single", "leankit_capitals"]
+    answers = {}
+    for name, make in (("hf", lambda: HFLM(pretrained=model, tokenizer=tok, backend="causal", batch_size=1)),
+                       ("leankit", lambda: LeanKitLM(pretrained=model, tokenizer=tok, kv="FP16", batch_size=1))):
+        res = lm_eval.simple_evaluate(model=make(), tasks=tasks, task_manager=task_manager(), limit=2,
+                                      log_samples=True)
+        answers[name] = {t: [s["resps"] for s in res["samples"][t]] for t in tasks}
+    assert answers["leankit"] == answers["hf"]
+    assert all(len(v) == 2 for v in answers["hf"].values())
