@@ -13,6 +13,7 @@ or, for every later ``generate`` call and pipeline over the model::
     leankit.apply(model, "K8V4")          # leankit.apply(model, None) undoes it
 """
 
+from . import presets
 from .allocator import PoolExhausted
 from .apply_cache import apply, remove
 from .config import KVConfig, Precision
@@ -21,7 +22,7 @@ from .quant import NonFiniteKVError
 __version__ = "0.1.0"
 
 __all__ = ["KVConfig", "Precision", "PoolExhausted", "NonFiniteKVError", "LeanCache", "enable", "load_model",
-           "apply", "remove", "__version__"]
+           "apply", "remove", "presets", "__version__"]
 
 
 def __getattr__(name):

@@ -274,7 +274,7 @@ class LeanCache(Cache):
         """Raise ``ValueError`` naming both shapes when ``config`` is not the model this cache was built
         for (layer count, KV heads, head_dim). Python ints only: no device sync."""
         config = _text_config(config)
-        got = (config.num_hidden_layers, config.num_key_value_heads, attention_head_dim(config))
+        got = (config.num_hidden_layers, attention_kv_heads(config), attention_head_dim(config))
         if got != (self.model_layers, self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"this LeanCache was built for a model with {self._shape_text()}, but is used with a model with "

@@ -86,5 +86,8 @@ def test_apply_rejects_bad_input_and_leaves_the_model_alone():
     with pytest.raises(ValueError, match="overrides"):
         leankit.apply(model, None, window=3)
     assert "generate" not in model.__dict__ and not hasattr(model, "_leankit_apply")
-    with pytest.raises(ValueError, match="model types"):
-        leankit.apply(tiny_model("opt"), "K8V4")
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="model types"):  # OPT is served; GPT-2 is not
+        leankit.apply(gpt2, "K8V4")

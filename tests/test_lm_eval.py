@@ -1,20 +1,31 @@
-"""lm-eval integration: a local task scored through a compressing LeanCache (SmolLM2; slow)."""
+"""lm-eval integration: LeanKitLM scores through a compressing LeanCache (tiny model fast, SmolLM2 slow)."""
 
 import json
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
-
 CAPITALS = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Egypt", "Cairo"), ("Spain", "Madrid"),
             ("Germany", "Berlin")]
 
 
-def test_score_matches_full_forward_when_lossless(smollm2):
-    from eval.lm_eval_leankit import LeanKitLM
+@pytest.fixture(params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def any_model(request):
+    """The tiny random Llama with a byte tokenizer, and (slow) the real SmolLM2."""
+    if request.param == "smollm2":
+        return request.getfixturevalue("smollm2")
+    from test_eval_tasks import byte_tokenizer
 
-    model, tok = smollm2
+    from leankit.testing import tiny_model
+
+    tok = byte_tokenizer()
+    return tiny_model("llama-gqa", seed=3, vocab_size=len(tok), max_position_embeddings=1024), tok
+
+
+def test_score_matches_full_forward_when_lossless(any_model):
+    from leankit.eval import LeanKitLM
+
+    model, tok = any_model
     lm = LeanKitLM(pretrained=model, tokenizer=tok, kv="FP16", chunk=3, batch_size=1)
     ctx = tok("The capital of France is", add_special_tokens=False).input_ids
     cont = tok(" Paris, a city on the Seine.", add_special_tokens=False).input_ids
@@ -25,11 +36,12 @@ def test_score_matches_full_forward_when_lossless(smollm2):
     assert got == pytest.approx(want, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_local_task_through_cache(smollm2, tmp_path):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from eval.lm_eval_leankit import LeanKitLM
+    from leankit.eval import LeanKitLM
 
     model, tok = smollm2
     data = tmp_path / "capitals.jsonl"

@@ -115,7 +115,7 @@ def test_opt_quantized_generates(spec):
     assert rep["kv_bytes"] > 0 and rep["tokens_per_tier"]["high"] > 0
     # every real token of every layer and head is held (no policy prunes with these defaults)
     real = int(mask.sum()) + ids.shape[0] * 8  # the last sampled token is never fed back
-    assert sum(rep["tokens_per_tier"].values()) == real * model.config.num_hidden_layers * 4
+    assert sum(rep["slots_per_tier"].values()) == real * model.config.num_hidden_layers * 4
 
 
 def test_opt_k8v4_paged_attention_matches_oracle():

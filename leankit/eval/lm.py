@@ -1,0 +1,177 @@
+"""``LeanKitLM``: an lm-eval model whose every scored token goes through a compressing LeanCache.
+
+lm-eval's stock ``HFLM`` scores a request with one forward over context + continuation, which
+never reads a KV cache, so it cannot tell a compressed cache from an exact one. ``LeanKitLM``
+scores each request the way a server would see it:
+
+1. prefill ``context[:-1]`` into a fresh :class:`~leankit.cache.LeanCache` (prompt-phase
+   compression happens here);
+2. feed ``[context[-1]] + continuation[:-1]`` with explicit ``position_ids``, in chunks of at most
+   ``chunk`` tokens, so the cache compresses between chunks (rolling perplexity windows, whose
+   context is one token, are scored exactly this way);
+3. sum the log-probabilities of the continuation tokens.
+
+``generate_until`` passes a fresh LeanCache to ``model.generate`` for every batch.
+
+lm-eval splits ``--model_args`` on commas, so a config string with several overrides cannot
+travel whole. Every KVConfig override is therefore also a model argument of its own::
+
+    --model_args pretrained=smollm2-135m,kv=K8V4-K4V2,th=0.3,tl=0.05,group_size=32
+
+An argument that is neither a KVConfig override, a LeanKitLM argument nor one of the HFLM
+arguments that apply to an already loaded model raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lm_eval.api.registry import register_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from ..cache import LeanCache  # noqa: E402
+from ..config import KVConfig, split_overrides  # noqa: E402
+from ..hf import enable  # noqa: E402
+from ..models import load_model  # noqa: E402
+from ..presets import resolve  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+# KVConfig fields a model argument may set (the tiers come from ``kv`` itself).
+KV_OVERRIDES = tuple(f.name for f in dataclasses.fields(KVConfig) if f.name not in ("high", "low", "spec"))
+# HFLM arguments that still mean something once the model is loaded (the rest configure loading).
+HFLM_ARGS = ("batch_size", "max_batch_size", "max_length", "truncation", "logits_cache", "add_bos_token",
+             "prefix_token_id", "softmax_dtype", "think_end_token", "enable_thinking", "chat_template_args",
+             "trust_remote_code", "use_fast_tokenizer")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_config(kv, kv_overrides=None, **overrides) -> KVConfig:
+    """Build the KVConfig from ``kv`` (a config string, a preset name or a KVConfig) and overrides.
+
+    ``kv`` may carry its own overrides after a colon; ``kv_overrides`` (a dict or a
+    ``"th=0.3,tl=0"`` string) comes next and keyword ``overrides`` win over both. Values arrive
+    typed or as strings from lm-eval's command line and are converted to each field's type.
+    """
+    if isinstance(kv, KVConfig):
+        spec, inline = kv, {}
+    else:
+        if not isinstance(kv, str):
+            raise ValueError(f"model argument kv must be a config string, got {kv!r}")
+        spec, inline = split_overrides(resolve(kv))
+    if isinstance(kv_overrides, str):
+        _, extra = split_overrides(":" + kv_overrides)
+    else:
+        _, extra = split_overrides(":" + ",".join(f"{k}={v}" for k, v in (kv_overrides or {}).items()))
+    _, direct = split_overrides(":" + ",".join(f"{k}={_text(v)}" for k, v in overrides.items()))
+    return KVConfig.parse(spec, **{**inline, **extra, **direct})
+
+
+def _text(value) -> str:
+    # lm-eval has already turned "0.3" into 0.3 and "true" into True; go back to the string form
+    # split_overrides converts (it rejects commas inside a value, which cannot occur here).
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _device(device) -> str:
+    """The device to load on: lm-eval's CLI passes ``cuda:0`` by default, even on a machine without CUDA."""
+    if device is None or device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        log.warning("leankit: device %r asked for but CUDA is not available; using cpu", device)
+        return "cpu"
+    return device
+
+
+@register_model("leankit")
+class LeanKitLM(HFLM):
+    """An lm-eval model whose log-likelihoods and generations read a compressing LeanCache.
+
+    Args:
+        pretrained: an embedded model name (``"smollm2-135m"``), a local checkpoint directory, or
+            an already loaded model (then pass ``tokenizer=`` too).
+        kv: KV config string (see :meth:`leankit.KVConfig.parse`) or a preset name from
+            :mod:`leankit.presets` (``"neutral"``), optionally with ``:key=value`` overrides.
+        kv_overrides: dict of KVConfig overrides, or a string ``"th=0.5,tl=0.01"``.
+        chunk: largest number of continuation tokens fed per forward (compression runs between
+            chunks).
+        device: where to load a model given by name (default: CUDA if available, else CPU).
+        dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"`` for a model given by name.
+        **kwargs: each KVConfig override (``th``, ``tl``, ``group_size``, ``window``, ``rotate`` ...)
+            as its own argument, winning over ``kv`` and ``kv_overrides``; and the HFLM arguments
+            in ``HFLM_ARGS`` (``batch_size``, ``max_length`` ...). Anything else raises ``ValueError``.
+    """
+
+    def __init__(self, pretrained="smollm2-135m", kv="K8V4", kv_overrides=None, chunk: int = 64, tokenizer=None,
+                 device=None, dtype=None, **kwargs):
+        unknown = sorted(set(kwargs) - set(KV_OVERRIDES) - set(HFLM_ARGS))
+        if unknown:
+            raise ValueError(
+                f"unknown leankit model argument(s) {unknown}. Known: pretrained, kv, kv_overrides, chunk, tokenizer, "
+                f"device, dtype; KV overrides {', '.join(KV_OVERRIDES)}; HFLM arguments {', '.join(HFLM_ARGS)}")
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in KV_OVERRIDES}
+        self.kv = kv_config(kv, kv_overrides, **overrides)  # fails before the model is loaded
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"model argument chunk must be an integer >= 1, got {chunk!r}")
+        self.chunk = chunk
+        if isinstance(pretrained, str):
+            if dtype is not None and str(dtype) not in DTYPES:
+                raise ValueError(f"model argument dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            model, tok = load_model(pretrained, dtype=DTYPES[str(dtype or "float32")], device=_device(device))
+        else:
+            if tokenizer is None:
+                raise ValueError("a preloaded model needs tokenizer= as well")
+            model, tok = pretrained, tokenizer
+        enable(model)
+        super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
+
+    def _new_cache(self) -> LeanCache:
+        return LeanCache(self.model, self.kv)
+
+    @torch.no_grad()
+    def score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """``(sum log p(continuation | context), continuation is the greedy choice)`` through the cache."""
+        if not context:
+            raise ValueError("lm-eval always passes at least one context token (the prefix token)")
+        ids = torch.tensor(context + continuation, device=self.model.device).view(1, -1)
+        n_ctx = len(context)
+        cache = self._new_cache()
+        if n_ctx > 1:
+            self.model(input_ids=ids[:, : n_ctx - 1], position_ids=torch.arange(n_ctx - 1, device=ids.device)[None],
+                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logprob, greedy = 0.0, True
+        start = n_ctx - 1
+        end = ids.shape[1] - 1  # the last token is only ever a target
+        while start < end:
+            stop = min(start + self.chunk, end)
+            out = self.model(input_ids=ids[:, start:stop], position_ids=torch.arange(start, stop, device=ids.device)[None],
+                             past_key_values=cache, use_cache=True)
+            logp = F.log_softmax(out.logits[0].float(), dim=-1)
+            target = ids[0, start + 1: stop + 1]
+            logprob += float(logp.gather(-1, target[:, None]).sum())
+            greedy = greedy and bool((logp.argmax(-1) == target).all())
+            start = stop
+        return logprob, greedy
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        results = []
+        for (key, context_enc, continuation_enc) in tqdm(requests, disable=disable_tqdm or self.rank != 0,
+                                                         desc="leankit loglikelihood"):
+            answer = self.score(list(context_enc), list(continuation_enc))
+            results.append(answer)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return results
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        generation_kwargs["past_key_values"] = self._new_cache()
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
