@@ -58,10 +58,10 @@ def _convert_gguf(name: str, target: Path) -> None:
     if pkg is None:
         raise ModuleNotFoundError(
             f"model {name!r} needs the package {info['package'].replace('_', '-')}: run `{info['pip']}` "
-            "(and `pip install 'leankit[models]'` for gguf/accelerate)"
+            "(and `pip install 'leankit-kv[models]'` for gguf/accelerate)"
         )
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError("converting a GGUF model needs `gguf`: run `pip install 'leankit[models]'`")
+        raise ModuleNotFoundError("converting a GGUF model needs `gguf`: run `pip install 'leankit-kv[models]'`")
     if info.get("assemble"):  # a GGUF shipped in parts: the package joins and checks them
         gguf = Path(importlib.import_module(info["package"]).assemble())
         pkg, name = gguf.parent, gguf.name
