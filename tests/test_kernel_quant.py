@@ -99,7 +99,7 @@ def test_round_half_even_ties():
     x = x + torch.randint(-3, 4, (n, 1), generator=gen).float()  # shift: min stays exact in fp16
     pool = PagePool(2, cfg.page_size)
     pool.storage.fill_(0xA5)
-    page, slot = torch.zeros(n, dtype=torch.long), torch.arange(n)
+    page, slot = torch.arange(n) // lay.tokens, torch.arange(n) % lay.tokens  # real slots of two pages
     pos, score = torch.arange(n), torch.rand(n, generator=gen)
     rows = lay.encode(x, x, score, pos)
     ref = _reference_write(pool, lay, page, slot, rows)
