@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .page_table import BidirectionalPageTable
-from .pages import PageLayout, PagePool
+from .pages import SEGMENTS, PageLayout, PagePool
 from .quant import META_DTYPE
 
 
@@ -58,73 +58,88 @@ class Tile:
         table, layer, layout, pool = kv.table, kv.layer, kv.layouts[tier], kv.pool
         self.tier, self.start, self.layout = tier, start, layout
         ids, _ = table.tier_pages(tier, layer, start, count)
-        flat = ids.reshape(-1).long()
-        lead = ids.shape  # [B, H, P]
+        b, h, p = ids.shape
         t = layout.tokens
+        # One gather of whole pages; every segment is then a typed view into them (segments are
+        # 16-byte aligned, so the fp16 / int32 / dense views need no copy).
+        pages = pool.storage.index_select(0, ids.reshape(-1).long()).view(b, h, p, pool.page_size)
 
         def take(name, dtype=torch.uint8):
-            seg = pool.segment_view(layout, name, dtype).index_select(0, flat)
-            return seg.reshape(lead[0], lead[1], lead[2] * t, -1)  # [B, H, N, n]
+            i = SEGMENTS.index(name)
+            size = torch.empty((), dtype=dtype).element_size()
+            off, nb = layout.seg_offsets[i] // size, layout.seg_bytes[i] // size
+            return pages.view(dtype)[..., off: off + t * nb].unflatten(-1, (t, nb))  # [B, H, P, T, n]
 
-        self.pos = take("position", torch.int32).squeeze(-1)
+        self.shape = (b, h, p * t)
+        self.pos = take("position", torch.int32).reshape(b, h, p * t)
         slot = torch.arange(start * t, (start + count) * t, device=ids.device)
         self.valid = slot.view(1, 1, -1) < table.lens[tier, layer].unsqueeze(-1)
-        self.k_data, self.v_data = take("k_data"), take("v_data")
         prec = layout.precision
+        self.k_data = take("k_data", layout.dense_dtype if not prec.k_quantized else torch.uint8)
+        self.v_data = take("v_data", layout.dense_dtype if not prec.v_quantized else torch.uint8)
         self.k_meta = self._meta(take("k_meta", META_DTYPE)) if prec.k_quantized else None
         self.v_meta = self._meta(take("v_meta", META_DTYPE)) if prec.v_quantized else None
 
     def _meta(self, meta: torch.Tensor):
-        # [B, H, N, 2G] -> scale, min [B, H, N, G]; zero dead slots (stale bytes may be NaN).
-        meta = meta.float().unflatten(-1, (-1, 2)).masked_fill(~self.valid[..., None, None], 0.0)
+        # [B, H, P, T, 2G] -> scale, min [B, H, N, G]; zero dead slots (stale bytes may be NaN).
+        meta = meta.float().reshape(*self.shape, -1, 2).masked_fill(~self.valid[..., None, None], 0.0)
         return meta[..., 0], meta[..., 1]
 
     def _planes(self, data: torch.Tensor, bits: int) -> list[torch.Tensor]:
-        """Codes as float planes: plane ``i`` holds elements ``i, i+P, i+2P, ...`` (``P = 8 / bits``).
+        """Codes as float planes ``[B, H, N, F / P]``: plane ``i`` holds elements ``i, i+P, ...`` (``P = 8 / bits``).
 
         Keeping the bit planes apart (instead of interleaving them back into ``[N, F]``) lets
         both products run plane by plane on strided query/output columns, with no large copy.
         """
         if bits >= 16:
-            dense = data.view(self.layout.dense_dtype).float()
-            return [dense.masked_fill(~self.valid.unsqueeze(-1), 0.0)]
+            return [data.float().reshape(*self.shape, -1).masked_fill(~self.valid.unsqueeze(-1), 0.0)]
         if bits == 8:
-            return [data.float()]
+            return [data.float().reshape(*self.shape, -1)]
         mask = (1 << bits) - 1
-        return [((data >> (i * bits)) & mask).float() for i in range(8 // bits)]
+        return [((data >> (i * bits)) & mask).float().reshape(*self.shape, -1) for i in range(8 // bits)]
 
     def scores(self, qg: torch.Tensor) -> torch.Tensor:
-        """Raw dot products ``q . k_hat`` ``[B, H, M, N]`` for grouped queries ``[B, H, M, F]``."""
+        """Raw dot products ``q . k_hat`` ``[B, H, M, N]`` for grouped queries ``[B, H, M, F]``.
+
+        Per quantization group ``g``: ``s_g * (q_g . Q_g) + m_g * sum(q_g)``, one small matmul per
+        group and bit plane; the minimum term of all groups is one ``[M, G] x [G, N]`` matmul.
+        """
         planes = self._planes(self.k_data, self.layout.precision.k_bits)
         n_planes = len(planes)
         if self.k_meta is None:
             return torch.matmul(qg, planes[0].transpose(-1, -2))
         scale, mn = self.k_meta
         ng = scale.shape[-1]
-        if ng == 1:
-            dots = sum(torch.matmul(qg[..., i::n_planes], c.transpose(-1, -2)) for i, c in enumerate(planes))
-            return dots * scale[..., 0].unsqueeze(2) + qg.sum(-1, keepdim=True) * mn[..., 0].unsqueeze(2)
-        dots = sum(torch.einsum("bhmgd,bhngd->bhmng", qg[..., i::n_planes].unflatten(-1, (ng, -1)),
-                                c.unflatten(-1, (ng, -1))) for i, c in enumerate(planes))
-        qsum = qg.unflatten(-1, (ng, -1)).sum(-1)  # [B, H, M, G]
-        return (dots * scale.unsqueeze(2)).sum(-1) + torch.einsum("bhmg,bhng->bhmn", qsum, mn)
+        width = qg.shape[-1] // ng  # channels per group; width / n_planes of them in each plane
+        out = torch.matmul(qg.unflatten(-1, (ng, -1)).sum(-1), mn.transpose(-1, -2))
+        for g in range(ng):
+            qgrp = qg[..., g * width: (g + 1) * width]
+            cols = slice(g * width // n_planes, (g + 1) * width // n_planes)
+            dots = sum(torch.matmul(qgrp[..., i::n_planes], c[..., cols].transpose(-1, -2))
+                       for i, c in enumerate(planes))
+            out += dots * scale[..., g].unsqueeze(2)
+        return out
 
     def weighted_values(self, p: torch.Tensor) -> torch.Tensor:
-        """``p @ v_hat`` ``[B, H, M, F]`` for probabilities ``p`` ``[B, H, M, N]`` (0 on dead slots)."""
+        """``p @ v_hat`` ``[B, H, M, F]`` for probabilities ``p`` ``[B, H, M, N]`` (0 on dead slots).
+
+        Per group ``g``: ``(p * s_g) @ Q_g + p @ m_g``, plane by plane.
+        """
         planes = self._planes(self.v_data, self.layout.precision.v_bits)
         if self.v_meta is None:
             return torch.matmul(p, planes[0])
         scale, mn = self.v_meta
         ng = scale.shape[-1]
-        if ng == 1:
-            ps = p * scale[..., 0].unsqueeze(2)
-            outs = [torch.matmul(ps, c) for c in planes]
-        else:
-            outs = [torch.einsum("bhmn,bhng,bhngd->bhmgd", p, scale, c.unflatten(-1, (ng, -1))).flatten(-2)
-                    for c in planes]
-        out = outs[0] if len(outs) == 1 else torch.stack(outs, dim=-1).flatten(-2)  # re-interleave columns
+        n_planes = len(planes)
         offset = torch.matmul(p, mn)  # [B, H, M, G]: sum_t p_t * min_t per group
-        return (out.unflatten(-1, (ng, -1)) + offset.unsqueeze(-1)).flatten(-2)
+        groups = []
+        for g in range(ng):
+            ps = p * scale[..., g].unsqueeze(2)
+            width = planes[0].shape[-1] // ng
+            outs = [torch.matmul(ps, c[..., g * width: (g + 1) * width]) for c in planes]
+            grp = outs[0] if n_planes == 1 else torch.stack(outs, dim=-1).flatten(-2)  # re-interleave planes
+            groups.append(grp + offset[..., g: g + 1])
+        return groups[0] if ng == 1 else torch.cat(groups, dim=-1)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ``(k, v)`` ``[B, H, N, F]`` of the tile (for oracles and tests)."""
