@@ -24,9 +24,9 @@ from leankit.testing import tiny_model
 KINDS = ["llama-mha", "llama-gqa", "qwen2", "qwen3", "opt"]
 
 
-def model_of(kind: str, seed: int):
+def model_of(kind: str, seed: int, **kw):
     """A tiny model whose norms and biases are perturbed, so recompute must get every one of them right."""
-    m = qwen3_model(seed) if kind == "qwen3" else tiny_model(kind, seed=seed)
+    m = qwen3_model(seed) if kind == "qwen3" else tiny_model(kind, seed=seed, **kw)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -173,7 +173,7 @@ def test_beam_search_with_act_matches_dynamic_cache():
 def test_triton_backend_act_path_matches_dynamic_cache(spec, monkeypatch):
     """The fused act_to_kv kernel (interpreter on CPU) serves the recompute: same tokens."""
     monkeypatch.setenv("LEANKIT_BACKEND", "triton")
-    model = model_of("qwen2", 2)
+    model = model_of("qwen2", 2, hidden_size=128)  # head_dim 32: the kernel's smallest tile
     ids, mask = _batch(2, rows=2, width=9)
     ref = _generate(model, ids, mask, DynamicCache(config=model.config), new=5)
     assert torch.equal(_generate(model, ids, mask, lean(model, spec), new=5), ref)
