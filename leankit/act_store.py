@@ -140,7 +140,6 @@ def _capture_hook(layer_idx: int):
         store = getattr(kwargs.get("past_key_values"), "act_store", None)
         if store is not None:
             store.capture(layer_idx, args[0] if args else kwargs["hidden_states"])
-        return None
 
     return hook
 
