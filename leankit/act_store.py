@@ -347,7 +347,7 @@ class ActStore:
     def report(self, rep: dict) -> dict:
         """Split a LeanCache memory report into KV and ACT parts (see :meth:`LeanCache.memory_report`).
 
-        ``kv_bytes`` becomes the KV pages only; adds ``act_pages``, ``act_bytes``, ``act_tokens``
+        ``kv_bytes`` becomes the KV pages only, ``config`` names the ACT settings; adds ``act_pages``, ``act_bytes``, ``act_tokens``
         (ACT tokens summed over layers and sequences), ``total_bytes`` (both kinds; ``ratio`` is
         ``total_bytes / fp16_bytes``) and ``token_bytes``. ``fp16_bytes`` already counts every
         real token, ACT ones included.
@@ -360,7 +360,8 @@ class ActStore:
         tiers = dict(rep["tokens_per_tier"])
         tiers["pruned"] = max(tiers["pruned"] - act_tokens * cache.num_kv_heads, 0)
         fp16 = rep["fp16_bytes"]
-        return {**rep, "kv_bytes": kv_pages * page, "act_pages": act_pages, "act_bytes": act_pages * page,
+        return {**rep, "config": f"{rep['config']}:act={self.frac:g},act_order={self.order}",
+                "kv_bytes": kv_pages * page, "act_pages": act_pages, "act_bytes": act_pages * page,
                 "act_tokens": act_tokens, "total_bytes": total, "ratio": total / fp16 if fp16 else float("nan"),
                 "tokens_per_tier": tiers, "token_bytes": self.token_bytes(),
                 "table_bytes": rep["table_bytes"] + (self.table.nbytes() if self.table is not None else 0)}
@@ -446,7 +447,7 @@ def attach(cache, model) -> None:
             f"act={cfg.act}: an ACT block costs {b['act']:.0f} page bytes per token and layer, more than the "
             f"{b['kv']:.0f} of a {cfg} KV token (hidden {hidden} vs 2 x {cache.num_kv_heads} KV heads x "
             f"{cache.head_dim} = {2 * cache.num_kv_heads * cache.head_dim}); ACT saves memory only where "
-            "hidden < 2 * kv_heads * head_dim at the same precision. cache.act_store.token_bytes() gives both.",
+            "hidden < 2 * kv_heads * head_dim at the same precision; cache.token_bytes() gives both.",
             stacklevel=3)
     cache.act_store = store
     cache.policy = HybridPolicy(cache.policy, store)
