@@ -231,6 +231,7 @@ class LeanCache(Cache):
         self.num_kv_heads = attention_kv_heads(cfg)
         self.num_q_heads = cfg.num_attention_heads
         self.head_dim = attention_head_dim(cfg)
+        self.act_hidden = cfg.hidden_size  # width of an ACT block (leankit.act_store)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         # rotate=1: pages hold K/V in a Hadamard basis; queries are rotated to match and the
@@ -258,6 +259,11 @@ class LeanCache(Cache):
 
         self.policy = make_policy(self)
         self._text_cfg = cfg
+        self.act_store = None
+        if self.cfg.act > 0:  # KV/ACT hybrid: ACT blocks own their pages and wrap the policy (leankit.act_store)
+            from .act_store import attach
+
+            attach(self, model)
         super().__init__(layers=self._build_layers())
         from .hf import enable
 
@@ -360,17 +366,21 @@ class LeanCache(Cache):
             if used * self.cfg.page_size >= self._peak[0]:
                 self._peak = (used * self.cfg.page_size, self._fp16_bytes())
 
-    def grow_pages(self, extra: torch.Tensor) -> None:
-        """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool."""
+    def grow_pages(self, extra: torch.Tensor, table=None) -> None:
+        """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool.
+
+        ``table`` defaults to the KV page table; the ACT page table (leankit.act_store) passes its own.
+        """
+        table = self.table if table is None else table
         try:
-            self.table.grow(extra, self.free_list)
+            table.grow(extra, self.free_list)
         except PoolExhausted as e:
             if self.fixed_pool:
                 raise
             new_cap = max(self.pool.num_pages * 2, self.pool.num_pages + e.needed - e.free)
             self.pool.grow(new_cap)
             self.free_list.grow(new_cap)
-            self.table.grow(extra, self.free_list)
+            table.grow(extra, self.free_list)
 
     # ------------------------------------------------------------------ layer protocol
     def _store(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -480,6 +490,8 @@ class LeanCache(Cache):
                         from leankit_kernels.prefill_attention import received_attention
                     received_old = received_attention(q_pages, kv, st.q_pos, scaling, lse, q_valid=st.real)
                 policy.update_scores(layer, st, received_old)
+        if self.act_store is not None:  # ACT blocks: merge attention over recomputed K/V, store the step's
+            out = self.act_store.attend(layer, query, scaling, st, out, None if self._seen == 0 else lse)
         k_store, v_store = k_new, v_new
         if self.rotation is not None:  # the pages hold K/V in the Hadamard basis
             k_store, v_store = rotate(k_new, self.rotation), rotate(v_new, self.rotation)
@@ -498,6 +510,8 @@ class LeanCache(Cache):
             return 0
         rows = rows.to(self.device).bool()
         freed = self.table.release_sequences(rows, self.free_list)
+        if self.act_store is not None:  # ACT pages of the rows (leankit.act_store)
+            freed += self.act_store.release(rows)
         self.finished |= rows
         return freed
 
@@ -606,7 +620,7 @@ class LeanCache(Cache):
         def div(a, b):
             return a / b if b else float("nan")
 
-        return MemoryReport(
+        report = MemoryReport(
             config=str(self.cfg), pages_used=pages_used, pages_total=self.pool.num_pages,
             page_size=self.cfg.page_size, kv_bytes=kv_bytes, table_bytes=table_bytes,
             plain_bytes=plain_elems * itemsize, total_bytes=total, pool_bytes=self.pool.num_pages * self.cfg.page_size,
@@ -618,6 +632,15 @@ class LeanCache(Cache):
             compressed_layers=self.num_layers, plain_layers=len(plain), model_layers=self.model_layers,
             peak_kv_bytes=self._peak[0], peak_ratio=div(*self._peak),
         )
+        if self.act_store is not None:  # KV and ACT bytes apart (leankit.act_store)
+            report = self.act_store.report(report)
+        return report
+
+    def token_bytes(self) -> dict:
+        """Page bytes per token and layer as KV pages of this config and as an ACT block (for planners)."""
+        from .act_store import token_bytes
+
+        return token_bytes(self, self.act_hidden)
 
     def _fp16_bytes(self) -> int:
         """Bytes an fp16 DynamicCache would hold for the live rows' real tokens."""

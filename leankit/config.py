@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 VALID_BITS = (16, 8, 4, 2, 1)
 POLICIES = ("full", "leankv", "h2o", "streaming")
+ACT_ORDERS = ("ratio", "prefix")  # how ACT blocks are placed (leankit.act_store)
 
 GRAMMAR = (
     "KV config grammar: 'FP16' | 'K<b>V<b>' | 'K<b>V<b>-K<b>V<b>' (high tier, then low tier), "
@@ -68,7 +69,8 @@ def _parse_bool(text: str) -> bool:
 
 # The type of every setting a config string may override (``KVConfig`` fields).
 _OVERRIDE_TYPES = {"window": int, "page_size": int, "group_size": int, "low_group_size": int, "sink": int,
-                   "th": float, "tl": float, "budget": float, "policy": str, "rotate": _parse_bool}
+                   "th": float, "tl": float, "budget": float, "policy": str, "rotate": _parse_bool,
+                   "act": float, "act_order": str}
 # Settings whose default is ``None`` ("not set"), so ``None`` is a legal keyword value for them.
 _NULLABLE = ("group_size", "low_group_size", "budget")
 # Settings only some policies read: giving one to a policy that ignores it is an error, not a no-op.
@@ -224,6 +226,11 @@ class KVConfig:
         rotate: quantize keys and values in an orthonormal Hadamard basis along head_dim (see
             :mod:`leankit.rotation`; not part of LeanKV). Same bytes, lower quantization error;
             needs a power-of-two head_dim.
+        act: fraction in [0, 1] of each sequence's context stored as ACT blocks (layer input
+            activations, recomputed into K/V at attention; HybridServe §3.3/§4.3, KVPR §3). ``0``
+            keeps every token as KV, ``1`` is ACT-only. See :mod:`leankit.act_store`.
+        act_order: ``"ratio"`` places each new block by HybridServe Eq. 11 (keep ``#ACT : #KV``
+            at ``act : 1 - act``); ``"prefix"`` is KVPR's split (the first tokens ACT, the rest KV).
     """
 
     high: Precision
@@ -238,6 +245,8 @@ class KVConfig:
     budget: float | None = None
     sink: int = 4
     rotate: bool = False
+    act: float = 0.0
+    act_order: str = "ratio"
     spec: str = field(default="", compare=False)
 
     # ------------------------------------------------------------------ parsing
@@ -334,6 +343,10 @@ class KVConfig:
             raise ValueError("policy 'h2o' needs budget in (0, 1], e.g. KVConfig.parse('FP16', policy='h2o', budget=0.2)")
         if self.sink < 0:
             raise ValueError(f"sink must be >= 0, got {self.sink}")
+        if not (isinstance(self.act, (int, float)) and 0.0 <= self.act <= 1.0):
+            raise ValueError(f"act must be a fraction in [0, 1] (0 = all KV, 1 = ACT-only), got {self.act!r}")
+        if self.act_order not in ACT_ORDERS:
+            raise ValueError(f"act_order must be one of {ACT_ORDERS}, got {self.act_order!r}")
 
     # ------------------------------------------------------------------ bytes
     @property

@@ -110,4 +110,7 @@ def enable(model):
         dec.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         dec.register_forward_hook(_post_hook, with_kwargs=True)
         setattr(dec, _HOOKED, True)
+    from .act_store import install_capture  # ACT blocks: decoder-layer input capture (leankit.act_store)
+
+    install_capture(model)
     return model

@@ -235,6 +235,26 @@ class ActLayout:
         pos = flat[self._byte_index(page_ids[:, :1], rows, g.position_offset, 4).reshape(-1)]
         return act, pos.view(torch.int32).reshape(n)
 
+    def read_blocks(self, pool: PagePool, block_ids: torch.Tensor):
+        """Read whole blocks: ``block_ids`` ``[..., S]`` (the ``S`` slice pages of each block).
+
+        Returns ``(act [..., T, hidden] in the model dtype, positions [..., T] int32)`` for every
+        row of every block, dead rows included (they hold whatever bytes the page had: the caller
+        masks them). One page gather per block instead of a byte index per value, which is how
+        attention reads a layer's ACT tokens every step.
+        """
+        g = self.geometry
+        if pool.page_size != self.page_size:
+            raise ValueError(f"pool pages are {pool.page_size} bytes, the ACT layout expects {self.page_size}")
+        if block_ids.shape[-1] != g.slices:
+            raise ValueError(f"ACT block ids must end in S={g.slices} slice pages, got {tuple(block_ids.shape)}")
+        lead = block_ids.shape[:-1]
+        pages = pool.storage.index_select(0, block_ids.reshape(-1).long())  # [n * S, page_size]
+        data = pages[:, g.data_offset: g.data_offset + g.tokens * g.row_bytes].contiguous().view(self.dtype)
+        act = data.view(*lead, g.slices, g.tokens, g.channels).movedim(-3, -2).reshape(*lead, g.tokens, g.hidden)
+        pos = pages.view(*lead, g.slices, self.page_size)[..., 0, g.position_offset: g.position_offset + 4 * g.tokens]
+        return act, pos.contiguous().view(torch.int32)
+
 
 class PagePool:
     """The device's page pool: ``num_pages x page_size`` bytes in one uint8 tensor."""

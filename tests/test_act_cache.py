@@ -1,0 +1,285 @@
+"""The KV/ACT hybrid inside LeanCache (leankit.act_store), on tiny random-init models.
+
+ACT tokens are stored as the decoder layers' input activations and their K/V are recomputed at
+attention, so FP16 with any ACT fraction must give the greedy tokens of DynamicCache: ACT-only,
+act=0.5 (HybridServe Eq. 11 ratio placement) and several KVPR prefix split points, on Llama MHA,
+Llama GQA, Qwen2 (biases), Qwen3 (k_norm) and OPT (LayerNorm, learned positions), batched with
+left padding and row by row. Placement, memory accounting and the composition errors are checked
+directly.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_opt import _batch, qwen3_model
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from leankit import KVConfig, LeanCache
+from leankit.act_store import act_blocks, assign_act, next_block_is_act
+from leankit.testing import tiny_model
+
+KINDS = ["llama-mha", "llama-gqa", "qwen2", "qwen3", "opt"]
+
+
+def model_of(kind: str, seed: int, **kw):
+    """A tiny model whose norms and biases are perturbed, so recompute must get every one of them right."""
+    m = qwen3_model(seed) if kind == "qwen3" else tiny_model(kind, seed=seed, **kw)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    return m
+
+
+def lean(model, spec, **kw):
+    with warnings.catch_warnings():  # GQA models warn that ACT costs more than KV: not under test here
+        warnings.simplefilter("ignore")
+        return LeanCache(model, spec, **kw)
+
+
+def _generate(model, ids, mask, cache, new=15, **kw):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+                              max_new_tokens=new, pad_token_id=0, eos_token_id=None, **kw)
+
+
+def act_positions(cache, layer: int, row: int) -> list[int]:
+    """Positions of the ACT tokens ``cache`` holds for (layer, row), in slot order."""
+    store = cache.act_store
+    n = int(store.table.lens[layer, row])
+    slot = torch.arange(n)
+    ids, rows = store.table.locate(layer, torch.full_like(slot, row), slot)
+    return store.layout.read(cache.pool, ids, rows)[1].tolist()
+
+
+# ---------------------------------------------------------------------------- config
+def test_config_overrides_and_errors():
+    cfg = KVConfig.parse("K8V4:act=0.5,act_order=prefix")
+    assert cfg.act == 0.5 and cfg.act_order == "prefix" and str(cfg.high) == "K8V4"
+    assert KVConfig.parse("FP16:act=1").act == 1.0 and KVConfig.parse("FP16").act == 0.0
+    assert KVConfig.parse("FP16", act=0.25).act_order == "ratio"
+    for bad, what in (("FP16:act=1.5", "act"), ("FP16:act=-0.1", "act"), ("FP16:act=half", "act"),
+                      ("FP16:act=0.5,act_order=zigzag", "act_order"), ("FP16:act=nan", "act")):
+        with pytest.raises(ValueError, match=what):
+            KVConfig.parse(bad)
+
+
+@pytest.mark.parametrize("spec,name", [("K8V4-K4V2:act=0.5", "leankv"), ("FP16:act=0.5,policy=streaming", "streaming"),
+                                       ("K8V4:act=0.5,policy=h2o,budget=0.5", "h2o"),
+                                       ("FP16:act=1,policy=leankv", "leankv")])
+def test_act_with_per_head_policies_raises_at_construction(spec, name):
+    model = tiny_model("llama-mha")
+    with pytest.raises(ValueError, match=f"does not compose with policy '{name}'"):
+        LeanCache(model, spec)
+
+
+# ---------------------------------------------------------------------------- placement
+def test_eq11_paper_example_and_closed_form():
+    # HybridServe §4.3.2: a 3:1 (ACT:KV) ratio with five ACT and two KV blocks puts the next block in ACT.
+    assert next_block_is_act(5, 2, 0.75)
+    assert not next_block_is_act(6, 1, 0.75)  # 6 of 7 already above 3/4: the next block is KV
+    for frac in (0.0, 0.1, 0.25, 1 / 3, 0.5, 0.6, 0.75, 0.9, 1.0):
+        n_act = n_kv = 0
+        for n in range(1, 60):
+            if next_block_is_act(n_act, n_kv, frac):
+                n_act += 1
+            else:
+                n_kv += 1
+            assert n_act == act_blocks(n, frac), (frac, n)
+            assert abs(n_act - frac * n) <= 0.5 + 1e-12  # the row's ratio never drifts from frac
+        assert act_blocks(torch.arange(60), frac).tolist() == [act_blocks(i, frac) for i in range(60)]
+
+
+def test_assign_act_ratio_blocks_follow_tokens_across_steps():
+    """Tokens arriving one by one and all at once get the same kinds (placement depends on the rank only)."""
+    frac, block, n = 0.6, 3, 40
+    real = torch.ones(1, n, dtype=torch.bool)
+    rank = torch.arange(n).view(1, -1)
+    zero = torch.zeros(1, dtype=torch.long)
+    at_once = assign_act(frac, "ratio", rank, real, zero, zero, torch.tensor([n]), block)[0]
+    one_by_one = [bool(assign_act(frac, "ratio", torch.zeros(1, 1, dtype=torch.long), real[:, :1],
+                                  torch.tensor([i]), zero, torch.ones(1, dtype=torch.long), block)) for i in range(n)]
+    assert at_once.tolist() == one_by_one
+    blocks = at_once.view(-1, block) if n % block == 0 else at_once[: n // block * block].view(-1, block)
+    assert (blocks.all(1) | ~blocks.any(1)).all()  # a block is all ACT or all KV
+
+
+# ---------------------------------------------------------------------------- exactness
+def _check_lossless(kind: str, seed: int, specs):
+    model = model_of(kind, seed)
+    ids, mask = _batch(seed, width=13)
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config))
+    for spec in specs:
+        cache = lean(model, spec)
+        out = _generate(model, ids, mask, cache)
+        assert torch.equal(out, ref), f"{kind} seed {seed} {spec}: batch differs from DynamicCache"
+        rep = cache.memory_report()
+        assert rep["act_tokens"] > 0
+        for r in range(ids.shape[0]):
+            keep = mask[r].bool()
+            alone = _generate(model, ids[r:r + 1, keep], mask[r:r + 1, keep], lean(model, spec))
+            assert torch.equal(alone[0], ref[r, -alone.shape[1]:]), f"{kind} {spec} row {r}: alone differs"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp16_act_only_and_half_identical_to_dynamic_cache(kind):
+    # page_size 512 makes ACT blocks of a few tokens, so the ratio placement alternates inside a row.
+    _check_lossless(kind, 7, ["FP16:act=1", "FP16:act=0.5,page_size=512", "FP16:act=0.3,page_size=256"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp16_prefix_splits_identical_to_dynamic_cache(kind):
+    _check_lossless(kind, 4, [f"FP16:act={a},act_order=prefix" for a in (0.1, 0.37, 0.5, 0.9)])
+
+
+def test_k8v4_act_only_is_lossless_and_half_generates():
+    """ACT tokens are never quantized: K8V4 with act=1 holds no KV token at all."""
+    model = model_of("llama-gqa", 3)
+    ids, mask = _batch(3)
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config))
+    assert torch.equal(_generate(model, ids, mask, lean(model, "K8V4:act=1")), ref)
+    cache = lean(model, "K8V4:act=0.5,page_size=512")
+    out = _generate(model, ids, mask, cache)
+    assert out.shape == ref.shape
+    rep = cache.memory_report()
+    held = (int(mask.sum()) + 3 * 14) * model.config.num_hidden_layers  # token-layers (last sample not fed)
+    assert rep["act_tokens"] + rep["tokens_per_tier"]["high"] // model.config.num_key_value_heads == held
+    assert 0 < rep["act_tokens"] < held and rep["tokens_per_tier"]["pruned"] == 0
+
+
+def test_beam_search_with_act_matches_dynamic_cache():
+    model = model_of("llama-mha", 5)
+    ids, mask = _batch(5, rows=2)
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config), num_beams=3, new=8)
+    out = _generate(model, ids, mask, lean(model, "FP16:act=0.5,page_size=512"), num_beams=3, new=8)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("spec", ["FP16:act=1", "FP16:act=0.5,page_size=512"])
+def test_triton_backend_act_path_matches_dynamic_cache(spec, monkeypatch):
+    """The fused act_to_kv kernel (interpreter on CPU) serves the recompute: same tokens."""
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    model = model_of("qwen2", 2, hidden_size=128)  # head_dim 32: the kernel's smallest tile
+    ids, mask = _batch(2, rows=2, width=9)
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config), new=5)
+    assert torch.equal(_generate(model, ids, mask, lean(model, spec), new=5), ref)
+
+
+# ---------------------------------------------------------------------------- placement inside the cache
+@pytest.mark.parametrize("act", [0.1, 0.37, 0.5, 0.9, 1.0])
+def test_prefix_split_is_exact(act):
+    """The first round(act * n_prompt) real tokens of every row (every layer) are ACT, the rest KV."""
+    model = model_of("opt", 1)
+    ids, mask = _batch(1, rows=3, width=17)
+    cache = lean(model, f"FP16:act={act},act_order=prefix")
+    out = _generate(model, ids, mask, cache, new=6)
+    assert out.shape[1] == ids.shape[1] + 6
+    for r in range(3):
+        n = int(mask[r].sum())
+        split = int(act * n + 0.5) if act < 1 else n + 5  # act=1: generated tokens stay ACT too
+        for layer in range(model.config.num_hidden_layers):
+            assert act_positions(cache, layer, r) == list(range(split)), (act, r, layer)
+
+
+def test_ratio_blocks_inside_the_cache():
+    model = model_of("llama-gqa", 6)
+    ids, mask = _batch(6, rows=3, width=21)
+    cache = lean(model, "FP16:act=0.6,page_size=512")
+    _generate(model, ids, mask, cache, new=12)
+    block = cache.act_store.block
+    assert 1 < block < 10  # several blocks per row
+    for r in range(3):
+        n = int(mask[r].sum()) + 11
+        want = [p for p in range(n) if act_blocks(p // block + 1, 0.6) > act_blocks(p // block, 0.6)]
+        for layer in range(model.config.num_hidden_layers):
+            assert act_positions(cache, layer, r) == want
+
+
+# ---------------------------------------------------------------------------- memory
+def test_memory_report_splits_kv_and_act_and_frees_everything():
+    model = model_of("llama-mha", 2)
+    ids, mask = _batch(2)
+    cache = lean(model, "FP16:act=0.5,page_size=512")
+    _generate(model, ids, mask, cache)
+    rep = cache.memory_report()
+    kv_pages = int(cache.table.n_pages.sum())
+    assert rep["kv_bytes"] == kv_pages * 512 and rep["act_pages"] == rep["pages_used"] - kv_pages > 0
+    assert rep["total_bytes"] == rep["kv_bytes"] + rep["act_bytes"] == rep["pages_used"] * 512
+    assert rep["ratio"] == pytest.approx(rep["total_bytes"] / rep["fp16_bytes"])
+    tokens = int(mask.sum()) + 3 * 14
+    assert rep["fp16_bytes"] == tokens * 2 * 4 * 2 * 16 * 2  # every real token, ACT ones included
+    freed = cache.release(torch.tensor([True, False, False]))
+    assert freed > 0 and cache.memory_report()["act_tokens"] < rep["act_tokens"]
+    cache.reset()
+    assert cache.free_list.num_free == cache.free_list.capacity
+
+
+def test_mha_act_only_holds_about_half_of_fp16_kv_pages():
+    """HybridServe §3.3: per token and layer ACT keeps hidden values where K/V keep 2 x hidden (MHA).
+
+    An OPT-125m-sized layer (hidden 768 = 12 heads x 64) in fp16, 2048-byte pages; baseline: the
+    FP16 LeanCache pages holding the same tokens (same dtype, both with their page metadata).
+    """
+    cfg = LlamaConfig(vocab_size=97, hidden_size=768, intermediate_size=64, num_hidden_layers=1, num_attention_heads=12,
+                      num_key_value_heads=12, max_position_embeddings=256, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float16).eval()
+    ids = torch.randint(3, 97, (2, 70))
+    mask = torch.ones_like(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # MHA in fp16: ACT saves memory, so no warning
+        act = LeanCache(model, "FP16:act=1")
+    kv = LeanCache(model, "FP16")
+    for c in (act, kv):
+        _generate(model, ids, mask, c, new=1)
+    ra, rk = act.memory_report(), kv.memory_report()
+    assert ra["kv_bytes"] == 0 and ra["act_tokens"] == 140
+    ratio = ra["act_bytes"] / rk["kv_bytes"]
+    dense = ra["act_bytes"] / rk["fp16_bytes"]
+    print(f"\nACT-only / FP16 KV pages = {ratio:.3f}; / fp16 DynamicCache bytes = {dense:.3f}")
+    assert ratio <= 0.52
+    assert act.token_bytes()["act"] / act.token_bytes()["kv"] <= 0.52
+
+
+def test_gqa_warns_and_exposes_token_bytes():
+    model = tiny_model("llama-gqa")  # hidden 96 > 2 x 2 KV heads x 16 = 64
+    with pytest.warns(UserWarning, match="hidden 96 vs 2 x 2 KV heads x 16 = 64"):
+        cache = LeanCache(model, "FP16:act=0.5")
+    tb = cache.token_bytes()
+    assert tb["act"] > tb["kv"] and not tb["act_saves"]
+    assert LeanCache(model, "FP16").token_bytes() == tb  # a planner can ask before choosing ACT
+
+
+def test_pool_exhausted_leaves_cache_usable():
+    model = model_of("llama-mha", 8)
+    ids, mask = _batch(8)
+    cache = lean(model, "FP16:act=1", num_pages=3)
+    from leankit import PoolExhausted
+
+    with pytest.raises(PoolExhausted):
+        _generate(model, ids, mask, cache)
+    assert cache.free_list.num_free + int(cache.table.n_pages.sum()) + int(
+        cache.act_store.table.n_blocks.sum()) * cache.act_store.layout.slices == cache.free_list.capacity
+
+
+# ---------------------------------------------------------------------------- real model
+@pytest.mark.slow
+def test_smollm2_fp16_act_half_identical_tokens(smollm2):
+    model, tok = smollm2
+    prompts = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived"]
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    runs = {}
+    for spec in ("FP16", "FP16:act=0.5"):
+        with torch.no_grad():
+            runs[spec] = model.generate(**enc, past_key_values=lean(model, spec), do_sample=False, max_new_tokens=32,
+                                        pad_token_id=tok.pad_token_id, eos_token_id=None, output_logits=True,
+                                        return_dict_in_generate=True)
+    a, b = runs["FP16"], runs["FP16:act=0.5"]
+    assert torch.equal(a.sequences, b.sequences)
+    diff = max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits))
+    print(f"\nSmolLM2 fp32, FP16:act=0.5 vs FP16: max |logit difference| over 32 steps = {diff:.3e}")
+    assert diff < 1e-3
