@@ -146,7 +146,7 @@ def test_k8v4_act_only_is_lossless_and_half_generates():
     assert out.shape == ref.shape
     rep = cache.memory_report()
     held = (int(mask.sum()) + 3 * 14) * model.config.num_hidden_layers  # token-layers (last sample not fed)
-    assert rep["act_tokens"] + rep["tokens_per_tier"]["high"] // model.config.num_key_value_heads == held
+    assert rep["act_tokens"] + rep["slots_per_tier"]["high"] // model.config.num_key_value_heads == held
     assert 0 < rep["act_tokens"] < held and rep["tokens_per_tier"]["pruned"] == 0
 
 
@@ -207,7 +207,8 @@ def test_memory_report_splits_kv_and_act_and_frees_everything():
     rep = cache.memory_report()
     kv_pages = int(cache.table.n_pages.sum())
     assert rep["kv_bytes"] == kv_pages * 512 and rep["act_pages"] == rep["pages_used"] - kv_pages > 0
-    assert rep["total_bytes"] == rep["kv_bytes"] + rep["act_bytes"] == rep["pages_used"] * 512
+    assert rep["kv_bytes"] + rep["act_bytes"] == rep["pages_used"] * 512
+    assert rep["total_bytes"] == rep["kv_bytes"] + rep["act_bytes"] + rep["table_bytes"] + rep["plain_bytes"]
     assert rep["ratio"] == pytest.approx(rep["total_bytes"] / rep["fp16_bytes"])
     tokens = int(mask.sum()) + 3 * 14
     assert rep["fp16_bytes"] == tokens * 2 * 4 * 2 * 16 * 2  # every real token, ACT ones included
