@@ -32,6 +32,31 @@ from .pages import SEGMENTS, PageLayout, PagePool
 from .quant import META_DTYPE
 
 
+class Workspace:
+    """Reusable scratch buffers for the reference attention's large per-tile temporaries.
+
+    On a CPU a fresh multi-megabyte tensor is mapped from the OS and page-faulted on first touch,
+    which costs several times the pass that fills it (converting a gathered tile of codes to
+    fp32 into a fresh tensor measured ~10x slower than into a reused one). A cache keeps one
+    workspace: each named buffer grows to the largest tile seen and is reused by every layer
+    and step. A buffer is only valid until the next :meth:`get` of the same name.
+    """
+
+    def __init__(self):
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """A tensor of ``shape`` (uninitialized) backed by the buffer ``name``."""
+        key = (name, dtype, torch.device(device))
+        n = 1
+        for d in shape:
+            n *= int(d)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[key] = torch.empty(max(n, 1), dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+
 @dataclass
 class PagedKV:
     """Everything attention needs to read one layer's pages."""
@@ -40,18 +65,19 @@ class PagedKV:
     layouts: tuple[PageLayout, ...]  # per tier: high, then low (if any)
     table: BidirectionalPageTable
     layer: int
+    workspace: Workspace | None = None  # reused scratch (None: fresh tensors)
 
 
 class Tile:
-    """A chunk of one tier's pages for every (sequence, head) of a layer, gathered per segment.
+    """A chunk of one tier's pages for every (sequence, head) of a layer.
 
-    The codes stay integer until the matmul: with per-group scale ``s`` and minimum ``m``
-    (Eq. 2, ``x_hat = s * Q + m``) the two attention products factor as
-
-        q . k_hat = s * (q . Q) + m * sum(q)        p @ v_hat = (p * s) @ Q + (p @ m)
-
-    (per group), so the reference never builds a dequantized K/V tile and the CPU backend pays
-    one uint8->float conversion per code instead of a full dequantization pass.
+    The chunk's pages are gathered once; each side is dequantized exactly once, as a whole
+    ``[B, H, N, F]`` tile (one unpack, one conversion, one fused multiply-add), and meets the
+    queries in one batched matmul. The factored form ``q . k_hat = s (q . Q) + m sum(q)``, which
+    the Triton kernels use to keep dequantization out of their inner loop, costs one small
+    matmul per group and bit plane here; on a CPU, with the few query rows of a decode step, those
+    calls (each a loop over every (sequence, head)) cost far more than one pass over the tile.
+    Only one chunk of at most ``chunk_pages`` pages per head is ever dequantized at once.
     """
 
     def __init__(self, kv: PagedKV, tier: int, start: int, count: int):
@@ -62,7 +88,10 @@ class Tile:
         t = layout.tokens
         # One gather of whole pages; every segment is then a typed view into them (segments are
         # 16-byte aligned, so the fp16 / int32 / dense views need no copy).
-        pages = pool.storage.index_select(0, ids.reshape(-1).long()).view(b, h, p, pool.page_size)
+        self.ws = kv.workspace or Workspace()
+        pages = self.ws.get("pages", (b * h * p, pool.page_size), torch.uint8, pool.device)
+        torch.index_select(pool.storage, 0, ids.reshape(-1).long(), out=pages)
+        pages = pages.view(b, h, p, pool.page_size)
 
         def take(name, dtype=torch.uint8):
             i = SEGMENTS.index(name)
@@ -85,75 +114,66 @@ class Tile:
         meta = meta.float().reshape(*self.shape, -1, 2).masked_fill(~self.valid[..., None, None], 0.0)
         return meta[..., 0], meta[..., 1]
 
-    def _planes(self, data: torch.Tensor, bits: int) -> list[torch.Tensor]:
-        """Codes as float planes ``[B, H, N, F / P]``: plane ``i`` holds elements ``i, i+P, ...`` (``P = 8 / bits``).
+    def _codes(self, data: torch.Tensor, bits: int, name: str) -> torch.Tensor:
+        """The side's codes (or dense values) as fp32 ``[B, H, N, F]`` in a reused workspace buffer.
 
-        Keeping the bit planes apart (instead of interleaving them back into ``[N, F]``) lets
-        both products run plane by plane on strided query/output columns, with no large copy.
+        Bit planes are written straight to their interleaved columns, so a packed side costs one
+        conversion pass like an 8-bit one.
         """
+        b, h, p, t, nb = data.shape
+        per_byte = 1 if bits >= 8 else 8 // bits
+        out = self.ws.get(name, (b, h, p, t, nb, per_byte), torch.float32, data.device)
+        if per_byte == 1:
+            out[..., 0].copy_(data)
+        else:
+            mask = (1 << bits) - 1
+            for i in range(per_byte):
+                out[..., i].copy_((data >> (i * bits)) & mask)
+        return out.view(*self.shape, nb * per_byte)
+
+    def _dequant(self, data: torch.Tensor, meta, bits: int, name: str) -> torch.Tensor:
+        """One side of the tile as fp32 ``[B, H, N, F]`` (Eq. 2: ``x_hat = s * Q + m`` per group).
+
+        Dead slots come out 0: their metadata was zeroed, and dense sides are masked.
+        """
+        out = self._codes(data, bits, name)
         if bits >= 16:
-            return [data.float().reshape(*self.shape, -1).masked_fill(~self.valid.unsqueeze(-1), 0.0)]
-        if bits == 8:
-            return [data.float().reshape(*self.shape, -1)]
-        mask = (1 << bits) - 1
-        return [((data >> (i * bits)) & mask).float().reshape(*self.shape, -1) for i in range(8 // bits)]
+            return out.masked_fill_(~self.valid.unsqueeze(-1), 0.0)
+        scale, mn = meta
+        out.view(*self.shape, scale.shape[-1], -1).mul_(scale.unsqueeze(-1)).add_(mn.unsqueeze(-1))
+        return out
 
     def scores(self, qg: torch.Tensor) -> torch.Tensor:
         """Raw dot products ``q . k_hat`` ``[B, H, M, N]`` for grouped queries ``[B, H, M, F]``.
 
-        Per quantization group ``g``: ``s_g * (q_g . Q_g) + m_g * sum(q_g)``, one small matmul per
-        group and bit plane; the minimum term of all groups is one ``[M, G] x [G, N]`` matmul.
+        With one quantization group per token the product factors (Eq. 2) as
+        ``s * (q . Q) + m * sum(q)``: one matmul on the converted codes and two ``[M, N]``
+        operations, no dequantization pass. Several groups dequantize the tile first.
         """
-        planes = self._planes(self.k_data, self.layout.precision.k_bits)
-        n_planes = len(planes)
-        if self.k_meta is None:
-            return torch.matmul(qg, planes[0].transpose(-1, -2))
-        scale, mn = self.k_meta
-        ng = scale.shape[-1]
-        width = qg.shape[-1] // ng  # channels per group; width / n_planes of them in each plane
-        out = torch.matmul(qg.unflatten(-1, (ng, -1)).sum(-1), mn.transpose(-1, -2))
-        for g in range(ng):
-            qgrp = qg[..., g * width: (g + 1) * width]
-            cols = slice(g * width // n_planes, (g + 1) * width // n_planes)
-            dots = sum(torch.matmul(qgrp[..., i::n_planes], c[..., cols].transpose(-1, -2))
-                       for i, c in enumerate(planes))
-            out += dots * scale[..., g].unsqueeze(2)
-        return out
+        bits = self.layout.precision.k_bits
+        if self.k_meta is not None and self.k_meta[0].shape[-1] == 1:
+            scale, mn = self.k_meta
+            dots = torch.matmul(qg, self._codes(self.k_data, bits, "k_hat").transpose(-1, -2))
+            return torch.addcmul(qg.sum(-1, keepdim=True) * mn[..., 0].unsqueeze(2), dots, scale[..., 0].unsqueeze(2))
+        return torch.matmul(qg, self._dequant(self.k_data, self.k_meta, bits, "k_hat").transpose(-1, -2))
 
     def weighted_values(self, p: torch.Tensor) -> torch.Tensor:
         """``p @ v_hat`` ``[B, H, M, F]`` for probabilities ``p`` ``[B, H, M, N]`` (0 on dead slots).
 
-        Per group ``g``: ``(p * s_g) @ Q_g + p @ m_g``, plane by plane.
+        One group per token: ``(p * s) @ Q + p @ m`` (Eq. 2 factored), no dequantization pass.
         """
-        planes = self._planes(self.v_data, self.layout.precision.v_bits)
-        if self.v_meta is None:
-            return torch.matmul(p, planes[0])
-        scale, mn = self.v_meta
-        ng = scale.shape[-1]
-        n_planes = len(planes)
-        offset = torch.matmul(p, mn)  # [B, H, M, G]: sum_t p_t * min_t per group
-        groups = []
-        for g in range(ng):
-            ps = p * scale[..., g].unsqueeze(2)
-            width = planes[0].shape[-1] // ng
-            outs = [torch.matmul(ps, c[..., g * width: (g + 1) * width]) for c in planes]
-            grp = outs[0] if n_planes == 1 else torch.stack(outs, dim=-1).flatten(-2)  # re-interleave planes
-            groups.append(grp + offset[..., g: g + 1])
-        return groups[0] if ng == 1 else torch.cat(groups, dim=-1)
+        bits = self.layout.precision.v_bits
+        if self.v_meta is not None and self.v_meta[0].shape[-1] == 1:
+            scale, mn = self.v_meta
+            out = torch.matmul(p * scale[..., 0].unsqueeze(2), self._codes(self.v_data, bits, "v_hat"))
+            return out.add_(torch.matmul(p, mn))
+        return torch.matmul(p, self._dequant(self.v_data, self.v_meta, bits, "v_hat"))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ``(k, v)`` ``[B, H, N, F]`` of the tile (for oracles and tests)."""
-        out = []
-        for data, meta, bits in ((self.k_data, self.k_meta, self.layout.precision.k_bits),
-                                 (self.v_data, self.v_meta, self.layout.precision.v_bits)):
-            planes = self._planes(data, bits)
-            codes = planes[0] if len(planes) == 1 else torch.stack(planes, dim=-1).flatten(-2)
-            if meta is not None:
-                scale, mn = meta
-                codes = (codes.unflatten(-1, (scale.shape[-1], -1)) * scale.unsqueeze(-1)
-                         + mn.unsqueeze(-1)).flatten(-2)
-            out.append(codes.to(dtype))
-        return out[0], out[1]
+        prec = self.layout.precision
+        return (self._dequant(self.k_data, self.k_meta, prec.k_bits, "k_hat").to(dtype, copy=True),
+                self._dequant(self.v_data, self.v_meta, prec.v_bits, "v_hat").to(dtype, copy=True))
 
 
 def iter_page_tiles(kv: PagedKV, chunk_pages: int = 64):

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .allocator import FreePageList, PoolExhausted
-from .attention import (PagedKV, merge_attention, paged_attention_ref, received_attention_ref,
+from .attention import (PagedKV, Workspace, merge_attention, paged_attention_ref, received_attention_ref,
                         received_from_logits, step_attention, step_received)
 from .backend import use_triton
 from .config import KVConfig, fp16_token_bytes
@@ -251,6 +251,7 @@ class LeanCache(Cache):
         self._seen = 0
         self._step: StepState | None = None
         self._pending: dict = {}  # layer -> the step's exact (key, value) until attention stores them
+        self.workspace = Workspace()  # scratch of the reference attention, reused by every layer and step
         self._policy_saved = None
         self._peak = (0, 0)  # (kv_bytes, fp16_bytes) at the step that used the most pages
         eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
@@ -435,7 +436,7 @@ class LeanCache(Cache):
 
     def paged_kv(self, layer: int) -> PagedKV:
         """The page view attention reads for ``layer``."""
-        return PagedKV(self.pool, self.layouts, self.table, layer)
+        return PagedKV(self.pool, self.layouts, self.table, layer, self.workspace)
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float, module=None, attention_mask=None) -> torch.Tensor:
         """Attention of the step's queries for ``layer``; returns ``[B, Q, Hq, F]``.
