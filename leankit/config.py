@@ -68,13 +68,14 @@ def _parse_bool(text: str) -> bool:
 
 
 # The type of every setting a config string may override (``KVConfig`` fields).
-_OVERRIDE_TYPES = {"window": int, "page_size": int, "group_size": int, "low_group_size": int, "sink": int,
+_OVERRIDE_TYPES = {"window": int, "compress_every": int, "page_size": int, "group_size": int, "low_group_size": int, "sink": int,
                    "th": float, "tl": float, "budget": float, "policy": str, "rotate": _parse_bool,
                    "act": float, "act_order": str}
 # Settings whose default is ``None`` ("not set"), so ``None`` is a legal keyword value for them.
 _NULLABLE = ("group_size", "low_group_size", "budget")
 # Settings only some policies read: giving one to a policy that ignores it is an error, not a no-op.
-_POLICY_SETTINGS = {"th": ("leankv",), "tl": ("leankv",), "budget": ("h2o",), "sink": ("streaming",)}
+_POLICY_SETTINGS = {"th": ("leankv",), "tl": ("leankv",), "compress_every": ("leankv",), "budget": ("h2o",),
+                    "sink": ("streaming",)}
 
 
 def check_override_types(overrides: dict) -> dict:
@@ -212,6 +213,11 @@ class KVConfig:
         high: precision of the high tier (the recent window always lives here).
         low: precision of the low tier, or ``None`` for a single-tier config.
         window: recent-window size W (LeanKV §4, default 64).
+        compress_every: generation steps between two runs of LeanKV's Algorithm 1 (default 16).
+            Each run places every token that left the window since the last one, which Algorithm 1
+            decides the same way in any order (see :func:`leankit.policy.plan_unified`), so a run
+            every ``k`` steps costs ``1/k`` of the per-step planning while at most ``k - 1`` tokens
+            per head wait at high precision. ``1`` runs it at every step, as the paper does.
         th, tl: LeanKV thresholds on cumulative significance (high / prune).
         page_size: bytes per unified page.
         group_size: quantization group along head_dim (``None`` = whole head_dim).
@@ -236,6 +242,7 @@ class KVConfig:
     high: Precision
     low: Precision | None = None
     window: int = 64
+    compress_every: int = 16
     th: float = 0.05
     tl: float = 0.0
     page_size: int = 2048
@@ -327,6 +334,8 @@ class KVConfig:
             raise ValueError(f"policy {self.policy!r} not in {POLICIES}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.compress_every < 1:
+            raise ValueError(f"compress_every must be >= 1 (steps between placement runs), got {self.compress_every}")
         if not (0.0 <= self.tl <= 1.0 and 0.0 <= self.th <= 1.0):
             raise ValueError(f"thresholds must lie in [0, 1], got th={self.th}, tl={self.tl}")
         if self.tl > self.th and self.low is not None:

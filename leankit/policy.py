@@ -525,6 +525,7 @@ class LeanKVPolicy(_Base):
         super().__init__(cache)
         cfg = cache.cfg
         self.window = cfg.window
+        self.every = cfg.compress_every
         self.tl = cfg.tl
         self.th = cfg.th if cfg.low is not None else cfg.tl
         self.pruned_mass: torch.Tensor | None = None  # fp32 [L, B, H]
@@ -574,8 +575,10 @@ class LeanKVPolicy(_Base):
         self._prompt_rows = has & ~self.started
         gen = has & self.started
         # Candidates: stored tokens that leave the window (pos <= q_last - W), not yet classified.
+        # Algorithm 1 runs for a row once `compress_every` of them are waiting (the last ones of
+        # a request may stay high until it ends).
         cut = torch.minimum(q_last - self.window, q_first - 1)
-        gen = gen & (cut >= self.watermark)
+        gen = gen & (cut - self.watermark + 1 >= self.every)
         if not bool(gen.any()):
             self._grow_for_new(step)
             return

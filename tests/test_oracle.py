@@ -107,21 +107,25 @@ class Driver:
 
 
 CONFIGS = [
-    ("K8V4-K4V2", {"th": 0.4, "tl": 0.05, "window": 6}),
-    ("K4V4-K2V2", {"th": 0.3, "tl": 0.0, "window": 4, "group_size": 8}),
-    ("K8V4-K2V2", {"th": 0.3, "tl": 0.0, "window": 4, "low_group_size": 8}),
-    ("K8V4", {"policy": "leankv", "tl": 0.1, "window": 5}),
+    ("K8V4-K4V2", {"th": 0.4, "tl": 0.05, "window": 6, "compress_every": 1}),
+    ("K4V4-K2V2", {"th": 0.3, "tl": 0.0, "window": 4, "group_size": 8, "compress_every": 1}),
+    ("K8V4-K2V2", {"th": 0.3, "tl": 0.0, "window": 4, "low_group_size": 8, "compress_every": 1}),
+    ("K8V4", {"policy": "leankv", "tl": 0.1, "window": 5, "compress_every": 1}),
+    # Algorithm 1 every third step: candidates wait high, then are placed together.
+    ("K8V4-K4V2", {"th": 0.4, "tl": 0.05, "window": 6, "compress_every": 3}),
     ("K8V8", {"policy": "h2o", "budget": 0.4}),
     ("FP16", {"policy": "streaming", "window": 6, "sink": 2}),
     ("K4V4", {}),
     # Hadamard basis: queries rotated in, output rotated back, every tier's round trip rotated.
-    ("K8V4-K2V2", {"th": 0.3, "tl": 0.05, "window": 4, "rotate": True}),
+    ("K8V4-K2V2", {"th": 0.3, "tl": 0.05, "window": 4, "rotate": True, "compress_every": 1}),
     ("K4V4", {"rotate": True}),
 ]
 
 
 def _config_id(c) -> str:
-    return c[0] + "-" + c[1].get("policy", "auto") + ("-rot" if c[1].get("rotate") else "")
+    every = c[1].get("compress_every", 1)
+    return (c[0] + "-" + c[1].get("policy", "auto") + ("-rot" if c[1].get("rotate") else "")
+            + (f"-every{every}" if every > 1 else ""))
 
 
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2)], ids=["mha", "gqa"])
