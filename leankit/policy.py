@@ -469,9 +469,28 @@ class _Base:
             len_l = torch.zeros_like(len_h)
         final_l = len_l + to_low.sum(-1)
         # 3. page plan: reuse emptied high pages on the low side, then one grow
+        need_h, need_l = self._fit_pages(layers, len_h, final_l, reserve)
+        # 4. re-quantize the downgraded tokens into the low tier
+        if li.numel():
+            slot = len_l[li, bi, hi] + rank
+            cache.write_tokens(LOW, lay, bi, hi, slot, k, v, mv_pos, mv_score)
+        # 5. one batched recycle of every page left empty
+        self._set_lens_and_shrink(layers, len_h, final_l, need_h, need_l)
+        return pruned
+
+    def _fit_pages(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
+                   reserve: torch.Tensor | None = None):
+        """Give every head of ``layers`` the pages for ``len_h`` high / ``len_l`` low tokens.
+
+        Surplus high pages are handed to the low side first (paper Fig. 5), then one batched
+        allocation covers the rest. Returns the page counts ``(need_h, need_l)`` ``[L', B, H]``
+        that :meth:`_set_lens_and_shrink` trims to once the tokens are written.
+        """
+        cache, table = self.cache, self.cache.table
+        two = len(cache.layouts) > 1
         res = torch.zeros_like(len_h) if reserve is None else reserve.view(1, -1, 1).to(len_h.dtype)
         need_h = _ceil_div(len_h + res, cache.layouts[HIGH].tokens)
-        need_l = _ceil_div(final_l, cache.layouts[LOW].tokens) if two else torch.zeros_like(len_h)
+        need_l = _ceil_div(len_l, cache.layouts[LOW].tokens) if two else torch.zeros_like(len_h)
         cur_h = table.n_pages[HIGH].index_select(0, layers).long()
         cur_l = table.n_pages[LOW].index_select(0, layers).long()
         r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
@@ -480,18 +499,17 @@ class _Base:
         extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
         extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
         cache.grow_pages(extra)
-        # 4. re-quantize the downgraded tokens into the low tier
-        if li.numel():
-            slot = len_l[li, bi, hi] + rank
-            cache.write_tokens(LOW, lay, bi, hi, slot, k, v, mv_pos, mv_score)
+        return need_h, need_l
+
+    def _set_lens_and_shrink(self, layers, len_h, len_l, need_h, need_l) -> None:
+        """Record the tiers' new token counts and recycle every page past ``need_*`` in one call."""
+        table = self.cache.table
         table.lens[HIGH, layers] = len_h.to(table.lens.dtype)
-        table.lens[LOW, layers] = final_l.to(table.lens.dtype)
-        # 5. one batched recycle of every page left empty
+        table.lens[LOW, layers] = len_l.to(table.lens.dtype)
         keep = table.n_pages.clone()
         keep[HIGH, layers] = need_h.to(keep.dtype)
         keep[LOW, layers] = need_l.to(keep.dtype)
-        table.shrink(keep, cache.free_list)
-        return pruned
+        table.shrink(keep, self.cache.free_list)
 
 
 class FullPolicy(_Base):
@@ -532,6 +550,7 @@ class LeanKVPolicy(_Base):
         self.watermark: torch.Tensor | None = None  # long [B]: positions below it are classified
         self.started: torch.Tensor | None = None  # bool [B]: row has stored tokens
         self._prompt_rows: torch.Tensor | None = None
+        self._direct = False  # this step stores prompts only: LeanKVPolicy.store classifies them first
         self._span = None
 
     def _init_state(self, batch: int) -> None:
@@ -574,13 +593,16 @@ class LeanKVPolicy(_Base):
         self._span = (has, q_first, q_last)
         self._prompt_rows = has & ~self.started
         gen = has & self.started
+        # Every row with tokens stores its prompt: classify before writing (see store).
+        self._direct = bool(has.any()) and not bool(gen.any())
         # Candidates: stored tokens that leave the window (pos <= q_last - W), not yet classified.
         # Algorithm 1 runs for a row once `compress_every` of them are waiting (the last ones of
         # a request may stay high until it ends).
         cut = torch.minimum(q_last - self.window, q_first - 1)
         gen = gen & (cut - self.watermark + 1 >= self.every)
         if not bool(gen.any()):
-            self._grow_for_new(step)
+            if not self._direct:  # a prompt-only step allocates per layer as it stores (store)
+                self._grow_for_new(step)
             return
         layers = torch.arange(cache.num_layers, device=cache.device)
         metas = [read_tier_meta(cache, t, layers) for t in range(len(cache.layouts))]
@@ -609,10 +631,49 @@ class LeanKVPolicy(_Base):
         sizes = [m.score.shape[-1] for m in metas]
         return list(torch.split(new, sizes, dim=-1))
 
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, received=None) -> None:
+        """Store the step's new tokens; a prompt is classified first and written to its final tiers.
+
+        When every row of the step stores its prompt, the prompt-phase rule (§4) runs on the
+        new tokens' significance before anything is written: each token is quantized once,
+        straight into the tier it ends in, and pruned tokens are never written. (A step that
+        mixes prompt rows with rows already generating stores high and classifies after, in
+        :meth:`after_store`.)
+        """
+        if not self._direct or received is None:
+            return super().store(layer, k, v, step, received)
+        cache = self.cache
+        _, q_first, q_last = self._span
+        b, h, q = received.shape
+        pos = step.q_pos.long().view(b, 1, q).expand(b, h, q)
+        score = update_significance(torch.zeros_like(received), pos, received, q_first.view(b, 1, 1),
+                                    q_last.view(b, 1, 1))
+        score = score.to(torch.float16).float()  # classify on the value the page keeps
+        valid = step.real.view(b, 1, q).expand(b, h, q)
+        cand = valid & (pos <= (q_last - self.window).view(b, 1, 1))
+        total = _masked_sum(score, valid) + self.pruned_mass[layer]
+        cls, _, _ = plan_unified(score, torch.full_like(pos, HIGH), valid, cand, torch.zeros_like(valid), total,
+                                 self.pruned_mass[layer], self.th, self.tl)
+        layers = torch.tensor([layer], device=cache.device)
+        lens = cache.table.lens[:, layer].long()  # [2, B, H]
+        counts = [(valid & (cls == c)).sum(-1) for c in (KEEP_HIGH, KEEP_LOW)]
+        need_h, need_l = self._fit_pages(layers, (lens[HIGH] + counts[0]).unsqueeze(0),
+                                         (lens[LOW] + counts[1]).unsqueeze(0))
+        for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW)):
+            take = valid & (cls == c)
+            bi, hi, qi = take.nonzero(as_tuple=True)
+            if bi.numel():
+                slot = lens[tier][bi, hi] + (torch.cumsum(take.to(torch.int32), -1) - 1)[bi, hi, qi]
+                cache.write_tokens(tier, layer, bi, hi, slot, k[bi, hi, qi], v[bi, hi, qi], pos[bi, hi, qi],
+                                   score[bi, hi, qi])
+        self.pruned_mass[layer] += _masked_sum(score, valid & (cls == PRUNED))
+        self._set_lens_and_shrink(layers, (lens[HIGH] + counts[0]).unsqueeze(0),
+                                  (lens[LOW] + counts[1]).unsqueeze(0), need_h, need_l)
+
     def after_store(self, layer: int, step) -> None:
         """Prompt phase: classify ``layer``'s tokens of the rows that just stored their prompt."""
         prompt = self._prompt_rows
-        if prompt is None:
+        if prompt is None or self._direct:
             return
         _, q_first, q_last = self._span
         cut = q_last - self.window
@@ -721,12 +782,14 @@ class StreamingPolicy(_Base):
 
 # ============================================================================ oracle
 def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
-                           dense_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                           dense_dtype: torch.dtype = torch.float32,
+                           entered: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k_hat, v_hat)``: the dequantized values the cache holds for a token that ended in ``tier``.
 
-    Every token enters the high tier; a low-tier token was re-quantized from its dequantized
-    high-tier value (both the prompt-phase classification and Algorithm 1 only move tokens down),
-    so the low tier holds ``low(high(x))``. Use it with :func:`dense_attention_oracle`.
+    ``entered`` is the tier the token was first written to. Generation-phase tokens enter the
+    high tier and a later downgrade (Algorithm 1) re-quantizes their dequantized high-tier value,
+    so they hold ``low(high(x))``; a prompt token that the prompt-phase rule places low is written
+    there directly and holds ``low(x)``. Use it with :func:`dense_attention_oracle`.
     With ``cfg.rotate`` the round trips run in the Hadamard basis and the result is rotated
     back, so the oracle keeps using unrotated queries.
     """
@@ -742,7 +805,7 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
     h = hadamard(k.shape[-1], k.device, k.dtype) if cfg.rotate else None
     if h is not None:
         k, v = rotate(k, h), rotate(v, h)
-    for t in range(tier + 1):
+    for t in range(entered, tier + 1):
         prec, gs = cfg.tiers[t], cfg.tier_group_size(t)
         k, v = roundtrip(k, prec.k_bits, gs), roundtrip(v, prec.v_bits, gs)
     if h is not None:

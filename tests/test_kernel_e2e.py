@@ -75,8 +75,8 @@ def _garbage_pool(monkeypatch):
     monkeypatch.setattr(PagePool, "grow", noisy_grow)
 
 
-@pytest.mark.parametrize("spec,overrides", [("K8V4", {}), ("FP16", {}), ("K8V4-K4V2", {"window": 3}),
-                                            ("K8V4-K4V2", {"window": 3, "rotate": True})])
+@pytest.mark.parametrize("spec,overrides", [("K8V4", {}), ("FP16", {}), ("K8V4-K4V2", {"window": 3, "compress_every": 1}),
+                                            ("K8V4-K4V2", {"window": 3, "rotate": True, "compress_every": 1})])
 def test_triton_backend_generates_same_tokens(spec, overrides, monkeypatch):
     import leankit_kernels.page_alloc as pa
     import leankit_kernels.paged_attention as pa_attn

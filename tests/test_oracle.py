@@ -38,6 +38,7 @@ class Driver:
         self.worst = 0.0
         self.pruned_seen = 0
         self.low_seen = 0
+        self.entered: dict[tuple[int, int, int, int], int] = {}  # (layer, b, h, pos) -> first tier
 
     def randn(self, *shape, scale=1.0):
         return torch.randn(*shape, generator=self.gen) * scale
@@ -62,10 +63,20 @@ class Driver:
             cache.layers[layer].update(k, v)
             ref = self.oracle(layer, q_, pos, real)
             out = cache.attend(layer, q_, scale)
+            self.record_entry(layer)
             sel = real.view(b, q, 1, 1).expand_as(out)
             err = (out - ref).abs()[sel].max() / ref.abs()[sel].max()
             self.worst = max(self.worst, float(err))
         cache.end_step()
+
+    def record_entry(self, layer: int) -> None:
+        """Note the tier each token of ``layer`` was first written to (right after its own step)."""
+        for t in range(len(self.cache.layouts)):
+            m = read_tier_meta(self.cache, t, torch.tensor([layer]))
+            for bi in range(m.pos.shape[1]):
+                for h in range(self.hkv):
+                    for p in m.pos[0, bi, h][m.valid[0, bi, h]].tolist():
+                        self.entered.setdefault((layer, bi, h, p), t)
 
     def oracle(self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Dense attention over the tokens the cache holds for ``layer`` plus the step's exact new ones."""
@@ -102,7 +113,8 @@ class Driver:
                         continue
                     self.low_seen += int(t == LOW)
                     keep[bi, h, j] = True
-                    kk[bi, h, j], vv[bi, h, j] = stored_token_reference(k0, v0, cache.cfg, t)
+                    kk[bi, h, j], vv[bi, h, j] = stored_token_reference(
+                        k0, v0, cache.cfg, t, entered=self.entered[(layer, bi, h, p)])
         return dense_attention_oracle(q, kk, vv, kp, keep, q_pos, F ** -0.5)
 
 
