@@ -79,7 +79,8 @@ def add_bench_parser(sub) -> None:
 
     def common(p):
         p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint directory")
-        p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+        p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default; on a machine shared with other work, 1 "
+                       "avoids threads waiting on busy cores)")
         p.add_argument("--json", metavar="FILE", help="write everything measured to FILE as JSON")
         p.add_argument("--write-readme", action="store_true",
                        help="replace the results block of this mode in --readme with the table")
