@@ -339,10 +339,11 @@ def summary(res: dict) -> str:
 
 def table(res: dict) -> str:
     """Markdown table of :func:`run`'s result."""
-    lines = ["| cache | batch | bytes per row | tokens/s | tokens/s vs DynamicCache | batch vs DynamicCache |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| cache | batch | generate calls | bytes per row | tokens/s | tokens/s vs DynamicCache | "
+             "batch vs DynamicCache |", "|---|---|---|---|---|---|---|"]
     for c in res["caches"]:
-        lines.append(f"| {c['name']} | {c['batch']} | {_size(c['bytes_per_row'])} | {c['tokens_per_s']:.2f} | "
+        lines.append(f"| {c['name']} | {c['batch']} | {c['batches']} | {_size(c['bytes_per_row'])} | "
+                     f"{c['tokens_per_s']:.2f} | "
                      f"{c['tokens_per_s_ratio']:.2f}x | {c['batch_ratio']:.2f}x |")
     return "\n".join(lines)
 
@@ -350,6 +351,10 @@ def table(res: dict) -> str:
 def notes(res: dict) -> str:
     """How each cache's bytes were counted, and anything that happened during the run."""
     out = [summary(res) + "."] + [n + "." for n in res["notes"]]
+    short = [c["name"] for c in res["caches"] if c["batch"] > res["requests"]]
+    if short:
+        out.append(f"Fewer requests ({res['requests']}) than the batch of {', '.join(short)}: those ran one "
+                   "smaller batch, so their tokens/s does not show the batch they fit.")
     for c in res["caches"]:
         extra = "; ".join(c["notes"])
         out.append(f"{c['name']}: bytes per row = {c['bytes_note']}; batch = {c['fit']}"
