@@ -70,19 +70,18 @@ def test_patched_restores_every_method_even_on_error():
     targets = lean_targets()
     before = {(cls, name): cls.__dict__[name] for cls, name, _ in targets}
     assert {c for _, _, c in targets} == set(CATEGORIES) - {"model"}
-    with pytest.raises(RuntimeError):
-        with patched(ExclusiveTimer(), targets):
-            assert LeanCache.__dict__["attend"] is not before[(LeanCache, "attend")]
-            raise RuntimeError("stop")
+    with pytest.raises(RuntimeError, match="stop"), patched(ExclusiveTimer(), targets):
+        assert LeanCache.__dict__["attend"] is not before[(LeanCache, "attend")]
+        raise RuntimeError("stop")
     assert all(cls.__dict__[name] is fn for (cls, name), fn in before.items())
 
 
 def test_patched_rejects_an_inherited_method():
     from leankit.policy import LeanKVPolicy
 
-    with pytest.raises(ValueError, match="LeanKVPolicy.store"):
-        with patched(ExclusiveTimer(), [(LeanKVPolicy, "store", "store")]):
-            pass
+    with pytest.raises(ValueError, match="LeanKVPolicy.store"), \
+            patched(ExclusiveTimer(), [(LeanKVPolicy, "store", "store")]):
+        pass
 
 
 def test_step_bench_breakdown_is_nonnegative_and_sums_to_the_step():
@@ -225,3 +224,18 @@ def test_bench_step_cli_writes_json_and_readme(tiny, tmp_path, capsys):
 def test_bench_cli_bad_config_is_a_clear_error(tiny, capsys):
     assert main(["bench", "step", "--kv", "K9V4", "--no-progress"]) == 2
     assert "leankit: error" in capsys.readouterr().err
+
+
+def test_quantized_cache_bytes_are_codes_scales_and_residual():
+    backend, desc = throughput.quantized_backend()
+    if backend != "quanto":
+        pytest.skip(desc)
+    model, _ = _tiny_lm()
+    kind = throughput.QuantizedKind(backend, desc)
+    fit = kind.fit(model, 10 ** 6, torch.arange(4, 44), 3, 0, False, _NullBar())
+    # 40 prompt tokens quantized at prefill (4-bit codes: half a byte per element, plus fp32 scale and
+    # offset per group of 16 channels), then 2 decode tokens in the fp32 residual; 2 layers, K and V, 2 heads.
+    quantized = 40 * 2 * 16 // 2 + 40 * 2 * 2 * 4
+    residual = 2 * 2 * 16 * 4
+    assert fit.bytes_per_row == 2 * 2 * (quantized + residual)
+    assert fit.batch == 10 ** 6 // fit.bytes_per_row

@@ -118,7 +118,7 @@ def add_bench_parser(sub) -> None:
 
 
 def _setup(args):
-    """Check the shared options, set threads, load the model; returns ``(model, tok, threads)``."""
+    """Check the shared options, set threads, load the model; returns ``(model, tok)``."""
     import torch
 
     import leankit
@@ -129,8 +129,7 @@ def _setup(args):
         raise ValueError(f"--readme {args.readme} is not a file (run from the repository root or pass --readme)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = leankit.load_model(args.model)
-    return model, tok, torch.get_num_threads()
+    return leankit.load_model(args.model)
 
 
 def _finish(args, mode: str, body: str, results) -> None:
@@ -160,7 +159,7 @@ def cmd_step(args) -> int:
         KVConfig.parse(kv)  # a bad config fails before the model loads
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or min(args.context) < 1:
         raise ValueError("--batch, --steps and --context must be >= 1 and --warmup >= 0")
-    model, tok, threads = _setup(args)
+    model, tok = _setup(args)
     rows = step.run(model, tok, args.batch, args.context, kvs, args.steps, args.warmup, not args.no_progress)
     body = (f"{args.model}, batch {args.batch}, {args.steps} decode steps after {args.warmup} warm-up rounds.\n\n"
             f"{step.table(rows)}\n\n{step.NOTES}")
@@ -177,7 +176,7 @@ def cmd_throughput(args) -> int:
     kvs = args.kv or list(DEFAULT_KVS)
     for kv in kvs:
         KVConfig.parse(kv)
-    model, tok, threads = _setup(args)
+    model, tok = _setup(args)
     res = throughput.run(model, tok, args.mix, args.budget_bytes, args.requests, args.prompt_range,
                          args.output_range, kvs, quantized=not args.no_quantized, verify=not args.no_verify,
                          seed=args.seed, progress=not args.no_progress)

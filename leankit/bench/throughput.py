@@ -36,6 +36,7 @@ from importlib import metadata
 
 import torch
 
+from ..cli import _fmt_bytes
 from .text import Request, corpus_ids, left_padded, pad_id, request_mix
 
 NEUTRAL = "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1"
@@ -321,17 +322,9 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
                 budget_bytes=budget, seed=seed, caches=caches, notes=notes)
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
 def summary(res: dict) -> str:
     """The budget and the mix, in one line."""
-    return (f"budget {res['budget_bytes']} bytes ({_size(res['budget_bytes'])}); {res['mix']} mix: "
+    return (f"budget {res['budget_bytes']} bytes ({_fmt_bytes(res['budget_bytes'])}); {res['mix']} mix: "
             f"{res['requests']} requests, prompts {res['prompt_range'][0]}-{res['prompt_range'][1]} tokens, "
             f"outputs {res['output_range'][0]}-{res['output_range'][1]} tokens ({res['requested_tokens']} "
             f"requested tokens in all, seed {res['seed']})")
@@ -339,10 +332,11 @@ def summary(res: dict) -> str:
 
 def table(res: dict) -> str:
     """Markdown table of :func:`run`'s result."""
-    lines = ["| cache | batch | generate calls | bytes per row | tokens/s | tokens/s vs DynamicCache | "
-             "batch vs DynamicCache |", "|---|---|---|---|---|---|---|"]
+    head = ("| cache | batch | generate calls | bytes per row | tokens/s | tokens/s vs DynamicCache | "
+            "batch vs DynamicCache |")
+    lines = [head, "|---|---|---|---|---|---|---|"]
     for c in res["caches"]:
-        lines.append(f"| {c['name']} | {c['batch']} | {c['batches']} | {_size(c['bytes_per_row'])} | "
+        lines.append(f"| {c['name']} | {c['batch']} | {c['batches']} | {_fmt_bytes(c['bytes_per_row'])} | "
                      f"{c['tokens_per_s']:.2f} | "
                      f"{c['tokens_per_s_ratio']:.2f}x | {c['batch_ratio']:.2f}x |")
     return "\n".join(lines)
