@@ -17,6 +17,8 @@ import torch
 from transformers import DynamicCache
 
 import leankit
+from leankit.bench.step import decode as step
+from leankit.bench.step import prefill
 from leankit.cache import LeanCache
 
 FILLER = (
@@ -37,22 +39,6 @@ def make_batch(tok, batch: int, context: int):
         input_ids[i, width - len(r):] = r
         mask[i, width - len(r):] = 1
     return input_ids, mask
-
-
-@torch.no_grad()
-def prefill(model, cache, input_ids, mask):
-    pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-    return out.logits[:, -1].argmax(-1, keepdim=True), mask, pos[:, -1:]
-
-
-@torch.no_grad()
-def step(model, cache, state):
-    tok, mask, pos = state
-    mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
-    pos = pos + 1
-    out = model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-    return out.logits[:, -1].argmax(-1, keepdim=True), mask, pos
 
 
 def measure(model, tok, batch: int, context: int, kv: str, steps: int):

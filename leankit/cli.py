@@ -4,6 +4,7 @@
     leankit generate --model smollm2-135m --kv K8V4 --prompt "..." [--max-new-tokens N] [--chat]
                      [--temperature T] [--top-p P] [--stream]
     leankit plan --model opt-30b --hardware rtx4090-pcie4 --batch 128 --prompt 512 --gen 128
+    leankit bench step|throughput [options]     (see `leankit bench --help`)
     leankit lm-eval --tasks leankit_niah_single --model_args kv=K8V4-K4V2,th=0.3,tl=0 --limit 10
 """
 
@@ -163,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_plan_parser(sub)
         sub.choices["plan"].set_defaults(func=run_plan)
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     # Listed for --help only: main() hands `lm-eval` and everything after it to lm-eval's own parser.
     sub.add_parser("lm-eval", add_help=False, help="run lm-eval (all its options) with the model 'leankit' and "
                    "leankit's offline tasks; see `leankit lm-eval run --help`")
@@ -177,6 +181,7 @@ def main(argv=None) -> int:
 
         return lm_eval_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:] if argv[:1] == ["bench"] else argv  # the exact command, for tables that record it
     try:
         return args.func(args)
     except (ValueError, ModuleNotFoundError) as e:

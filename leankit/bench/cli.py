@@ -1,0 +1,186 @@
+"""``leankit bench step`` and ``leankit bench throughput``: the argument parsers and the printing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .throughput import DEFAULT_KVS, MIXES, NEUTRAL
+
+BENCH_HELP = """\
+Speed of LeanCache against transformers' DynamicCache, measured side by side in one process
+(compare ratios, not absolute times: they depend on the machine and its load).
+
+modes:
+  step        prefill and decode-step time ratios per KV config, with each LeanCache step
+              broken down into attention, quantize/store, policy, allocation, step setup and
+              the rest (the model); exclusive timers installed for the run only
+  throughput  generated tokens/s at a fixed KV budget in bytes: the largest batch each cache
+              fits, the same real-text requests through model.generate, ratios against
+              DynamicCache (also HF QuantizedCache int4 when optimum-quanto or hqq is installed)
+
+Both take --json FILE (everything measured) and --write-readme (the results table between the
+<!-- leankit-bench:MODE --> markers of README.md, with the command, CPU, threads, torch and date).
+"""
+
+STEP_HELP = f"""\
+Prefill and decode-step time of LeanCache configs against DynamicCache.
+
+For each --context, a batch of --batch real-text prompts (Wikipedia articles shipped with
+leankit; rows left-padded, each 3 tokens shorter than the one before) is prefilled once into a
+DynamicCache and, per --kv config, into a plain LeanCache and an instrumented one. Then
+--steps decode steps (after 2 warm-up rounds) step every cache once per round, in an order that
+rotates each round, so every cache sees the same machine state. Reported per config:
+
+  prefill ratio   LeanCache prefill time / DynamicCache prefill time (one run each)
+  decode ratio    median LeanCache step / median DynamicCache step
+  breakdown       share of the instrumented LeanCache step (prefill and decode) spent in
+                  attention (LeanCache.attend), quantize/store (the policy's store),
+                  policy (begin_step, update_scores, after_store, end_step, apply_classes),
+                  allocation (grow/shrink pages, free-list allocate/release), step setup
+                  (LeanCache.begin_step/end_step) and the model (the rest). Times are
+                  exclusive: a nested timed call counts once, in its own column.
+  timers' cost    instrumented step vs the plain LeanCache's step (measured difference)
+
+Default configs: K8V4 and the recommended neutral config {NEUTRAL}.
+"""
+
+THROUGHPUT_HELP = f"""\
+Generated tokens/s at a fixed KV budget, against DynamicCache.
+
+Requests (--requests, default 3 x the largest batch any cache fits) are drawn from the shipped
+Wikipedia text with --seed: prompt and output lengths uniform in their ranges.
+  decode-heavy (default)  prompts {MIXES['decode-heavy'][0][0]}-{MIXES['decode-heavy'][0][1]} tokens, \
+outputs {MIXES['decode-heavy'][1][0]}-{MIXES['decode-heavy'][1][1]} tokens
+  prefill-heavy           prompts {MIXES['prefill-heavy'][0][0]}-{MIXES['prefill-heavy'][0][1]} tokens, \
+outputs {MIXES['prefill-heavy'][1][0]}-{MIXES['prefill-heavy'][1][1]} tokens
+
+The budget (--budget-bytes; default: the fp16 bytes of 8 rows of the mix's longest request,
+8 x (max prompt + max output) x 2 x layers x kv_heads x head_dim x 2) fixes each cache's batch:
+  DynamicCache          counted as fp16 bytes of the tokens it holds
+  HF QuantizedCache     int4 (optimum-quanto, else hqq): its real bytes (codes, scales, offsets,
+                        full-precision residual), peak of one row of the longest request
+  LeanCache             a real fixed pool of budget // page_size pages (PoolExhausted when out):
+                        peak pages of one row of the longest request give the batch, then that
+                        batch is verified to run and one row more to exhaust (--no-verify skips)
+Each batch generates exactly its longest requested output (EOS ignored, the same for every
+cache); only each request's own requested tokens count. Time: the generate calls, first
+prefill to last token. Default LeanCache configs: {', '.join(DEFAULT_KVS)}.
+"""
+
+
+def add_bench_parser(sub) -> None:
+    """Add ``bench`` with its ``step`` and ``throughput`` modes to the ``leankit`` subparsers ``sub``."""
+    raw = argparse.RawDescriptionHelpFormatter
+    b = sub.add_parser("bench", help="speed against DynamicCache: step time breakdown, throughput at a KV budget",
+                       description=BENCH_HELP, formatter_class=raw)
+    modes = b.add_subparsers(dest="mode", required=True, metavar="{step,throughput}")
+
+    def common(p):
+        p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint directory")
+        p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default; on a machine shared with other work, 1 "
+                       "avoids threads waiting on busy cores)")
+        p.add_argument("--json", metavar="FILE", help="write everything measured to FILE as JSON")
+        p.add_argument("--write-readme", action="store_true",
+                       help="replace the results block of this mode in --readme with the table")
+        p.add_argument("--readme", default="README.md", help="the README --write-readme edits (default: %(default)s)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+    s = modes.add_parser("step", help="prefill and decode-step ratios with a per-step breakdown",
+                         description=STEP_HELP, formatter_class=raw)
+    s.add_argument("--batch", type=int, default=8, help="rows per batch (default: %(default)s)")
+    s.add_argument("--context", type=int, nargs="+", default=[1024, 4096],
+                   help="prompt lengths in tokens (default: %(default)s)")
+    s.add_argument("--kv", action="append", metavar="CONFIG",
+                   help="LeanCache config with optional overrides, e.g. 'K8V4-K4V2:th=0.25,tl=0,group_size=32,"
+                        f"rotate=1' (repeat; default: K8V4 and {NEUTRAL})")
+    s.add_argument("--steps", type=int, default=16, help="measured decode steps (default: %(default)s)")
+    s.add_argument("--warmup", type=int, default=2, help="decode rounds dropped first (default: %(default)s)")
+    common(s)
+    s.set_defaults(func=cmd_step)
+
+    t = modes.add_parser("throughput", help="tokens/s at a fixed KV budget, batch each cache fits",
+                         description=THROUGHPUT_HELP, formatter_class=raw)
+    t.add_argument("--mix", choices=sorted(MIXES), default="decode-heavy", help="request mix (default: %(default)s)")
+    t.add_argument("--budget-bytes", type=int, default=None, help="KV budget in bytes (default: see above)")
+    t.add_argument("--requests", type=int, default=None, help="requests to serve (default: 3 x the largest batch)")
+    t.add_argument("--prompt-range", type=int, nargs=2, metavar=("LO", "HI"), help="prompt tokens, inclusive")
+    t.add_argument("--output-range", type=int, nargs=2, metavar=("LO", "HI"), help="output tokens, inclusive")
+    t.add_argument("--kv", action="append", metavar="CONFIG",
+                   help=f"LeanCache config (repeat; default: {', '.join(DEFAULT_KVS)})")
+    t.add_argument("--no-quantized", action="store_true", help="leave HF QuantizedCache out")
+    t.add_argument("--no-verify", action="store_true", help="trust the measured peak pages per row for the "
+                   "LeanCache batch instead of verifying it in the fixed pool")
+    t.add_argument("--seed", type=int, default=0, help="seed of the request draw (default: %(default)s)")
+    common(t)
+    t.set_defaults(func=cmd_throughput)
+
+
+def _setup(args):
+    """Check the shared options, set threads, load the model; returns ``(model, tok)``."""
+    import torch
+
+    import leankit
+
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.write_readme and not Path(args.readme).is_file():
+        raise ValueError(f"--readme {args.readme} is not a file (run from the repository root or pass --readme)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return leankit.load_model(args.model)
+
+
+def _finish(args, mode: str, body: str, results) -> None:
+    import torch
+
+    from .readme import cpu_model, provenance, write_block
+
+    argv = list(getattr(args, "argv", None) or [])
+    threads = torch.get_num_threads()
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(mode=mode, command=["leankit", "bench", *argv], model=args.model,
+                                                   threads=threads, torch=torch.__version__, cpu=cpu_model(),
+                                                   results=results), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.write_readme:
+        write_block(args.readme, mode, body + "\n\n" + provenance(argv, threads))
+        print(f"wrote the {mode} table into {args.readme}")
+
+
+def cmd_step(args) -> int:
+    """``leankit bench step``."""
+    from ..config import KVConfig
+    from . import step
+
+    kvs = args.kv or ["K8V4", NEUTRAL]
+    for kv in kvs:
+        KVConfig.parse(kv)  # a bad config fails before the model loads
+    if args.batch < 1 or args.steps < 1 or args.warmup < 0 or min(args.context) < 1:
+        raise ValueError("--batch, --steps and --context must be >= 1 and --warmup >= 0")
+    model, tok = _setup(args)
+    rows = step.run(model, tok, args.batch, args.context, kvs, args.steps, args.warmup, not args.no_progress)
+    body = (f"{args.model}, batch {args.batch}, {args.steps} decode steps after {args.warmup} warm-up rounds.\n\n"
+            f"{step.table(rows)}\n\n{step.NOTES}")
+    print(body)
+    _finish(args, "step", body, rows)
+    return 0
+
+
+def cmd_throughput(args) -> int:
+    """``leankit bench throughput``."""
+    from ..config import KVConfig
+    from . import throughput
+
+    kvs = args.kv or list(DEFAULT_KVS)
+    for kv in kvs:
+        KVConfig.parse(kv)
+    model, tok = _setup(args)
+    res = throughput.run(model, tok, args.mix, args.budget_bytes, args.requests, args.prompt_range,
+                         args.output_range, kvs, quantized=not args.no_quantized, verify=not args.no_verify,
+                         seed=args.seed, progress=not args.no_progress)
+    body = f"{args.model}.\n\n{throughput.table(res)}\n\n{throughput.notes(res)}"
+    print(body)
+    _finish(args, "throughput", body, res)
+    return 0

@@ -1,0 +1,356 @@
+"""``leankit bench throughput``: generated tokens/s at a fixed KV budget, against DynamicCache.
+
+Serving is limited by KV memory: with a budget of ``B`` bytes a cache that stores fewer bytes per
+token runs larger batches. For every cache this module finds the largest batch whose rows all
+fit in the budget for the mix's longest request (the top of its prompt range plus the top of its
+output range), then runs the same list of real-text requests through ``model.generate`` in
+batches of that size, and reports generated tokens/s and the batch, as ratios against
+``DynamicCache``.
+
+How each cache is held to the budget:
+
+* ``DynamicCache``: counted as an **fp16** cache of the tokens it holds (padding included, as it
+  stores them): ``(prompt + output) x layers x kv_heads x head_dim x 2 (K, V) x 2 bytes`` per row,
+  whatever the model's dtype (an fp32 model really holds twice that).
+* HF ``QuantizedCache`` (int4, optimum-quanto, else HQQ): its real bytes, measured after every
+  generated token of one row of the longest request: packed codes + scales + offsets + the
+  full-precision residual (in the model's dtype). The copy it dequantizes on every step is
+  transient and not counted.
+* ``LeanCache``: for real, a fixed pool of ``budget // page_size`` pages, which raises
+  ``PoolExhausted`` when it runs out. The peak page use of one row of the longest request is
+  measured (at every allocation, so the peak inside a step counts) to estimate the batch, then
+  the estimate is verified: that many rows of the longest request run in the pool and one row
+  more exhausts it (``--no-verify`` skips this).
+
+Every batch generates exactly the batch's longest requested output (``min_new_tokens =
+max_new_tokens``, so EOS never stops a row early, the same for every cache); only each request's
+own requested tokens are counted. Time is the sum of the ``generate`` calls, from the first
+prefill of a batch to its last token (building the cache and padding the batch excluded).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import torch
+
+from ..cli import _fmt_bytes
+from .text import Request, corpus_ids, left_padded, pad_id, request_mix
+
+NEUTRAL = "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1"
+PRUNING = "K8V4-K4V2:th=0.3,tl=0.05"
+DEFAULT_KVS = ("K8V4", NEUTRAL, PRUNING)
+# name -> (prompt range, output range), both inclusive
+MIXES = {"decode-heavy": ((512, 1024), (128, 256)), "prefill-heavy": ((512, 1024), (16, 32))}
+
+
+# ---------------------------------------------------------------------------- bytes
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor reachable in ``obj`` (tensors, quantized tensor subclasses through their
+    inner tensors, tuples, lists and dicts); anything else counts 0."""
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(obj, "__tensor_flatten__", None)
+        if flatten is not None and type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            names, _ = flatten()
+            return sum(tensor_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x) for x in obj.values())
+    return 0
+
+
+def _model_dims(model) -> tuple[int, int, int]:
+    from ..cache import _text_config, attention_head_dim, attention_kv_heads
+
+    cfg = _text_config(model.config)
+    return cfg.num_hidden_layers, attention_kv_heads(cfg), attention_head_dim(cfg)
+
+
+def fp16_row_bytes(model, tokens: int) -> int:
+    """Bytes of an fp16 K/V cache holding ``tokens`` tokens of one row of ``model``."""
+    layers, heads, head_dim = _model_dims(model)
+    return tokens * layers * heads * head_dim * 2 * 2
+
+
+def default_budget(model, prompt_range, output_range, rows: int = 8) -> int:
+    """The fp16 bytes of ``rows`` rows of the mix's longest request."""
+    return rows * fp16_row_bytes(model, prompt_range[1] + output_range[1])
+
+
+# ---------------------------------------------------------------------------- generation
+class _PeakBytes:
+    """A stopping criterion that never stops: it reads ``measure()`` after every generated token."""
+
+    def __init__(self, measure):
+        self.measure, self.peak = measure, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.peak = max(self.peak, self.measure())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def generate(model, cache, prompts: list[torch.Tensor], new_tokens: int, pad: int, stopping=None) -> float:
+    """Greedy ``generate`` of exactly ``new_tokens`` tokens per row into ``cache``; returns its wall time."""
+    from transformers import StoppingCriteriaList
+
+    ids, mask = left_padded(prompts, pad)
+    kwargs = dict(past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=pad)
+    if stopping is not None:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([stopping])
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------- caches
+@dataclass
+class Fit:
+    """The batch a cache runs within the budget and how it was found."""
+
+    batch: int
+    bytes_per_row: int
+    how: str
+    notes: list = field(default_factory=list)
+
+
+class DynamicKind:
+    """``DynamicCache``, counted as fp16."""
+
+    name = "DynamicCache"
+    bytes_note = "fp16 bytes of the tokens it holds (the model's own dtype may be wider)"
+
+    def make(self, model, budget: int, max_len: int):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+
+    def fit(self, model, budget, longest: torch.Tensor, new_tokens: int, pad: int, verify: bool, bar) -> Fit:
+        per_row = fp16_row_bytes(model, len(longest) + new_tokens)
+        return Fit(budget // per_row, per_row, "budget // fp16 bytes of one row of the longest request")
+
+
+def quantized_backend() -> tuple[str | None, str]:
+    """``(backend, description)`` of the HF QuantizedCache backend to use: optimum-quanto, else HQQ;
+    ``(None, why)`` when neither is installed."""
+    from transformers.utils import is_hqq_available, is_optimum_quanto_available
+
+    if is_optimum_quanto_available():
+        return "quanto", f"optimum-quanto {metadata.version('optimum-quanto')}"
+    if is_hqq_available():
+        return "hqq", f"hqq {metadata.version('hqq')}"
+    return None, ("HF QuantizedCache skipped: neither optimum-quanto nor hqq is installed "
+                  "(pip install 'leankit-kv[bench]' adds optimum-quanto)")
+
+
+class QuantizedKind:
+    """HF ``QuantizedCache`` at 4 bits (group of 64 channels, or head_dim if smaller; residual 128)."""
+
+    def __init__(self, backend: str, description: str):
+        self.backend, self.description = backend, description
+        self.name = f"QuantizedCache int4 ({backend})"
+        self.bytes_note = "real bytes: codes + scales + offsets + full-precision residual"
+
+    def make(self, model, budget: int, max_len: int):
+        from transformers.cache_utils import QuantizedCache
+
+        head_dim = _model_dims(model)[2]
+        return QuantizedCache(self.backend, model.config, nbits=4, q_group_size=min(64, head_dim))
+
+    @staticmethod
+    def nbytes(cache) -> int:
+        """Real bytes the cache holds now."""
+        return sum(tensor_bytes((layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
+                   for layer in cache.layers)
+
+    def fit(self, model, budget, longest, new_tokens, pad, verify, bar) -> Fit:
+        cache = self.make(model, budget, len(longest) + new_tokens)
+        peak = _PeakBytes(lambda: self.nbytes(cache))
+        generate(model, cache, [longest], new_tokens, pad, stopping=peak)
+        bar.update(1)
+        return Fit(budget // peak.peak, peak.peak, "budget // peak real bytes of one row of the longest request")
+
+
+class LeanKind:
+    """``LeanCache`` with a fixed pool of ``budget // page_size`` pages."""
+
+    bytes_note = "peak pages of one row (page bytes; the page table is not counted)"
+
+    def __init__(self, kv: str):
+        from ..config import KVConfig
+
+        self.kv, self.cfg = kv, KVConfig.parse(kv)
+        self.name = f"LeanCache {kv}"
+
+    def make(self, model, budget: int, max_len: int, fixed: bool = True):
+        from ..cache import LeanCache
+
+        pages = budget // self.cfg.page_size if fixed else None
+        return LeanCache(model, self.cfg, num_pages=pages, max_seq_len=max_len)
+
+    def runs(self, model, budget, longest, new_tokens, pad, rows: int) -> bool:
+        """Whether ``rows`` rows of the longest request run in the fixed pool without exhausting it."""
+        from ..allocator import PoolExhausted
+
+        cache = self.make(model, budget, len(longest) + new_tokens)
+        try:
+            generate(model, cache, [longest] * rows, new_tokens, pad)
+        except PoolExhausted:
+            return False
+        return True
+
+    def fit(self, model, budget, longest, new_tokens, pad, verify, bar) -> Fit:
+        cache = self.make(model, budget, len(longest) + new_tokens, fixed=False)
+        free_list, peak = cache.free_list, [0]
+        allocate = free_list.allocate
+
+        def tracked(demand):  # an instance attribute, gone with this calibration cache
+            out = allocate(demand)
+            peak[0] = max(peak[0], free_list.capacity - free_list.num_free)
+            return out
+
+        free_list.allocate = tracked
+        generate(model, cache, [longest], new_tokens, pad)
+        bar.update(1)
+        pages = budget // self.cfg.page_size
+        batch = pages // peak[0]
+        fit = Fit(batch, peak[0] * self.cfg.page_size,
+                  f"pool of {pages} pages // peak {peak[0]} pages of one row of the longest request")
+        if not verify or batch == 0:
+            return fit
+        while batch > 0 and not self.runs(model, budget, longest, new_tokens, pad, batch):
+            fit.notes.append(f"{batch} rows exhausted the pool")
+            batch -= 1
+            bar.update(1)
+        bar.update(1)
+        while self.runs(model, budget, longest, new_tokens, pad, batch + 1):
+            fit.notes.append(f"{batch + 1} rows fit the pool")
+            batch += 1
+            bar.update(1)
+        bar.update(1)
+        fit.batch = batch
+        fit.how += f"; verified: {batch} rows run, {batch + 1} exhaust the pool"
+        return fit
+
+
+# ---------------------------------------------------------------------------- the run
+def serve(model, kind, requests: list[Request], batch: int, budget: int, pad: int, bar) -> dict:
+    """Run ``requests`` in order, ``batch`` at a time; returns time, tokens and batches.
+
+    A LeanCache batch that exhausts its pool (a real request may need more pages than the
+    calibration row) is retried from the start with one row fewer, and the retry is reported.
+    """
+    from ..allocator import PoolExhausted
+
+    max_len = max(len(r.prompt) for r in requests) + max(r.output for r in requests)
+    notes = []
+    while batch > 0:
+        elapsed, tokens, done = 0.0, 0, 0
+        try:
+            for i in range(0, len(requests), batch):
+                chunk = requests[i: i + batch]
+                cache = kind.make(model, budget, max_len)
+                elapsed += generate(model, cache, [r.prompt for r in chunk], max(r.output for r in chunk), pad)
+                tokens += sum(r.output for r in chunk)
+                done += len(chunk)
+                bar.update(len(chunk))
+        except PoolExhausted as e:
+            notes.append(f"batch {batch} exhausted the pool at request {done + 1} ({e}); rerun with {batch - 1}")
+            bar.update(len(requests) - done)
+            batch -= 1
+            continue
+        return dict(batch=batch, time_s=elapsed, tokens=tokens, batches=-(-len(requests) // batch), notes=notes)
+    raise ValueError(f"{kind.name} cannot run one row of these requests in a budget of {budget} bytes")
+
+
+def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, requests: int | None = None,
+        prompt_range=None, output_range=None, kvs=DEFAULT_KVS, quantized: bool = True, verify: bool = True,
+        seed: int = 0, progress: bool = True) -> dict:
+    """The throughput benchmark; returns everything it measured (see the module doc)."""
+    from tqdm.auto import tqdm
+
+    if mix not in MIXES:
+        raise ValueError(f"unknown --mix {mix!r}; known: {', '.join(MIXES)}")
+    prompt_range = tuple(prompt_range or MIXES[mix][0])
+    output_range = tuple(output_range or MIXES[mix][1])
+    ids, pad = corpus_ids(tok), pad_id(tok)
+    request_mix(ids, 1, prompt_range, output_range)  # checks the ranges before any model work
+    if budget is None:
+        budget = default_budget(model, prompt_range, output_range)
+    if budget < 1:
+        raise ValueError(f"--budget-bytes must be positive, got {budget}")
+    kinds, notes = [DynamicKind()], []
+    if quantized:
+        backend, desc = quantized_backend()
+        if backend is None:
+            notes.append(desc)
+        else:
+            kinds.append(QuantizedKind(backend, desc))
+            notes.append(f"HF QuantizedCache backend: {desc}")
+    kinds += [LeanKind(kv) for kv in kvs]
+    longest = ids.repeat(prompt_range[1] // len(ids) + 1)[: prompt_range[1]]  # the calibration prompt
+    bar = tqdm(desc="fitting the budget", unit="run", leave=False, disable=not progress)
+    fits = {}
+    for kind in kinds:
+        fits[kind.name] = kind.fit(model, budget, longest, output_range[1], pad, verify, bar)
+        if fits[kind.name].batch < 1:
+            raise ValueError(f"{kind.name} cannot hold one row of {prompt_range[1]} + {output_range[1]} tokens in "
+                             f"--budget-bytes {budget} ({fits[kind.name].bytes_per_row} bytes per row)")
+    bar.close()
+    n = requests if requests is not None else 3 * max(f.batch for f in fits.values())
+    reqs = request_mix(ids, n, prompt_range, output_range, seed)
+    bar = tqdm(total=n * len(kinds), desc="serving requests", unit="req", leave=False, disable=not progress)
+    caches = []
+    for kind in kinds:
+        fit = fits[kind.name]
+        out = serve(model, kind, reqs, fit.batch, budget, pad, bar)
+        caches.append(dict(name=kind.name, fitted_batch=fit.batch, bytes_per_row=fit.bytes_per_row,
+                           bytes_note=kind.bytes_note, fit=fit.how, notes=fit.notes + out.pop("notes"), **out,
+                           tokens_per_s=out["tokens"] / out["time_s"]))
+    bar.close()
+    base = caches[0]
+    for c in caches:
+        c["tokens_per_s_ratio"] = c["tokens_per_s"] / base["tokens_per_s"]
+        c["batch_ratio"] = c["batch"] / base["batch"]
+    return dict(mix=mix, prompt_range=list(prompt_range), output_range=list(output_range), requests=n,
+                requested_tokens=sum(r.output for r in reqs), prompt_tokens=sum(len(r.prompt) for r in reqs),
+                budget_bytes=budget, seed=seed, caches=caches, notes=notes)
+
+
+def summary(res: dict) -> str:
+    """The budget and the mix, in one line."""
+    return (f"budget {res['budget_bytes']} bytes ({_fmt_bytes(res['budget_bytes'])}); {res['mix']} mix: "
+            f"{res['requests']} requests, prompts {res['prompt_range'][0]}-{res['prompt_range'][1]} tokens, "
+            f"outputs {res['output_range'][0]}-{res['output_range'][1]} tokens ({res['requested_tokens']} "
+            f"requested tokens in all, seed {res['seed']})")
+
+
+def table(res: dict) -> str:
+    """Markdown table of :func:`run`'s result."""
+    head = ("| cache | batch | generate calls | bytes per row | tokens/s | tokens/s vs DynamicCache | "
+            "batch vs DynamicCache |")
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for c in res["caches"]:
+        lines.append(f"| {c['name']} | {c['batch']} | {c['batches']} | {_fmt_bytes(c['bytes_per_row'])} | "
+                     f"{c['tokens_per_s']:.2f} | "
+                     f"{c['tokens_per_s_ratio']:.2f}x | {c['batch_ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+def notes(res: dict) -> str:
+    """How each cache's bytes were counted, and anything that happened during the run."""
+    out = [summary(res) + "."] + [n + "." for n in res["notes"]]
+    short = [c["name"] for c in res["caches"] if c["batch"] > res["requests"]]
+    if short:
+        out.append(f"Fewer requests ({res['requests']}) than the batch of {', '.join(short)}: those ran one "
+                   "smaller batch, so their tokens/s does not show the batch they fit.")
+    for c in res["caches"]:
+        extra = "; ".join(c["notes"])
+        out.append(f"{c['name']}: bytes per row = {c['bytes_note']}; batch = {c['fit']}"
+                   + (f"; {extra}" if extra else "") + ".")
+    return "\n".join(f"- {line}" for line in out)

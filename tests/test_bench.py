@@ -1,0 +1,241 @@
+"""``leankit bench``: exclusive timers, the step breakdown, the budget fit, the README writer, help texts."""
+
+import json
+
+import pytest
+import torch
+
+import leankit
+from leankit.allocator import PoolExhausted
+from leankit.bench import step, throughput
+from leankit.bench.readme import markers, replace_block, write_block
+from leankit.bench.text import left_padded
+from leankit.bench.timing import CATEGORIES, ExclusiveTimer, lean_targets, patched
+from leankit.cache import LeanCache
+from leankit.cli import main
+from leankit.testing import tiny_model, tiny_tokenizer
+
+TINY_NEUTRAL = "K8V4-K4V2:th=0.25,tl=0,group_size=8,rotate=1,window=5"
+
+
+class FakeClock:
+    """A clock that advances only when told to."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_exclusive_timer_charges_nested_calls_once():
+    clock = FakeClock()
+    timer = ExclusiveTimer(clock)
+
+    def inner():
+        clock.now += 3.0
+
+    def middle():
+        clock.now += 2.0
+        timed_inner()
+        clock.now += 1.0
+        timed_inner()
+
+    timed_inner, timed_middle = timer.wrap(inner, "alloc"), timer.wrap(middle, "policy")
+    timer.enter("attention")
+    clock.now += 0.5
+    timed_middle()
+    clock.now += 0.25
+    timer.exit()
+    totals = timer.take()
+    assert totals == {"attention": 0.75, "policy": 3.0, "alloc": 6.0}
+    assert sum(totals.values()) == clock.now  # nothing counted twice, nothing lost
+    assert timer.take() == {}
+
+
+def test_exclusive_timer_closes_a_section_that_raises():
+    clock = FakeClock()
+    timer = ExclusiveTimer(clock)
+
+    def boom():
+        clock.now += 1.5
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        timer.wrap(boom, "store")()
+    assert timer.take() == {"store": 1.5}
+
+
+def test_patched_restores_every_method_even_on_error():
+    targets = lean_targets()
+    before = {(cls, name): cls.__dict__[name] for cls, name, _ in targets}
+    assert {c for _, _, c in targets} == set(CATEGORIES) - {"model"}
+    with pytest.raises(RuntimeError, match="stop"), patched(ExclusiveTimer(), targets):
+        assert LeanCache.__dict__["attend"] is not before[(LeanCache, "attend")]
+        raise RuntimeError("stop")
+    assert all(cls.__dict__[name] is fn for (cls, name), fn in before.items())
+
+
+def test_patched_rejects_an_inherited_method():
+    from leankit.policy import LeanKVPolicy
+
+    with pytest.raises(ValueError, match="LeanKVPolicy.store"), \
+            patched(ExclusiveTimer(), [(LeanKVPolicy, "store", "store")]):
+        pass
+
+
+def test_step_bench_breakdown_is_nonnegative_and_sums_to_the_step():
+    model, tok = tiny_model(), tiny_tokenizer()
+    attend = LeanCache.__dict__["attend"]
+    rows = step.run(model, tok, batch=3, contexts=(23,), kvs=("K8V4", TINY_NEUTRAL), steps=3, warmup=1,
+                    progress=False)
+    assert LeanCache.__dict__["attend"] is attend  # the timers are gone after the run
+    assert [r["kv_arg"] for r in rows] == ["K8V4", TINY_NEUTRAL]
+    for r in rows:
+        assert r["prefill_ratio"] > 0 and r["decode_ratio"] > 0
+        for phase in ("prefill", "decode"):
+            parts = r[f"{phase}_breakdown"]
+            assert set(parts) == set(CATEGORIES)
+            assert all(v >= 0 for v in parts.values()), (phase, parts)
+            assert sum(parts.values()) == pytest.approx(1.0, abs=1e-9)
+            assert parts["attention"] > 0 and parts["store"] > 0
+        assert r["prefill_breakdown"]["alloc"] > 0  # the prompt's pages are allocated in the prefill
+    assert rows[1]["decode_breakdown"]["policy"] > 0  # LeanKV classifies tokens leaving the window
+    table = step.table(rows)
+    assert table.count("\n") == 2 + 2 * len(rows) - 1 and "quantize/store" in table
+
+
+def _tiny_lm():
+    model, tok = tiny_model(), tiny_tokenizer()
+    return model, tok
+
+
+@pytest.mark.parametrize("kv", ["K8V4", TINY_NEUTRAL])
+def test_throughput_batch_fits_the_budget_and_one_more_row_does_not(kv):
+    model, _ = _tiny_lm()
+    prompt, new = torch.arange(5, 5 + 27) % 90 + 4, 7
+    kind = throughput.LeanKind(kv)
+    budget = 10 * kind.cfg.page_size + 100
+    fit = kind.fit(model, budget, prompt, new, 0, True, _NullBar())
+    assert fit.batch >= 1
+
+    def generate(rows):
+        cache = LeanCache(model, kv, num_pages=budget // kind.cfg.page_size)
+        ids, mask = left_padded([prompt] * rows, 0)
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    generate(fit.batch)
+    with pytest.raises(PoolExhausted):
+        generate(fit.batch + 1)
+
+
+class _NullBar:
+    def update(self, n=1):
+        pass
+
+
+def test_dynamic_cache_batch_is_eight_rows_of_the_default_budget():
+    model, _ = _tiny_lm()
+    budget = throughput.default_budget(model, (11, 30), (2, 9))
+    # 2 layers x 2 KV heads x head_dim 16, K and V, fp16
+    assert budget == 8 * (30 + 9) * 2 * 2 * 16 * 2 * 2
+    fit = throughput.DynamicKind().fit(model, budget, torch.ones(30, dtype=torch.long), 9, 0, False, _NullBar())
+    assert fit.batch == 8
+
+
+def test_throughput_run_counts_only_requested_tokens():
+    model, tok = _tiny_lm()
+    res = throughput.run(model, tok, requests=5, prompt_range=(9, 14), output_range=(2, 5), kvs=("K8V4",),
+                         quantized=False, progress=False)
+    assert [c["name"] for c in res["caches"]] == ["DynamicCache", "LeanCache K8V4"]
+    assert res["budget_bytes"] == throughput.default_budget(model, (9, 14), (2, 5))
+    for c in res["caches"]:
+        assert c["tokens"] == res["requested_tokens"] and c["time_s"] > 0
+        assert c["batches"] == -(-5 // c["batch"])
+    assert res["caches"][0]["tokens_per_s_ratio"] == 1.0
+    assert "budget" in throughput.notes(res) and "| LeanCache K8V4 |" in throughput.table(res)
+
+
+def test_throughput_rejects_bad_ranges_before_any_model_work():
+    model, tok = _tiny_lm()
+    with pytest.raises(ValueError, match="--output-range"):
+        throughput.run(model, tok, prompt_range=(9, 14), output_range=(5, 2), progress=False)
+
+
+def test_tensor_bytes_counts_the_inner_tensors_of_containers():
+    t = torch.zeros(3, 4, dtype=torch.float16)
+    assert throughput.tensor_bytes((t, {"s": torch.zeros(5), "shape": (3, 4)}, None)) == 24 + 20
+
+
+def test_readme_writer_replaces_only_the_marked_block(tmp_path):
+    start, end = markers("step")
+    other = "<!-- leankit-bench:throughput -->\nkeep me\n<!-- /leankit-bench:throughput -->"
+    text = f"# t\n\nintro\n{start}\nold table\n{end}\ntail text\n{other}\n"
+    out = replace_block(text, "step", "| new |")
+    assert out == f"# t\n\nintro\n{start}\n| new |\n{end}\ntail text\n{other}\n"
+    assert replace_block(out, "step", "| new |") == out  # idempotent
+    path = tmp_path / "README.md"
+    path.write_text(text)
+    write_block(path, "throughput", "fresh")
+    assert path.read_text() == text.replace("keep me", "fresh")
+    with pytest.raises(ValueError, match="exactly one"):
+        replace_block("no markers here", "step", "x")
+    with pytest.raises(ValueError, match="comes before"):
+        replace_block(f"{end}\n{start}\n", "step", "x")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "--help"], ["step", "throughput", "--write-readme", "allocation"]),
+    (["bench", "step", "--help"], ["attention", "quantize/store", "policy", "allocation", "median", "--context",
+                                   "timers' cost"]),
+    (["bench", "throughput", "--help"], ["--budget-bytes", "decode-heavy", "prefill-heavy", "PoolExhausted",
+                                         "QuantizedCache", "tokens/s", "--requests"]),
+])
+def test_bench_help_explains_each_mode(capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for w in words:
+        assert w in out, w
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setattr(leankit, "load_model", lambda name: _tiny_lm())
+
+
+def test_bench_step_cli_writes_json_and_readme(tiny, tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    start, end = markers("step")
+    readme.write_text(f"intro\n{start}\n{end}\nend\n")
+    js = tmp_path / "step.json"
+    argv = ["bench", "step", "--model", "tiny", "--batch", "2", "--context", "17", "--steps", "2", "--warmup", "1",
+            "--kv", "K8V4", "--json", str(js), "--write-readme", "--readme", str(readme), "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads(js.read_text())
+    assert data["mode"] == "step" and data["command"] == ["leankit", *argv] and len(data["results"]) == 1
+    text = readme.read_text()
+    assert text.startswith(f"intro\n{start}\n") and text.endswith(f"{end}\nend\n")
+    assert "| 17 | `K8V4` | decode |" in text and "leankit bench step --model tiny" in text and "torch " in text
+
+
+def test_bench_cli_bad_config_is_a_clear_error(tiny, capsys):
+    assert main(["bench", "step", "--kv", "K9V4", "--no-progress"]) == 2
+    assert "leankit: error" in capsys.readouterr().err
+
+
+def test_quantized_cache_bytes_are_codes_scales_and_residual():
+    backend, desc = throughput.quantized_backend()
+    if backend != "quanto":
+        pytest.skip(desc)
+    model, _ = _tiny_lm()
+    kind = throughput.QuantizedKind(backend, desc)
+    fit = kind.fit(model, 10 ** 6, torch.arange(4, 44), 3, 0, False, _NullBar())
+    # 40 prompt tokens quantized at prefill (4-bit codes: half a byte per element, plus fp32 scale and
+    # offset per group of 16 channels), then 2 decode tokens in the fp32 residual; 2 layers, K and V, 2 heads.
+    quantized = 40 * 2 * 16 // 2 + 40 * 2 * 2 * 4
+    residual = 2 * 2 * 16 * 4
+    assert fit.bytes_per_row == 2 * 2 * (quantized + residual)
+    assert fit.batch == 10 ** 6 // fit.bytes_per_row
