@@ -467,11 +467,14 @@ class LeanCache(Cache):
         else:
             kv = self.paged_kv(layer)
             q_pages = query if self.rotation is None else rotate(query, self.rotation)
-            logits = None
+            logits = saved = None
             if use_triton(query):
                 from leankit_kernels.paged_attention import paged_attention
 
-                out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
+                if sig and nq == 1:  # decode: the kernel keeps its logits for the fused score update
+                    out_old, lse_old, saved = paged_attention(q_pages, kv, st.q_pos, scaling, save_logits=True)
+                else:
+                    out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
             elif sig and nq <= LOGITS_QUERY_LIMIT:  # few queries: keep the logits for the significance update
                 out_old, lse_old, logits = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling,
                                                                return_logits=True)
@@ -482,7 +485,13 @@ class LeanCache(Cache):
             out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
                                                             lse_other=lse_old, received=sig)
             out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
-            if sig:
+            if sig and saved is not None:
+                from leankit_kernels.paged_attention import apply_score_update
+
+                # LeanKV §4 running significance, updated in place from the decode kernel's own
+                # logits with the merged lse: no second pass over the keys.
+                apply_score_update(kv, saved, lse, st.q_pos, st.real)
+            elif sig:
                 if logits is not None:
                     received_old = received_from_logits(logits, lse, group, st.real)
                 else:

@@ -88,13 +88,13 @@ def test_triton_backend_generates_same_tokens(spec, overrides, monkeypatch):
     ref, ref_cache = _generate(model, spec, "torch", monkeypatch, **overrides)
     calls = {}
     spied = ((qu, "quantize_into_pages"), (pa_attn, "paged_attention"), (pa, "grow_pages"),
-             (pf, "received_attention"))
+             (pf, "received_attention"), (pa_attn, "apply_score_update"))
     for mod, name in spied:
         _spy(monkeypatch, mod, name, calls)
     got, cache = _generate(model, spec, "triton", monkeypatch, **overrides)
     expected = {"quantize_into_pages", "paged_attention", "grow_pages"}
-    if cache.cfg.policy == "leankv":  # significance scores come from the kernel's second pass
-        expected.add("received_attention")
+    if cache.cfg.policy == "leankv":  # decode significance: the kernel's fused update, no second pass
+        expected.add("apply_score_update")
     assert set(calls) == expected, calls
     assert len(set(ref.flatten().tolist())) > 2, "degenerate generation"
     assert torch.equal(got, ref), f"{spec}: triton {got.tolist()} != torch {ref.tolist()}"
