@@ -1,0 +1,83 @@
+"""The step's own tokens: exact attention, log-sum-exp merge and prompt significance vs brute force."""
+
+import pytest
+import torch
+
+from leankit.attention import merge_attention, step_attention, step_received
+
+
+def _case(seed, b=3, hq=6, hkv=2, q=11, f=16):
+    g = torch.Generator().manual_seed(seed)
+    real = torch.ones(b, q, dtype=torch.bool)
+    real[1, :4] = False  # left padding
+    real[2, :1] = False
+    pos = (real.long().cumsum(1) - 1).clamp_min(0)
+    return (torch.randn(b, hq, q, f, generator=g) * 2, torch.randn(b, hkv, q, f, generator=g),
+            torch.randn(b, hkv, q, f, generator=g), pos, real)
+
+
+def _brute(q, k, v, pos, real, scale, extra_k=None, extra_v=None):
+    """Per (row, query head, query): softmax over visible new keys (+ always-visible extra keys)."""
+    b, hq, nq, f = q.shape
+    g = hq // k.shape[1]
+    out = torch.zeros(b, nq, hq, f, dtype=torch.float64)
+    probs = torch.zeros(b, hq, nq, nq, dtype=torch.float64)  # over the new keys only
+    for bi in range(b):
+        for h in range(hq):
+            kv_h = h // g
+            for i in range(nq):
+                vis = real[bi] & (pos[bi] <= pos[bi, i])
+                keys, vals = k[bi, kv_h].double(), v[bi, kv_h].double()
+                s = (keys @ q[bi, h, i].double()) * scale
+                s = s.masked_fill(~vis, float("-inf"))
+                if extra_k is not None:
+                    s = torch.cat([s, (extra_k[bi, kv_h].double() @ q[bi, h, i].double()) * scale])
+                    vals = torch.cat([vals, extra_v[bi, kv_h].double()])
+                p = torch.softmax(s, 0)
+                out[bi, i, h] = p @ vals
+                probs[bi, h, i] = p[:nq]
+    return out, probs
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_step_attention_and_received_match_brute_force(seed):
+    q, k, v, pos, real = _case(seed)
+    out, lse, recv = step_attention(q, k, v, pos, real, 0.3, received=True)
+    ref, probs = _brute(q, k, v, pos, real, 0.3)
+    live = real.view(3, 1, 11, 1)
+    torch.testing.assert_close(out.double()[real], ref[real], rtol=1e-5, atol=1e-5)
+    # received: sum over live queries, mean over the group's query heads
+    want = (probs * live).sum(2).view(3, 2, 3, 11).mean(2)
+    torch.testing.assert_close(recv.double(), want, rtol=1e-5, atol=1e-6)
+    assert bool((recv[~real.view(3, 1, 11).expand(3, 2, 11)] == 0).all()), "pad tokens receive nothing"
+    for ordered in (False, True):  # the prompt-only pass, with and without the causal cut-off
+        torch.testing.assert_close(step_received(q, k, pos, real, 0.3, ordered).double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_merge_with_older_keys_matches_one_softmax_and_weights_received():
+    q, k, v, pos, real = _case(3)
+    g = torch.Generator().manual_seed(7)
+    old_k, old_v = torch.randn(3, 2, 5, 16, generator=g), torch.randn(3, 2, 5, 16, generator=g)
+    # the older keys' partial attention, computed densely (every query sees them)
+    qg = q.view(3, 2, 3 * 11, 16)
+    s_old = qg @ old_k.transpose(-1, -2) * 0.3
+    lse_old = torch.logsumexp(s_old, -1)
+    out_old = (torch.softmax(s_old, -1) @ old_v).view(3, 6, 11, 16).transpose(1, 2)
+    out_new, lse_new, recv = step_attention(q, k, v, pos, real, 0.3, lse_other=lse_old, received=True)
+    out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
+    ref, probs = _brute(q, k, v, pos, real, 0.3, old_k, old_v)
+    torch.testing.assert_close(out.double()[real], ref[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, torch.logaddexp(lse_old, lse_new))
+    want = (probs * real.view(3, 1, 11, 1)).sum(2).view(3, 2, 3, 11).mean(2)
+    torch.testing.assert_close(recv.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_merge_with_an_empty_side_is_the_other_side():
+    a = torch.randn(2, 3, 4, 8)
+    lse_a = torch.randn(2, 2, 6)
+    empty = torch.full_like(lse_a, float("-inf"))
+    out, lse = merge_attention(a, lse_a, torch.zeros_like(a), empty)
+    torch.testing.assert_close(out, a)
+    torch.testing.assert_close(lse, lse_a)
+    out, lse = merge_attention(torch.zeros_like(a), empty, torch.zeros_like(a), empty)
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
