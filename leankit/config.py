@@ -276,6 +276,9 @@ class KVConfig:
             return cfg
         if not isinstance(spec, str):
             raise ValueError(f"KV config must be a string, got {type(spec).__name__}. {GRAMMAR}")
+        from .presets import resolve  # a preset name ("neutral", "k8v4:group_size=32") -> its config
+
+        spec = resolve(spec)
         if ":" in spec:
             spec, inline = split_overrides(spec)
             overrides = {**inline, **overrides}  # keyword arguments win over the string's

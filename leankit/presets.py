@@ -7,8 +7,8 @@ then 4 x 64 scored tokens; ``kv / fp16`` counts every page byte in use against a
 ``docs/measurements.md`` for the full tables.
 
 ``resolve("neutral:th=0.3")`` turns a preset name (with optional overrides, which win) into a
-config string; any other string passes through unchanged, so callers can resolve every
-``--kv`` value. ``KVConfig.parse`` itself does not know preset names yet: resolve first.
+config string; any other string passes through unchanged. :meth:`leankit.KVConfig.parse`
+resolves preset names itself, so ``LeanCache(model, "neutral")`` and ``--kv neutral`` work.
 """
 
 from __future__ import annotations

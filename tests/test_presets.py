@@ -28,3 +28,15 @@ def test_recommended_preset_is_the_measured_one():
     p = PRESETS["neutral"]
     assert p.spec == "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1"
     assert p.spec.split(":")[1] in p.command  # the command measures exactly this config
+
+
+def test_kvconfig_parse_and_leancache_take_preset_names():
+    from leankit.cache import LeanCache
+    from leankit.testing import tiny_model
+
+    assert KVConfig.parse("neutral") == KVConfig.parse(PRESETS["neutral"].spec)
+    assert KVConfig.parse("Compact:tl=0.1").tl == 0.1
+    cache = LeanCache(tiny_model("llama-mha"), "k8v4:group_size=8")  # head_dim 16
+    assert cache.cfg == KVConfig.parse("K8V4", group_size=8)
+    with pytest.raises(ValueError, match="cannot parse"):
+        KVConfig.parse("nutral")
