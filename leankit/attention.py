@@ -3,7 +3,7 @@
 Queries attend to the tokens stored in a layer's unified pages: first the high-tier pages
 (walked from the left of the bidirectional row), then the low-tier pages (from the right), the
 order LeanKV's kernel uses for load balance (§6.2). Pages are gathered and dequantized a chunk
-at a time and combined with an online softmax, so no more than ``chunk_pages`` pages per head are
+at a time and combined with an online softmax, so no more than one tile of pages per head is
 ever dequantized at once: the full-precision cache is never materialized.
 
 Masking is by stored position, not by physical slot: key ``j`` is visible to query ``i`` iff it
@@ -77,7 +77,7 @@ class Tile:
     the Triton kernels use to keep dequantization out of their inner loop, costs one small
     matmul per group and bit plane here; on a CPU, with the few query rows of a decode step, those
     calls (each a loop over every (sequence, head)) cost far more than one pass over the tile.
-    Only one chunk of at most ``chunk_pages`` pages per head is ever dequantized at once.
+    Only one tile (at most :data:`TILE_TOKENS` tokens per head by default) is converted at once.
     """
 
     def __init__(self, kv: PagedKV, tier: int, start: int, count: int):
@@ -176,17 +176,31 @@ class Tile:
                 self._dequant(self.v_data, self.v_meta, prec.v_bits, "v_hat").to(dtype, copy=True))
 
 
-def iter_page_tiles(kv: PagedKV, chunk_pages: int = 64):
-    """Yield :class:`Tile` objects: high-tier pages first, then low-tier (LeanKV §6.2 order)."""
+# Tokens per head in one tile when no page count is given: a tile's size is set in tokens, so a
+# tier with few tokens per page (an unquantized fp32 tier holds 3 at head_dim 64) is not cut
+# into many small tiles, each paying the per-tile overhead.
+TILE_TOKENS = 2048
+
+
+def _tile_pages(layout: PageLayout, chunk_pages: int | None) -> int:
+    return chunk_pages or max(1, TILE_TOKENS // layout.tokens)
+
+
+def iter_page_tiles(kv: PagedKV, chunk_pages: int | None = None):
+    """Yield :class:`Tile` objects: high-tier pages first, then low-tier (LeanKV §6.2 order).
+
+    A tile covers at most ``chunk_pages`` pages per head (default: :data:`TILE_TOKENS` tokens).
+    """
     table, layer = kv.table, kv.layer
     for tier in range(len(kv.layouts)):
         n_pages = table.n_pages[tier, layer]
         total = int(n_pages.max()) if n_pages.numel() else 0
-        for start in range(0, total, chunk_pages):
-            yield Tile(kv, tier, start, min(chunk_pages, total - start))
+        per = _tile_pages(kv.layouts[tier], chunk_pages)
+        for start in range(0, total, per):
+            yield Tile(kv, tier, start, min(per, total - start))
 
 
-def iter_tiles(kv: PagedKV, chunk_pages: int = 64, dtype: torch.dtype = torch.float32):
+def iter_tiles(kv: PagedKV, chunk_pages: int | None = None, dtype: torch.dtype = torch.float32):
     """Yield dequantized tiles ``(tier, k, v, pos, valid, page_start)`` of a layer.
 
     ``k``/``v`` are ``[B, H, N, F]``, ``pos``/``valid`` ``[B, H, N]`` with ``N = pages x T``; slots
@@ -205,7 +219,7 @@ def _grouped_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float,
-                        chunk_pages: int = 64, query_chunk: int = 512, return_logits: bool = False):
+                        chunk_pages: int | None = None, query_chunk: int = 512, return_logits: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's pages.
 
     Args:
@@ -288,7 +302,7 @@ def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: i
 
 
 def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, lse: torch.Tensor,
-                           q_valid: torch.Tensor | None = None, chunk_pages: int = 64,
+                           q_valid: torch.Tensor | None = None, chunk_pages: int | None = None,
                            query_chunk: int = 256) -> list[torch.Tensor]:
     """Attention probability each stored token received from this step's queries (LeanKV §4).
 
@@ -332,8 +346,9 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
         n_pages = kv.table.n_pages[tier, kv.layer]
         total = int(n_pages.max()) if n_pages.numel() else 0
         acc = torch.zeros(b, hkv, total * layout.tokens, device=q.device)
-        for start in range(0, total, chunk_pages):
-            tile = Tile(kv, tier, start, min(chunk_pages, total - start))
+        per = _tile_pages(layout, chunk_pages)
+        for start in range(0, total, per):
+            tile = Tile(kv, tier, start, min(per, total - start))
             k_min = int(torch.where(tile.valid, tile.pos, torch.full_like(tile.pos, 1 << 30)).min())
             lo, hi = start * layout.tokens, start * layout.tokens + tile.pos.shape[-1]
             for qg, qp, live, lse_safe, q_max in chunks:
