@@ -28,12 +28,13 @@ STEP_HELP = f"""\
 Prefill and decode-step time of LeanCache configs against DynamicCache.
 
 For each --context, a batch of --batch real-text prompts (Wikipedia articles shipped with
-leankit; rows left-padded, each 3 tokens shorter than the one before) is prefilled once into a
-DynamicCache and, per --kv config, into a plain LeanCache and an instrumented one. Then
+leankit; rows left-padded, each 3 tokens shorter than the one before) is prefilled into a
+DynamicCache and, per --kv config, into a plain LeanCache and an instrumented one (3 fresh
+prefills of each, in rotating order; the median counts). Then
 --steps decode steps (after 2 warm-up rounds) step every cache once per round, in an order that
 rotates each round, so every cache sees the same machine state. Reported per config:
 
-  prefill ratio   LeanCache prefill time / DynamicCache prefill time (one run each)
+  prefill ratio   LeanCache prefill time / DynamicCache prefill time (medians of 3)
   decode ratio    median LeanCache step / median DynamicCache step
   breakdown       share of the instrumented LeanCache step (prefill and decode) spent in
                   attention (LeanCache.attend), quantize/store (the policy's store),

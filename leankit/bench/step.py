@@ -1,7 +1,8 @@
 """``leankit bench step``: prefill and decode-step time of LeanCache configs against DynamicCache.
 
-For every context length, one left-padded batch of real-text prompts is prefilled once into a
-``DynamicCache`` and, per LeanCache config, into two LeanCaches: a *plain* one (never timed
+For every context length, one left-padded batch of real-text prompts is prefilled into a
+``DynamicCache`` and, per LeanCache config, into two LeanCaches (each kind three times into a
+fresh cache, in rotating order; the median is its prefill time): a *plain* one (never timed
 inside) whose times give the ratios, and an *instrumented* one whose steps run with exclusive
 timers (:mod:`leankit.bench.timing`) to break the step down. Decode steps then run in rounds;
 each round steps every cache once, in an order that rotates from round to round, so all caches
@@ -43,8 +44,9 @@ def decode(model, cache, state):
 class _Runner:
     """One cache of the comparison and what was measured on it."""
 
-    cache: object
+    make: object  # builds a fresh, empty cache of this kind
     timed: bool = False
+    cache: object = None
     state: tuple | None = None
     prefill_s: float = 0.0
     prefill_parts: dict = field(default_factory=dict)
@@ -74,6 +76,9 @@ def _fractions(parts: list[dict], total: float) -> dict:
     return {c: (summed[c] / total if total else float("nan")) for c in CATEGORIES}
 
 
+PREFILL_RUNS = 3  # prefills per cache kind; the median is reported
+
+
 def measure_context(model, ids: torch.Tensor, pad: int, batch: int, context: int, kvs: list[str], steps: int,
                     warmup: int = 2, progress: bool = False) -> list[dict]:
     """Measure every config of ``kvs`` against DynamicCache at one context length (see the module doc)."""
@@ -86,18 +91,29 @@ def measure_context(model, ids: torch.Tensor, pad: int, batch: int, context: int
     for cache in [DynamicCache(config=model.config)] + [LeanCache(model, kv) for kv in kvs]:
         prefill(model, cache, input_ids[:, -16:], mask[:, -16:])
     bench = _Bench(model)
-    dyn = _Runner(DynamicCache(config=model.config))
-    pairs = [(kv, _Runner(LeanCache(model, kv)), _Runner(LeanCache(model, kv), timed=True)) for kv in kvs]
+    dyn = _Runner(lambda: DynamicCache(config=model.config))
+    pairs = [(kv, _Runner(lambda kv=kv: LeanCache(model, kv)), _Runner(lambda kv=kv: LeanCache(model, kv), timed=True))
+             for kv in kvs]
     runners = [dyn] + [r for _, plain, timed in pairs for r in (plain, timed)]
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(runners) * (1 + warmup + steps), desc=f"step bench, context {context}", unit="step",
+    bar = tqdm(total=len(runners) * (PREFILL_RUNS + warmup + steps), desc=f"step bench, context {context}", unit="step",
                leave=False, disable=not progress)
+    # Each cache kind prefills PREFILL_RUNS fresh caches, in an order that rotates every round; the
+    # median is its prefill time (a single prefill is at the mercy of the machine's state), and
+    # the last round's cache goes on to decode.
+    times = {id(r): [] for r in runners}
+    for j in range(PREFILL_RUNS):
+        k = j % len(runners)
+        for r in runners[k:] + runners[:k]:
+            r.cache = r.make()
+            r.state, dt, parts = bench.run(r, prefill, input_ids, mask)
+            times[id(r)].append(dt)
+            if parts is not None:
+                r.prefill_parts = breakdown(parts, dt)
+            bar.update(1)
     for r in runners:
-        r.state, r.prefill_s, parts = bench.run(r, prefill, input_ids, mask)
-        if parts is not None:
-            r.prefill_parts = breakdown(parts, r.prefill_s)
-        bar.update(1)
+        r.prefill_s = statistics.median(times[id(r)])
     for i in range(warmup + steps):
         k = i % len(runners)
         for r in runners[k:] + runners[:k]:  # the order rotates every round
@@ -116,7 +132,7 @@ def measure_context(model, ids: torch.Tensor, pad: int, batch: int, context: int
             context=context, batch=batch, kv=str(plain.cache.cfg), kv_arg=kv,
             prefill_dynamic_s=dyn.prefill_s, prefill_lean_s=plain.prefill_s, prefill_ratio=plain.prefill_s / dyn.prefill_s,
             step_dynamic_s=dyn_step, step_lean_s=step, decode_ratio=step / dyn_step,
-            prefill_breakdown=_fractions([timed.prefill_parts], timed.prefill_s),
+            prefill_breakdown=_fractions([timed.prefill_parts], sum(timed.prefill_parts.values())),
             decode_breakdown=_fractions(timed.parts, sum(timed.steps)),
             timer_overhead=dict(prefill_s=timed.prefill_s - plain.prefill_s, step_s=step_timed - step,
                                 prefill_rel=timed.prefill_s / plain.prefill_s - 1, step_rel=step_timed / step - 1),
@@ -157,7 +173,7 @@ def table(rows: list[dict]) -> str:
 
 
 NOTES = ("Ratios: LeanCache time / DynamicCache time, the same batch in one process (decode: ratio of medians, "
-         "caches stepped in rotating order, warm-up rounds dropped; prefill: one run each). Breakdown: share of "
+         "caches stepped in rotating order, warm-up rounds dropped; prefill: median of 3 fresh prefills each, in rotating order). Breakdown: share of "
          "the instrumented LeanCache step, exclusive times (a nested timed call counts once, in its own column); "
          "model (rest) = the step less every timed column. Timers' own cost: instrumented step vs an "
          "un-instrumented LeanCache running the same steps (measured difference, noise included).")
