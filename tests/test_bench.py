@@ -239,3 +239,11 @@ def test_quantized_cache_bytes_are_codes_scales_and_residual():
     residual = 2 * 2 * 16 * 4
     assert fit.bytes_per_row == 2 * 2 * (quantized + residual)
     assert fit.batch == 10 ** 6 // fit.bytes_per_row
+
+
+def test_readme_command_leaves_out_output_options():
+    from leankit.bench.readme import reproducible_args
+
+    argv = ["step", "--batch", "8", "--json", "out/step.json", "--write-readme", "--readme=R.md", "--no-progress",
+            "--threads", "1"]
+    assert reproducible_args(argv) == ["step", "--batch", "8", "--threads", "1"]

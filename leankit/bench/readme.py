@@ -55,10 +55,30 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+# Options that only say where output goes: left out of the command a README shows, which must
+# reproduce the table on any machine (and name no local path).
+_OUTPUT_OPTIONS = {"--json": 1, "--readme": 1, "--write-readme": 0, "--no-progress": 0}
+
+
+def reproducible_args(argv: list[str]) -> list[str]:
+    """``argv`` without the output-only options (``--json FILE``, ``--readme FILE``, ...)."""
+    out, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in _OUTPUT_OPTIONS:
+            skip = _OUTPUT_OPTIONS[name] if "=" not in a else 0
+            continue
+        out.append(a)
+    return out
+
+
 def provenance(argv: list[str], threads: int) -> str:
     """The lines under a table: exact command, CPU, threads, torch version and date."""
     import torch
 
-    return (f"Command: `{shlex.join(['leankit', 'bench', *argv])}`  \n"
+    return (f"Command: `{shlex.join(['leankit', 'bench', *reproducible_args(argv)])}`  \n"
             f"CPU: {cpu_model()}, {threads} torch thread(s); torch {torch.__version__}; "
             f"{datetime.date.today().isoformat()}. Written by `leankit bench --write-readme`; do not edit by hand.")
