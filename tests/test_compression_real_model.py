@@ -67,7 +67,7 @@ def test_generation_runs_algorithm1_on_the_real_model(smollm2):
     # The last sampled token is returned but never fed back through the model, so the cache
     # holds prompt + 23 tokens for every (layer, kv head); each sits in exactly one tier.
     cached = out.shape[1] - 1
-    tiers = rep["tokens_per_tier"]
+    tiers = rep["slots_per_tier"]  # token x layer x KV head slots
     assert tiers["high"] + tiers["low"] + tiers["pruned"] \
         == cached * model.config.num_hidden_layers * model.config.num_key_value_heads
     assert rep["tokens_per_tier"]["low"] > 0
