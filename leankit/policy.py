@@ -593,8 +593,9 @@ class LeanKVPolicy(_Base):
         self._span = (has, q_first, q_last)
         self._prompt_rows = has & ~self.started
         gen = has & self.started
-        # Every row with tokens stores its prompt: classify before writing (see store).
-        self._direct = bool(has.any()) and not bool(gen.any())
+        # Every row with tokens stores its prompt: classify before writing (see store). A decode
+        # step stops at the first test, so this costs it one read.
+        self._direct = not bool(gen.any()) and bool(has.any())
         # Candidates: stored tokens that leave the window (pos <= q_last - W), not yet classified.
         # Algorithm 1 runs for a row once `compress_every` of them are waiting (the last ones of
         # a request may stay high until it ends).
