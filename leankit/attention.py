@@ -367,8 +367,7 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
 STEP_CHUNK_ELEMS = 1 << 23
 
 
-def _step_bias(q_pos: torch.Tensor, k_real: torch.Tensor, live: torch.Tensor, group: int, q0: int,
-               q1: int) -> torch.Tensor:
+def _step_bias(q_pos: torch.Tensor, k_real: torch.Tensor, group: int, q0: int, q1: int) -> torch.Tensor:
     """Additive mask ``[B, 1, G*(q1-q0), Q]`` of query rows ``q0 .. q1-1`` over the step's new keys.
 
     Key ``j`` is visible to query ``i`` iff it is a real token of the step and ``pos_j <= pos_i``
@@ -378,7 +377,7 @@ def _step_bias(q_pos: torch.Tensor, k_real: torch.Tensor, live: torch.Tensor, gr
     b, nq = q_pos.shape
     qp = q_pos.to(torch.int64)
     vis = k_real.view(b, 1, nq) & (qp.view(b, 1, nq) <= qp[:, q0:q1].view(b, q1 - q0, 1))
-    vis = vis | ~live[:, q0:q1].view(b, q1 - q0, 1)
+    vis = vis | ~k_real[:, q0:q1].view(b, q1 - q0, 1)  # a query is live iff its token is real
     bias = torch.zeros(vis.shape, device=q_pos.device).masked_fill_(~vis, float("-inf"))
     return bias.unsqueeze(1).expand(b, group, q1 - q0, nq).reshape(b, 1, group * (q1 - q0), nq)
 
@@ -418,12 +417,11 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     out = q.new_empty((b, hkv, g, nq, f), dtype=torch.float32)
     lse = q.new_empty((b, hkv, g, nq), dtype=torch.float32)
     recv = q.new_zeros((b, hkv, nq), dtype=torch.float32) if received else None
-    live = k_real
     rows = max(1, STEP_CHUNK_ELEMS // max(1, b * hq * nq))
     for q0 in range(0, nq, rows):
         q1 = min(nq, q0 + rows)
         nqc = q1 - q0
-        bias = _step_bias(q_pos, k_real, live, g, q0, q1)  # [B, 1, G*Qc, Q]
+        bias = _step_bias(q_pos, k_real, g, q0, q1)  # [B, 1, G*Qc, Q]
         qc = qg[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f)
         s = torch.matmul(qc, kt).add_(bias)
         lse_c = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*Qc]
@@ -435,7 +433,7 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
         out[:, :, :, q0:q1] = o.view(b, hkv, g, nqc, f)
         lse[:, :, :, q0:q1] = lse_c.view(b, hkv, g, nqc)
         if received:
-            w = live[:, q0:q1].view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, g * nqc).float()
+            w = k_real[:, q0:q1].view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, g * nqc).float()
             if lse_other is not None:
                 other = lse_other.view(b, hkv, g, nq)[..., q0:q1].reshape(b, hkv, g * nqc)
                 total = torch.logaddexp(other, lse_c)
@@ -496,7 +494,7 @@ def step_received(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_real:
         q1 = min(nq, q0 + rows)
         nqc = q1 - q0
         nk = q1 if ordered else nq  # keys past the chunk's last query are after every query in it
-        bias = _step_bias(q_pos[:, :nk], k_real[:, :nk], k_real[:, :nk], 1, q0, q1).unsqueeze(1)
+        bias = _step_bias(q_pos[:, :nk], k_real[:, :nk], 1, q0, q1).unsqueeze(1)
         qc = qg[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f)
         s = torch.matmul(qc, kt[..., :nk]).view(b, hkv, g, nqc, nk).add_(bias)  # [B, Hkv, G, Qc, Nk]
         s.sub_(s.amax(-1, keepdim=True)).exp_()
