@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import decode_attention
 from .page_table import BidirectionalPageTable
 from .pages import SEGMENTS, PageLayout, PagePool
 from .quant import META_DTYPE
@@ -239,6 +240,9 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
     b, hq, nq, f = q.shape
     hkv = kv.table.shape[2]
     g = hq // hkv
+    if chunk_pages is None and decode_attention.supports(kv.layouts, g * nq):
+        # A few query rows over quantized pages: read live pages only, codes never dequantized.
+        return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits)
     outs, lses = [], []
     logits = [] if return_logits else None  # per query chunk: one [B, Hkv, G, Qc, N_t] per tier
     for q0 in range(0, nq, query_chunk):

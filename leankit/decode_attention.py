@@ -1,0 +1,227 @@
+"""Decode attention over live pages only: the CPU path of paged attention for a few queries.
+
+:func:`leankit.attention.paged_attention_ref` walks tiles shaped ``[B, H, P_max]``: every
+(sequence, head) is padded to the largest page count of its tier. Under LeanKV's per-head
+dynamic precision those counts differ a lot between heads (a head that keeps most tokens in the
+high tier has few low-tier pages), so about half of each padded tile is dead slots that are
+converted, multiplied and masked for nothing. With the one or few query rows of a decode step
+the work is all in that per-key pass, so this module reads *live pages only*:
+
+1. The live pages of a tier (page rank ``< n_pages`` of its head) are listed once and gathered
+   once; each page knows its head. Scores are one batched matmul per chunk of pages, the query
+   rows of each page's head against the page's codes.
+2. Codes are never dequantized. A packed side is unpacked *plane-major*: plane ``i`` holds code
+   ``i`` of every byte (``(b >> i*bits) & mask``; the first plane needs no shift and the last no
+   mask), which is contiguous writes only; the query is permuted into the same column order once
+   (a few rows) and the output permuted back. Scale and min stay out of the per-element path
+   (Eq. 2 factored, as in the Triton kernels): ``q . k_hat = sum_g s_g (q_g . Q_g) + m_g sum(q_g)``;
+   the groups ride in the matmul's rows as a block-diagonal query.
+3. The softmax is exact and two-pass per layer (scores of every live page are small: rows x
+   tokens), with per-head maxima and sums reduced over the pages of each head by
+   ``scatter_reduce`` / ``index_add``. Codes are converted a chunk of pages at a time
+   (:data:`CHUNK_TOKENS`), so the fp32 temporaries stay in cache.
+
+The result equals :func:`leankit.attention.paged_attention_ref` up to fp32 rounding (the tests
+check both on random and real caches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pages import SEGMENTS
+from .quant import META_DTYPE
+
+# Grouped query rows (query heads per KV head x queries) served by this path: decode steps and
+# short chunks. Longer steps amortize the padded tiles over many rows.
+DECODE_ROWS = 64
+# Tokens whose codes are converted to fp32 at once: about 1 MB per side at head_dim 64, which
+# stays in a core's L2 between the conversion and the matmul that reads it.
+CHUNK_TOKENS = 4096
+
+
+def _planes(bits: int) -> int:
+    return 1 if bits >= 8 else 8 // bits
+
+
+def supports(layouts, rows: int) -> bool:
+    """Whether this path serves ``rows`` grouped query rows over pages of ``layouts``.
+
+    Every side of every tier must be quantized (dense sides may hold stale NaN bytes in dead
+    slots, which only the padded path masks) with groups that span whole bytes.
+    """
+    if rows > DECODE_ROWS:
+        return False
+    for lay in layouts:
+        prec = lay.precision
+        if not (prec.k_quantized and prec.v_quantized):
+            return False
+        for bits in (prec.k_bits, prec.v_bits):
+            if lay.group_size % _planes(bits):
+                return False
+    return True
+
+
+def _plane_query(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """``q`` ``[..., F]`` in plane-major column order ``[..., P, F/P]`` (element ``j*P + i`` at ``[i, j]``)."""
+    return q.unflatten(-1, (-1, _planes(bits))).transpose(-1, -2).contiguous()
+
+
+def _plane_values(y: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_plane_query` on an output: ``[..., P, nb]`` -> ``[..., F]``."""
+    return y.transpose(-1, -2).flatten(-2)
+
+
+_GROUP_MASKS: dict = {}
+
+
+def _group_mask(layout, bits: int, device) -> torch.Tensor:
+    """fp32 ``[G, 1, P * nb]``: 1 where plane-major column ``(i, j)`` belongs to quantization group ``g``."""
+    key = (layout.head_dim, layout.group_size, bits, str(device))
+    mask = _GROUP_MASKS.get(key)
+    if mask is None:
+        p = _planes(bits)
+        nb = layout.head_dim // p
+        g = torch.arange(layout.groups, device=device).view(-1, 1, 1)
+        j = torch.arange(nb, device=device).view(1, 1, -1)
+        mask = _GROUP_MASKS[key] = (j // (layout.group_size // p) == g).expand(-1, p, -1).reshape(
+            layout.groups, 1, p * nb).float()
+    return mask
+
+
+class _LiveTier:
+    """The live pages of one tier of one layer, gathered once, with the head each belongs to."""
+
+    def __init__(self, kv, tier: int, ws):
+        table, layer = kv.table, kv.layer
+        self.layout = layout = kv.layouts[tier]
+        n_pages = table.n_pages[tier, layer]  # [B, H]
+        self.pmax = int(n_pages.max()) if n_pages.numel() else 0
+        ids, live = table.tier_pages(tier, layer, 0, self.pmax)
+        flat = live.reshape(-1).nonzero().squeeze(1)
+        self.flat = flat  # index into [B*H*P_max]
+        self.head = flat // max(self.pmax, 1)  # (sequence, head) of each live page, in [0, B*H)
+        self.n = flat.numel()
+        t = self.tokens = layout.tokens
+        pages = ws.get(f"live_pages{tier}", (self.n, kv.pool.page_size), torch.uint8, kv.pool.device)
+        torch.index_select(kv.pool.storage, 0, ids.reshape(-1)[flat].long(), out=pages)
+        self.pages = pages
+        # Tokens left in each page: the tier's length minus the slots of the pages before it.
+        left = table.lens[tier, layer].reshape(-1).index_select(0, self.head) - (flat - self.head * self.pmax) * t
+        self.valid = torch.arange(t, device=flat.device) < left.unsqueeze(1)  # [L, T]
+        # Dead slots get a position after every query, so one comparison masks them and causality.
+        self.pos = self._seg("position", torch.int32).squeeze(-1).masked_fill(~self.valid, torch.iinfo(torch.int32).max)
+
+    def _seg(self, name: str, dtype=torch.uint8) -> torch.Tensor:
+        """Segment ``name`` of every live page as ``[L, T, n]`` (a typed view, no copy)."""
+        lay = self.layout
+        i = SEGMENTS.index(name)
+        size = torch.empty((), dtype=dtype).element_size()
+        off, nb = lay.seg_offsets[i] // size, lay.seg_bytes[i] // size
+        return self.pages.view(dtype)[:, off: off + self.tokens * nb].unflatten(-1, (self.tokens, nb))
+
+    def meta(self, side: str, zero_dead: bool) -> torch.Tensor:
+        """Scale and min of every live slot as one contiguous fp32 ``[2, L, G, T]``; 0 on dead slots if asked.
+
+        Slots run last so that each ``[L, 1, T]`` group slice broadcasts over query rows with unit stride.
+        """
+        m = self._seg(f"{side}_meta", META_DTYPE).unflatten(-1, (-1, 2)).permute(3, 0, 2, 1)  # [2, L, G, T]
+        out = torch.empty(m.shape, dtype=torch.float32, device=m.device).copy_(m)
+        if zero_dead:
+            out.masked_fill_(~self.valid.unsqueeze(1), 0.0)
+        return out
+
+    def planes(self, side: str, bits: int, c0: int, c1: int, ws) -> torch.Tensor:
+        """Codes of pages ``c0 .. c1-1`` as fp32 ``[Lc, T, P * nb]`` in plane-major column order."""
+        data = self._seg(f"{side}_data")[c0:c1]
+        p = _planes(bits)
+        out = ws.get(f"live_{side}", (c1 - c0, self.tokens, p, data.shape[-1]), torch.float32, data.device)
+        if p == 1:
+            out[:, :, 0].copy_(data)
+        else:
+            mask = (1 << bits) - 1
+            out[:, :, 0].copy_(data & mask)
+            for i in range(1, p - 1):
+                out[:, :, i].copy_((data >> (i * bits)) & mask)
+            out[:, :, p - 1].copy_(data >> ((p - 1) * bits))
+        return out.view(c1 - c0, self.tokens, -1)
+
+    def chunks(self):
+        per = max(1, CHUNK_TOKENS // self.tokens)
+        return [(c0, min(self.n, c0 + per)) for c0 in range(0, self.n, per)]
+
+
+def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, return_logits: bool = False):
+    """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's live pages (same contract as
+    :func:`leankit.attention.paged_attention_ref`; see the module docstring for the method)."""
+    from .attention import Workspace
+
+    b, hq, nq, f = q.shape
+    hkv = kv.table.shape[2]
+    g = hq // hkv
+    bh, rows = b * hkv, g * nq
+    ws = kv.workspace or Workspace()
+    qr = q.float().reshape(bh, rows, f)  # row g*Q + i of KV head h: query head h*G + g, query i
+    qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows)
+    tiers = [_LiveTier(kv, t, ws) for t in range(len(kv.layouts))]
+
+    # Pass 1: scaled scores of every live slot [L, R, T], and the per-head maximum. A chunk only
+    # converts codes and multiplies; metadata, masks and the query gather are tier-wide ops.
+    scores, m = [], torch.full((bh, rows), float("-inf"), device=q.device)
+    for lt in tiers:
+        lay, bits = lt.layout, lt.layout.precision.k_bits
+        ng, n = lay.groups, lt.n
+        qq = _plane_query(qr * scale, bits).flatten(-2)  # [BH, R, F], plane-major columns
+        qbd = (qq.unsqueeze(1) * _group_mask(lay, bits, q.device)).view(bh, ng * rows, f)  # block-diagonal by group
+        q_pages = qbd.index_select(0, lt.head)  # [L, G*R, F]: each page meets its own head's rows
+        dots = q.new_empty((n, ng, rows, lt.tokens), dtype=torch.float32)
+        for c0, c1 in lt.chunks():
+            torch.bmm(q_pages[c0:c1], lt.planes("k", bits, c0, c1, ws).transpose(1, 2),
+                      out=dots[c0:c1].view(c1 - c0, ng * rows, -1))
+        sc, mn = lt.meta("k", zero_dead=False)  # [L, G, T] each
+        qsum = (qr * scale).unflatten(-1, (ng, -1)).sum(-1).index_select(0, lt.head)  # [L, R, G]
+        s_tier = torch.baddbmm(dots[:, 0] * sc[:, :1], qsum, mn)  # s_0 (q_0 . Q_0) + sum_g m_g sum(q_g)
+        for gi in range(1, ng):
+            s_tier.addcmul_(dots[:, gi], sc[:, gi: gi + 1])
+        visible = lt.pos.unsqueeze(1) <= qp.index_select(0, lt.head).unsqueeze(-1)  # live and not after the query
+        s_tier = s_tier.masked_fill_(~visible, float("-inf"))
+        if n:
+            m.scatter_reduce_(0, lt.head.view(-1, 1).expand(-1, rows), s_tier.amax(-1), "amax")
+        scores.append(s_tier)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+    # Pass 2: probabilities, their per-head sums, and the values (plane-major, factored):
+    # sum_n p_n v_hat_n = sum_n (p_n s_n) codes_n + sum_n p_n m_n per group.
+    l_sum = torch.zeros_like(m)
+    acc = torch.zeros((bh, rows, f), device=q.device)
+    for lt, s_tier in zip(tiers, scores):
+        if not lt.n:
+            continue
+        lay, bits = lt.layout, lt.layout.precision.v_bits
+        ng, n = lay.groups, lt.n
+        shift = m_safe.index_select(0, lt.head).unsqueeze(-1)
+        p = torch.exp(s_tier - shift) if return_logits else s_tier.sub_(shift).exp_()  # [L, R, T]; 0 on dead slots
+        l_sum.index_add_(0, lt.head, p.sum(-1))
+        sc, mn = lt.meta("v", zero_dead=True)  # [L, G, T] each
+        weights = torch.mul(p.unsqueeze(1), sc.unsqueeze(2)).view(n, ng * rows, -1)  # p * s_g, rows by group
+        y = q.new_empty((n, ng * rows, f), dtype=torch.float32)  # per page: sum p s codes
+        for c0, c1 in lt.chunks():
+            torch.bmm(weights[c0:c1], lt.planes("v", bits, c0, c1, ws), out=y[c0:c1])
+        acc_codes = torch.zeros((bh, ng * rows, f), device=q.device).index_add_(0, lt.head, y)
+        acc_min = torch.zeros((bh, rows, ng), device=q.device).index_add_(0, lt.head, torch.bmm(p, mn.transpose(1, 2)))
+        picked = (acc_codes.view(bh, ng, rows, f) * _group_mask(lay, bits, q.device)).sum(1)
+        acc += _plane_values(picked.view(bh, rows, _planes(bits), -1), bits)  # each column from its own group
+        acc += acc_min.repeat_interleave(lay.group_size, dim=-1)
+
+    out = torch.where(l_sum.unsqueeze(-1) > 0, acc / l_sum.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
+    lse = torch.where(l_sum > 0, m_safe + torch.log(l_sum.clamp_min(1e-30)), torch.full_like(m, float("-inf")))
+    out = out.view(b, hkv, g, nq, f).reshape(b, hq, nq, f).transpose(1, 2).to(q.dtype)
+    lse = lse.view(b, hkv, rows)
+    if not return_logits:
+        return out, lse
+    per_tier = []
+    for lt, s_tier in zip(tiers, scores):  # padded slot order [B, Hkv, R, P_max * T], -inf where dead
+        full = torch.full((bh * lt.pmax, rows, lt.tokens), float("-inf"), device=q.device)
+        full.index_copy_(0, lt.flat, s_tier)
+        per_tier.append(full.view(bh, lt.pmax, rows, lt.tokens).transpose(1, 2).reshape(b, hkv, rows, -1))
+    return out, lse, per_tier
