@@ -367,6 +367,12 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
 
 
 # ============================================================================ the step's own tokens
+# Floor of an exponent before ``exp_``: PyTorch's vectorized CPU exp leaves its fast path for
+# inputs below about -87.3 (where the fp32 result underflows), -inf included, and runs 10-20x
+# slower on such vectors; masked scores and long-tail logits hit it all the time. exp(-87) =
+# 1.6e-38, so a floored term adds at most (queries x 1.6e-38) to a sum of probabilities: far
+# below fp32 resolution of any real significance and below the fp16 range the scores are stored in.
+EXP_FLOOR = -87.0
 # Elements of one query chunk's score matrix [B, Hkv, G*Qc, Q] (fp32): 8M elements = 32 MB.
 STEP_CHUNK_ELEMS = 1 << 23
 
@@ -501,7 +507,7 @@ def step_received(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_real:
         bias = _step_bias(q_pos[:, :nk], k_real[:, :nk], 1, q0, q1).unsqueeze(1)
         qc = qg[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f)
         s = torch.matmul(qc, kt[..., :nk]).view(b, hkv, g, nqc, nk).add_(bias)  # [B, Hkv, G, Qc, Nk]
-        s.sub_(s.amax(-1, keepdim=True)).exp_()
+        s.sub_(s.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR).exp_()
         w = k_real[:, q0:q1].float().view(b, 1, 1, nqc) / s.sum(-1).view(b, hkv * g, 1, nqc)
         recv[..., :nk] += torch.matmul(w, s.view(b, hkv * g, nqc, nk))
     return recv.view(b, hkv, g, nq).sum(2) / g

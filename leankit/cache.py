@@ -24,11 +24,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .allocator import FreePageList, PoolExhausted
 from .attention import (PagedKV, Workspace, merge_attention, paged_attention_ref, received_attention_ref,
-                        received_from_logits, step_attention, step_received)
+                        received_from_logits, step_attention)
 from .backend import use_triton
 from .config import KVConfig, fp16_token_bytes
 from .page_table import HIGH, LOW, BidirectionalPageTable
 from .pages import PageLayout, PagePool
+from .prompt_attention import prompt_attention
 from .quant import NonFiniteKVError
 from .rotation import hadamard, rotate, unrotate
 
@@ -456,11 +457,9 @@ class LeanCache(Cache):
         received_old = received_new = None
         if self._seen == 0:  # nothing stored yet: the whole step is one exact attention
             if module is not None:  # exactly what an uncompressed cache computes for a prompt
-                from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-                out = sdpa_attention_forward(module, query, k_new, v_new, attention_mask, scaling=scaling)[0]
-                if sig:
-                    received_new = step_received(query, k_new, st.q_pos, st.real, scaling, st.ordered)
+                out, received_new = prompt_attention(module, query, k_new, v_new, attention_mask, scaling,
+                                                     significance=sig, q_pos=st.q_pos, k_real=st.real,
+                                                     ordered=st.ordered)
             else:
                 out, _, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
                                                       received=sig)

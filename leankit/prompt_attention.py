@@ -1,0 +1,122 @@
+"""The prompt step: the model's own SDPA, and prompt significance from the softmax it already ran.
+
+A prompt (a step with nothing stored before it) is attended by transformers' own
+``sdpa_attention_forward`` with the model's mask, so its output is exactly what an uncompressed
+cache computes. LeanKV's prompt-phase significance (§4) needs each new token's attention
+probability summed over the prompt's queries, ``sum_i p_ij`` with ``p_ij = exp(s_ij - lse_i)``.
+The softmax statistics ``lse_i`` are the expensive half of that (a max pass, a subtraction and a
+sum over every score); SDPA computes them anyway. On a CPU, SDPA runs PyTorch's flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu``), which returns its log-sum-exp next to the
+output. :func:`prompt_attention` calls that kernel with exactly the arguments
+``scaled_dot_product_attention`` would give it (the bool mask as the additive ``0 / -inf`` mask,
+GQA heads repeated), so the output is bitwise the same (a test checks it), and keeps the lse.
+
+With the lse in hand, :func:`received_from_lse` needs one augmented matmul and one ``exp`` per
+score: the row term ``-lse_i`` and the padding term ``-BIG`` ride in two extra columns of the
+matmul (``[q*scale, -lse_i, 1] . [k, 1, -BIG*pad_j]``), only the diagonal block of each query
+chunk needs the causal mask, and the sum over queries is a plain row sum. Scores are floored at
+:data:`leankit.attention.EXP_FLOOR` before the ``exp`` (see there why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+
+from .attention import EXP_FLOOR, STEP_CHUNK_ELEMS, step_received
+
+# Added to a score that must not count (a padding key, a query that is not live): exp() of a
+# score this far below zero is exactly 0 in fp32, and 2 * BIG still fits.
+_BIG = 1e30
+
+
+@contextlib.contextmanager
+def _lse_capture(box: dict):
+    """Run the body with ``F.scaled_dot_product_attention`` also recording the CPU flash kernel's lse.
+
+    Calls that the flash kernel would not serve (another device or backend, dropout) go to the
+    original function unchanged, and ``box`` gets no lse.
+    """
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type == "cpu" and dropout_p == 0.0 and query.dim() == 4 and "lse" not in box:
+            choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                             enable_gqa=enable_gqa)
+            if choice == SDPBackend.FLASH_ATTENTION.value:
+                if enable_gqa and key.shape[1] != query.shape[1]:  # what SDPA does before its flash kernel
+                    rep = query.shape[1] // key.shape[1]
+                    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+                if attn_mask is not None and attn_mask.dtype == torch.bool:
+                    attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                        ~attn_mask, float("-inf"))
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+                box["lse"] = lse
+                return out
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def received_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, k_real: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Prompt significance ``[B, Hkv, Q]`` given the softmax's log-sum-exp ``lse`` ``[B, Hq, Q]``.
+
+    ``sum_i exp(s_ij - lse_i)`` over the live queries ``i`` at or after key ``j``, averaged over the
+    ``G`` query heads of each KV group (LeanKV §4, prompt phase). The step's real tokens must have
+    increasing positions (:attr:`leankit.cache.StepState.ordered`), so that "at or after" is
+    "at a later index" and a chunk of queries sees no key past its last query.
+    """
+    b, hq, nq, f = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    live = k_real.view(b, 1, 1, nq)
+    row_shift = torch.where(live & torch.isfinite(lse.view(b, hkv, g, nq)), -lse.view(b, hkv, g, nq).float(),
+                            torch.full((), -_BIG, device=q.device))
+    q_aug = torch.cat([q.float().view(b, hkv, g, nq, f) * scale, row_shift.unsqueeze(-1),
+                       torch.ones((b, hkv, g, nq, 1), device=q.device)], dim=-1)
+    k_aug = torch.cat([k.float(), torch.ones((b, hkv, nq, 1), device=k.device),
+                       torch.where(k_real, 0.0, -_BIG).view(b, 1, nq, 1).expand(b, hkv, nq, 1)], dim=-1)
+    k_aug = k_aug.transpose(-1, -2)  # [B, Hkv, F+2, Q]
+    recv = torch.zeros((b, hkv, nq), device=q.device)
+    rows = max(1, STEP_CHUNK_ELEMS // max(1, b * hq * nq))
+    for q0 in range(0, nq, rows):
+        q1 = min(nq, q0 + rows)
+        nqc = q1 - q0
+        e = torch.matmul(q_aug[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f + 2), k_aug[..., :q1])
+        block = e.view(b, hkv, g, nqc, q1)[..., q0:q1]  # keys of the chunk itself: causal by index
+        block.masked_fill_(torch.ones(nqc, nqc, dtype=torch.bool, device=q.device).triu(1), EXP_FLOOR)
+        recv[..., :q1] += e.clamp_min_(EXP_FLOOR).exp_().sum(2)
+    return recv.masked_fill_(~k_real.view(b, 1, nq), 0.0) / g
+
+
+def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     scaling: float, *, significance: bool, q_pos: torch.Tensor, k_real: torch.Tensor,
+                     ordered: bool):
+    """The prompt's attention through transformers' SDPA, and (if asked) its tokens' significance.
+
+    Returns ``(out [B, Q, Hq, F], received [B, Hkv, Q] or None)``. The significance reuses the
+    SDPA kernel's log-sum-exp where it ran PyTorch's CPU flash kernel on a prompt whose positions
+    increase; otherwise it is :func:`leankit.attention.step_received`'s own pass.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    box: dict = {}
+    capture = significance and ordered and query.device.type == "cpu"
+    with _lse_capture(box) if capture else contextlib.nullcontext():
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)[0]
+    if not significance:
+        return out, None
+    lse = box.get("lse")
+    if lse is not None and lse.shape == query.shape[:3]:
+        return out, received_from_lse(query, key, lse, k_real, scaling)
+    return out, step_received(query, key, q_pos, k_real, scaling, ordered)

@@ -1,0 +1,78 @@
+"""The prompt step: SDPA output with its lse captured, and significance from that lse.
+
+``prompt_attention`` must return exactly (bitwise) what transformers' ``sdpa_attention_forward``
+returns, and its significance must equal :func:`leankit.attention.step_received` (which runs its
+own softmax) on left-padded, GQA and MHA prompts of odd lengths.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from leankit.attention import step_received
+from leankit.prompt_attention import _lse_capture, prompt_attention, received_from_lse
+
+
+class _Module(torch.nn.Module):  # what sdpa_attention_forward reads from an attention module
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def _prompt(seed, b, hkv, g, n, pads, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv * g, n, 64, generator=gen).to(dtype) * 2
+    k = torch.randn(b, hkv, n, 64, generator=gen).to(dtype) * 2
+    v = torch.randn(b, hkv, n, 64, generator=gen).to(dtype)
+    real = torch.ones(b, n, dtype=torch.bool)
+    for row, p in enumerate(pads):
+        real[row, :p] = False
+    pos = (real.cumsum(1) - 1).clamp_min(0).to(torch.int32)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    mask = (causal.view(1, 1, n, n) & real.view(b, 1, 1, n)) if any(pads) else None
+    return q, k, v, real, pos, mask
+
+
+@pytest.mark.parametrize("b,hkv,g,n,pads", [(3, 3, 3, 37, [0, 5, 36]), (1, 4, 1, 130, [0]), (2, 1, 7, 9, [0, 0]),
+                                            (2, 2, 2, 1, [0, 0])])
+def test_prompt_attention_is_sdpa_and_significance_matches(b, hkv, g, n, pads):
+    seed = int(torch.randint(0, 1 << 30, ()))
+    q, k, v, real, pos, mask = _prompt(seed, b, hkv, g, n, pads)
+    module = _Module(g)
+    want = sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)[0]
+    out, recv = prompt_attention(module, q, k, v, mask, 0.125, significance=True, q_pos=pos, k_real=real,
+                                 ordered=True)
+    assert torch.equal(out, want), f"seed {seed}"
+    ref = step_received(q, k, pos, real, 0.125, ordered=True)
+    torch.testing.assert_close(recv, ref, rtol=2e-5, atol=2e-6, msg=f"seed {seed}")
+    assert torch.equal(recv[~real.view(b, 1, n).expand_as(recv)], torch.zeros(int((~real).sum()) * hkv))
+    out2, none = prompt_attention(module, q, k, v, mask, 0.125, significance=False, q_pos=pos, k_real=real,
+                                  ordered=True)
+    assert none is None and torch.equal(out2, want)
+
+
+def test_capture_leaves_sdpa_unchanged_and_records_lse():
+    q, k, v, real, pos, mask = _prompt(0, 2, 3, 3, 21, [0, 4])
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
+    box = {}
+    with _lse_capture(box):
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
+    assert F.scaled_dot_product_attention is torch.nn.functional.scaled_dot_product_attention
+    assert torch.equal(got, want) and box["lse"].shape == (2, 9, 21)
+    # The lse is the softmax normalizer of each real query row.
+    s = torch.einsum("bhqf,bhkf->bhqk", q, k.repeat_interleave(3, 1)) * 0.2
+    s = s.masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(box["lse"][1, :, 4:], torch.logsumexp(s, -1)[1, :, 4:])
+
+
+def test_received_from_lse_with_large_logits():
+    # Scores far beyond exp()'s fp32 range: the lse shift keeps every term finite.
+    q, k, v, real, pos, mask = _prompt(1, 2, 2, 2, 33, [0, 3])
+    q, k = q * 40, k * 40
+    s = torch.einsum("bhqf,bhkf->bhqk", q, k.repeat_interleave(2, 1)) * 0.125
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    recv = received_from_lse(q, k, lse, real, 0.125)
+    assert torch.isfinite(recv).all()
+    torch.testing.assert_close(recv, step_received(q, k, pos, real, 0.125, ordered=True), rtol=1e-4, atol=1e-5)
