@@ -19,7 +19,7 @@ CASES = [
     ("K8V4-K4V2", 3, 3, [65, 7], 1, 32, 0.1, 0xFF),
     ("K8V4-K4V2", 1, 7, [257], 1, None, 0.0, None),
     ("K4V2-K2V1", 5, 1, [63, 1, 20], 1, 16, 0.0, 0xFF),
-    ("K8V4", 3, 3, [130, 1], 2, None, 0.2, 0xFF),
+    ("K8V4", 3, 3, [130, 1], 2, 16, 0.2, 0xFF),
     ("K4V2", 2, 5, [63], 3, 8, 0.0, None),
     ("K8V8-K2V2", 3, 2, [41, 77], 1, 32, 0.05, 0xFF),
 ]
@@ -66,12 +66,13 @@ def test_chunks_of_pages_do_not_change_the_result(monkeypatch):
         testing.assert_close_normwise(a, b, torch.float32, f"{what} (seed {seed})")
 
 
-@pytest.mark.parametrize("spec,rows,expected", [("K8V4-K4V2", 3, True), ("K8V4", 64, True), ("K8V4", 65, False),
-                                                 ("FP16", 1, False), ("K16V4-K4V1", 1, False)])
-def test_supports(spec, rows, expected):
+@pytest.mark.parametrize("spec,gs,rows,expected", [("K8V4-K4V2", None, 3, True), ("K8V4", 32, 64, True),
+                                                    ("K8V4", 32, 65, False), ("K8V4", None, 1, False),
+                                                    ("FP16", None, 1, False), ("K16V4-K4V1", None, 1, False)])
+def test_supports(spec, gs, rows, expected):
     from leankit.config import KVConfig
     from leankit.pages import PageLayout
 
-    cfg = KVConfig.parse(spec)
+    cfg = KVConfig.parse(spec, group_size=gs)
     layouts = [PageLayout.build(cfg, t, 64, torch.float32) for t in range(len(cfg.tiers))]
     assert decode_attention.supports(layouts, rows) is expected
