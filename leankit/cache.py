@@ -210,11 +210,17 @@ class LeanCache(Cache):
             them during decoding is finished and its pages return to the free list at once. Pass
             the same ids ``generate`` stops on (``generate`` keeps feeding a finished row, so the
             cache must not guess). Without it, pages return on :meth:`release` or :meth:`reset`.
+        offload: keep every page (KV at any precision, or ACT) in host memory, pinned when CUDA is
+            present, and only the layers in flight on the device (:mod:`leankit.offload`). Takes
+            ``True``/``"host"``, a dict of :class:`~leankit.offload.OffloadConfig` fields
+            (``prefetch``: layers copied in ahead, default 1; ``device_pages``: a fixed device
+            budget) or an ``OffloadConfig``. ``None`` (default): every page on the device.
+            Tokens are identical either way; ``memory_report()["offload"]`` gives the bytes moved.
         **overrides: :class:`KVConfig` overrides (``window``, ``th``, ``tl``, ``page_size`` ...).
     """
 
     def __init__(self, model, kv: str | KVConfig = "K8V4", *, num_pages: int | None = None,
-                 max_seq_len: int | None = None, eos_token_id=None, **overrides):
+                 max_seq_len: int | None = None, eos_token_id=None, offload=None, **overrides):
         cfg = _text_config(model.config)
         check_model_supported(cfg)
         self.cfg = KVConfig.parse(kv, **overrides)
@@ -265,6 +271,11 @@ class LeanCache(Cache):
             from .act_store import attach
 
             attach(self, model)
+        self.offload = None
+        if offload is not None:  # host tier and per-layer pipeline (leankit.offload)
+            from .offload import make_runtime
+
+            self.offload = make_runtime(self, offload)
         super().__init__(layers=self._build_layers())
         from .hf import enable
 
@@ -348,6 +359,8 @@ class LeanCache(Cache):
         self._policy_saved = self.policy.save_state()
         self._step = step
         self._pending = {}
+        if self.offload is not None:  # start copying the first layer's host pages in
+            self.offload.begin_step(step)
         return qp
 
     @staticmethod
@@ -363,6 +376,8 @@ class LeanCache(Cache):
             self.policy.end_step(self._step)
             self._seen += self._step.q_len
             self._step = None
+            if self.offload is not None:  # land the write-backs, count the step's bytes
+                self.offload.end_step()
             used = self.free_list.capacity - self.free_list.num_free
             if used * self.cfg.page_size >= self._peak[0]:
                 self._peak = (used * self.cfg.page_size, self._fp16_bytes())
@@ -441,6 +456,16 @@ class LeanCache(Cache):
     def attend(self, layer: int, query: torch.Tensor, scaling: float, module=None, attention_mask=None) -> torch.Tensor:
         """Attention of the step's queries for ``layer``; returns ``[B, Q, Hq, F]``.
 
+        With ``offload``, it runs inside the layer's window, on its pages copied to the device
+        (:meth:`leankit.offload.OffloadRuntime.attend`).
+        """
+        if self.offload is not None:
+            return self.offload.attend(layer, lambda: self._attend(layer, query, scaling, module, attention_mask))
+        return self._attend(layer, query, scaling, module, attention_mask)
+
+    def _attend(self, layer: int, query: torch.Tensor, scaling: float, module=None, attention_mask=None) -> torch.Tensor:
+        """Attention of the step's queries for ``layer`` over the pages in ``self.pool``.
+
         Keys of earlier steps are read from the pages (paged attention over their codes); the
         step's own new keys are used at their exact values and the two parts are merged by
         log-sum-exp. A step with nothing stored before it (a prompt) is plain SDPA with the
@@ -518,6 +543,8 @@ class LeanCache(Cache):
         """Finish the rows where ``rows[b]`` is true: return all their pages to the free list."""
         if self.table is None:
             return 0
+        if self.offload is not None:  # pages prefetched for the step are re-read after the release
+            self.offload.abandon_prefetch()
         rows = rows.to(self.device).bool()
         freed = self.table.release_sequences(rows, self.free_list)
         if self.act_store is not None:  # ACT pages of the rows (leankit.act_store)
@@ -532,6 +559,8 @@ class LeanCache(Cache):
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
         self.policy.reset()
+        if self.offload is not None:
+            self.offload.reset()
         self.layers = self._build_layers()  # fresh plain layers; LeanLayers hold no state
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -644,6 +673,8 @@ class LeanCache(Cache):
         )
         if self.act_store is not None:  # KV and ACT bytes apart (leankit.act_store)
             report = self.act_store.report(report)
+        if self.offload is not None:  # host tier, device peak, bytes moved per step (leankit.offload)
+            report = self.offload.report(report)
         return report
 
     def token_bytes(self) -> dict:
