@@ -281,6 +281,20 @@ class LeanCache(Cache):
 
         enable(model)
 
+    @classmethod
+    def from_plan(cls, model, plan, **kwargs) -> LeanCache:
+        """The cache a :func:`leankit.planner.plan` chose: its format, ACT share, KVPR split and
+        placement (the host tier when the plan keeps cache on the host); see :mod:`leankit.offload.plan`.
+
+        Raises ``ValueError`` for an infeasible plan, a plan for another model shape, or a plan
+        LeanCache cannot serve (CPU attention). ``kwargs`` go to the constructor (``eos_token_id`` ...).
+        """
+        from .offload.plan import cache_settings, check_model
+
+        kv, offload = cache_settings(plan)
+        check_model(plan, model)
+        return cls(model, kv, offload=offload, **kwargs)
+
     def _build_layers(self) -> list:
         return [LeanLayer(self, t) if t is not None else _plain_layer(self._text_cfg) for t in self.table_index]
 

@@ -9,13 +9,16 @@ cache a :func:`leankit.planner.plan` chose.
 * :mod:`~leankit.offload.host_pool` -- :class:`HostPool`, the host tier;
 * :mod:`~leankit.offload.working_set` -- the device pages of the layers in flight;
 * :mod:`~leankit.offload.transfers` -- :class:`Link`, every copy and its byte count;
-* :mod:`~leankit.offload.pipeline` -- :class:`OffloadRuntime`, the per-layer windows.
+* :mod:`~leankit.offload.pipeline` -- :class:`OffloadRuntime`, the per-layer windows;
+* :mod:`~leankit.offload.plan` -- plans become caches, and their predicted link bytes.
 """
 
 from .config import OffloadConfig
 from .host_pool import HostPool
 from .pipeline import OffloadRuntime, make_runtime
+from .plan import cache_settings, plan_for_model, predicted_link_bytes
 from .transfers import Link
 from .working_set import DeviceBudgetExceeded, WindowFreeList, WorkingSet
 
-__all__ = ["DeviceBudgetExceeded", "HostPool", "Link", "OffloadConfig", "OffloadRuntime", "WindowFreeList", "WorkingSet", "make_runtime"]
+__all__ = ["DeviceBudgetExceeded", "HostPool", "Link", "OffloadConfig", "OffloadRuntime", "WindowFreeList", "WorkingSet",
+           "cache_settings", "make_runtime", "plan_for_model", "predicted_link_bytes"]

@@ -55,41 +55,59 @@ class OffloadRuntime:
         self._before = None  # token counts of the open layer when it opened
 
     # ------------------------------------------------------------------ pages of a layer
-    def _kv_rows(self, layer: int):
-        """``(ids, held)`` of the layer's KV pages: every page, and whether it holds tokens."""
-        table, cache = self.cache.table, self.cache
+    def _groups(self, layer: int) -> list[tuple]:
+        """The layer's pages as ``(ids, fill, tokens_per_page, segments)`` groups, ACT first.
+
+        ``fill`` is the tokens each page holds (0 for a page reserved for the step's new tokens),
+        ``segments`` the ``(byte offset, bytes per token)`` of the page's token-major segments: a
+        partly filled page crosses the link as its filled rows only.
+        """
+        cache = self.cache
+        out = []
+        store = cache.act_store
+        if store is not None and store.table is not None:
+            t, g = store.table, store.layout.geometry
+            row = t.tables[layer]  # [B, R]
+            block = torch.arange(t.row_len, device=row.device) // t.slices
+            fill = (t.lens[layer].long().view(-1, 1) - block.view(1, -1) * t.tokens).clamp(0, t.tokens)
+            used = row >= 0
+            out.append((row[used].long(), fill[used], t.tokens, ((g.data_offset, g.row_bytes), (g.position_offset, 4))))
+        table = cache.table
         row = table.tables[layer]  # [B, H, R]
         col = torch.arange(table.row_len, device=row.device)
-        held = torch.zeros(row.shape, dtype=torch.bool, device=row.device)
         for tier, layout in enumerate(cache.layouts):
-            pages = -(-table.lens[tier, layer].long() // layout.tokens)  # pages holding tokens, [B, H]
             j = col if tier == HIGH else table.row_len - 1 - col
-            held |= j.view(1, 1, -1) < pages.unsqueeze(-1)
-        used = row >= 0
-        return row[used].long(), held[used]
+            mine = (j.view(1, 1, -1) < table.n_pages[tier, layer].unsqueeze(-1)) & (row >= 0)
+            fill = (table.lens[tier, layer].long().unsqueeze(-1) - j.view(1, 1, -1) * layout.tokens)
+            fill = fill.clamp(0, layout.tokens)
+            segs = tuple((layout.seg_offsets[i], nb) for i, nb in enumerate(layout.seg_bytes) if nb)
+            out.append((row[mine].long(), fill[mine], layout.tokens, segs))
+        return out
 
-    def _act_rows(self, layer: int):
-        """``(ids, held)`` of the layer's ACT pages (none without ACT blocks)."""
-        store = self.cache.act_store
-        if store is None or store.table is None:
-            empty = torch.zeros(0, dtype=torch.long, device=self.cache.device)
-            return empty, empty.bool()
-        t = store.table
-        row = t.tables[layer]  # [B, R]
-        blocks = -(-t.lens[layer].long() // t.tokens)
-        block_of = torch.arange(t.row_len, device=row.device) // t.slices
-        held = block_of.view(1, -1) < blocks.view(-1, 1)
-        used = row >= 0
-        return row[used].long(), held[used]
+    def _row_bytes(self, ids, slots, fill, segments):
+        """Flat byte indices ``(host, device)`` of the filled rows of partly filled pages."""
+        ps = self.cache.cfg.page_size
+        host, dev = [], []
+        for off, nb in segments:
+            n = fill * nb
+            owner = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n)
+            within = off + torch.arange(owner.numel(), device=n.device) - (torch.cumsum(n, 0) - n)[owner]
+            host.append(ids[owner] * ps + within)
+            dev.append(slots[owner] * ps + within)
+        return torch.cat(host), torch.cat(dev)
 
     # ------------------------------------------------------------------ pipeline steps
     def _prefetch(self, layer: int) -> None:
-        """Give the layer's pages device slots and copy in those holding tokens (ACT first)."""
+        """Give the layer's pages device slots and copy in the tokens they hold (ACT first)."""
         event = None
-        for ids, held in (self._act_rows(layer), self._kv_rows(layer)):
+        for ids, fill, tokens, segments in self._groups(layer):
             slots, fresh = self.working.assign(ids)
-            go = held & fresh
-            event = self.link.pages_in(self.working.pool, slots[go], self.home, ids[go]) or event
+            full = fresh & (fill == tokens)
+            event = self.link.pages_in(self.working.pool, slots[full], self.home, ids[full]) or event
+            part = fresh & (fill > 0) & (fill < tokens)
+            if bool(part.any()):
+                host, dev = self._row_bytes(ids[part], slots[part], fill[part], segments)
+                event = self.link.bytes_in(self.working.pool, dev, self.home, host) or event
         self._loaded.add(layer)
         if event is not None:
             self._events[layer] = event
@@ -126,14 +144,19 @@ class OffloadRuntime:
         cache.pool, cache.free_list = self.home, self.home_list
         self._swap_rows(layer, self.working.owner)
         self._open = None
-        kv_ids, kv_held = self._kv_rows(layer)
-        act_ids, act_held = self._act_rows(layer)
-        if self.whole_pages:
-            ids = torch.cat([act_ids[act_held], kv_ids[kv_held]])
-            self.link.pages_out(self.home, ids, self.working.pool, self.working.slot_of[ids])
+        groups = self._groups(layer)
+        if self.whole_pages:  # every page the layer holds may have changed (scores, tier moves)
+            for ids, fill, tokens, segments in groups:
+                slots = self.working.slot_of[ids]
+                full = fill == tokens
+                self.link.pages_out(self.home, ids[full], self.working.pool, slots[full])
+                part = (fill > 0) & (fill < tokens)
+                if bool(part.any()):
+                    host, dev = self._row_bytes(ids[part], slots[part], fill[part], segments)
+                    self.link.bytes_out(self.home, host, self.working.pool, dev)
         else:
             self._write_new_rows(layer)
-        self.working.drop(torch.cat([act_ids, kv_ids]))
+        self.working.drop(torch.cat([g[0] for g in groups]))
         self._loaded.discard(layer)
 
     def _swap_rows(self, layer: int, mapping: torch.Tensor) -> None:

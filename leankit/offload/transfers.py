@@ -67,6 +67,28 @@ class Link:
             ev.record(self.h2d_stream)
         return ev
 
+    def bytes_in(self, dst, dst_index: torch.Tensor, src, src_index: torch.Tensor):
+        """Copy the host bytes at flat index ``src_index`` to the device bytes at ``dst_index`` (the
+        filled rows of a partly filled page: its empty rows never cross the link); returns the event."""
+        n = dst_index.numel()
+        if n == 0:
+            return None
+        self._count("h2d", n)
+        if not self.cuda:
+            dst.storage.view(-1)[dst_index] = src.storage.view(-1)[src_index]
+            return None
+        staged = src.storage.view(-1)[src_index.cpu()]
+        staged = staged.pin_memory() if src.storage.is_pinned() else staged
+        self._keep.append(staged)
+        self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.h2d_stream):
+            start = self._mark()
+            dst.storage.view(-1)[dst_index] = staged.to(self.device, non_blocking=True)
+            self._span(start)
+            ev = torch.cuda.Event()
+            ev.record(self.h2d_stream)
+        return ev
+
     # ------------------------------------------------------------------ device -> host
     def pages_out(self, dst, ids: torch.Tensor, src, slots: torch.Tensor) -> None:
         """Write device pages ``src[slots]`` back to host pages ``dst[ids]``."""

@@ -156,6 +156,19 @@ class ModelSpec:
         lo = cfg.kv_bytes_per_token(self.head_dim, self.num_kv_heads, tier=1, dense_itemsize=self.dtype_bytes)
         return float(high_fraction * hi + (1.0 - high_fraction) * lo)
 
+    def kv_write_bytes_per_token(self, kv: KVConfig | str | None = None) -> float:
+        """K+V bytes one new token sends to the host per layer.
+
+        A new token is written as its own rows of the page segments (codes, group metadata, score,
+        position) at the high tier, where every new token enters; a partly filled page's other rows
+        and its padding stay where they are, so no page padding crosses the link. For the plain fp16
+        cache (``kv=None``) this is :meth:`kv_bytes_per_token`.
+        """
+        if kv is None:
+            return self.kv_bytes_per_token(None)
+        cfg = KVConfig.parse(kv)
+        return float(cfg.token_bytes(self.head_dim, 0, self.dtype_bytes).total * self.num_kv_heads)
+
     def act_to_kv_ratio(self, kv: KVConfig | str | None = None) -> float:
         """Activation bytes over KV bytes per token (0.5 for OPT with an fp16 cache, 1.5 for SmolLM2)."""
         return self.act_bytes_per_token() / self.kv_bytes_per_token(kv)

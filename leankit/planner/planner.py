@@ -14,7 +14,9 @@ Time model (one decode step, one layer; every layer is costed and summed):
   reduced at memory speed instead of Eq. 21's one element per cycle) and dequantization of streamed
   quantized weights (Eq. 16). The old cache is read quantized by leankit's fused attention (LeanKV §5),
   so there is no separate Eq. 24 pass; :mod:`~leankit.planner.lm_offload` keeps the literal equations.
-* **Device to host**: storing the new token's KV and/or activation.
+* **Device to host**: storing the new token's KV and/or activation. A new token's KV crosses as its own
+  rows of the page segments (``ModelSpec.kv_write_bytes_per_token``), not as page bytes: the padding
+  of a page never moves, which is what leankit's offload runtime counts.
 * **CPU**: attention when it is offloaded (the larger of FLOP at ``cpu_flops`` and cache bytes at
   ``cpu_mem_bw``).
 
@@ -455,6 +457,7 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
     w16 = model.weight_bytes_per_layer(16)
     wq = model.weight_bytes_per_layer(choice.weight_bits)
     P = model.matmul_params_per_layer()
+    kvw = model.kv_write_bytes_per_token(choice.kv)  # a new token's own rows: what a store moves
     resident = _resident_pattern(L, choice.gpu_layers)
     mb_tokens = allowed.minibatch_tokens
 
@@ -521,9 +524,9 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
                 self.store = (0.0, 0.0)
             elif choice.mode == "hybrid":
                 f = B * (1 - gshare) / hw.d2h_bw
-                self.store = (f * kvb, f * (actb - kvb))
+                self.store = (f * kvw, f * (actb - kvw))
             else:
-                self.store = (B * (1 - gshare) * (kvb + (actb if choice.mode == "kvpr" else 0.0)) / hw.d2h_bw, 0.0)
+                self.store = (B * (1 - gshare) * (kvw + (actb if choice.mode == "kvpr" else 0.0)) / hw.d2h_bw, 0.0)
             self.terms = terms + [self.store]
 
         def time(self, phi: float) -> float:
@@ -592,13 +595,13 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
             if unified:
                 store = (0.0, 0.0)
             elif choice.mode == "attn_offload":
-                store = (s_sum * kvb / hw.d2h_bw, 0.0)
+                store = (s_sum * kvw / hw.d2h_bw, 0.0)
             else:
                 f = s_sum * (1 - (min(1.0, gpu_tokens / s_sum) if s_sum else 0.0)) / hw.d2h_bw
                 if choice.mode == "hybrid":
-                    store = (f * kvb, f * (actb - kvb))
+                    store = (f * kvw, f * (actb - kvw))
                 else:
-                    store = (f * (kvb + (actb if choice.mode == "kvpr" else 0.0)), 0.0)
+                    store = (f * (kvw + (actb if choice.mode == "kvpr" else 0.0)), 0.0)
             out.append((cnt, [(link, 0.0), (gpu, 0.0), store]))
         return out
 
