@@ -2,7 +2,7 @@
 
 Every page lives in a host pool distinct from the device working-set pool, and the working set
 is scribbled with NaN bytes after every step, so a page that the pipeline failed to copy in (or
-to write back) changes the tokens. Each config must give the greedy tokens of the same config
+to write back) changes the logits. Each config must give the greedy tokens (and bit-identical logits) of the same config
 with every page on the device: Llama MHA, Llama GQA and OPT, left-padded batches, single-tier,
 FP16, a LeanKV two-tier config and ACT (ratio and KVPR prefix placement).
 """
@@ -57,10 +57,12 @@ def scribble(cache):
     return cache
 
 
-def generate(model, cache, ids, mask, new=11, eos=None):
+def generate(model, cache, ids, mask, new=11, eos=None, scores=False):
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
-                              max_new_tokens=new, pad_token_id=0, eos_token_id=eos)
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+                             max_new_tokens=new, pad_token_id=0, eos_token_id=eos, output_logits=scores,
+                             return_dict_in_generate=scores)
+    return (out.sequences, torch.stack(out.logits)) if scores else out
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -68,10 +70,11 @@ def generate(model, cache, ids, mask, new=11, eos=None):
 def test_offload_gives_the_tokens_of_the_device_cache(kind, spec):
     model = model_of(kind)
     ids, mask = left_padded_batch(3, 11, seed=5, pad_step=3)
-    ref = generate(model, cache_of(model, spec), ids, mask)
+    ref, ref_logits = generate(model, cache_of(model, spec), ids, mask, scores=True)
     cache = scribble(cache_of(model, spec, offload=True))
-    out = generate(model, cache, ids, mask)
+    out, logits = generate(model, cache, ids, mask, scores=True)
     assert torch.equal(out, ref)
+    assert torch.equal(logits, ref_logits)  # the same bytes were read: bit-identical, not just the same argmax
     off = cache.memory_report()["offload"]
     assert off["steps"] == 11 and off["h2d_bytes_total"] > 0 and off["d2h_bytes_total"] > 0
     assert cache.offload.working.used == 0  # nothing stays on the device between steps
