@@ -85,7 +85,10 @@ def model_spec(model, name: str | None = None):
     """The planner's :class:`~leankit.planner.ModelSpec` of a loaded model, at its parameters' dtype."""
     from ..planner import from_hf_config
 
-    spec = from_hf_config(model.config, name=name or getattr(model.config, "_name_or_path", None) or None)
+    import os
+
+    path = str(getattr(model.config, "_name_or_path", "") or "")
+    spec = from_hf_config(model.config.to_dict(), name=name or os.path.basename(path.rstrip("/")) or None)
     itemsize = next(model.parameters()).element_size()
     return dataclasses.replace(spec, dtype_bytes=itemsize)
 
