@@ -156,3 +156,16 @@ def test_decode_step_moves_the_filled_rows_in_and_the_new_rows_out():
 def test_bad_offload_argument(bad, what):
     with pytest.raises(ValueError, match=what):
         LeanCache(tiny_model("llama-mha"), "K8V4", offload=bad)
+
+
+def test_beam_search_reorders_host_pages():
+    model = model_of("llama-mha", layers=3)
+    ids, mask = left_padded_batch(2, 9)
+
+    def beams(cache):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, num_beams=3,
+                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    for spec in ("K8V4", "FP16:act=0.5"):
+        assert torch.equal(beams(scribble(cache_of(model, spec, offload=True))), beams(cache_of(model, spec)))
