@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from test_cli import tiny  # noqa: F401  (serves --model tiny)
 
-import leankit
 from leankit.cli import main
 from leankit.offload import plan_for_model
 from leankit.planner import get_hardware
 from leankit.planner.hardware import GiB
-from leankit.testing import tiny_model, tiny_tokenizer
-
-
-@pytest.fixture
-def tiny(monkeypatch):
-    """Serve ``--model tiny`` from a random-init Llama and a tokenizer built in code."""
-    loaded = []
-
-    def load(name):
-        assert name == "tiny"
-        model, tok = tiny_model("llama-mha"), tiny_tokenizer()
-        model.generation_config.pad_token_id = tok.pad_token_id
-        loaded.append(model)
-        return model, tok
-
-    monkeypatch.setattr(leankit, "load_model", load)
-    return loaded
+from leankit.testing import tiny_model
 
 
 def _gen(*extra):
@@ -41,7 +25,7 @@ def test_plan_auto_with_room_keeps_pages_on_the_device(tiny, capsys):
 
 
 def test_plan_auto_with_a_small_gpu_offloads_and_matches_the_device_tokens(tiny, capsys):
-    model = tiny_model("llama-mha")
+    model = tiny_model("llama-gqa")
     roomy = plan_for_model(model, get_hardware("rtx4090"), 2, (4, 2), 4, kv_configs=(None, "K8V4"))
     gib = (roomy.memory["gpu_weights"] + roomy.memory["gpu_buffers"] + 1024) / GiB  # ~1 KiB of cache room
     assert _gen("--kv", "K8V4") == 0

@@ -94,3 +94,14 @@ def test_from_plan_with_activations_is_exact():
 
     ref = run(LeanCache(model, kv))
     assert torch.equal(run(LeanCache.from_plan(model, plan)), ref)
+
+
+def test_planner_prices_a_stored_token_as_its_own_rows():
+    from leankit.config import KVConfig
+    from leankit.planner import get_model
+
+    m = get_model("smollm2-135m")
+    assert m.kv_write_bytes_per_token(None) == m.kv_bytes_per_token(None)
+    cfg = KVConfig.parse("K8V4")
+    rows = cfg.token_bytes(m.head_dim, 0, m.dtype_bytes).total * m.num_kv_heads
+    assert m.kv_write_bytes_per_token("K8V4") == rows < m.kv_bytes_per_token("K8V4")  # no page padding

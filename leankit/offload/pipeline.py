@@ -226,15 +226,17 @@ class OffloadRuntime:
         if self._open is not None:  # a step cut short inside a layer
             self.close(self._open)
         self.link.close_step()
-        self.working.clear()
-        self._loaded.clear()
-        self._events.clear()
+        self._forget()
 
     def abandon_prefetch(self) -> None:
         """Forget pages prefetched for layers not yet open (their rows are about to change)."""
         if self._open is not None:
             raise RuntimeError("rows cannot be released while an offloaded layer is computing")
         self.link.drain()
+        self._forget()
+
+    def _forget(self) -> None:
+        """Free every device slot and forget which layers were copied in."""
         self.working.clear()
         self._loaded.clear()
         self._events.clear()
