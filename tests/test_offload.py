@@ -9,6 +9,7 @@ FP16, a LeanKV two-tier config and ACT (ratio and KVPR prefix placement).
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -96,7 +97,7 @@ def test_fixed_device_budget_holds_the_working_set_only(spec):
     elastic = cache_of(model, spec, offload=True)
     ref = generate(model, elastic, ids, mask, new=7)
     per_layer = _layer_pages(elastic)  # policy 'full' only grows: the last step holds the most
-    bound = max(a + b for a, b in zip(per_layer, per_layer[1:]))  # layer l and the prefetched l + 1
+    bound = max(a + b for a, b in itertools.pairwise(per_layer))  # layer l and the prefetched l + 1
     assert elastic.offload.working.peak <= bound < sum(per_layer)
     fixed = scribble(cache_of(model, spec, offload={"device_pages": bound}))
     assert torch.equal(generate(model, fixed, ids, mask, new=7), ref)

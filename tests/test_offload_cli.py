@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from test_cli import tiny  # noqa: F401  (serves --model tiny)
+import test_cli
 
 from leankit.cli import main
 from leankit.offload import plan_for_model
 from leankit.planner import get_hardware
 from leankit.planner.hardware import GiB
 from leankit.testing import tiny_model
+
+tiny = test_cli.tiny  # the fixture serving --model tiny
 
 
 def _gen(*extra):

@@ -21,7 +21,7 @@ def long_model(layers: int = 2):
 
 def host_only_plan(model, kv: str, prompts, gen: int, **allowed):
     """A plan whose GPU holds weights and buffers only, so every cache token crosses the link."""
-    kw = dict(weight_placement=False, activation_cache=False, kvpr=False)
+    kw = {"weight_placement": False, "activation_cache": False, "kvpr": False}
     kw.update(allowed)
     hw = get_hardware(HW)
     roomy = plan_for_model(model, hw, len(prompts), prompts, gen, kv_configs=(kv,), **kw)

@@ -99,7 +99,7 @@ def run(model, tok, hardware, batch: int, context: int, steps: int, warmup: int,
     }
     if placement is not None:
         pred = predicted_link_bytes(plan)
-        step = int(round(pred["context"] - sum(prompts) / batch)) + 1
+        step = round(pred["context"] - sum(prompts) / batch) + 1
         if step < len(rep["bytes_per_step"]):
             h2d, d2h = rep["bytes_per_step"][step]
             out["predicted"] = {"h2d": pred["h2d"], "d2h": pred["d2h"], "step": step,
@@ -120,21 +120,22 @@ def _size(n: float) -> str:
 
 def table(res: dict) -> str:
     """The measurements as text."""
+    where = ("the plan keeps cache on the host" if res["plan_places_cache_on_host"] else
+             "the plan fits the cache on the device; measured with the host tier anyway")
     lines = [
-        f"plan on {res['hardware']}: {res['plan']} -> LeanCache {res['config']} "
-        f"({'the plan keeps cache on the host' if res['plan_places_cache_on_host'] else 'the plan fits the cache on the device; measured with the host tier anyway'})",
+        (f"plan on {res['hardware']}: {res['plan']} -> LeanCache {res['config']} ({where})"),
         f"batch {res['batch']}, context {res['context']}, {res['steps']} decode steps on {res['device']}",
         "",
         "| cache | decode step (median) | prefill | device pages (peak) |",
         "|---|---|---|---|",
-        f"| all on the device | {res['device_step_s'] * 1e3:.2f} ms | {res['prefill_s']['device'] * 1e3:.1f} ms | "
-        f"{res['pages_on_device_run']} |",
-        f"| host tier + working set | {res['offload_step_s'] * 1e3:.2f} ms | {res['prefill_s']['offload'] * 1e3:.1f} ms"
-        f" | {res['device_pages_peak']} |",
+        (f"| all on the device | {res['device_step_s'] * 1e3:.2f} ms | {res['prefill_s']['device'] * 1e3:.1f} ms | "
+         f"{res['pages_on_device_run']} |"),
+        (f"| host tier + working set | {res['offload_step_s'] * 1e3:.2f} ms | "
+         f"{res['prefill_s']['offload'] * 1e3:.1f} ms | {res['device_pages_peak']} |"),
         "",
         f"step time ratio (offloaded / on device): {res['step_ratio']:.2f}x",
-        f"moved per decode step: {_size(res['h2d_bytes_step'])} host->device, {_size(res['d2h_bytes_step'])} "
-        f"device->host (whole run: {_size(res['h2d_bytes_total'])} / {_size(res['d2h_bytes_total'])})",
+        (f"moved per decode step: {_size(res['h2d_bytes_step'])} host->device, {_size(res['d2h_bytes_step'])} "
+         f"device->host (whole run: {_size(res['h2d_bytes_total'])} / {_size(res['d2h_bytes_total'])})"),
     ]
     if "predicted" in res:
         p = res["predicted"]

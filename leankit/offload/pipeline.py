@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..page_table import HIGH, LOW
+from ..page_table import HIGH
 from ..pages import SEGMENTS
 from .config import OffloadConfig
 from .host_pool import HostPool

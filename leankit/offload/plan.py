@@ -83,9 +83,9 @@ def check_model(plan, model) -> None:
 
 def model_spec(model, name: str | None = None):
     """The planner's :class:`~leankit.planner.ModelSpec` of a loaded model, at its parameters' dtype."""
-    from ..planner import from_hf_config
-
     import os
+
+    from ..planner import from_hf_config
 
     path = str(getattr(model.config, "_name_or_path", "") or "")
     spec = from_hf_config(model.config.to_dict(), name=name or os.path.basename(path.rstrip("/")) or None)
