@@ -170,3 +170,17 @@ def test_beam_search_reorders_host_pages():
 
     for spec in ("K8V4", "FP16:act=0.5"):
         assert torch.equal(beams(scribble(cache_of(model, spec, offload=True))), beams(cache_of(model, spec)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1,compress_every=4"])
+def test_smollm2_offload_is_exact(smollm2, spec):
+    model, tok = smollm2
+    tok.padding_side = "left"
+    enc = tok(["The capital of France is", "A KV cache stores the keys and values of"], return_tensors="pt",
+              padding=True)
+    ref, ref_logits = generate(model, cache_of(model, spec), enc.input_ids, enc.attention_mask, new=12, scores=True)
+    cache = scribble(cache_of(model, spec, offload={"device_pages": 256}))
+    out, logits = generate(model, cache, enc.input_ids, enc.attention_mask, new=12, scores=True)
+    assert torch.equal(out, ref) and torch.equal(logits, ref_logits)
+    assert cache.offload.working.peak <= 256 < cache.memory_report()["pages_used"]
