@@ -648,7 +648,11 @@ class LeanCache(Cache):
         Peak: ``peak_kv_bytes``/``peak_ratio``, pages against the fp16 bytes of the compressed
             layers at the step that used the most pages (finished requests still show).
         Also ``config``, ``pages_used``, ``pages_total``, ``page_size``, ``compressed_layers``,
-        ``plain_layers``, ``model_layers``.
+        ``plain_layers``, ``model_layers``. With ``offload``, ``offload`` holds the host tier
+        (``host_pages``/``host_bytes``: every page in use lives there), the device working set
+        (``device_pages_peak``, ``device_pages_budget``) and the bytes copied, counted where each
+        copy is issued: ``h2d_bytes_step``/``d2h_bytes_step`` of the last step, ``*_total`` and
+        ``bytes_per_step`` (``(h2d, d2h)`` per step).
         """
         pages_used = self.free_list.capacity - self.free_list.num_free
         kv_bytes = pages_used * self.cfg.page_size
