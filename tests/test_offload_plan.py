@@ -30,15 +30,18 @@ def host_only_plan(model, kv: str, prompts, gen: int, **allowed):
                           limits=Limits(gpu_mem=cap), **kw)
 
 
-@pytest.mark.parametrize("kv", ["K8V4", "K4V4:group_size=16"])
-def test_counted_link_bytes_match_the_plan_within_one_percent(kv):
+@pytest.mark.parametrize("kv,mode", [("K8V4", "kv"), ("K4V4:group_size=16", "kv"), ("FP16", "hybrid"),
+                                     ("FP16", "kvpr")])
+def test_counted_link_bytes_match_the_plan_within_one_percent(kv, mode):
     model = long_model()
     prompts, gen = (1900, 1777), 3
-    plan = host_only_plan(model, kv, prompts, gen)
-    assert plan.feasible and plan.choice.mode == "kv" and plan.memory["host_cache"] > 0
+    allow = {"hybrid": {"activation_cache": True}, "kvpr": {"kvpr": True}}.get(mode, {})
+    plan = host_only_plan(model, kv, prompts, gen, **allow)
+    assert plan.feasible and plan.choice.mode == mode and plan.memory["host_cache"] > 0
     predicted = predicted_link_bytes(plan)
     cache = LeanCache.from_plan(model, plan)
     assert cache.offload is not None and str(cache.cfg) == kv.split(":")[0]
+    assert (cache.act_store is not None) == (mode != "kv")
     width = max(prompts)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 97, (len(prompts), width), generator=g)
@@ -105,3 +108,9 @@ def test_planner_prices_a_stored_token_as_its_own_rows():
     cfg = KVConfig.parse("K8V4")
     rows = cfg.token_bytes(m.head_dim, 0, m.dtype_bytes).total * m.num_kv_heads
     assert m.kv_write_bytes_per_token("K8V4") == rows < m.kv_bytes_per_token("K8V4")  # no page padding
+    from leankit.config import act_geometry
+
+    geo = act_geometry(m.hidden, m.dtype_bytes, cfg.page_size)
+    assert m.act_bytes_per_token(None) == m.hidden * m.dtype_bytes  # the papers' figure
+    assert m.act_bytes_per_token("K8V4") == geo.bytes_per_token > m.act_write_bytes_per_token("K8V4") \
+        == geo.token_bytes > m.act_bytes_per_token(None)  # leankit's ACT pages: positions and padding

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from leankit.config import KVConfig
+from leankit.config import KVConfig, act_geometry
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,24 @@ class ModelSpec:
         return float(self.total_params() * self.dtype_bytes)
 
     # ------------------------------------------------------------------ per-token bytes
-    def act_bytes_per_token(self) -> float:
-        """Activation checkpoint bytes per token per layer: ``hidden`` values (HybridServe Eq. 7)."""
-        return float(self.hidden * self.dtype_bytes)
+    def act_bytes_per_token(self, kv: KVConfig | str | None = None) -> float:
+        """Activation checkpoint bytes per token per layer.
+
+        ``kv=None``: ``hidden`` values (HybridServe Eq. 7, the papers' figure). With a leankit
+        :class:`KVConfig`, the bytes leankit's ACT pages of that config's page size take per token
+        (:func:`leankit.config.act_geometry`: the values plus a position per page row, and page
+        padding), which is what leankit stores and moves.
+        """
+        if kv is None:
+            return float(self.hidden * self.dtype_bytes)
+        return float(act_geometry(self.hidden, self.dtype_bytes, KVConfig.parse(kv).page_size).bytes_per_token)
+
+    def act_write_bytes_per_token(self, kv: KVConfig | str | None = None) -> float:
+        """Activation bytes one new token sends to the host per layer: its own page rows (values and a
+        position per slice, no page padding) with a leankit config, ``hidden`` values without."""
+        if kv is None:
+            return self.act_bytes_per_token(None)
+        return float(act_geometry(self.hidden, self.dtype_bytes, KVConfig.parse(kv).page_size).token_bytes)
 
     def kv_bytes_per_token(self, kv: KVConfig | str | None = None, high_fraction: float = 1.0) -> float:
         """K+V bytes per token per layer.
