@@ -211,11 +211,17 @@ class LeanCache(Cache):
             them during decoding is finished and its pages return to the free list at once. Pass
             the same ids ``generate`` stops on (``generate`` keeps feeding a finished row, so the
             cache must not guess). Without it, pages return on :meth:`release` or :meth:`reset`.
+        offload: keep every page (KV at any precision, or ACT) in host memory, pinned when CUDA is
+            present, and only the layers in flight on the device (:mod:`leankit.offload`). Takes
+            ``True``/``"host"``, a dict of :class:`~leankit.offload.OffloadConfig` fields
+            (``prefetch``: layers copied in ahead, default 1; ``device_pages``: a fixed device
+            budget) or an ``OffloadConfig``. ``None`` (default): every page on the device.
+            Tokens are identical either way; ``memory_report()["offload"]`` gives the bytes moved.
         **overrides: :class:`KVConfig` overrides (``window``, ``th``, ``tl``, ``page_size`` ...).
     """
 
     def __init__(self, model, kv: str | KVConfig = "K8V4", *, num_pages: int | None = None,
-                 max_seq_len: int | None = None, eos_token_id=None, **overrides):
+                 max_seq_len: int | None = None, eos_token_id=None, offload=None, **overrides):
         cfg = _text_config(model.config)
         check_model_supported(cfg)
         self.cfg = KVConfig.parse(kv, **overrides)
@@ -266,10 +272,29 @@ class LeanCache(Cache):
             from .act_store import attach
 
             attach(self, model)
+        self.offload = None
+        if offload is not None:  # host tier and per-layer pipeline (leankit.offload)
+            from .offload import make_runtime
+
+            self.offload = make_runtime(self, offload)
         super().__init__(layers=self._build_layers())
         from .hf import enable
 
         enable(model)
+
+    @classmethod
+    def from_plan(cls, model, plan, **kwargs) -> LeanCache:
+        """The cache a :func:`leankit.planner.plan` chose: its format, ACT share, KVPR split and
+        placement (the host tier when the plan keeps cache on the host); see :mod:`leankit.offload.plan`.
+
+        Raises ``ValueError`` for an infeasible plan, a plan for another model shape, or a plan
+        LeanCache cannot serve (CPU attention). ``kwargs`` go to the constructor (``eos_token_id`` ...).
+        """
+        from .offload.plan import cache_settings, check_model
+
+        kv, offload = cache_settings(plan)
+        check_model(plan, model)
+        return cls(model, kv, offload=offload, **kwargs)
 
     def _build_layers(self) -> list:
         return [LeanLayer(self, t) if t is not None else _plain_layer(self._text_cfg) for t in self.table_index]
@@ -349,6 +374,8 @@ class LeanCache(Cache):
         self._policy_saved = self.policy.save_state()
         self._step = step
         self._pending = {}
+        if self.offload is not None:  # start copying the first layer's host pages in
+            self.offload.begin_step(step)
         return qp
 
     @staticmethod
@@ -364,6 +391,8 @@ class LeanCache(Cache):
             self.policy.end_step(self._step)
             self._seen += self._step.q_len
             self._step = None
+            if self.offload is not None:  # land the write-backs, count the step's bytes
+                self.offload.end_step()
             used = self.free_list.capacity - self.free_list.num_free
             if used * self.cfg.page_size >= self._peak[0]:
                 self._peak = (used * self.cfg.page_size, self._fp16_bytes())
@@ -442,6 +471,16 @@ class LeanCache(Cache):
     def attend(self, layer: int, query: torch.Tensor, scaling: float, module=None, attention_mask=None) -> torch.Tensor:
         """Attention of the step's queries for ``layer``; returns ``[B, Q, Hq, F]``.
 
+        With ``offload``, it runs inside the layer's window, on its pages copied to the device
+        (:meth:`leankit.offload.OffloadRuntime.attend`).
+        """
+        if self.offload is not None:
+            return self.offload.attend(layer, lambda: self._attend(layer, query, scaling, module, attention_mask))
+        return self._attend(layer, query, scaling, module, attention_mask)
+
+    def _attend(self, layer: int, query: torch.Tensor, scaling: float, module=None, attention_mask=None) -> torch.Tensor:
+        """Attention of the step's queries for ``layer`` over the pages in ``self.pool``.
+
         Keys of earlier steps are read from the pages (paged attention over their codes); the
         step's own new keys are used at their exact values and the two parts are merged by
         log-sum-exp. A step with nothing stored before it (a prompt) is plain SDPA with the
@@ -517,6 +556,8 @@ class LeanCache(Cache):
         """Finish the rows where ``rows[b]`` is true: return all their pages to the free list."""
         if self.table is None:
             return 0
+        if self.offload is not None:  # pages prefetched for the step are re-read after the release
+            self.offload.abandon_prefetch()
         rows = rows.to(self.device).bool()
         freed = self.table.release_sequences(rows, self.free_list)
         if self.act_store is not None:  # ACT pages of the rows (leankit.act_store)
@@ -531,6 +572,8 @@ class LeanCache(Cache):
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
         self.policy.reset()
+        if self.offload is not None:
+            self.offload.reset()
         self.layers = self._build_layers()  # fresh plain layers; LeanLayers hold no state
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -604,7 +647,11 @@ class LeanCache(Cache):
         Peak: ``peak_kv_bytes``/``peak_ratio``, pages against the fp16 bytes of the compressed
             layers at the step that used the most pages (finished requests still show).
         Also ``config``, ``pages_used``, ``pages_total``, ``page_size``, ``compressed_layers``,
-        ``plain_layers``, ``model_layers``.
+        ``plain_layers``, ``model_layers``. With ``offload``, ``offload`` holds the host tier
+        (``host_pages``/``host_bytes``: every page in use lives there), the device working set
+        (``device_pages_peak``, ``device_pages_budget``) and the bytes copied, counted where each
+        copy is issued: ``h2d_bytes_step``/``d2h_bytes_step`` of the last step, ``*_total`` and
+        ``bytes_per_step`` (``(h2d, d2h)`` per step).
         """
         pages_used = self.free_list.capacity - self.free_list.num_free
         kv_bytes = pages_used * self.cfg.page_size
@@ -643,6 +690,8 @@ class LeanCache(Cache):
         )
         if self.act_store is not None:  # KV and ACT bytes apart (leankit.act_store)
             report = self.act_store.report(report)
+        if self.offload is not None:  # host tier, device peak, bytes moved per step (leankit.offload)
+            report = self.offload.report(report)
         return report
 
     def token_bytes(self) -> dict:

@@ -2,7 +2,7 @@
 
     leankit --version
     leankit generate --model smollm2-135m --kv K8V4 --prompt "..." [--max-new-tokens N] [--chat]
-                     [--temperature T] [--top-p P] [--stream]
+                     [--temperature T] [--top-p P] [--stream] [--plan auto --hardware NAME]
     leankit plan --model opt-30b --hardware rtx4090-pcie4 --batch 128 --prompt 512 --gen 128
     leankit bench step|throughput [options]     (see `leankit bench --help`)
     leankit lm-eval --tasks leankit_niah_single --model_args kv=K8V4-K4V2,th=0.3,tl=0 --limit 10
@@ -60,6 +60,15 @@ def check_generate_args(args) -> None:
         raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
     if args.stream and len(args.prompt or [None]) > 1:
         raise ValueError("--stream prints one sequence as it is generated: give a single --prompt")
+    if args.plan is not None and args.plan.strip().lower() != "auto":
+        raise ValueError(f"--plan takes 'auto' (plan the cache for this model, batch and --hardware), got {args.plan!r}")
+    if args.plan is None:
+        for flag, value in (("--hardware", args.hardware), ("--gpu-mem", args.gpu_mem), ("--host-mem", args.host_mem)):
+            if value is not None:
+                raise ValueError(f"{flag} only applies with --plan auto (e.g. --plan auto --hardware rtx4090)")
+    for flag, value in (("--gpu-mem", args.gpu_mem), ("--host-mem", args.host_mem)):
+        if value is not None and not 0 <= value < float("inf"):
+            raise ValueError(f"{flag} is a memory size in GiB and must be >= 0, got {value}")
 
 
 def sampling_kwargs(args) -> dict:
@@ -110,6 +119,16 @@ def cmd_generate(args) -> int:
 
     check_generate_args(args)
     cfg = leankit.KVConfig.parse(args.kv, **({"window": args.window} if args.window is not None else {}))
+    hardware = None
+    if args.plan is not None:  # resolve the machine before the model loads: a bad name fails fast
+        from .planner import get_hardware
+        from .planner.cli import kv_list
+
+        kv_list(args.kv)
+        if args.window is not None:
+            raise ValueError("--window does not apply with --plan auto (the plan picks the format); put it in "
+                             "--kv, e.g. --kv 'K8V4-K4V2:window=32'")
+        hardware = get_hardware(args.hardware or "detect")
     model, tok = leankit.load_model(args.model)
     prompts = args.prompt or [DEFAULT_PROMPT]
     if args.chat:
@@ -119,7 +138,11 @@ def cmd_generate(args) -> int:
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not args.chat)
     if enc.input_ids.shape[1] == 0:
         raise ValueError("the prompt gives no tokens: give some text with --prompt")
-    cache = leankit.LeanCache(model, cfg, eos_token_id=model.generation_config.eos_token_id)
+    eos = model.generation_config.eos_token_id
+    if hardware is not None:
+        cache = planned_cache(model, hardware, enc.attention_mask.sum(1).tolist(), args, eos)
+    else:
+        cache = leankit.LeanCache(model, cfg, eos_token_id=eos)
     gen_kwargs = dict(max_new_tokens=args.max_new_tokens, past_key_values=cache, pad_token_id=tok.pad_token_id,
                       streamer=make_streamer(tok, args, args.max_new_tokens), **sampling_kwargs(args))
     if gen_kwargs["do_sample"]:
@@ -132,7 +155,40 @@ def cmd_generate(args) -> int:
             print(tok.decode(row, skip_special_tokens=True).strip())
             print("---" if len(prompts) > 1 else "", end="\n" if len(prompts) > 1 else "")
     print(memory_line(report))
+    if "offload" in report:
+        print(offload_line(report["offload"]))
     return 0
+
+
+def planned_cache(model, hardware, prompts: list[int], args, eos):
+    """``--plan auto``: plan for this model, batch and machine, print the plan, build its cache."""
+    import leankit
+    from leankit.offload import plan_for_model
+    from leankit.planner import Limits
+    from leankit.planner.cli import kv_list
+    from leankit.planner.hardware import GiB
+
+    limits = Limits(gpu_mem=None if args.gpu_mem is None else args.gpu_mem * GiB,
+                    host_mem=None if args.host_mem is None else args.host_mem * GiB)
+    kvs = tuple(dict.fromkeys([None, *kv_list(args.kv)]))
+    plan = plan_for_model(model, hardware, len(prompts), tuple(prompts), args.max_new_tokens, kv_configs=kvs,
+                          limits=limits)
+    if not plan.feasible:
+        raise ValueError(f"--plan auto on {hardware.name}: {plan.infeasible_reason}")
+    cache = leankit.LeanCache.from_plan(model, plan, eos_token_id=eos)
+    where = "pages on the host, the layers in flight on the device" if cache.offload else "every page on the device"
+    print(f"[leankit] plan for {hardware.name}: {plan.choice.label()}, predicted {plan.throughput:.1f} tok/s "
+          f"-> LeanCache {cache.cfg}{':act=' + format(cache.cfg.act, 'g') if cache.cfg.act else ''}, {where}",
+          file=sys.stderr)
+    return cache
+
+
+def offload_line(off: dict) -> str:
+    """One human line summarizing ``memory_report()["offload"]``."""
+    return (f"[leankit] offload: {_fmt_bytes(off['host_bytes'])} of pages on the host, device working set peak "
+            f"{off['device_pages_peak']} pages ({_fmt_bytes(off['device_bytes_peak'])}); moved "
+            f"{_fmt_bytes(off['h2d_bytes_total'])} host->device and {_fmt_bytes(off['d2h_bytes_total'])} "
+            f"device->host in {off['steps']} steps")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print the text as it is generated (one prompt)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g.add_argument("--window", type=int, default=None, help="recent window W (compressed configs)")
+    g.add_argument("--plan", default=None, metavar="auto",
+                   help="'auto': let leankit's planner pick the cache format, ACT share and host/device placement "
+                        "for this model, batch and --hardware (--kv lists the formats it may pick besides fp16)")
+    g.add_argument("--hardware", default=None,
+                   help="with --plan auto: a hardware preset (rtx4090-pcie4, a100-40gb-pcie4, ..., see `leankit plan "
+                        "--help`), 'detect' (default) or a saved profile .json")
+    g.add_argument("--gpu-mem", type=float, default=None, help="with --plan auto: GPU memory limit in GiB")
+    g.add_argument("--host-mem", type=float, default=None, help="with --plan auto: host memory limit in GiB")
     g.set_defaults(func=cmd_generate)
     try:
         from .planner.cli import add_plan_parser, run_plan

@@ -1,4 +1,4 @@
-"""``leankit bench step`` and ``leankit bench throughput``: the argument parsers and the printing."""
+"""``leankit bench step``, ``throughput`` and ``offload``: the argument parsers and the printing."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ modes:
   throughput  generated tokens/s at a fixed KV budget in bytes: the largest batch each cache
               fits, the same real-text requests through model.generate, ratios against
               DynamicCache (also HF QuantizedCache int4 when optimum-quanto or hqq is installed)
+  offload     a plan's cache with its pages on the host against the same cache all on the
+              device: step time ratio, bytes moved per step, the planner's predicted bytes,
+              and on CUDA the transfer time hidden behind compute
 
 Both take --json FILE (everything measured) and --write-readme (the results table between the
 <!-- leankit-bench:MODE --> markers of README.md, with the command, CPU, threads, torch and date).
@@ -71,12 +74,26 @@ prefill to last token. Default LeanCache configs: {', '.join(DEFAULT_KVS)}.
 """
 
 
+OFFLOAD_HELP = """\
+A plan's cache with its pages in host memory against the same cache with every page on the device.
+
+leankit's planner plans for the model, --batch prompts of --context tokens (real text, left-padded)
+and --hardware; the cache it picks (format, ACT share) is built twice: with the host tier and a
+device working set of the layers in flight, and all on the device. Both are prefilled, then decode
+steps run in rounds that alternate which cache goes first. Reported: median decode-step times and
+their ratio, bytes moved host->device and device->host per step (counted where the copies are
+issued), the planner's predicted bytes when the plan keeps cache on the host, and on CUDA the
+overlap, the share of copy-stream time hidden behind compute. On the CPU there is no link to
+overlap: the copies run synchronously between two pools in the same memory.
+"""
+
+
 def add_bench_parser(sub) -> None:
     """Add ``bench`` with its ``step`` and ``throughput`` modes to the ``leankit`` subparsers ``sub``."""
     raw = argparse.RawDescriptionHelpFormatter
     b = sub.add_parser("bench", help="speed against DynamicCache: step time breakdown, throughput at a KV budget",
                        description=BENCH_HELP, formatter_class=raw)
-    modes = b.add_subparsers(dest="mode", required=True, metavar="{step,throughput}")
+    modes = b.add_subparsers(dest="mode", required=True, metavar="{step,throughput,offload}")
 
     def common(p):
         p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint directory")
@@ -116,6 +133,20 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of the request draw (default: %(default)s)")
     common(t)
     t.set_defaults(func=cmd_throughput)
+
+    o = modes.add_parser("offload", help="a plan's host-tier cache against the all-on-device cache",
+                         description=OFFLOAD_HELP, formatter_class=raw)
+    o.add_argument("--hardware", default="rtx4090-pcie4",
+                   help="hardware preset to plan for, 'detect', or a saved profile .json (default: %(default)s)")
+    o.add_argument("--batch", type=int, default=4, help="rows per batch (default: %(default)s)")
+    o.add_argument("--context", type=int, default=1024, help="prompt length in tokens (default: %(default)s)")
+    o.add_argument("--kv", action="append", metavar="CONFIG",
+                   help="cache formats the plan may pick besides fp16 (repeat; default: K8V4)")
+    o.add_argument("--gpu-mem", type=float, default=None, help="GPU memory limit in GiB for the plan")
+    o.add_argument("--steps", type=int, default=8, help="measured decode steps (default: %(default)s)")
+    o.add_argument("--warmup", type=int, default=2, help="decode rounds dropped first (default: %(default)s)")
+    common(o)
+    o.set_defaults(func=cmd_offload)
 
 
 def _setup(args):
@@ -184,4 +215,31 @@ def cmd_throughput(args) -> int:
     body = f"{args.model}.\n\n{throughput.table(res)}\n\n{throughput.notes(res)}"
     print(body)
     _finish(args, "throughput", body, res)
+    return 0
+
+
+def cmd_offload(args) -> int:
+    """``leankit bench offload``."""
+    from ..config import KVConfig
+    from ..planner import Limits, get_hardware
+    from ..planner.hardware import GiB
+    from . import offload
+
+    kvs = args.kv or ["K8V4"]
+    for kv in kvs:
+        KVConfig.parse(kv)
+    if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.context < 1:
+        raise ValueError("--batch, --steps and --context must be >= 1 and --warmup >= 0")
+    if args.gpu_mem is not None and not 0 <= args.gpu_mem < float("inf"):
+        raise ValueError(f"--gpu-mem is a memory size in GiB and must be >= 0, got {args.gpu_mem}")
+    if args.write_readme:
+        raise ValueError("bench offload has no README block: use --json FILE to keep the results")
+    hw = get_hardware(args.hardware)
+    model, tok = _setup(args)
+    limits = Limits(gpu_mem=None if args.gpu_mem is None else args.gpu_mem * GiB)
+    res = offload.run(model, tok, hw, args.batch, args.context, args.steps, args.warmup, (None, *kvs), limits,
+                      progress=not args.no_progress)
+    body = f"{args.model}.\n\n{offload.table(res)}"
+    print(body)
+    _finish(args, "offload", body, res)
     return 0

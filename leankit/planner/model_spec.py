@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from leankit.config import KVConfig
+from leankit.config import KVConfig, act_geometry
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,24 @@ class ModelSpec:
         return float(self.total_params() * self.dtype_bytes)
 
     # ------------------------------------------------------------------ per-token bytes
-    def act_bytes_per_token(self) -> float:
-        """Activation checkpoint bytes per token per layer: ``hidden`` values (HybridServe Eq. 7)."""
-        return float(self.hidden * self.dtype_bytes)
+    def act_bytes_per_token(self, kv: KVConfig | str | None = None) -> float:
+        """Activation checkpoint bytes per token per layer.
+
+        ``kv=None``: ``hidden`` values (HybridServe Eq. 7, the papers' figure). With a leankit
+        :class:`KVConfig`, the bytes leankit's ACT pages of that config's page size take per token
+        (:func:`leankit.config.act_geometry`: the values plus a position per page row, and page
+        padding), which is what leankit stores and moves.
+        """
+        if kv is None:
+            return float(self.hidden * self.dtype_bytes)
+        return float(act_geometry(self.hidden, self.dtype_bytes, KVConfig.parse(kv).page_size).bytes_per_token)
+
+    def act_write_bytes_per_token(self, kv: KVConfig | str | None = None) -> float:
+        """Activation bytes one new token sends to the host per layer: its own page rows (values and a
+        position per slice, no page padding) with a leankit config, ``hidden`` values without."""
+        if kv is None:
+            return self.act_bytes_per_token(None)
+        return float(act_geometry(self.hidden, self.dtype_bytes, KVConfig.parse(kv).page_size).token_bytes)
 
     def kv_bytes_per_token(self, kv: KVConfig | str | None = None, high_fraction: float = 1.0) -> float:
         """K+V bytes per token per layer.
@@ -155,6 +170,19 @@ class ModelSpec:
             raise ValueError(f"high_fraction must lie in [0, 1], got {high_fraction}")
         lo = cfg.kv_bytes_per_token(self.head_dim, self.num_kv_heads, tier=1, dense_itemsize=self.dtype_bytes)
         return float(high_fraction * hi + (1.0 - high_fraction) * lo)
+
+    def kv_write_bytes_per_token(self, kv: KVConfig | str | None = None) -> float:
+        """K+V bytes one new token sends to the host per layer.
+
+        A new token is written as its own rows of the page segments (codes, group metadata, score,
+        position) at the high tier, where every new token enters; a partly filled page's other rows
+        and its padding stay where they are, so no page padding crosses the link. For the plain fp16
+        cache (``kv=None``) this is :meth:`kv_bytes_per_token`.
+        """
+        if kv is None:
+            return self.kv_bytes_per_token(None)
+        cfg = KVConfig.parse(kv)
+        return float(cfg.token_bytes(self.head_dim, 0, self.dtype_bytes).total * self.num_kv_heads)
 
     def act_to_kv_ratio(self, kv: KVConfig | str | None = None) -> float:
         """Activation bytes over KV bytes per token (0.5 for OPT with an fp16 cache, 1.5 for SmolLM2)."""

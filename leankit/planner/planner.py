@@ -14,7 +14,11 @@ Time model (one decode step, one layer; every layer is costed and summed):
   reduced at memory speed instead of Eq. 21's one element per cycle) and dequantization of streamed
   quantized weights (Eq. 16). The old cache is read quantized by leankit's fused attention (LeanKV §5),
   so there is no separate Eq. 24 pass; :mod:`~leankit.planner.lm_offload` keeps the literal equations.
-* **Device to host**: storing the new token's KV and/or activation.
+* **Device to host**: storing the new token's KV and/or activation. A new token's KV crosses as its own
+  rows of the page segments (``ModelSpec.kv_write_bytes_per_token``), not as page bytes: the padding
+  of a page never moves, which is what leankit's offload runtime counts. With a leankit cache format,
+  activations are priced as leankit's ACT pages hold them (values, a position per row, page padding;
+  ``ModelSpec.act_bytes_per_token(kv)``); the plain fp16 cache keeps the papers' ``hidden`` values.
 * **CPU**: attention when it is offloaded (the larger of FLOP at ``cpu_flops`` and cache bytes at
   ``cpu_mem_bw``).
 
@@ -276,7 +280,7 @@ def _resident_pattern(L: int, k: int) -> list[bool]:
 def _rates(model: ModelSpec, hw: HardwareProfile, kv: str | None, high_fraction: float):
     """Per-token seconds: link time of K+V, of an activation, GPU regeneration; bytes of each."""
     kvb = model.kv_bytes_per_token(kv, high_fraction)
-    actb = model.act_bytes_per_token()
+    actb = model.act_bytes_per_token(kv)
     kv_t = kvb / hw.h2d_bw
     gen_t = model.kv_gen_flops_per_token() / hw.gpu_flops
     # A profile measured for this model replaces the analytic per-token rates (HybridServe Fig. 11 fits).
@@ -455,6 +459,8 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
     w16 = model.weight_bytes_per_layer(16)
     wq = model.weight_bytes_per_layer(choice.weight_bits)
     P = model.matmul_params_per_layer()
+    kvw = model.kv_write_bytes_per_token(choice.kv)  # a new token's own rows: what a store moves
+    actw = model.act_write_bytes_per_token(choice.kv)
     resident = _resident_pattern(L, choice.gpu_layers)
     mb_tokens = allowed.minibatch_tokens
 
@@ -521,9 +527,11 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
                 self.store = (0.0, 0.0)
             elif choice.mode == "hybrid":
                 f = B * (1 - gshare) / hw.d2h_bw
-                self.store = (f * kvb, f * (actb - kvb))
+                self.store = (f * kvw, f * (actw - kvw))
             else:
-                self.store = (B * (1 - gshare) * (kvb + (actb if choice.mode == "kvpr" else 0.0)) / hw.d2h_bw, 0.0)
+                # kvpr: a decode token stores its KV only; Eq. 11 recomputes prompt tokens alone, so
+                # only their activations are kept (as the memory check counts them)
+                self.store = (B * (1 - gshare) * kvw / hw.d2h_bw, 0.0)
             self.terms = terms + [self.store]
 
         def time(self, phi: float) -> float:
@@ -592,13 +600,13 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
             if unified:
                 store = (0.0, 0.0)
             elif choice.mode == "attn_offload":
-                store = (s_sum * kvb / hw.d2h_bw, 0.0)
+                store = (s_sum * kvw / hw.d2h_bw, 0.0)
             else:
                 f = s_sum * (1 - (min(1.0, gpu_tokens / s_sum) if s_sum else 0.0)) / hw.d2h_bw
                 if choice.mode == "hybrid":
-                    store = (f * kvb, f * (actb - kvb))
+                    store = (f * kvw, f * (actw - kvw))
                 else:
-                    store = (f * (kvb + (actb if choice.mode == "kvpr" else 0.0)), 0.0)
+                    store = (f * (kvw + (actw if choice.mode == "kvpr" else 0.0)), 0.0)
             out.append((cnt, [(link, 0.0), (gpu, 0.0), store]))
         return out
 
@@ -775,7 +783,6 @@ def plan(model: ModelSpec | str, hardware: HardwareProfile | str, workload: Work
     unified = hw.device == "cpu"
     L = model.num_layers
     reasons: dict[str, str] = {}
-    actb = model.act_bytes_per_token()
 
     candidates: list[Plan] = []
     structural: dict[str, str] = {}
@@ -789,6 +796,7 @@ def plan(model: ModelSpec | str, hardware: HardwareProfile | str, workload: Work
     kv_list = list(dict.fromkeys(allowed.kv_configs))
     for kv in kv_list:
         kvb = model.kv_bytes_per_token(kv, allowed.high_fraction)
+        actb = model.act_bytes_per_token(kv)
         for mode in modes:
             if mode in ("hybrid", "kvpr") and actb >= kvb:
                 structural.setdefault(mode, _structural_reason(model, kv, actb, kvb, mode))

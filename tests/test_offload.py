@@ -1,0 +1,186 @@
+"""The offload runtime (leankit.offload) on tiny random-init models, CPU only.
+
+Every page lives in a host pool distinct from the device working-set pool, and the working set
+is scribbled with NaN bytes after every step, so a page that the pipeline failed to copy in (or
+to write back) changes the logits. Each config must give the greedy tokens (and bit-identical logits) of the same config
+with every page on the device: Llama MHA, Llama GQA and OPT, left-padded batches, single-tier,
+FP16, a LeanKV two-tier config and ACT (ratio and KVPR prefix placement).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from leankit import LeanCache
+from leankit.offload import DeviceBudgetExceeded, OffloadConfig
+from leankit.page_table import HIGH
+from leankit.testing import left_padded_batch, tiny_model
+
+KINDS = ["llama-mha", "llama-gqa", "opt"]
+SPECS = ["K8V4", "FP16", "K8V4-K4V2:th=0.3,tl=0.05,window=4,compress_every=2", "FP16:act=0.5",
+         "K8V4:act=0.5,act_order=prefix"]
+
+
+def model_of(kind: str, layers: int = 4, seed: int = 3):
+    if kind == "opt":
+        m = tiny_model("opt", seed=seed)
+        if layers != 2:
+            from transformers import AutoModelForCausalLM
+
+            from leankit.testing import tiny_config
+
+            torch.manual_seed(seed)
+            m = AutoModelForCausalLM.from_config(tiny_config("opt", num_hidden_layers=layers)).eval()
+        return m
+    return tiny_model(kind, seed=seed, num_hidden_layers=layers)
+
+
+def cache_of(model, spec, **kw):
+    with warnings.catch_warnings():  # GQA models warn that ACT costs more than KV: not under test
+        warnings.simplefilter("ignore")
+        return LeanCache(model, spec, **kw)
+
+
+def scribble(cache):
+    """Fill the device working set with NaN bytes after every step: only copied pages survive."""
+    rt = cache.offload
+    end = rt.end_step
+
+    def end_and_scribble():
+        end()
+        rt.working.pool.storage.fill_(0xFF)
+
+    rt.end_step = end_and_scribble
+    return cache
+
+
+def generate(model, cache, ids, mask, new=11, eos=None, scores=False):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+                             max_new_tokens=new, pad_token_id=0, eos_token_id=eos, output_logits=scores,
+                             return_dict_in_generate=scores)
+    return (out.sequences, torch.stack(out.logits)) if scores else out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec", SPECS)
+def test_offload_gives_the_tokens_of_the_device_cache(kind, spec):
+    model = model_of(kind)
+    ids, mask = left_padded_batch(3, 11, seed=5, pad_step=3)
+    ref, ref_logits = generate(model, cache_of(model, spec), ids, mask, scores=True)
+    cache = scribble(cache_of(model, spec, offload=True))
+    out, logits = generate(model, cache, ids, mask, scores=True)
+    assert torch.equal(out, ref)
+    assert torch.equal(logits, ref_logits)  # the same bytes were read: bit-identical, not just the same argmax
+    off = cache.memory_report()["offload"]
+    assert off["steps"] == 11 and off["h2d_bytes_total"] > 0 and off["d2h_bytes_total"] > 0
+    assert cache.offload.working.used == 0  # nothing stays on the device between steps
+    assert cache.pool is cache.offload.home and cache.pool.storage.device.type == "cpu"
+    assert cache.offload.working.pool.storage.data_ptr() != cache.pool.storage.data_ptr()
+
+
+def _layer_pages(cache) -> list[int]:
+    pages = cache.table.n_pages.sum(0).flatten(1).sum(1)
+    if cache.act_store is not None:
+        pages = pages + cache.act_store.table.n_blocks.sum(1) * cache.act_store.layout.slices
+    return [int(p) for p in pages]
+
+
+@pytest.mark.parametrize("spec", ["K8V4", "FP16:act=0.5"])
+def test_fixed_device_budget_holds_the_working_set_only(spec):
+    model = model_of("llama-mha", layers=5)
+    ids, mask = left_padded_batch(2, 9, seed=2)
+    elastic = cache_of(model, spec, offload=True)
+    ref = generate(model, elastic, ids, mask, new=7)
+    per_layer = _layer_pages(elastic)  # policy 'full' only grows: the last step holds the most
+    bound = max(a + b for a, b in itertools.pairwise(per_layer))  # layer l and the prefetched l + 1
+    assert elastic.offload.working.peak <= bound < sum(per_layer)
+    fixed = scribble(cache_of(model, spec, offload={"device_pages": bound}))
+    assert torch.equal(generate(model, fixed, ids, mask, new=7), ref)
+    assert fixed.offload.working.pool.num_pages == bound and fixed.offload.working.peak <= bound
+    assert fixed.memory_report()["offload"]["device_pages_budget"] == bound
+    # prefetch=0 keeps one layer at a time, so the largest layer's pages are enough
+    single = cache_of(model, spec, offload=OffloadConfig(prefetch=0, device_pages=max(per_layer)))
+    assert torch.equal(generate(model, single, ids, mask, new=7), ref)
+    short = cache_of(model, spec, offload={"device_pages": bound - 1})
+    with pytest.raises(DeviceBudgetExceeded, match=f"budget is {bound - 1}"):
+        generate(model, short, ids, mask, new=7)
+    assert short._step is None and short.offload.working.used == 0  # the step was dropped
+
+
+def test_finished_request_returns_its_host_pages():
+    model = model_of("llama-gqa")
+    ids, mask = left_padded_batch(3, 10, seed=4)
+    ref = generate(model, cache_of(model, "K8V4"), ids, mask)
+    eos = int(ref[1, ids.shape[1] + 2])  # row 1 ends after its third new token
+    dev = cache_of(model, "K8V4", eos_token_id=eos)
+    out_dev = generate(model, dev, ids, mask, eos=eos)
+    off = scribble(cache_of(model, "K8V4", eos_token_id=eos, offload=True))
+    out = generate(model, off, ids, mask, eos=eos)
+    assert torch.equal(out, out_dev)
+    finished = off.finished.nonzero().flatten().tolist()
+    assert 1 in finished
+    assert int(off.table.n_pages[:, :, finished].sum()) == 0  # host rows emptied
+    rep, rep_dev = off.memory_report(), dev.memory_report()
+    assert rep["pages_used"] == rep_dev["pages_used"] and rep["offload"]["host_pages"] == rep["pages_used"]
+    assert off.free_list.num_free == off.free_list.capacity - rep["pages_used"]
+
+
+def test_decode_step_moves_the_filled_rows_in_and_the_new_rows_out():
+    model = model_of("llama-mha", layers=3)
+    ids, mask = left_padded_batch(2, 8, seed=1)
+    cache = cache_of(model, "K8V4", offload=True)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        lens = cache.table.lens[HIGH].clone()
+        layout = cache.layouts[HIGH]
+        # full pages cross whole, a partly filled page as its filled rows
+        full, rows = lens.long() // layout.tokens, lens.long() % layout.tokens
+        expected_in = int(full.sum()) * cache.cfg.page_size + int(rows.sum()) * layout.token_bytes
+        nxt = out.logits[:, -1:].argmax(-1)
+        mask2 = torch.cat([mask, torch.ones_like(nxt)], 1)
+        pos = (mask2.cumsum(1) - 1)[:, -1:]
+        model(input_ids=nxt, attention_mask=mask2, position_ids=pos, past_key_values=cache, use_cache=True)
+    rep = cache.memory_report()["offload"]
+    assert int(rows.sum()) > 0 and rep["h2d_bytes_step"] == expected_in
+    new_rows = 2 * cache.num_layers * cache.num_kv_heads  # one token per row, layer and head
+    assert rep["d2h_bytes_step"] == new_rows * layout.token_bytes
+    assert rep["bytes_per_step"][0][0] == 0  # the prompt step had nothing on the host yet
+
+
+@pytest.mark.parametrize("bad,what", [("gpu", "offload= takes"), ({"prefetch": -1}, "prefetch"),
+                                      ({"device_pages": 0}, "device_pages"), ({"depth": 2}, "unknown offload")])
+def test_bad_offload_argument(bad, what):
+    with pytest.raises(ValueError, match=what):
+        LeanCache(tiny_model("llama-mha"), "K8V4", offload=bad)
+
+
+def test_beam_search_reorders_host_pages():
+    model = model_of("llama-mha", layers=3)
+    ids, mask = left_padded_batch(2, 9)
+
+    def beams(cache):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, num_beams=3,
+                                  max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    for spec in ("K8V4", "FP16:act=0.5"):
+        assert torch.equal(beams(scribble(cache_of(model, spec, offload=True))), beams(cache_of(model, spec)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1,compress_every=4"])
+def test_smollm2_offload_is_exact(smollm2, spec):
+    model, tok = smollm2
+    tok.padding_side = "left"
+    enc = tok(["The capital of France is", "A KV cache stores the keys and values of"], return_tensors="pt",
+              padding=True)
+    ref, ref_logits = generate(model, cache_of(model, spec), enc.input_ids, enc.attention_mask, new=12, scores=True)
+    cache = scribble(cache_of(model, spec, offload={"device_pages": 256}))
+    out, logits = generate(model, cache, enc.input_ids, enc.attention_mask, new=12, scores=True)
+    assert torch.equal(out, ref) and torch.equal(logits, ref_logits)
+    assert cache.offload.working.peak <= 256 < cache.memory_report()["pages_used"]
