@@ -157,6 +157,18 @@ def test_throughput_run_counts_only_requested_tokens():
     assert "budget" in throughput.notes(res) and "| LeanCache K8V4 |" in throughput.table(res)
 
 
+def test_throughput_ceiling_runs_dynamic_cache_at_the_largest_lean_batch():
+    model, tok = _tiny_lm()
+    res = throughput.run(model, tok, requests=4, prompt_range=(9, 14), output_range=(2, 5), kvs=("K8V4",),
+                         quantized=False, progress=False, ceiling=True)
+    top, lean = res["ceiling"], res["caches"][1]
+    assert top["batch"] == lean["batch"] and top["tokens"] == res["requested_tokens"]
+    assert top["tokens_per_s_ratio"] == top["tokens_per_s"] / res["caches"][0]["tokens_per_s"]
+    assert f"at batch {top['batch']}" in throughput.notes(res)
+    assert throughput.run(model, tok, requests=2, prompt_range=(9, 10), output_range=(2, 2), kvs=("K8V4",),
+                          quantized=False, progress=False)["ceiling"] is None
+
+
 def test_throughput_rejects_bad_ranges_before_any_model_work():
     model, tok = _tiny_lm()
     with pytest.raises(ValueError, match="--output-range"):
