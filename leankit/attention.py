@@ -33,6 +33,14 @@ from .pages import SEGMENTS, PageLayout, PagePool
 from .quant import META_DTYPE
 
 
+# Floor of an exponent before ``exp_``: PyTorch's vectorized CPU exp leaves its fast path for
+# inputs below about -87.3 (where the fp32 result underflows), -inf included, and runs 10-20x
+# slower on such vectors; masked scores and long-tail logits hit it all the time. exp(-87) =
+# 1.6e-38, so a floored term adds at most (queries x 1.6e-38) to a sum of probabilities: far
+# below fp32 resolution of any real significance and below the fp16 range the scores are stored in.
+EXP_FLOOR = -87.0
+
+
 class Workspace:
     """Reusable scratch buffers for the reference attention's large per-tile temporaries.
 
@@ -300,7 +308,7 @@ def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: i
     lse_safe = torch.where(live, lse, torch.zeros_like(lse)).unsqueeze(-1)
     out = []
     for s in logits:
-        p = torch.exp((s - lse_safe).masked_fill(~live.unsqueeze(-1), float("-inf")))
+        p = torch.exp((s - lse_safe).masked_fill(~live.unsqueeze(-1), EXP_FLOOR).clamp_min_(EXP_FLOOR))
         out.append(p.sum(2) / group)
     return out
 
@@ -367,12 +375,6 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
 
 
 # ============================================================================ the step's own tokens
-# Floor of an exponent before ``exp_``: PyTorch's vectorized CPU exp leaves its fast path for
-# inputs below about -87.3 (where the fp32 result underflows), -inf included, and runs 10-20x
-# slower on such vectors; masked scores and long-tail logits hit it all the time. exp(-87) =
-# 1.6e-38, so a floored term adds at most (queries x 1.6e-38) to a sum of probabilities: far
-# below fp32 resolution of any real significance and below the fp16 range the scores are stored in.
-EXP_FLOOR = -87.0
 # Elements of one query chunk's score matrix [B, Hkv, G*Qc, Q] (fp32): 8M elements = 32 MB.
 STEP_CHUNK_ELEMS = 1 << 23
 
