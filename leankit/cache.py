@@ -257,6 +257,8 @@ class LeanCache(Cache):
         # Kernel backend: int32 error flag per layer (and one for tokens a policy moves between
         # tiers), raised by the quantize kernel on NaN/Inf K/V and read once per step in end_step.
         self._kv_err = torch.zeros(self.num_layers + 1, dtype=torch.int32, device=self.device)
+        # (refused, pages needed, pages free) of the step's first refused deferred allocation
+        self._alloc_status = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._hw_tokens = 0  # most tokens any row may hold (host bound: tokens fed so far, this step's included)
         eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         self.eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
@@ -337,8 +339,9 @@ class LeanCache(Cache):
         else:
             q_pos = position_ids.to(dev).expand(batch, q_len)
         self._hw_tokens = max(self._hw_tokens, self._seen + q_len)
-        if use_triton(self._kv_err):
-            self._kv_err.zero_()  # a step that raised midway may have left a flag up
+        if use_triton(self._kv_err):  # a step that raised midway may have left a flag up
+            self._kv_err.zero_()
+            self._alloc_status.zero_()
         rank = torch.cumsum(real.int(), dim=1) - 1
         qp = q_pos.long()
         q_first = torch.where(real, qp, torch.full_like(qp, _NO_POS)).amin(1)
@@ -387,16 +390,26 @@ class LeanCache(Cache):
         if not use_triton(self._kv_err):
             return
         status = self.policy.step_status(self._step)
-        parts = [self._kv_err.long()] + ([] if status is None else [status.long().reshape(-1)])
+        free_list = self.free_list
+        stale = free_list.stale  # a deferred allocation moved the device counters
+        parts = [self._kv_err.long(), self._alloc_status] + ([free_list.counters] if stale else []) \
+            + ([] if status is None else [status.long().reshape(-1)])
         values = torch.cat(parts).tolist()
-        flags = values[: self._kv_err.numel()]
+        n = self._kv_err.numel()
+        flags, alloc, rest = values[:n], values[n: n + 3], values[n + 3:]
+        if stale:
+            free_list.load(*rest[:2])
+            rest = rest[2:]
         bad = [i for i, f in enumerate(flags) if f]
-        if not bad:
+        if not bad and not alloc[0]:
             if status is not None:
-                self.policy.take_status(values[len(flags):])
+                self.policy.take_status(rest)
             return
         self._kv_err.zero_()
+        self._alloc_status.zero_()
         self.abort_step()
+        if alloc[0]:
+            raise PoolExhausted(alloc[1], alloc[2], free_list.capacity)
         from leankit_kernels.quant import NON_FINITE_MESSAGE
 
         where = f"layer {bad[0]}" if bad[0] < self.num_layers else "a token moved between tiers"
@@ -410,18 +423,33 @@ class LeanCache(Cache):
         ceil(n / min T) + 1`` for both tiers together. The kernels size their grids from these
         bounds instead of reading the page counts (no host sync); heads with less work exit early.
         """
-        n, r = self._hw_tokens, self.row_len
+        r = self.row_len
+        high, low, total = self._page_bounds()
+        return min(r, high), min(r, low), min(r, total)
+
+    def _page_bounds(self) -> tuple[int, int, int]:
+        n = self._hw_tokens
         t = [layout.tokens for layout in self.layouts]
-        high = min(r, -(-n // t[HIGH]))
+        high = -(-n // t[HIGH])
         if len(t) == 1:
             return high, 0, high
-        return high, min(r, -(-n // t[LOW])), min(r, -(-n // min(t)) + 1)
+        return high, -(-n // t[LOW]), -(-n // min(t)) + 1
 
-    def grow_pages(self, extra: torch.Tensor, table=None) -> None:
+    def _rows_fit(self) -> bool:
+        """Whether no head's pages can outgrow its page-table row (host bound, no device read)."""
+        return self._page_bounds()[2] <= self.row_len
+
+    def grow_pages(self, extra: torch.Tensor, table=None, defer: bool = False) -> None:
         """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool.
 
         ``table`` defaults to the KV page table; the ACT page table (leankit.act_store) passes its own.
+        ``defer``: the caller can take a refusal at the end of the step. A fixed pool on the kernel
+        backend then allocates without a host read, and a short pool raises
+        :class:`PoolExhausted` from :meth:`end_step` (the step is dropped, nothing was handed out).
         """
+        if defer and table is None and self.fixed_pool and use_triton(self._kv_err) and self._rows_fit():
+            self.table.grow(extra, self.free_list, status=self._alloc_status)
+            return
         table = self.table if table is None else table
         try:
             table.grow(extra, self.free_list)

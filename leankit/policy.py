@@ -317,7 +317,7 @@ class _Base:
         need = _ceil_div(table.lens[HIGH] + step.n_new.view(1, -1, 1), t_high)
         extra = torch.zeros_like(table.n_pages)
         extra[HIGH] = (need - table.n_pages[HIGH]).clamp_min(0)
-        cache.grow_pages(extra)
+        cache.grow_pages(extra, defer=True)
 
     # -------------------------------------------------------------- protocol
     def begin_step(self, step) -> None:
@@ -729,8 +729,12 @@ class LeanKVPolicy(_Base):
         if not use_triton(step.q_pos):
             return None
         has, _, q_last = self._span
-        k = (self.every - 1 + max(self.window, 1)) + self.watermark - q_last
-        k = torch.where(has & self.started, k, torch.zeros_like(k))
+        wm, started = self.watermark, self.started
+        if self._prompt_rows is not None:  # as end_step will set them for the rows that stored their prompt
+            wm = torch.where(self._prompt_rows, q_last - self.window + 1, wm)
+            started = started | (step.n_new > 0)
+        k = (self.every - 1 + max(self.window, 1)) + wm - q_last
+        k = torch.where(has & started, k, torch.zeros_like(k))
         k = torch.where(self.cache.finished, torch.full_like(k, _BIG), k)
         return k.min().reshape(1)
 
