@@ -439,15 +439,19 @@ class LeanCache(Cache):
         """Whether no head's pages can outgrow its page-table row (host bound, no device read)."""
         return self._page_bounds()[2] <= self.row_len
 
-    def grow_pages(self, extra: torch.Tensor, table=None, defer: bool = False) -> None:
+    def grow_pages(self, extra: torch.Tensor, table=None, defer: bool = False, bound: int | None = None) -> None:
         """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool.
 
         ``table`` defaults to the KV page table; the ACT page table (leankit.act_store) passes its own.
-        ``defer``: the caller can take a refusal at the end of the step. A fixed pool on the kernel
-        backend then allocates without a host read, and a short pool raises
-        :class:`PoolExhausted` from :meth:`end_step` (the step is dropped, nothing was handed out).
+        ``defer``: the caller can take a refusal at the end of the step. On the kernel backend
+        the grant then runs without a host read: for a fixed pool, a short pool raises
+        :class:`PoolExhausted` from :meth:`end_step` (the step is dropped, nothing was handed
+        out); an elastic pool defers only when ``bound`` (a host bound on ``extra.sum()``) fits
+        its free pages, and otherwise grows first (a host read).
         """
-        if defer and table is None and self.fixed_pool and use_triton(self._kv_err) and self._rows_fit():
+        if defer and table is None and use_triton(self._kv_err) and self._rows_fit() and (
+                self.fixed_pool or (bound is not None and not self.free_list.stale
+                                    and bound <= self.free_list.num_free)):
             self.table.grow(extra, self.free_list, status=self._alloc_status)
             return
         table = self.table if table is None else table

@@ -317,7 +317,9 @@ class _Base:
         need = _ceil_div(table.lens[HIGH] + step.n_new.view(1, -1, 1), t_high)
         extra = torch.zeros_like(table.n_pages)
         extra[HIGH] = (need - table.n_pages[HIGH]).clamp_min(0)
-        cache.grow_pages(extra, defer=True)
+        # Pages cover every stored token, so a head needs at most ceil((T - 1 + Q) / T) more.
+        bound = table.lens[HIGH].numel() * -(-(t_high - 1 + step.q_len) // t_high)
+        cache.grow_pages(extra, defer=True, bound=bound)
 
     # -------------------------------------------------------------- protocol
     def begin_step(self, step) -> None:
