@@ -375,7 +375,6 @@ class _Base:
         The cache reads them in the same host read as its error flags (one sync per step) and
         hands them to :meth:`take_status` before :meth:`end_step`.
         """
-        return None
 
     def take_status(self, values: list[int]) -> None:
         """Receive the values of :meth:`step_status`, read on the host."""

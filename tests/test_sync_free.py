@@ -48,15 +48,15 @@ def _is_sync(func, args, kwargs) -> bool:
     return False
 
 
-def _leankit_site() -> str | None:
+def _leankit_site(roots: tuple[str, ...] = _ROOTS) -> str | None:
     """``file:line`` of the innermost leankit frame that issued the current op, or None when the
-    op belongs to Triton's interpreter or to code outside leankit."""
+    op belongs to Triton's interpreter or to code outside leankit (``roots``: leankit's folders)."""
     f = sys._getframe(2)
     while f is not None:
         path = f.f_code.co_filename
         if path.startswith(_TRITON):
             return None
-        if path.startswith(_ROOTS):
+        if path.startswith(roots):
             return f"{os.path.relpath(path, os.path.dirname(_ROOTS[0].rstrip(os.sep)))}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
     return None
@@ -69,14 +69,15 @@ class SyncCounter(TorchDispatchMode):
     ``Tensor.tolist`` is counted too (it reads every element without dispatching per element).
     """
 
-    def __init__(self):
+    def __init__(self, roots: tuple[str, ...] = _ROOTS):
         super().__init__()
+        self.roots = roots  # files under these count as leankit's
         self.counts: Counter = Counter()
         self.phase = "step"
         self._tolist = None
 
     def _add(self, op: str) -> None:
-        site = _leankit_site()
+        site = _leankit_site(self.roots)
         if site is not None:
             self.counts[(self.phase, op, site)] += 1
 
@@ -151,12 +152,15 @@ def _mark_steps(cache, counters: list, patch):
     import leankit_kernels.paged_attention as pa
     import leankit_kernels.prefill_attention as pre
 
-    for module, name in ((pa, "apply_score_update"), (pre, "received_attention")):
-        def counted(*a, _fn=getattr(module, name), _name=name, **k):
-            counters[-1].calls[_name] += 1
-            return _fn(*a, **k)
+    def counting(fn, name):
+        def counted(*a, **k):
+            counters[-1].calls[name] += 1
+            return fn(*a, **k)
 
-        patch.setattr(module, name, counted)
+        return counted
+
+    for module, name in ((pa, "apply_score_update"), (pre, "received_attention")):
+        patch.setattr(module, name, counting(getattr(module, name), name))
 
 
 def count_decode_syncs(spec: str, overrides: dict, steps: int = 5, layers: int = 3, num_pages: int = 160):
@@ -308,17 +312,27 @@ def test_short_fixed_pool_on_the_kernel_path_raises_at_the_end_of_the_step(monke
 
 
 def test_counter_sees_every_kind_of_sync():
-    """The counter itself: each sync-forcing op issued from leankit code is counted once."""
-    from leankit import allocator  # a leankit frame issues the ops below
-
-    c = SyncCounter()
+    """The counter itself: each sync-forcing op is counted once, and only from the given roots."""
     x = torch.tensor([3, 0, 5])
+
+    def syncs():
+        int(x.sum())
+        bool(x.any())
+        x.nonzero()
+        x[x > 1]
+        x.tolist()
+        y = x.clone()
+        y[x > 1] = 0
+        torch.repeat_interleave(x)
+        torch.repeat_interleave(x, 2)  # a host repeat count: no sync
+        torch.cumsum(x, 0)
+
+    with SyncCounter() as outside:  # this file is not leankit's
+        syncs()
+    assert outside.total() == 0
+    c = SyncCounter(roots=(_THIS,))
     with c:
-        allocator.exclusive_cumsum(x)  # no sync
-        code = compile("int(x.sum()); bool(x.any()); x.nonzero(); x[x > 1]; x.tolist();"
-                       "y = x.clone(); y[x > 1] = 0; torch.repeat_interleave(x)",
-                       allocator.__file__, "exec")  # attributed to a leankit file
-        exec(code, {"x": x, "torch": torch})
+        syncs()
     ops = Counter()
     for (_ph, op, _site), n in c.counts.items():
         ops[op] += n
