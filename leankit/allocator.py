@@ -42,12 +42,67 @@ class FreePageList:
     Attributes:
         ring: int32 ``[capacity]`` page ids.
         free_head, free_tail: Python-int counters (slot = counter % capacity).
+        counters: int64 ``[2]`` device copy of ``(free_head, free_tail)``, made on first use by a
+            kernel (:meth:`device_counters`). A deferred kernel allocation advances it on the
+            device alone; the host counters then catch up on the next read (:meth:`sync`, or
+            :meth:`load` with values the caller read itself), so a step allocates without a host sync.
     """
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu"):
         self.ring = torch.arange(capacity, dtype=torch.int32, device=device)
-        self.free_head = 0
-        self.free_tail = capacity
+        self.counters: torch.Tensor | None = None
+        self._stale = False  # the device counters moved past the host ones
+        self._head, self._tail = 0, capacity
+
+    @property
+    def free_head(self) -> int:
+        self.sync()
+        return self._head
+
+    @free_head.setter
+    def free_head(self, value: int) -> None:
+        self.sync()
+        self._head = value
+        self._push()
+
+    @property
+    def free_tail(self) -> int:
+        self.sync()
+        return self._tail
+
+    @free_tail.setter
+    def free_tail(self, value: int) -> None:
+        self.sync()
+        self._tail = value
+        self._push()
+
+    def _push(self) -> None:
+        if self.counters is not None:
+            self.counters[0].fill_(self._head)
+            self.counters[1].fill_(self._tail)
+
+    def device_counters(self) -> torch.Tensor:
+        """The int64 ``[2]`` device ``(free_head, free_tail)`` the kernels read (made on first call)."""
+        if self.counters is None:
+            self.counters = torch.tensor([self._head, self._tail], dtype=torch.int64, device=self.ring.device)
+        return self.counters
+
+    def mark_stale(self) -> None:
+        """A kernel advanced the device counters; the host ones are behind until :meth:`sync`."""
+        self._stale = True
+
+    @property
+    def stale(self) -> bool:
+        return self._stale
+
+    def sync(self) -> None:
+        """Bring the host counters up to the device ones (a host read, only when they moved)."""
+        if self._stale:
+            self.load(*self.counters.tolist())
+
+    def load(self, head: int, tail: int) -> None:
+        """Set the host counters to device values the caller has read (see :meth:`sync`)."""
+        self._head, self._tail, self._stale = int(head), int(tail), False
 
     @property
     def capacity(self) -> int:

@@ -260,7 +260,13 @@ class LeanCache(Cache):
         self._pending: dict = {}  # layer -> the step's exact (key, value) until attention stores them
         self.workspace = Workspace()  # scratch of the reference attention, reused by every layer and step
         self._policy_saved = None
-        self._peak = (0, 0)  # (kv_bytes, fp16_bytes) at the step that used the most pages
+        self._peak = (0, 0)  # (kv_bytes, fp16_bytes) at the step that used the most pages (fp16 may be a tensor)
+        # Kernel backend: int32 error flag per layer (and one for tokens a policy moves between
+        # tiers), raised by the quantize kernel on NaN/Inf K/V and read once per step in end_step.
+        self._kv_err = torch.zeros(self.num_layers + 1, dtype=torch.int32, device=self.device)
+        # (refused, pages needed, pages free) of the step's first refused deferred allocation
+        self._alloc_status = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self._hw_tokens = 0  # most tokens any row may hold (host bound: tokens fed so far, this step's included)
         eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         self.eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
         from .policy import make_policy  # the placement policy of this config
@@ -358,6 +364,10 @@ class LeanCache(Cache):
             q_pos = (torch.arange(q_len, device=dev) + self._seen).expand(batch, q_len)
         else:
             q_pos = position_ids.to(dev).expand(batch, q_len)
+        self._hw_tokens = max(self._hw_tokens, self._seen + q_len)
+        if use_triton(self._kv_err):  # a step that raised midway may have left a flag up
+            self._kv_err.zero_()
+            self._alloc_status.zero_()
         rank = torch.cumsum(real.int(), dim=1) - 1
         qp = q_pos.long()
         q_first = torch.where(real, qp, torch.full_like(qp, _NO_POS)).amin(1)
@@ -386,8 +396,14 @@ class LeanCache(Cache):
         return ~(real[:, 1:] & (q_pos[:, 1:] <= before)).any()
 
     def end_step(self) -> None:
-        """Close the forward step: advance the logical length, run end-of-step policy work."""
+        """Close the forward step: advance the logical length, run end-of-step policy work.
+
+        On the kernel backend this is where the step's device error flags are read (the step's
+        one host sync): NaN/Inf K/V drop the whole step (:meth:`abort_step`) and raise
+        :class:`~leankit.quant.NonFiniteKVError` naming the first bad layer.
+        """
         if self._step is not None:
+            self._check_step_flags()
             self.policy.end_step(self._step)
             self._seen += self._step.q_len
             self._step = None
@@ -395,13 +411,79 @@ class LeanCache(Cache):
                 self.offload.end_step()
             used = self.free_list.capacity - self.free_list.num_free
             if used * self.cfg.page_size >= self._peak[0]:
-                self._peak = (used * self.cfg.page_size, self._fp16_bytes())
+                # fp16 bytes as a device tensor: memory_report converts it (no sync per step)
+                self._peak = (used * self.cfg.page_size, self._fp16_bytes(as_tensor=True))
 
-    def grow_pages(self, extra: torch.Tensor, table=None) -> None:
+    def _check_step_flags(self) -> None:
+        """Read the step's device error flags and the policy's step status in one host read (the
+        kernel backend's one sync per step); on a raised flag drop the step and raise."""
+        if not use_triton(self._kv_err):
+            return
+        status = self.policy.step_status(self._step)
+        free_list = self.free_list
+        stale = free_list.stale  # a deferred allocation moved the device counters
+        parts = [self._kv_err.long(), self._alloc_status] + ([free_list.counters] if stale else []) \
+            + ([] if status is None else [status.long().reshape(-1)])
+        values = torch.cat(parts).tolist()
+        n = self._kv_err.numel()
+        flags, alloc, rest = values[:n], values[n: n + 3], values[n + 3:]
+        if stale:
+            free_list.load(*rest[:2])
+            rest = rest[2:]
+        bad = [i for i, f in enumerate(flags) if f]
+        if not bad and not alloc[0]:
+            if status is not None:
+                self.policy.take_status(rest)
+            return
+        self._kv_err.zero_()
+        self._alloc_status.zero_()
+        self.abort_step()
+        if alloc[0]:
+            raise PoolExhausted(alloc[1], alloc[2], free_list.capacity)
+        from leankit_kernels.quant import NON_FINITE_MESSAGE
+
+        where = f"layer {bad[0]}" if bad[0] < self.num_layers else "a token moved between tiers"
+        raise NonFiniteKVError(f"{where}: {NON_FINITE_MESSAGE}; the step was dropped and the cache is unchanged")
+
+    def page_bounds(self) -> tuple[int, int, int]:
+        """Host upper bounds ``(high pages, low pages, pages)`` any head of any layer holds.
+
+        A head holds pages for at most the tokens its row was fed (``_hw_tokens``, this step's
+        included): ``ceil(n / T)`` per tier, and ``ceil(n_h / T_h) + ceil(n_l / T_l) <=
+        ceil(n / min T) + 1`` for both tiers together. The kernels size their grids from these
+        bounds instead of reading the page counts (no host sync); heads with less work exit early.
+        """
+        r = self.row_len
+        high, low, total = self._page_bounds()
+        return min(r, high), min(r, low), min(r, total)
+
+    def _page_bounds(self) -> tuple[int, int, int]:
+        n = self._hw_tokens
+        t = [layout.tokens for layout in self.layouts]
+        high = -(-n // t[HIGH])
+        if len(t) == 1:
+            return high, 0, high
+        return high, -(-n // t[LOW]), -(-n // min(t)) + 1
+
+    def _rows_fit(self) -> bool:
+        """Whether no head's pages can outgrow its page-table row (host bound, no device read)."""
+        return self._page_bounds()[2] <= self.row_len
+
+    def grow_pages(self, extra: torch.Tensor, table=None, defer: bool = False, bound: int | None = None) -> None:
         """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool.
 
         ``table`` defaults to the KV page table; the ACT page table (leankit.act_store) passes its own.
+        ``defer``: the caller can take a refusal at the end of the step. On the kernel backend
+        the grant then runs without a host read: for a fixed pool, a short pool raises
+        :class:`PoolExhausted` from :meth:`end_step` (the step is dropped, nothing was handed
+        out); an elastic pool defers only when ``bound`` (a host bound on ``extra.sum()``) fits
+        its free pages, and otherwise grows first (a host read).
         """
+        if defer and table is None and use_triton(self._kv_err) and self._rows_fit() and (
+                self.fixed_pool or (bound is not None and not self.free_list.stale
+                                    and bound <= self.free_list.num_free)):
+            self.table.grow(extra, self.free_list, status=self._alloc_status)
+            return
         table = self.table if table is None else table
         try:
             table.grow(extra, self.free_list)
@@ -444,10 +526,15 @@ class LeanCache(Cache):
         self._step, self._pending = None, {}
 
     def write_tokens(self, tier: int, layer: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
+                     k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor,
+                     keep: torch.Tensor | None = None) -> None:
         """Quantize ``n`` tokens (``k``/``v`` ``[n, F]``) into slots ``slot`` of tier ``tier``.
 
         ``layer`` is one layer index, or an int tensor ``[n]`` giving each token's layer.
+        ``keep`` bool ``[n]``: write only these tokens (the others may name any slot).
+
+        The kernel backend writes inside a step without reading anything back: NaN/Inf K/V raise
+        the layer's device error flag, which :meth:`end_step` reads once for the whole step.
         """
         if b.numel() == 0:
             return
@@ -460,8 +547,15 @@ class LeanCache(Cache):
         if use_triton(k):
             from leankit_kernels.quant import quantize_into_pages
 
-            quantize_into_pages(self.pool.storage, layout, page, off, k, v, pos, score)
+            if keep is not None:  # a negative page id: the kernel skips the token
+                page = torch.where(keep, page, torch.full_like(page, -1))
+            flag = self.num_layers if isinstance(layer, torch.Tensor) else layer
+            err = self._kv_err[flag: flag + 1] if self._step is not None else None  # outside a step: raise now
+            quantize_into_pages(self.pool.storage, layout, page, off, k, v, pos, score, err=err)
         else:
+            if keep is not None:
+                idx = keep.nonzero().squeeze(1)
+                page, off, k, v, pos, score = (t[idx] for t in (page, off, k, v, pos, score))
             self.pool.write_rows(layout, page, off, layout.encode(k, v, score, pos))
 
     def paged_kv(self, layer: int) -> PagedKV:
@@ -509,8 +603,10 @@ class LeanCache(Cache):
             if use_triton(query):
                 from leankit_kernels.paged_attention import paged_attention
 
-                if sig and nq == 1:  # decode: the kernel keeps its logits for the fused score update
-                    out_old, lse_old, saved = paged_attention(q_pages, kv, st.q_pos, scaling, save_logits=True)
+                if nq == 1:  # decode: grids from host bounds (no sync); logits kept for the fused score update
+                    res = paged_attention(q_pages, kv, st.q_pos, scaling, save_logits=sig,
+                                          page_bounds=self.page_bounds())
+                    out_old, lse_old, saved = res if sig else (*res, None)
                 else:
                     out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
             elif sig and nq <= LOGITS_QUERY_LIMIT:  # few queries: keep the logits for the significance update
@@ -571,6 +667,8 @@ class LeanCache(Cache):
             self.table.release_sequences(torch.ones(self.table.shape[1], dtype=torch.bool, device=self.device),
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
+        self._hw_tokens = 0
+        self._kv_err.zero_()
         self.policy.reset()
         if self.offload is not None:
             self.offload.reset()
@@ -686,7 +784,7 @@ class LeanCache(Cache):
             tokens_per_tier={"high": div(high, slots), "low": div(low, slots), "pruned": div(pruned, slots)},
             slots_per_tier={"high": high, "low": low, "pruned": pruned},
             compressed_layers=self.num_layers, plain_layers=len(plain), model_layers=self.model_layers,
-            peak_kv_bytes=self._peak[0], peak_ratio=div(*self._peak),
+            peak_kv_bytes=self._peak[0], peak_ratio=div(self._peak[0], int(self._peak[1])),
         )
         if self.act_store is not None:  # KV and ACT bytes apart (leankit.act_store)
             report = self.act_store.report(report)
@@ -700,9 +798,11 @@ class LeanCache(Cache):
 
         return token_bytes(self, self.act_hidden)
 
-    def _fp16_bytes(self) -> int:
-        """Bytes an fp16 DynamicCache would hold for the live rows' real tokens."""
+    def _fp16_bytes(self, as_tensor: bool = False):
+        """Bytes an fp16 DynamicCache would hold for the live rows' real tokens (an int, or with
+        ``as_tensor`` a device scalar that is not read back)."""
         if self.table is None:
             return 0
-        logical = int(self.policy.logical_tokens().sum()) * self.num_layers * self.num_kv_heads
-        return logical * fp16_token_bytes(self.head_dim)
+        logical = self.policy.logical_tokens().sum() * (self.num_layers * self.num_kv_heads
+                                                         * fp16_token_bytes(self.head_dim))
+        return logical if as_tensor else int(logical)

@@ -68,13 +68,22 @@ class BidirectionalPageTable:
         return torch.where(tier == HIGH, j, row_len - 1 - j)
 
     # ------------------------------------------------------------------ growth
-    def grow(self, extra: torch.Tensor, free_list: FreePageList) -> None:
+    def grow(self, extra: torch.Tensor, free_list: FreePageList, status: torch.Tensor | None = None) -> None:
         """Give every (tier, layer, seq, head) ``extra[t, l, b, h]`` more pages in one allocation.
 
         Raises :class:`~leankit.allocator.PoolExhausted` (nothing changed) if the pool is short,
         and ``ValueError`` if a row would overflow (sequence longer than ``max_seq_len``).
+
+        ``status`` (kernel backend only): a deferred grant that reads nothing back to the host; a
+        short pool is recorded in ``status`` instead of raised (see
+        :func:`leankit_kernels.page_alloc.grow_pages`). The caller guarantees that no row overflows.
         """
         extra = extra.to(torch.int32)
+        if status is not None:
+            from leankit_kernels.page_alloc import grow_pages
+
+            grow_pages(self, extra, free_list, status=status)
+            return
         if int(extra.sum()) == 0:
             return
         if bool(((self.n_pages + extra).sum(0) > self.row_len).any()):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import exclusive_cumsum
+from .backend import use_triton
 from .page_table import HIGH, LOW
 
 KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
@@ -316,7 +317,9 @@ class _Base:
         need = _ceil_div(table.lens[HIGH] + step.n_new.view(1, -1, 1), t_high)
         extra = torch.zeros_like(table.n_pages)
         extra[HIGH] = (need - table.n_pages[HIGH]).clamp_min(0)
-        cache.grow_pages(extra)
+        # Pages cover every stored token, so a head needs at most ceil((T - 1 + Q) / T) more.
+        bound = table.lens[HIGH].numel() * -(-(t_high - 1 + step.q_len) // t_high)
+        cache.grow_pages(extra, defer=True, bound=bound)
 
     # -------------------------------------------------------------- protocol
     def begin_step(self, step) -> None:
@@ -334,7 +337,13 @@ class _Base:
         stores 0 (policies that do not track significance).
         """
         cache = self.cache
-        b_idx, q_idx = step.real.nonzero(as_tuple=True)
+        dense = use_triton(k)  # the kernel skips pad tokens itself: no host sync to list the real ones
+        if dense:
+            b_idx, q_idx = (i.reshape(-1) for i in torch.meshgrid(torch.arange(k.shape[0], device=k.device),
+                                                                  torch.arange(k.shape[2], device=k.device),
+                                                                  indexing="ij"))
+        else:
+            b_idx, q_idx = step.real.nonzero(as_tuple=True)
         if b_idx.numel() == 0:
             return
         heads = k.shape[1]
@@ -342,6 +351,7 @@ class _Base:
         h_idx = torch.arange(heads, device=k.device).repeat(n)
         b_rep = b_idx.repeat_interleave(heads)
         q_rep = q_idx.repeat_interleave(heads)
+        keep = step.real[b_rep, q_rep] if dense else None
         lens = cache.table.lens[HIGH, layer]
         slot = lens[b_rep, h_idx] + step.rank[b_rep, q_rep]
         kk = k[b_rep, h_idx, q_rep]
@@ -353,11 +363,21 @@ class _Base:
             _, q_first, q_last = self._query_span(step)
             score = update_significance(torch.zeros(kk.shape[0], device=k.device), pos, received[b_rep, h_idx, q_rep],
                                         q_first[b_rep], q_last[b_rep])
-        cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, kk, vv, pos, score)
+        cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, kk, vv, pos, score, keep=keep)
         lens += step.n_new.view(-1, 1).to(lens.dtype)
 
     def after_store(self, layer: int, step) -> None:
         """Hook run once ``layer``'s new tokens are stored (nothing to do by default)."""
+
+    def step_status(self, step) -> torch.Tensor | None:
+        """Device values the policy wants read back at the end of a kernel-backend step, or None.
+
+        The cache reads them in the same host read as its error flags (one sync per step) and
+        hands them to :meth:`take_status` before :meth:`end_step`.
+        """
+
+    def take_status(self, values: list[int]) -> None:
+        """Receive the values of :meth:`step_status`, read on the host."""
 
     def end_step(self, step) -> None:
         """Close the step."""
@@ -552,6 +572,9 @@ class LeanKVPolicy(_Base):
         self._prompt_rows: torch.Tensor | None = None
         self._direct = False  # this step stores prompts only: LeanKVPolicy.store classifies them first
         self._span = None
+        # Host knowledge that spares a decode step its device reads (kernel backend):
+        self._all_started = False  # every live row has stored its prompt: no prompt rows can come
+        self._skip_next = False  # no row can be due for Algorithm 1 at the next one-token step
 
     def _init_state(self, batch: int) -> None:
         super()._init_state(batch)
@@ -560,10 +583,12 @@ class LeanKVPolicy(_Base):
         self.pruned_mass = torch.zeros(cache.num_layers, batch, cache.num_kv_heads, device=dev)
         self.watermark = torch.full((batch,), -_BIG, dtype=torch.long, device=dev)
         self.started = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self._all_started = self._skip_next = False
 
     def reset(self) -> None:
         super().reset()
         self.pruned_mass = self.watermark = self.started = self._prompt_rows = self._span = None
+        self._all_started = self._skip_next = False
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         super().reorder(beam_idx)
@@ -591,17 +616,20 @@ class LeanKVPolicy(_Base):
             self._init_state(cache.table.shape[1])
         has, q_first, q_last = self._query_span(step)
         self._span = (has, q_first, q_last)
-        self._prompt_rows = has & ~self.started
         gen = has & self.started
-        # Every row with tokens stores its prompt: classify before writing (see store). A decode
-        # step stops at the first test, so this costs it one read.
-        self._direct = not bool(gen.any()) and bool(has.any())
+        if self._all_started:  # known on the host: no row stores a prompt (no device read)
+            self._prompt_rows, self._direct = None, False
+        else:
+            self._prompt_rows = has & ~self.started
+            # Every row with tokens stores its prompt: classify before writing (see store).
+            self._direct = not bool(gen.any()) and bool(has.any())
         # Candidates: stored tokens that leave the window (pos <= q_last - W), not yet classified.
         # Algorithm 1 runs for a row once `compress_every` of them are waiting (the last ones of
         # a request may stay high until it ends).
         cut = torch.minimum(q_last - self.window, q_first - 1)
         gen = gen & (cut - self.watermark + 1 >= self.every)
-        if not bool(gen.any()):
+        skip, self._skip_next = self._skip_next and step.q_len == 1, False
+        if skip or not bool(gen.any()):
             if not self._direct:  # a prompt-only step allocates per layer as it stores (store)
                 self._grow_for_new(step)
             return
@@ -689,12 +717,39 @@ class LeanKVPolicy(_Base):
         pruned = self.apply_classes(layers, metas, news)
         self.pruned_mass[layer] += pruned[0]
 
+    def step_status(self, step) -> torch.Tensor | None:
+        """Steps until the first row can be due for Algorithm 1, if positions advance by one per step.
+
+        A one-token step at position ``P + k`` makes row ``b`` due once ``P + k - max(W, 1) -
+        watermark + 1 >= every``, i.e. ``k >= k_b = every - 1 + max(W, 1) + watermark - P``. When
+        every ``k_b >= 2`` the next one-token step cannot run Algorithm 1 and skips its device read
+        (:meth:`begin_step`). A row that stored no token this step (padding) or has not started
+        counts as due now; a finished row never is. A row whose positions jump ahead is found due
+        here at the latest one step late (``k_b <= 0``), and the next step compresses it.
+        """
+        if not use_triton(step.q_pos):
+            return None
+        has, _, q_last = self._span
+        wm, started = self.watermark, self.started
+        if self._prompt_rows is not None:  # as end_step will set them for the rows that stored their prompt
+            wm = torch.where(self._prompt_rows, q_last - self.window + 1, wm)
+            started = started | (step.n_new > 0)
+        k = (self.every - 1 + max(self.window, 1)) + wm - q_last
+        k = torch.where(has & started, k, torch.zeros_like(k))
+        k = torch.where(self.cache.finished, torch.full_like(k, _BIG), k)
+        return k.min().reshape(1)
+
+    def take_status(self, values: list[int]) -> None:
+        self._skip_next = values[0] >= 2
+
     def end_step(self, step) -> None:
         super().end_step(step)
         if self._prompt_rows is not None:
             _, _, q_last = self._span
             self.watermark = torch.where(self._prompt_rows, q_last - self.window + 1, self.watermark)
             self.started |= step.n_new > 0
+            # A host read while some row has not started yet (the prompt step): later steps skip it.
+            self._all_started = bool((self.started | self.cache.finished).all())
         self._prompt_rows = None
 
 

@@ -148,10 +148,10 @@ def cases() -> list[Case]:
     from .page_alloc import BLOCK as ABLOCK
 
     out.append(Case("page alloc grow", "page_alloc", "_grow_kernel",
-                    {"extra_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32"},
+                    {"extra_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32", "cnt_ptr": "*i64"},
                     {"BLOCK": ABLOCK}))
     out.append(Case("page alloc shrink", "page_alloc", "_shrink_kernel",
-                    {"drop_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32"},
+                    {"drop_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32", "cnt_ptr": "*i64"},
                     {"BLOCK": ABLOCK}))
     return out
 

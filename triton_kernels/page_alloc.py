@@ -22,8 +22,9 @@ One launch per step for all requesters. Each program owns ``BLOCK`` consecutive 
 first sums the demands of all requesters before its block (a reduction over at most ``N`` int32,
 the carry of the prefix sum), then ``tl.cumsum`` within the block gives every requester its
 exclusive offset: no inter-program synchronization, and the ring regions of different requesters
-never overlap. The host advances ``free_head`` / ``free_tail`` by the total (the counters are
-host integers in :class:`leankit.allocator.FreePageList`).
+never overlap. The kernels read ``free_head`` / ``free_tail`` from the free list's device
+counters; the host advances them by the total, or (a deferred grow, ``status=``) the device
+does, and the host catches up at its next read (:class:`leankit.allocator.FreePageList`).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def _column(tier, n, R):
 
 
 @triton.jit
-def _grow_kernel(extra_ptr, npages_ptr, tables_ptr, ring_ptr, head, cap, N, LBH, R, BLOCK: tl.constexpr):
-    """Hand ``extra[i]`` pages from the ring head to each requester of this block (see module doc)."""
+def _grow_kernel(extra_ptr, npages_ptr, tables_ptr, ring_ptr, cnt_ptr, cap, N, LBH, R, BLOCK: tl.constexpr):
+    """Hand ``extra[i]`` pages from the ring head to each requester of this block (see module doc).
+    The head counter is read from the device (``cnt_ptr[0]``), so the host need not know it."""
+    head = tl.load(cnt_ptr) % cap
     i, m, d, excl, tier, row = _requesters(extra_ptr, N, LBH, R, BLOCK)
     npg = tl.load(npages_ptr + i, mask=m, other=0)
     for j in range(tl.max(d, 0)):
@@ -81,8 +84,9 @@ def _grow_kernel(extra_ptr, npages_ptr, tables_ptr, ring_ptr, head, cap, N, LBH,
 
 
 @triton.jit
-def _shrink_kernel(drop_ptr, npages_ptr, tables_ptr, ring_ptr, tail, cap, N, LBH, R, BLOCK: tl.constexpr):
-    """Return each requester's last ``drop[i]`` pages to the ring tail, in prefix-sum order."""
+def _shrink_kernel(drop_ptr, npages_ptr, tables_ptr, ring_ptr, cnt_ptr, cap, N, LBH, R, BLOCK: tl.constexpr):
+    """Return each requester's last ``drop[i]`` pages to the ring tail (``cnt_ptr[1]``), in prefix-sum order."""
+    tail = tl.load(cnt_ptr + 1) % cap
     i, m, d, excl, tier, row = _requesters(drop_ptr, N, LBH, R, BLOCK)
     keep = tl.load(npages_ptr + i, mask=m, other=0) - d
     for j in range(tl.max(d, 0)):
@@ -101,25 +105,46 @@ def _check_tables(table) -> None:
             raise ValueError(f"page table {name} must be a contiguous int32 tensor")
 
 
-def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK) -> int:
+def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK,
+               status: torch.Tensor | None = None) -> int | None:
     """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.grow` (one launch).
 
     ``extra`` int ``[2, L, B, H]``. Raises :class:`~leankit.allocator.PoolExhausted` (changing
     nothing) when the ring holds too few free ids. Returns the number of pages handed out.
+
+    With ``status`` (int64 ``[3]`` on the device, zero while no allocation has failed) nothing is
+    read back to the host: the total and the check run on the device, a grant that does not fit
+    is refused whole (no page moves, ``n_pages`` unchanged) and the first refusal writes
+    ``(1, pages needed, pages free)`` into ``status`` for the caller to read and raise later. The
+    free list's device counters advance; its host counters are stale until it next syncs.
+    Returns None then. The caller guarantees that no page-table row can overflow.
     """
     _check_tables(table)
     extra = extra.to(device=table.tables.device, dtype=torch.int32).contiguous()
+    cnt = free_list.device_counters()
+    n = extra.numel()
+    cap = free_list.capacity
+    grid = (triton.cdiv(n, block),)
+    if status is not None:
+        total = extra.sum(dtype=torch.int64)
+        free = cnt[1] - cnt[0]
+        ok = total <= free
+        first = ~ok & (status[0] == 0)
+        status.copy_(torch.where(first, torch.stack([torch.ones_like(total), total, free]), status))
+        extra = extra * ok.to(torch.int32)  # a refused grant hands out nothing
+        kernel_for(_grow_kernel, extra.device)[grid](extra, table.n_pages, table.tables, free_list.ring, cnt, cap, n,
+                                                     n // 2, table.row_len, BLOCK=block, num_warps=4)
+        cnt[0:1].add_(total * ok)
+        free_list.mark_stale()
+        return None
     total = int(extra.sum())
     if total == 0:
         return 0
     if total > free_list.num_free:
         raise PoolExhausted(total, free_list.num_free, free_list.capacity)
-    n = extra.numel()
-    lbh = n // 2
-    cap = free_list.capacity
-    kernel_for(_grow_kernel, extra.device)[(triton.cdiv(n, block),)](extra, table.n_pages, table.tables, free_list.ring,
-                                           free_list.free_head % cap, cap, n, lbh, table.row_len, BLOCK=block,
-                                           num_warps=4)
+    free_list.sync()  # the kernel reads the device counters: they must be current
+    kernel_for(_grow_kernel, extra.device)[grid](extra, table.n_pages, table.tables, free_list.ring, cnt, cap, n,
+                                                 n // 2, table.row_len, BLOCK=block, num_warps=4)
     free_list.free_head += total
     return total
 
@@ -136,11 +161,11 @@ def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: i
     if total == 0:
         return 0
     cap = free_list.capacity
-    if total > cap - free_list.num_free:
+    if total > cap - free_list.num_free:  # (num_free syncs the host counters)
         raise RuntimeError("releasing more pages than are in use: double free")
     n = drop.numel()
     kernel_for(_shrink_kernel, drop.device)[(triton.cdiv(n, block),)](drop, table.n_pages, table.tables, free_list.ring,
-                                             free_list.free_tail % cap, cap, n, n // 2, table.row_len, BLOCK=block,
+                                             free_list.device_counters(), cap, n, n // 2, table.row_len, BLOCK=block,
                                              num_warps=4)
     free_list.free_tail += total
     return total

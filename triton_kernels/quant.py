@@ -23,9 +23,11 @@ One program handles ``BLOCK_N`` tokens and both sides: a ``[BLOCK_N, F]`` tile i
 reduced per group in registers, packed, and stored as whole ``[BLOCK_N, Kb]`` rows (each row is
 contiguous inside its page, so stores coalesce).
 
-A group whose fp16 scale or minimum would overflow sets an error flag; the launcher raises
-:class:`leankit.quant.NonFiniteKVError` like the reference (the rows were written, but the cache
-has not yet counted them).
+A NaN/Inf input element, or a group whose fp16 scale or minimum would overflow, sets an error
+flag. The launcher either raises :class:`leankit.quant.NonFiniteKVError` like the reference (the
+rows were written, but the cache has not yet counted them), or leaves the flag on the device for
+the caller to read once per step (:class:`leankit.cache.LeanCache` does, so a decode step never
+waits on the host).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 from leankit.pages import PageLayout
-from leankit.quant import NonFiniteKVError, check_finite
+from leankit.quant import NonFiniteKVError
 
 from . import tiles
 from .tiles import (
@@ -63,11 +65,16 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _quant_side(src, stride, tok, valid, pool, page, row, err,
+def _quant_side(src, stride, tok, valid, pool, page, row,
                 OFF: tl.constexpr, MOFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
                 NG: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write one side of the tokens; returns 1 if a valid token holds NaN/Inf or a group whose fp16
+    scale/min overflows, else 0 (the caller raises the error flag)."""
     f = tl.arange(0, F)
     x = tl.load(src + tok.to(tl.int64)[:, None] * stride + f[None, :], mask=valid[:, None], other=0.0)
+    # NaN/Inf in the input (|x| < inf is False for NaN): checked on the elements themselves, since a
+    # GPU min/max may skip a NaN.
+    bad = tl.max(tl.where(valid[:, None] & ~(tl.abs(x.to(tl.float32)) < float("inf")), 1, 0))
     if BITS >= 16:
         tl.store(dense_ptrs(pool, page, row, OFF, F, DENSE, PAGE_SIZE), x.to(DENSE), mask=valid[:, None])
     else:
@@ -101,8 +108,8 @@ def _quant_side(src, stride, tok, valid, pool, page, row, err,
         tl.store(p16 + mbase[:, None] + g2[None, :], sc16, mask=valid[:, None])
         tl.store(p16 + mbase[:, None] + g2[None, :] + 1, mn16, mask=valid[:, None])
         ok = (tl.abs(scf) < float("inf")) & (tl.abs(mnf) < float("inf"))  # False for NaN too
-        bad = tl.max(tl.where(valid[:, None] & (~ok), 1, 0))
-        tl.store(err, bad, mask=bad > 0)
+        bad = tl.maximum(bad, tl.max(tl.where(valid[:, None] & (~ok), 1, 0)))
+    return bad
 
 
 @triton.jit
@@ -112,6 +119,9 @@ def _token_slots(page_ptr, slot_ptr, n, BLOCK_N: tl.constexpr):
     valid = tok < n
     page = tl.load(page_ptr + tok, mask=valid, other=0).to(tl.int64)
     row = tl.load(slot_ptr + tok, mask=valid, other=0).to(tl.int64)
+    # A negative page id marks a token that is not written (padding, or a slot whose page the
+    # step could not get): the host never has to filter tokens (no host sync).
+    valid = valid & (page >= 0)
     return tok, valid, page, row
 
 
@@ -121,10 +131,11 @@ def _quantize_kernel(k_ptr, v_ptr, stride_k, stride_v, page_ptr, slot_ptr, pos_p
                      TIER: tl.constexpr, BLOCK_N: tl.constexpr):
     """Quantize ``BLOCK_N`` tokens' K and V into their page rows (one program, both sides)."""
     tok, valid, page, row = _token_slots(page_ptr, slot_ptr, n, BLOCK_N)
-    _quant_side(k_ptr, stride_k, tok, valid, pool, page, row, err, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG,
-                DENSE, PAGE_SIZE, BLOCK_N)
-    _quant_side(v_ptr, stride_v, tok, valid, pool, page, row, err, TIER.VOFF, TIER.VMOFF, TIER.VBITS, F, TIER.NG,
-                DENSE, PAGE_SIZE, BLOCK_N)
+    bad = _quant_side(k_ptr, stride_k, tok, valid, pool, page, row, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG,
+                      DENSE, PAGE_SIZE, BLOCK_N)
+    bad = tl.maximum(bad, _quant_side(v_ptr, stride_v, tok, valid, pool, page, row, TIER.VOFF, TIER.VMOFF,
+                                      TIER.VBITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N))
+    tl.store(err, bad, mask=bad > 0)  # every program that stores writes the same 1: no atomics needed
     sc = tl.load(score_ptr + tok, mask=valid, other=0.0).to(tl.float16)
     tl.store(score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE), sc, mask=valid)
     ps = tl.load(pos_ptr + tok, mask=valid, other=0).to(tl.int32)
@@ -161,7 +172,7 @@ def quant_block_n(head_dim: int) -> int:
 
 def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.Tensor, slot: torch.Tensor,
                         k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor,
-                        *, block_n: int | None = None) -> None:
+                        *, block_n: int | None = None, err: torch.Tensor | None = None) -> None:
     """Quantize ``n`` tokens and write all six page segments of their slots, in one launch.
 
     Byte-for-byte identical to ``PagePool.write_rows(layout, page, slot, layout.encode(k, v, score, pos))``.
@@ -169,12 +180,17 @@ def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.T
     Args:
         storage: the pool's uint8 ``[num_pages, page_size]`` tensor (written in place).
         layout: the tier's :class:`~leankit.pages.PageLayout`.
-        page, slot: int ``[n]`` destination page id and row inside it.
+        page, slot: int ``[n]`` destination page id and row inside it; a token whose page id is
+            negative is skipped (not written).
         k, v: ``[n, head_dim]`` keys and values (fp16/bf16/fp32).
         pos: int ``[n]`` positions; score: float ``[n]`` initial significance.
+        err: an int32 device flag (one element). When given, a bad token sets it to 1 and
+            nothing is read back to the host (no sync): the caller checks the flag when it
+            chooses. When omitted, the flag is read here and the error raised.
 
     Raises:
-        NonFiniteKVError: NaN/Inf input, or a group whose fp16 scale/min would overflow.
+        NonFiniteKVError: (without ``err``) NaN/Inf input, or a group whose fp16 scale/min would
+            overflow. The rows were written, but the cache has not yet counted them.
     """
     n = k.shape[0]
     if n == 0:
@@ -189,23 +205,27 @@ def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.T
         raise ValueError(f"k and v must be [n, {f}], got {tuple(k.shape)} and {tuple(v.shape)}")
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    prec = layout.precision
-    if prec.k_quantized:
-        check_finite(k, "key")
-    if prec.v_quantized:
-        check_finite(v, "value")
     dev = storage.device
     page = page.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
     slot = slot.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
     pos = pos.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
     score = score.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
-    err = torch.zeros(1, dtype=torch.int32, device=dev)
+    eager = err is None
+    if eager:
+        err = torch.zeros(1, dtype=torch.int32, device=dev)
+    elif err.dtype != torch.int32 or err.numel() < 1 or err.device != dev:
+        raise ValueError(f"err must be an int32 flag on {dev}, got {err.dtype} [{err.numel()}] on {err.device}")
     bn = block_n or quant_block_n(f)
     kernel_for(_quantize_kernel, dev)[(triton.cdiv(n, bn),)](
         k, v, k.stride(0), v.stride(0), page, slot, pos, score, storage, err, n,
         BLOCK_N=bn, num_warps=4, enable_fp_fusion=False, **layout_constexprs(layout))
-    if (prec.k_quantized or prec.v_quantized) and int(err.item()):
-        raise NonFiniteKVError("KV values exceed the fp16 range of the quantization metadata")
+    if eager and int(err.item()):
+        raise NonFiniteKVError(NON_FINITE_MESSAGE)
+
+
+# What a raised error flag means (the kernel does not tell the two causes apart).
+NON_FINITE_MESSAGE = ("KV states contain NaN or Inf, or values beyond the fp16 range of the quantization "
+                      "metadata; refusing to store them in the cache")
 
 
 def dequantize_from_pages(storage: torch.Tensor, layout: PageLayout, page: torch.Tensor, slot: torch.Tensor,
