@@ -72,7 +72,7 @@ def _layouts(spec: str, model: str, dtype=torch.float16, **overrides):
 
 def cases() -> list[Case]:
     """The compile matrix (every kernel at least once, the decode kernel for every config)."""
-    from .paged_attention import BLOCK_N_DECODE, decode_loop_tokens, group_pad
+    from .paged_attention import DECODE_WARPS, decode_loop_tokens, decode_tiling, group_pad
     from .prefill_attention import BLOCK_M, BLOCK_N, prefill_warps
     from .quant import layout_constexprs, quant_block_n
     from .tiles import tier_args
@@ -105,8 +105,9 @@ def cases() -> list[Case]:
                     {"q_ptr": fp[dname], "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "np_ptr": "*i32",
                          "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": fp[dname], "lse_ptr": "*fp32",
                          "lg_ptr": "*fp32"},
-                    dict(targs, G=g, G_PAD=group_pad(g), BLOCK_N=BLOCK_N_DECODE, DOT=dot_t, PREC=prec,
-                         SAVE_LOGITS=save, DIRECT=direct),
+                    dict(targs, G=g, G_PAD=group_pad(g), DOT=dot_t, PREC=prec, SAVE_LOGITS=save, DIRECT=direct,
+                         **decode_tiling(targs)),
+                    options={"num_warps": DECODE_WARPS, "num_stages": 2},
                     loop_tokens=decode_loop_tokens(lays[0]) if metric else 0,
                     token_bytes=read_bytes_per_token(lays[0]) if metric else 0)
 

@@ -57,8 +57,9 @@ from .tiles import (
     dot_config,
     kernel_for,
     layer_launch,
+    load_positions,
+    load_side,
     meta_index,
-    online_softmax_step,
     page_counts,
     program_head,
     score_ptrs,
@@ -66,16 +67,25 @@ from .tiles import (
     softmax_init,
     softmax_lse,
     softmax_output,
-    tile_logits,
     unpack_codes,
 )
 
 __all__ = ["DecodeLogits", "apply_score_update", "paged_attention", "received_attention", "score_update_ref"]
 
-BLOCK_N_DECODE = 32
+# Warps of a decode program, and independent softmax lanes of its slot tile.
+DECODE_WARPS = 4
+DECODE_LANES = 1
+DECODE_MAX_ROWS = 128
 # A split must read at least this many times the bytes of the fp32 partial (acc, max, sum) it
 # writes and the reduce reads back, so the split-K merge costs at most ~6% extra traffic.
 SPLIT_BYTES_RATIO = 16
+
+
+@triton.jit
+def _pair(w, j: tl.constexpr, BITS: tl.constexpr):
+    """Codes ``2j`` and ``2j + 1`` of each 32-bit word ``w`` as the bits of an fp16 pair ``(1024 + c)``."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    return ((w >> (2 * j * BITS)) & MASK) | (((w >> ((2 * j + 1) * BITS)) & MASK) << 16) | 0x64006400
 
 
 @triton.jit
@@ -84,14 +94,32 @@ def _codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.
     """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
     codes < 256 are exact in fp16, bf16 and fp32)."""
     KB: tl.constexpr = F * BITS // 8
+    if DOT == tl.float16 and KB % 4 == 0 and BITS >= 2:
+        # Word-level unpack: each 32-bit word of codes becomes fp16 pairs of adjacent codes, a
+        # shift, a mask and an or per pair with constant shifts (fp16 bits 0x6400 | c are the
+        # number 1024 + c, c < 1024), so no code ever sits alone in a register. Keys keep the
+        # offset (folded into their min, _code_bias: q is an exact operand and the MMA accumulates
+        # in fp32). Values drop it here, exactly in fp16: their other operand, p * scale, is
+        # rounded to fp16, and its rounding error times 1024 would swamp the output.
+        w32 = pool.to(tl.pointer_type(tl.int32))
+        base = (page * PAGE_SIZE + OFF + row * KB) // 4
+        w = tl.load(w32 + base[:, None] + tl.arange(0, KB // 4)[None, :], mask=valid[:, None], other=0)
+        if BITS == 8:
+            pairs = tl.join(_pair(w, 0, 8), _pair(w, 1, 8))
+        elif BITS == 4:
+            pairs = tl.join(tl.join(_pair(w, 0, 4), _pair(w, 2, 4)), tl.join(_pair(w, 1, 4), _pair(w, 3, 4)))
+        else:
+            pairs = tl.join(tl.join(tl.join(_pair(w, 0, 2), _pair(w, 4, 2)), tl.join(_pair(w, 2, 2), _pair(w, 6, 2))),
+                            tl.join(tl.join(_pair(w, 1, 2), _pair(w, 5, 2)), tl.join(_pair(w, 3, 2), _pair(w, 7, 2))))
+        lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        x = tl.reshape(tl.join(lo, hi), (valid.shape[0], F))  # (pair, half) flattens to code order
+        if not BIASED:
+            x = x - 1024.0
+        return x
     byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
     codes = unpack_codes(byt, BITS)
     if DOT == tl.float16:
-        # fp16 bits 0x6400 | c are the number 1024 + c (c < 1024): a bit-or instead of an int->float
-        # conversion per element. Keys keep the offset (folded into their min, _code_bias: q is
-        # an exact operand and the MMA accumulates in fp32, so it cancels exactly enough). Values
-        # drop it here, exactly in fp16: their other operand, p * scale, is rounded to fp16, and
-        # its rounding error times 1024 would swamp the output.
         x = (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
         if not BIASED:
             x = x - 1024.0
@@ -117,60 +145,126 @@ def _scale_min(pool, page, row, valid, MOFF: tl.constexpr, PAGE_SIZE: tl.constex
 
 
 @triton.jit
-def _decode_step(m, l, acc, q, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
-                 TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Logits ``[G_PAD, BLOCK_N]`` of one slot tile and the online-softmax step over it.
+def _side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BITS: tl.constexpr,
+               TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               BLOCK: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
+    """One side (K or V) of a slot tile as ``(x [BLOCK, F] DOT, scale [BLOCK], min [BLOCK])``.
 
     A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
-    element path (LeanKV Eq. (2) applied after the matmul): ``q . k_hat = s (q . Q) + m sum(q)`` and
-    ``p @ v_hat = (p s) @ Q + (p @ m)``, so the ``[N, F]`` tile is only unpacked codes, converted
-    once to the MMA operand type. Other sides (dense, or several groups per token) dequantize in
-    registers (:func:`leankit_kernels.tiles.load_side`).
+    element path (LeanKV Eq. (2) applied after the matmul): ``x`` is the raw codes (plus the fp16
+    bias of :func:`_codes` when ``BIASED``) and the caller applies ``s`` and ``m`` per key. Any
+    other side (dense, or several groups per token) is dequantized in registers and returned
+    with ``s = 1``, ``m = 0``.
     """
-    KFAST: tl.constexpr = TIER.KBITS < 16 and TIER.NG == 1
-    VFAST: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1
-    if KFAST:
-        kq = _codes(pool, page, row, valid, TIER.KOFF, TIER.KBITS, F, PAGE_SIZE, DOT, True)
-        ks, km = _scale_min(pool, page, row, valid, TIER.KMOFF, PAGE_SIZE)
-        km = km - _code_bias(DOT) * ks  # codes arrive as c + bias
-        raw = tl.dot(q, tl.trans(kq), input_precision=PREC)
-        s = (raw * ks[None, :] + qsum[:, None] * km[None, :]) * sm_scale
-        s = tl.where(kpos[None, :] <= qpos, s, float("-inf"))
+    if BITS < 16 and TIER.NG == 1:
+        x = _codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED)
+        sc, mn = _scale_min(pool, page, row, valid, MOFF, PAGE_SIZE)
+        if BIASED:
+            mn = mn - _code_bias(DOT) * sc  # codes arrive as c + bias
     else:
-        s = tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE, PAGE_SIZE,
-                        BLOCK_N, DOT, PREC)
-    if VFAST:
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        vq = _codes(pool, page, row, valid, TIER.VOFF, TIER.VBITS, F, PAGE_SIZE, DOT, False)
-        vs, vm = _scale_min(pool, page, row, valid, TIER.VMOFF, PAGE_SIZE)
-        pv = tl.dot((p * vs[None, :]).to(DOT), vq, input_precision=PREC)
-        acc = acc * alpha[:, None] + pv + tl.sum(p * vm[None, :], 1)[:, None]
-        m = m_new
-    else:
-        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE, PAGE_SIZE,
-                                        BLOCK_N, DOT, PREC)
-    return s, m, l, acc
+        x = load_side(pool, page, row, valid, OFF, MOFF, BITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK).to(DOT)
+        sc = tl.full([BLOCK], 1.0, tl.float32)
+        mn = tl.zeros([BLOCK], tl.float32)
+    return x, sc, mn
 
 
 @triton.jit
-def _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr, LG_N,
+def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+                 TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Base-2 logits ``[W, G_PAD, NB]`` of one slot tile and the online-softmax step over it.
+
+    The ``BLOCK = W * NB`` slots are split into ``W`` independent lanes of ``NB`` slots, each with
+    its own running max, sum and accumulator (``m``, ``l`` ``[W, G_PAD]``, ``acc``
+    ``[W, G_PAD, F]``; a batched ``tl.dot`` per lane): the softmax never reduces across lanes
+    inside the loop, and the lanes are merged once per program (:func:`_merge_lanes`).
+    Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)`` and
+    ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`_side_tile`).
+    """
+    BLOCK: tl.constexpr = W * NB
+    kx, ks, km = _side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
+                            PAGE_SIZE, BLOCK, DOT, True)
+    ks = tl.reshape(ks * sm_scale, (W, NB))
+    km = tl.reshape(km * sm_scale, (W, NB))
+    raw = tl.dot(q3, tl.permute(tl.reshape(kx, (W, NB, F)), (0, 2, 1)), input_precision=PREC)
+    s = raw * ks[:, None, :] + qsum[None, :, None] * km[:, None, :]
+    s = tl.where(tl.reshape(kpos, (W, NB))[:, None, :] <= qpos, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 2))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, :, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, 2)
+    vx, vs, vm = _side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
+                            PAGE_SIZE, BLOCK, DOT, False)
+    vs = tl.reshape(vs, (W, NB))
+    vm = tl.reshape(vm, (W, NB))
+    pv = tl.dot((p * vs[:, None, :]).to(DOT), tl.reshape(vx, (W, NB, F)), input_precision=PREC)
+    acc = acc * alpha[:, :, None] + pv + tl.sum(p * vm[:, None, :], 2)[:, :, None]
+    return s, m_new, l, acc
+
+
+@triton.jit
+def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, lg_ptr, LG_N,
                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
-    """Online-softmax accumulation over slots ``[s0, s1)`` of one tier."""
-    g = tl.arange(0, G_PAD)
-    for start in range(s0, s1, BLOCK_N):
-        slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
-        s, m, l, acc = _decode_step(m, l, acc, q, qsum, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F,
-                                    DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
-        if SAVE_LOGITS:
-            tl.store(lg_ptr + g[:, None] * LG_N + slot[None, :], s, mask=(g[:, None] < G) & valid[None, :])
+                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 SAVE_LOGITS: tl.constexpr):
+    """Online-softmax accumulation over the live slots of pages ``[pg0, pg1)`` of one tier.
+
+    A tile is ``PPT = BLOCK // T`` whole pages (``BLOCK = W * NB`` rows, the last ``BLOCK - PPT*T``
+    rows always masked), so each slot's page column and in-page row are loop-invariant
+    (``t // T``, ``t % T`` of the tile row ``t``): per tile only the ``PPT`` page ids are read
+    from the table. A page larger than the tile (``T > BLOCK``) is walked in ``BLOCK``-slot runs.
+    """
+    BLOCK: tl.constexpr = W * NB
+    t = tl.arange(0, BLOCK)
+    s1 = tl.minimum(pg1 * TIER.T, n_live)
+    if BLOCK >= TIER.T:
+        PPT: tl.constexpr = BLOCK // TIER.T
+        j = t // TIER.T
+        row = t % TIER.T
+        inside = t < PPT * TIER.T
+        for pg in range(pg0, pg1, PPT):
+            pcol = pg + j
+            slot = pcol * TIER.T + row
+            valid = inside & (slot < s1)
+            if LOW:
+                col = R - 1 - pcol
+            else:
+                col = pcol
+            page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
+            kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
+            s, m, l, acc = _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
+            if SAVE_LOGITS:
+                _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
+    else:
+        for start in range(pg0 * TIER.T, s1, BLOCK):
+            slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
+            s, m, l, acc = _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
+            if SAVE_LOGITS:
+                _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
     return m, l, acc
+
+
+@triton.jit
+def _store_logits(lg_ptr, LG_N, s, slot, valid, G: tl.constexpr, G_PAD: tl.constexpr, W: tl.constexpr,
+                  NB: tl.constexpr):
+    """Save the tile's logits ``s`` ``[W, G_PAD, NB]`` at ``lg_ptr[g * LG_N + slot]`` (live slots, real heads)."""
+    g = tl.arange(0, G_PAD)
+    slot3 = tl.reshape(slot, (W, NB))[:, None, :]
+    ok = (g < G)[None, :, None] & tl.reshape(valid, (W, NB))[:, None, :]
+    tl.store(lg_ptr + g[None, :, None] * LG_N + slot3, s, mask=ok)
+
+
+@triton.jit
+def _merge_lanes(m, l, acc):
+    """Merge the ``W`` lanes' online-softmax states (log-sum-exp merge) into one ``[G_PAD]`` state."""
+    mm = tl.max(m, 0)
+    m_safe = tl.where(mm == float("-inf"), 0.0, mm)
+    w = tl.exp2(m - m_safe[None, :])
+    return mm, tl.sum(l * w, 0), tl.sum(acc * w[:, :, None], 0)
 
 
 # Runtime integers the kernels must not specialize on: page counts per split, split count, logit
@@ -186,8 +280,8 @@ SCORE_DYNAMIC = ("stride_pb", "stride_tier", "H", "R", "LG_N")
 def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_ptr, np_ptr, len_ptr, stride_tier,
                    part_acc, part_ml, out_ptr, lse_ptr, lg_ptr, H, R, PPS, NSPLIT, LG_N, sm_scale,
                    G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, W: tl.constexpr, NB_HI: tl.constexpr,
+                   NB_LO: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
                    SAVE_LOGITS: tl.constexpr, DIRECT: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
     """One (sequence, KV head, split): high-tier pages of the split, then its low-tier pages."""
     bh, b, h = program_head(H)
@@ -198,24 +292,26 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + f[None, :],
                 mask=(g < G)[:, None], other=0.0).to(DOT)
     qsum = tl.sum(q.to(tl.float32), 1)  # the m * sum(q) term of q . k_hat (one-group quantized keys)
+    q3 = tl.broadcast_to(q[None, :, :], (W, G_PAD, F))
     tab_row = tab_ptr + bh.to(tl.int64) * R
-    m, l, acc = softmax_init(G_PAD, F)
+    m = tl.full([W, G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([W, G_PAD], tl.float32)
+    acc = tl.zeros([W, G_PAD, F], tl.float32)
     v0 = split * PPS
     v1 = v0 + PPS
     nh = tl.load(np_ptr + bh)
-    lh = tl.load(len_ptr + bh)
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
-    m, l, acc = _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, tl.minimum(v0, nh) * HI.T,
-                             tl.minimum(tl.minimum(v1, nh) * HI.T, lh), R, sm_scale, lg_row, LG_N,
-                             False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+    m, l, acc = _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, tl.minimum(v0, nh), tl.minimum(v1, nh),
+                             tl.load(len_ptr + bh), R, sm_scale, lg_row, LG_N,
+                             False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, W, NB_HI, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
         nl = tl.load(np_ptr + stride_tier + bh)
-        ll = tl.load(len_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
-        m, l, acc = _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, l0 * LO.T, tl.minimum(l1 * LO.T, ll), R,
-                                 sm_scale, lg_row + G * LG_N, LG_N,
-                                 True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+        m, l, acc = _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, l0, l1, tl.load(len_ptr + stride_tier + bh),
+                                 R, sm_scale, lg_row + G * LG_N, LG_N,
+                                 True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, W, NB_LO, DOT, PREC, SAVE_LOGITS)
+    m, l, acc = _merge_lanes(m, l, acc)
     gmask = g < G
     if DIRECT:
         _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)
@@ -309,14 +405,42 @@ def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool,
                         True, LO, PAGE_SIZE, G, G_PAD, BLOCK_N)
 
 
+def decode_tile_rows(tokens: int) -> int:
+    """Rows of the decode kernel's slot tile for a tier of ``tokens`` slots per page.
+
+    A tile holds ``rows // tokens`` whole pages (rows past them are masked), so the rows are the
+    power of two in 32..128 that wastes the fewest rows on that remainder; a page larger than
+    128 slots is read in 128-slot runs.
+    """
+    if tokens >= DECODE_MAX_ROWS:
+        return DECODE_MAX_ROWS
+    best = None
+    for rows in (32, 64, DECODE_MAX_ROWS):
+        if rows < tokens:
+            continue
+        used = (rows // tokens) * tokens / rows
+        if best is None or used > best[0] + 0.06:  # a bigger tile must save more than 6% of its rows
+            best = (used, rows)
+    return best[1]
+
+
 def decode_loop_tokens(layout) -> int:
-    """Token slots one iteration of the decode kernel's inner loop reads for a tier of ``layout``."""
-    return BLOCK_N_DECODE
+    """Live token slots one iteration of the decode kernel's inner loop reads for a tier of ``layout``."""
+    rows = decode_tile_rows(layout.tokens)
+    return (rows // layout.tokens) * layout.tokens if rows >= layout.tokens else rows
+
+
+def decode_tiling(targs: dict) -> dict:
+    """Tile constexprs of :func:`_decode_kernel` for the tiers in ``targs`` (:func:`leankit_kernels.tiles.tier_args`):
+    ``W`` lanes (one per warp) of ``NB_HI`` / ``NB_LO`` slots."""
+    return {"W": DECODE_LANES, "NB_HI": decode_tile_rows(targs["HI"].T) // DECODE_LANES,
+            "NB_LO": decode_tile_rows(targs["LO"].T) // DECODE_LANES}
 
 
 def group_pad(g: int) -> int:
-    """Rows of the query tile: the group size padded to a power of two >= 16 (MMA minimum)."""
-    return max(16, triton.next_power_of_2(g))
+    """Rows of the query tile: the group size padded to a power of two (``tl.dot`` pads the MMA itself,
+    so the softmax only ever touches these rows)."""
+    return triton.next_power_of_2(g)
 
 
 # Decode programs resident per SM: the decode kernels use at most ~128 registers x 128 threads
@@ -355,7 +479,7 @@ class DecodeLogits:
 
 def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, *,
                     update_scores: bool = False, q_valid: torch.Tensor | None = None,
-                    num_splits: int | None = None, block_n: int = BLOCK_N_DECODE,
+                    num_splits: int | None = None,
                     page_bounds: tuple[int, int, int] | None = None, save_logits: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's unified pages (kernel mirror of
     :func:`leankit.attention.paged_attention_ref`).
@@ -419,8 +543,8 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
         part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, float(scale) * LOG2E,
-        G=g, G_PAD=gp, BLOCK_N=block_n, DOT=dot_t, PREC=prec, SAVE_LOGITS=keep, DIRECT=direct,
-        num_warps=4, num_stages=2, **targs)
+        G=g, G_PAD=gp, DOT=dot_t, PREC=prec, SAVE_LOGITS=keep, DIRECT=direct, num_warps=DECODE_WARPS,
+        num_stages=2, **decode_tiling(targs), **targs)
     if not direct:
         kernel_for(_decode_reduce_kernel, dev)[(bh,)](part_acc, part_ml, out, lse, hkv, s, G=g, G_PAD=gp, F=f,
                                                       num_warps=4)
