@@ -22,10 +22,14 @@ Kernels
     of the head's *virtual* page list ``[high pages..., low pages...]``: each program walks its
     high-tier pages first, then its low-tier pages (LeanKV's load balancing, §6.2). Every unified
     page has the same byte size, so equal page counts mean equal bytes per split, whatever the
-    tiers' tokens-per-page. Per ``BLOCK_N``-slot tile it dequantizes K and V on the fly into fp32
-    registers, and all G query heads of the group share the tile: ``tl.dot`` on
-    ``[G_pad, F] x [F, BLOCK_N]`` and ``[G_pad, BLOCK_N] x [BLOCK_N, F]`` (``G_pad >= 16`` rows for
-    the MMA), with an online softmax in base 2. With one split it writes the output directly.
+    tiers' tokens-per-page. A tile is one or more whole pages of a tier (``decode_tile_rows``:
+    32..128 rows, the rows past the last whole page masked), so each slot's page column and row
+    are loop-invariant and the table is read once per page. Codes are unpacked a 32-bit word at a
+    time straight into fp16 MMA operands, and one-group scale/min are applied per key after the
+    matmuls (``q . k_hat = s (q . Q) + m sum(q)``, ``p @ v_hat = (p s) @ Q + p @ m``). All G query
+    heads of the group share the tile: ``tl.dot`` on ``[G_pad, F] x [F, N]`` and
+    ``[G_pad, N] x [N, F]`` (``G_pad`` = G rounded up to a power of two; ``tl.dot`` pads the MMA
+    itself), with an online softmax in base 2. With one split it writes the output directly.
     ``_decode_reduce_kernel``: merges the S partials of a (sequence, KV head) (log-sum-exp merge).
     ``_score_update_kernel``: after the reduce, turns the saved logits and the final lse into
     ``p_bar`` and updates the score segment of live slots (one program per (head, slot tile, tier)).
@@ -443,9 +447,10 @@ def group_pad(g: int) -> int:
     return triton.next_power_of_2(g)
 
 
-# Decode programs resident per SM: the decode kernels use at most ~128 registers x 128 threads
-# (python -m leankit_kernels.aot), so 4 fit the 64K-register file of sm_80/sm_90.
-CTAS_PER_SM = 4
+# Decode programs resident per SM: the decode kernels use up to ~220 registers x 128 threads
+# with their 128-row page tiles (python -m leankit_kernels.aot), so 2 fit the 64K-register file
+# of sm_80/sm_90.
+CTAS_PER_SM = 2
 
 
 def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: int | None) -> int:
