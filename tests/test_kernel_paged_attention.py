@@ -181,3 +181,18 @@ def test_save_logits_is_decode_only():
     fc, q, q_pos = testing.attention_case(testing.fresh_generator()[0], "K8V4", [20], 3, 3, 4)
     with pytest.raises(ValueError, match="decode"):
         paged_attention(q, fc.kv, q_pos, 0.125, save_logits=True)
+
+
+@pytest.mark.parametrize("spec,dtype,page_size", [("K4V2", F16, 8192), ("K8V4-K4V2", F32, 4096)])
+def test_decode_page_tiles_whole_and_partial(spec, dtype, page_size):
+    """Tiles of several whole pages, and pages longer than the largest tile (read in slot runs):
+    the decode output and lse match the reference."""
+    from leankit_kernels.paged_attention import DECODE_MAX_ROWS, decode_tile_rows
+
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, [301, 40], 3, 3, 1, dtype=dtype, prune_frac=0.1,
+                                          page_size=page_size)
+    assert any(lay.tokens > DECODE_MAX_ROWS for lay in fc.kv.layouts) or \
+        any(decode_tile_rows(lay.tokens) // lay.tokens > 1 for lay in fc.kv.layouts)
+    out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
