@@ -34,6 +34,7 @@ DECODE_CASES = [
     ("K4V2", F32, 5, 3, [63], 2, 32, 0.0, 0xFF),
     ("K16V4-K4V1", F32, 3, 3, [65], 2, None, 0.0, 0xFF),
     ("K8V4-K4V2", BF16, 3, 3, [65, 7], 2, None, 0.1, 0xFF),
+    ("K4V2-K2V1", F16, 3, 3, [65, 7], 2, None, 0.1, 0xFF),  # fp16 word-level unpack of 2-bit keys
 ]
 
 

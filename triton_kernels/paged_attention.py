@@ -93,30 +93,67 @@ def _pair(w, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _kpair(w, k: tl.constexpr, BITS: tl.constexpr):
+    """Codes ``k`` and ``k + 16 / BITS`` of each 32-bit word ``w`` (one per 16-bit half) as the bits of an
+    fp16 pair ``(1024 + c)``: one shift and one mask-or per pair. The key tile comes out in the
+    order :func:`key_order` gives, and the query is loaded in that order to match."""
+    MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
+    return ((w >> (k * BITS)) & MASK) | 0x64006400
+
+
+@triton.jit
+def key_order(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
+    """Feature of each column of a key tile from :func:`_codes` (the word-level unpack of keys
+    permutes the codes inside each 32-bit word; every other path keeps feature order)."""
+    f = tl.arange(0, F)
+    if _word_unpack(F, BITS, DOT):
+        PER: tl.constexpr = 32 // BITS  # codes per word
+        r = f % PER
+        f = f - r + r // 2 + (r % 2) * (PER // 2)
+    return f
+
+
+@triton.jit
+def _word_unpack(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
+    """Whether :func:`_codes` unpacks a side a 32-bit word at a time."""
+    return DOT == tl.float16 and (F * BITS // 8) % 4 == 0 and BITS >= 2 and BITS <= 8
+
+
+@triton.jit
 def _codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
            PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
     """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
     codes < 256 are exact in fp16, bf16 and fp32)."""
     KB: tl.constexpr = F * BITS // 8
-    if DOT == tl.float16 and KB % 4 == 0 and BITS >= 2:
+    if _word_unpack(F, BITS, DOT):
         # Word-level unpack: each 32-bit word of codes becomes fp16 pairs of adjacent codes, a
         # shift, a mask and an or per pair with constant shifts (fp16 bits 0x6400 | c are the
         # number 1024 + c, c < 1024), so no code ever sits alone in a register. Keys keep the
         # offset (folded into their min, _code_bias: q is an exact operand and the MMA accumulates
         # in fp32). Values drop it here, exactly in fp16: their other operand, p * scale, is
         # rounded to fp16, and its rounding error times 1024 would swamp the output.
-        w32 = pool.to(tl.pointer_type(tl.int32))
+        w32 = pool.to(tl.pointer_type(tl.uint32))
         base = (page * PAGE_SIZE + OFF + row * KB) // 4
         w = tl.load(w32 + base[:, None] + tl.arange(0, KB // 4)[None, :], mask=valid[:, None], other=0)
-        if BITS == 8:
+        if BIASED:  # keys: any order inside a word will do (the query is permuted to match)
+            if BITS == 8:
+                pairs = tl.join(_kpair(w, 0, 8), _kpair(w, 1, 8))
+            elif BITS == 4:
+                pairs = tl.join(tl.join(_kpair(w, 0, 4), _kpair(w, 2, 4)), tl.join(_kpair(w, 1, 4), _kpair(w, 3, 4)))
+            else:
+                pairs = tl.join(tl.join(tl.join(_kpair(w, 0, 2), _kpair(w, 4, 2)),
+                                        tl.join(_kpair(w, 2, 2), _kpair(w, 6, 2))),
+                                tl.join(tl.join(_kpair(w, 1, 2), _kpair(w, 5, 2)),
+                                        tl.join(_kpair(w, 3, 2), _kpair(w, 7, 2))))
+        elif BITS == 8:
             pairs = tl.join(_pair(w, 0, 8), _pair(w, 1, 8))
         elif BITS == 4:
             pairs = tl.join(tl.join(_pair(w, 0, 4), _pair(w, 2, 4)), tl.join(_pair(w, 1, 4), _pair(w, 3, 4)))
         else:
             pairs = tl.join(tl.join(tl.join(_pair(w, 0, 2), _pair(w, 4, 2)), tl.join(_pair(w, 2, 2), _pair(w, 6, 2))),
                             tl.join(tl.join(_pair(w, 1, 2), _pair(w, 5, 2)), tl.join(_pair(w, 3, 2), _pair(w, 7, 2))))
-        lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        lo = pairs.to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (pairs >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         x = tl.reshape(tl.join(lo, hi), (valid.shape[0], F))  # (pair, half) flattens to code order
         if not BIASED:
             x = x - 1024.0
@@ -253,6 +290,14 @@ def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, 
 
 
 @triton.jit
+def _key_cols(TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
+    """Query columns matching the key tile of ``TIER`` (:func:`key_order` on its quantized one-group keys)."""
+    if TIER.KBITS < 16 and TIER.NG == 1:
+        return key_order(F, TIER.KBITS, DOT)
+    return tl.arange(0, F)
+
+
+@triton.jit
 def _store_logits(lg_ptr, LG_N, s, slot, valid, G: tl.constexpr, G_PAD: tl.constexpr, W: tl.constexpr,
                   NB: tl.constexpr):
     """Save the tile's logits ``s`` ``[W, G_PAD, NB]`` at ``lg_ptr[g * LG_N + slot]`` (live slots, real heads)."""
@@ -293,10 +338,11 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     g = tl.arange(0, G_PAD)
     f = tl.arange(0, F)
     qpos = tl.load(qpos_ptr + b * stride_pb)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + f[None, :],
-                mask=(g < G)[:, None], other=0.0).to(DOT)
-    qsum = tl.sum(q.to(tl.float32), 1)  # the m * sum(q) term of q . k_hat (one-group quantized keys)
-    q3 = tl.broadcast_to(q[None, :, :], (W, G_PAD, F))
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh
+    # Each tier's keys arrive in that tier's column order (key_order): load q in the same order.
+    q_hi = tl.load(q_row + _key_cols(HI, F, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
+    qsum = tl.sum(q_hi.to(tl.float32), 1)  # the m * sum(q) term of q . k_hat (one-group quantized keys)
+    q3 = tl.broadcast_to(q_hi[None, :, :], (W, G_PAD, F))
     tab_row = tab_ptr + bh.to(tl.int64) * R
     m = tl.full([W, G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([W, G_PAD], tl.float32)
@@ -312,6 +358,8 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
         nl = tl.load(np_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
+        q_lo = tl.load(q_row + _key_cols(LO, F, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
+        q3 = tl.broadcast_to(q_lo[None, :, :], (W, G_PAD, F))
         m, l, acc = _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, l0, l1, tl.load(len_ptr + stride_tier + bh),
                                  R, sm_scale, lg_row + G * LG_N, LG_N,
                                  True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, W, NB_LO, DOT, PREC, SAVE_LOGITS)
