@@ -35,6 +35,7 @@ DECODE_CASES = [
     ("K16V4-K4V1", F32, 3, 3, [65], 2, None, 0.0, 0xFF),
     ("K8V4-K4V2", BF16, 3, 3, [65, 7], 2, None, 0.1, 0xFF),
     ("K4V2-K2V1", F16, 3, 3, [65, 7], 2, None, 0.1, 0xFF),  # fp16 word-level unpack of 2-bit keys
+    ("K4V2", F16, 3, 3, [130, 20], 3, None, 0.1, 0xFF),  # values in permuted columns, through the partials
 ]
 
 

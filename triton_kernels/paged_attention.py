@@ -121,7 +121,7 @@ def _word_unpack(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def _codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
+           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, PERM: tl.constexpr):
     """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
     codes < 256 are exact in fp16, bf16 and fp32)."""
     KB: tl.constexpr = F * BITS // 8
@@ -135,7 +135,8 @@ def _codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.
         w32 = pool.to(tl.pointer_type(tl.uint32))
         base = (page * PAGE_SIZE + OFF + row * KB) // 4
         w = tl.load(w32 + base[:, None] + tl.arange(0, KB // 4)[None, :], mask=valid[:, None], other=0)
-        if BIASED:  # keys: any order inside a word will do (the query is permuted to match)
+        if PERM:  # any order inside a word will do: keys meet a query permuted to match, values fill
+            # output columns the store puts back in feature order (key_order gives both)
             if BITS == 8:
                 pairs = tl.join(_kpair(w, 0, 8), _kpair(w, 1, 8))
             elif BITS == 4:
@@ -188,7 +189,7 @@ def _scale_min(pool, page, row, valid, MOFF: tl.constexpr, PAGE_SIZE: tl.constex
 @triton.jit
 def _side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BITS: tl.constexpr,
                TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               BLOCK: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
+               BLOCK: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, PERM: tl.constexpr):
     """One side (K or V) of a slot tile as ``(x [BLOCK, F] DOT, scale [BLOCK], min [BLOCK])``.
 
     A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
@@ -198,7 +199,7 @@ def _side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BI
     with ``s = 1``, ``m = 0``.
     """
     if BITS < 16 and TIER.NG == 1:
-        x = _codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED)
+        x = _codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED, PERM)
         sc, mn = _scale_min(pool, page, row, valid, MOFF, PAGE_SIZE)
         if BIASED:
             mn = mn - _code_bias(DOT) * sc  # codes arrive as c + bias
@@ -212,7 +213,8 @@ def _side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BI
 @triton.jit
 def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
                  TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 VPERM: tl.constexpr):
     """Base-2 logits ``[W, G_PAD, NB]`` of one slot tile and the online-softmax step over it.
 
     The ``BLOCK = W * NB`` slots are split into ``W`` independent lanes of ``NB`` slots, each with
@@ -224,7 +226,7 @@ def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_sca
     """
     BLOCK: tl.constexpr = W * NB
     kx, ks, km = _side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK, DOT, True)
+                            PAGE_SIZE, BLOCK, DOT, True, True)
     ks = tl.reshape(ks * sm_scale, (W, NB))
     km = tl.reshape(km * sm_scale, (W, NB))
     raw = tl.dot(q3, tl.permute(tl.reshape(kx, (W, NB, F)), (0, 2, 1)), input_precision=PREC)
@@ -236,7 +238,7 @@ def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_sca
     alpha = tl.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 2)
     vx, vs, vm = _side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK, DOT, False)
+                            PAGE_SIZE, BLOCK, DOT, False, VPERM)
     vs = tl.reshape(vs, (W, NB))
     vm = tl.reshape(vm, (W, NB))
     pv = tl.dot((p * vs[:, None, :]).to(DOT), tl.reshape(vx, (W, NB, F)), input_precision=PREC)
@@ -260,6 +262,11 @@ def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, 
     BLOCK: tl.constexpr = W * NB
     t = tl.arange(0, BLOCK)
     s1 = tl.minimum(pg1 * TIER.T, n_live)
+    # This tier's values fill the accumulator columns in the word order of key_order: permute the
+    # accumulator into that order for the loop and back after it (once per program, not per tile).
+    VPERM: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1 and _word_unpack(F, TIER.VBITS, DOT)
+    if VPERM:
+        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, True)
     if BLOCK >= TIER.T:
         PPT: tl.constexpr = BLOCK // TIER.T
         j = t // TIER.T
@@ -276,17 +283,33 @@ def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, 
             page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
             kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
             s, m, l, acc = _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
-                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
+                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
     else:
         for start in range(pg0 * TIER.T, s1, BLOCK):
             slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
             s, m, l, acc = _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
-                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
+                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
+    if VPERM:
+        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, False)
     return m, l, acc
+
+
+@triton.jit
+def _word_order(acc, W: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr,
+                TO_WORD: tl.constexpr):
+    """Permute the columns of ``acc`` ``[W, G_PAD, F]`` from feature order to the word order of
+    :func:`key_order` (``TO_WORD``) or back: inside each block of ``32 / BITS`` columns, feature
+    ``h * HALF + k`` sits at column ``2 k + h``, a transpose of ``[2, HALF]``."""
+    HALF: tl.constexpr = 16 // BITS
+    if TO_WORD:
+        x = tl.reshape(acc, (W * G_PAD, F // (2 * HALF), 2, HALF))
+    else:
+        x = tl.reshape(acc, (W * G_PAD, F // (2 * HALF), HALF, 2))
+    return tl.reshape(tl.permute(x, (0, 1, 3, 2)), (W, G_PAD, F))
 
 
 @triton.jit
