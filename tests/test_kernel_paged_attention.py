@@ -198,3 +198,30 @@ def test_decode_page_tiles_whole_and_partial(spec, dtype, page_size):
         any(decode_tile_rows(lay.tokens) // lay.tokens > 1 for lay in fc.kv.layouts)
     out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
     testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+
+
+def test_split_sizing_by_occupancy_and_per_head_work():
+    """Residency from registers (allocated per warp in units of 8 per thread), and splits sized by the
+    pages of all heads: one long head among short ones is split finer than when every head is
+    assumed as long as the longest; uniform heads split the same either way."""
+    from leankit_kernels.paged_attention import choose_splits, resident_programs
+
+    assert resident_programs(128, 0, 4) == 4 and resident_programs(121, 0, 4) == 4
+    assert resident_programs(168, 0, 4) == 3 and resident_programs(255, 0, 4) == 2
+    assert resident_programs(64, 60_000, 4, sm_shared=228 * 1024) == 3  # shared memory binds first
+    g, f, ps, sms = 4, 128, 4096, 132
+    uniform = choose_splits(8, 1000, g, f, ps, sms, total_pages=8 * 1000, resident=2)
+    assert uniform == choose_splits(8, 1000, g, f, ps, sms, resident=2)
+    skewed = choose_splits(8, 20000, g, f, ps, sms, total_pages=20000 + 7 * 100, resident=2)
+    longest = choose_splits(8, 20000, g, f, ps, sms, resident=2)
+    assert skewed > 4 * longest
+    # non-empty programs (pages per split = ceil(20000 / splits)) fill about the resident slots
+    pps = -(-20000 // skewed)
+    busy = -(-20000 // pps) + 7 * -(-100 // pps)
+    assert 2 * sms * 0.9 <= busy <= 2 * sms * 1.1, busy
+    # short contexts: a split never reads fewer pages than the partials' traffic bound allows
+    assert -(-1000 // choose_splits(8, 1000, g, f, ps, sms, 1070, resident=2)) >= 16
+    # more resident programs per SM, more splits; the partials' traffic bound still holds
+    assert choose_splits(8, 1000, g, f, ps, sms, 8 * 1000, resident=4) >= uniform
+    assert choose_splits(1, 3, g, f, ps, sms, 3, resident=4) <= 3
+    assert choose_splits(2, 40, g, f, ps, None) == 2 and choose_splits(2, 9, g, f, ps, None) == 1

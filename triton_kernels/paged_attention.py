@@ -344,11 +344,14 @@ def _merge_lanes(m, l, acc):
 # each value class (== 1, % 16 == 0) it sees, a stall of about a second each; strides are read once
 # per program, so specializing on their alignment buys nothing.
 DECODE_DYNAMIC = ("stride_qb", "stride_qh", "stride_pb", "stride_tier", "H", "R", "PPS", "NSPLIT", "LG_N")
+# Pointers read or written a few scalars/rows per program (views such as one layer's slice of the
+# page table change alignment from layer to layer): their alignment buys no vector access.
+DECODE_UNALIGNED = ("q_ptr", "qpos_ptr", "tab_ptr", "np_ptr", "len_ptr", "lse_ptr", "lg_ptr")
 REDUCE_DYNAMIC = ("H", "NSPLIT")
 SCORE_DYNAMIC = ("stride_pb", "stride_tier", "H", "R", "LG_N")
 
 
-@triton.jit(do_not_specialize=DECODE_DYNAMIC)
+@triton.jit(**tiles.jit_options(DECODE_DYNAMIC, DECODE_UNALIGNED))
 def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_ptr, np_ptr, len_ptr, stride_tier,
                    part_acc, part_ml, out_ptr, lse_ptr, lg_ptr, H, R, PPS, NSPLIT, LG_N, sm_scale,
                    G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
@@ -518,24 +521,50 @@ def group_pad(g: int) -> int:
     return triton.next_power_of_2(g)
 
 
-# Decode programs resident per SM: the decode kernels use up to ~220 registers x 128 threads
-# with their 128-row page tiles (python -m leankit_kernels.aot), so 2 fit the 64K-register file
-# of sm_80/sm_90.
+# Decode programs resident per SM before the kernel's own register count is known (the first
+# launch of each variant on a device): the fp16 decode variants use about 110-190 registers x 128
+# threads (python -m leankit_kernels.aot), so 2-4 fit the 64K-register file of sm_80/sm_90.
 CTAS_PER_SM = 2
+# Register file and per-program limit of sm_80 / sm_90 SMs.
+SM_REGISTERS = 65536
+SM_MAX_PROGRAMS = 32
+# variant key -> programs per SM that its compiled registers / shared memory allow (measured
+# from the compiled kernel after its first launch; host-side metadata, no device read).
+_RESIDENT: dict = {}
 
 
-def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: int | None) -> int:
+def resident_programs(regs: int, shared: int, warps: int, sm_shared: int = 0) -> int:
+    """Programs of ``warps`` warps using ``regs`` registers per thread and ``shared`` bytes of shared
+    memory that one SM holds at once (registers are allocated per warp in units of 256, i.e. the
+    per-thread count rounded up to 8; ``sm_shared=0`` leaves shared memory out)."""
+    if regs <= 0:
+        return CTAS_PER_SM
+    per_warp = -(-regs // 8) * 8 * 32
+    n = min(SM_MAX_PROGRAMS, SM_REGISTERS // (per_warp * warps))
+    if sm_shared and shared:
+        n = min(n, sm_shared // shared)
+    return max(1, n)
+
+
+def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: int | None,
+                  total_pages: int | None = None, resident: int = CTAS_PER_SM) -> int:
     """Flash-decoding split factor for ``bh`` (sequence, KV head) programs of up to ``max_pages`` pages.
 
-    Enough programs to fill every resident slot once (``CTAS_PER_SM * sms``: short contexts at
-    small batch need split-K to use the GPU at all), but never splits so small that the partials'
-    traffic (``8 G (F + 2)`` bytes per split: fp32 written, then read by the reduce) exceeds
-    ``1 / SPLIT_BYTES_RATIO`` of the page bytes the split reads. Programs whose head has fewer
-    pages than the longest one find an empty range and exit at once. ``sms=None`` (interpreter): 2.
+    Pages per split are sized by the layer's whole work, ``total_pages`` summed over its heads
+    (default: every head as long as the longest): enough splits that the non-empty programs fill
+    every resident slot once (``resident * sms``: short contexts at small batch need split-K to
+    use the GPU at all), so heads with more pages get more splits and a few long heads do not
+    dictate the split of all. Never splits so small that the partials' traffic (``8 G (F + 2)``
+    bytes per split: fp32 written, then read by the reduce) exceeds ``1 / SPLIT_BYTES_RATIO`` of
+    the page bytes the split reads. Programs past their head's pages find an empty range and exit
+    at once. ``sms=None`` (interpreter): 2 splits.
     """
     min_pages = max(1, triton.cdiv(SPLIT_BYTES_RATIO * 8 * g * (f + 2), page_size))
-    want = triton.cdiv(CTAS_PER_SM * sms, bh) if sms else 2
-    return max(1, min(want, triton.cdiv(max_pages, min_pages)))
+    if not sms:
+        return max(1, min(2, triton.cdiv(max_pages, min_pages)))
+    work = total_pages if total_pages is not None else bh * max_pages
+    pps = max(min_pages, triton.cdiv(max(1, work), resident * sms))
+    return max(1, triton.cdiv(max_pages, pps))
 
 
 @dataclass
@@ -556,7 +585,7 @@ class DecodeLogits:
 def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, *,
                     update_scores: bool = False, q_valid: torch.Tensor | None = None,
                     num_splits: int | None = None,
-                    page_bounds: tuple[int, int, int] | None = None, save_logits: bool = False):
+                    page_bounds: tuple[int, ...] | None = None, save_logits: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's unified pages (kernel mirror of
     :func:`leankit.attention.paged_attention_ref`).
 
@@ -571,8 +600,9 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
             call's own lse (:func:`apply_score_update` on the saved logits).
         q_valid: bool ``[B, Q]``; rows where it is false update no score.
         num_splits: split-K factor (default: enough programs to fill the GPU once).
-        page_bounds: ``(max high pages, max low pages, max total pages)`` over the layer's heads
-            when the caller already knows them (upper bounds are fine). With them the launcher
+        page_bounds: ``(max high pages, max low pages, max total pages[, pages of all heads])`` over
+            the layer's heads when the caller already knows them (upper bounds are fine; the sum,
+            which sizes the splits, defaults to every head at the maximum). With them the launcher
             reads nothing from the device (no host sync): grids come from the bounds, and programs
             of heads with less work find empty ranges and exit.
         save_logits: decode only; also return a :class:`DecodeLogits` for a later
@@ -592,7 +622,11 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
     dev = q.device
-    max_h, max_l, max_pages = page_bounds or page_counts(n_pages, targs["HAS_LOW"])
+    bounds = tuple(page_bounds) if page_bounds is not None else page_counts(n_pages, targs["HAS_LOW"])
+    if len(bounds) not in (3, 4):
+        raise ValueError(f"page_bounds must be (max high, max low, max total[, sum]) pages, got {page_bounds!r}")
+    max_h, max_l, max_pages = bounds[:3]
+    total_pages = bounds[3] if len(bounds) == 4 else None
     out = tiles.empty((b, 1, hq, f), dtype=q.dtype, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
     if max_pages == 0:
@@ -601,12 +635,18 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         return (out, lse, None) if save_logits else (out, lse)
     q_pos = q_pos.to(device=dev, dtype=torch.int32)
     bh = b * hkv
+    keep = update_scores or save_logits
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
-    s = num_splits or choose_splits(bh, max_pages, g, f, targs["PAGE_SIZE"], sms)
+    tiling = decode_tiling(targs)
+    variant = (dev, g, f, q.dtype, keep, tuple(sorted((k, str(v)) for k, v in {**targs, **tiling}.items())))
+    if not num_splits:
+        resident = _RESIDENT.get(variant, CTAS_PER_SM)
+        s = choose_splits(bh, max_pages, g, f, targs["PAGE_SIZE"], sms, total_pages, resident)
+    else:
+        s = num_splits
     pps = triton.cdiv(max_pages, max(1, s))
     s = triton.cdiv(max_pages, pps)
     direct = s == 1
-    keep = update_scores or save_logits
     lg_n = max(max_h * targs["HI"].T, max_l * targs["LO"].T if targs["HAS_LOW"] else 0)
     if keep:
         logits = tiles.empty((bh, 2, g, lg_n), dtype=torch.float32, device=dev)
@@ -616,11 +656,15 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     part_ml = tiles.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
     dot_t, prec = dot_config(q.dtype, dev)
     gp = group_pad(g)
-    kernel_for(_decode_kernel, dev)[(bh, s)](
+    compiled = kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
         part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, float(scale) * LOG2E,
         G=g, G_PAD=gp, DOT=dot_t, PREC=prec, SAVE_LOGITS=keep, DIRECT=direct, num_warps=DECODE_WARPS,
-        num_stages=2, **decode_tiling(targs), **targs)
+        num_stages=2, **tiling, **targs)
+    if dev.type == "cuda" and variant not in _RESIDENT and getattr(compiled, "n_regs", 0):
+        props = torch.cuda.get_device_properties(dev)
+        _RESIDENT[variant] = resident_programs(compiled.n_regs, int(compiled.metadata.shared), DECODE_WARPS,
+                                               getattr(props, "shared_memory_per_multiprocessor", 0))
     if not direct:
         kernel_for(_decode_reduce_kernel, dev)[(bh,)](part_acc, part_ml, out, lse, hkv, s, G=g, G_PAD=gp, F=f,
                                                       num_warps=4)

@@ -219,7 +219,7 @@ def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale:
     q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
     dev = q.device
-    max_h, max_l, _ = page_counts(n_pages, targs["HAS_LOW"])
+    max_h, max_l, *_ = page_counts(n_pages, targs["HAS_LOW"])
     nh_out = max_h * targs["HI"].T
     nl_out = max_l * targs["LO"].T if targs["HAS_LOW"] else 0
     out_h = tiles.empty((b, hkv, nh_out), dtype=torch.float32, device=dev)
