@@ -54,16 +54,14 @@ import triton.language as tl
 from leankit.attention import PagedKV, received_attention_ref
 
 from . import tiles
+from .codes import key_order, side_tile, word_unpack
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
-    code_ptrs,
     dot_config,
     kernel_for,
     layer_launch,
     load_positions,
-    load_side,
-    meta_index,
     page_counts,
     program_head,
     score_ptrs,
@@ -71,7 +69,6 @@ from .tiles import (
     softmax_init,
     softmax_lse,
     softmax_output,
-    unpack_codes,
 )
 
 __all__ = ["DecodeLogits", "apply_score_update", "paged_attention", "received_attention", "score_update_ref"]
@@ -86,131 +83,6 @@ SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
-def _pair(w, j: tl.constexpr, BITS: tl.constexpr):
-    """Codes ``2j`` and ``2j + 1`` of each 32-bit word ``w`` as the bits of an fp16 pair ``(1024 + c)``."""
-    MASK: tl.constexpr = (1 << BITS) - 1
-    return ((w >> (2 * j * BITS)) & MASK) | (((w >> ((2 * j + 1) * BITS)) & MASK) << 16) | 0x64006400
-
-
-@triton.jit
-def _kpair(w, k: tl.constexpr, BITS: tl.constexpr):
-    """Codes ``k`` and ``k + 16 / BITS`` of each 32-bit word ``w`` (one per 16-bit half) as the bits of an
-    fp16 pair ``(1024 + c)``: one shift and one mask-or per pair. The key tile comes out in the
-    order :func:`key_order` gives, and the query is loaded in that order to match."""
-    MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
-    return ((w >> (k * BITS)) & MASK) | 0x64006400
-
-
-@triton.jit
-def key_order(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
-    """Feature of each column of a key tile from :func:`_codes` (the word-level unpack of keys
-    permutes the codes inside each 32-bit word; every other path keeps feature order)."""
-    f = tl.arange(0, F)
-    if _word_unpack(F, BITS, DOT):
-        PER: tl.constexpr = 32 // BITS  # codes per word
-        r = f % PER
-        f = f - r + r // 2 + (r % 2) * (PER // 2)
-    return f
-
-
-@triton.jit
-def _word_unpack(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
-    """Whether :func:`_codes` unpacks a side a 32-bit word at a time."""
-    return DOT == tl.float16 and (F * BITS // 8) % 4 == 0 and BITS >= 2 and BITS <= 8
-
-
-@triton.jit
-def _codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, PERM: tl.constexpr):
-    """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
-    codes < 256 are exact in fp16, bf16 and fp32)."""
-    KB: tl.constexpr = F * BITS // 8
-    if _word_unpack(F, BITS, DOT):
-        # Word-level unpack: each 32-bit word of codes becomes fp16 pairs of adjacent codes, a
-        # shift, a mask and an or per pair with constant shifts (fp16 bits 0x6400 | c are the
-        # number 1024 + c, c < 1024), so no code ever sits alone in a register. Keys keep the
-        # offset (folded into their min, _code_bias: q is an exact operand and the MMA accumulates
-        # in fp32). Values drop it here, exactly in fp16: their other operand, p * scale, is
-        # rounded to fp16, and its rounding error times 1024 would swamp the output.
-        w32 = pool.to(tl.pointer_type(tl.uint32))
-        base = (page * PAGE_SIZE + OFF + row * KB) // 4
-        w = tl.load(w32 + base[:, None] + tl.arange(0, KB // 4)[None, :], mask=valid[:, None], other=0)
-        if PERM:  # any order inside a word will do: keys meet a query permuted to match, values fill
-            # output columns the store puts back in feature order (key_order gives both)
-            if BITS == 8:
-                pairs = tl.join(_kpair(w, 0, 8), _kpair(w, 1, 8))
-            elif BITS == 4:
-                pairs = tl.join(tl.join(_kpair(w, 0, 4), _kpair(w, 2, 4)), tl.join(_kpair(w, 1, 4), _kpair(w, 3, 4)))
-            else:
-                pairs = tl.join(tl.join(tl.join(_kpair(w, 0, 2), _kpair(w, 4, 2)),
-                                        tl.join(_kpair(w, 2, 2), _kpair(w, 6, 2))),
-                                tl.join(tl.join(_kpair(w, 1, 2), _kpair(w, 5, 2)),
-                                        tl.join(_kpair(w, 3, 2), _kpair(w, 7, 2))))
-        elif BITS == 8:
-            pairs = tl.join(_pair(w, 0, 8), _pair(w, 1, 8))
-        elif BITS == 4:
-            pairs = tl.join(tl.join(_pair(w, 0, 4), _pair(w, 2, 4)), tl.join(_pair(w, 1, 4), _pair(w, 3, 4)))
-        else:
-            pairs = tl.join(tl.join(tl.join(_pair(w, 0, 2), _pair(w, 4, 2)), tl.join(_pair(w, 2, 2), _pair(w, 6, 2))),
-                            tl.join(tl.join(_pair(w, 1, 2), _pair(w, 5, 2)), tl.join(_pair(w, 3, 2), _pair(w, 7, 2))))
-        lo = pairs.to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (pairs >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        x = tl.reshape(tl.join(lo, hi), (valid.shape[0], F))  # (pair, half) flattens to code order
-        if not BIASED:
-            x = x - 1024.0
-        return x
-    byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
-    codes = unpack_codes(byt, BITS)
-    if DOT == tl.float16:
-        x = (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        if not BIASED:
-            x = x - 1024.0
-        return x
-    return codes.to(DOT)
-
-
-@triton.jit
-def _code_bias(DOT: tl.constexpr):
-    """The offset :func:`_codes` leaves on key codes: 1024 for fp16 operands, 0 otherwise."""
-    if DOT == tl.float16:
-        return 1024.0
-    return 0.0
-
-
-@triton.jit
-def _scale_min(pool, page, row, valid, MOFF: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """``(scale, min)`` fp32 ``[N]`` of a one-group side: one 4-byte vector load per token."""
-    p16 = pool.to(tl.pointer_type(tl.float16))
-    pair = tl.load(p16 + meta_index(page, row, MOFF, 1, PAGE_SIZE)[:, None] + tl.arange(0, 2)[None, :],
-                   mask=valid[:, None], other=0.0)
-    return tl.split(pair.to(tl.float32))
-
-
-@triton.jit
-def _side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BITS: tl.constexpr,
-               TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               BLOCK: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, PERM: tl.constexpr):
-    """One side (K or V) of a slot tile as ``(x [BLOCK, F] DOT, scale [BLOCK], min [BLOCK])``.
-
-    A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
-    element path (LeanKV Eq. (2) applied after the matmul): ``x`` is the raw codes (plus the fp16
-    bias of :func:`_codes` when ``BIASED``) and the caller applies ``s`` and ``m`` per key. Any
-    other side (dense, or several groups per token) is dequantized in registers and returned
-    with ``s = 1``, ``m = 0``.
-    """
-    if BITS < 16 and TIER.NG == 1:
-        x = _codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED, PERM)
-        sc, mn = _scale_min(pool, page, row, valid, MOFF, PAGE_SIZE)
-        if BIASED:
-            mn = mn - _code_bias(DOT) * sc  # codes arrive as c + bias
-    else:
-        x = load_side(pool, page, row, valid, OFF, MOFF, BITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK).to(DOT)
-        sc = tl.full([BLOCK], 1.0, tl.float32)
-        mn = tl.zeros([BLOCK], tl.float32)
-    return x, sc, mn
-
-
-@triton.jit
 def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
                  TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
@@ -222,10 +94,10 @@ def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_sca
     ``[W, G_PAD, F]``; a batched ``tl.dot`` per lane): the softmax never reduces across lanes
     inside the loop, and the lanes are merged once per program (:func:`_merge_lanes`).
     Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)`` and
-    ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`_side_tile`).
+    ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`).
     """
     BLOCK: tl.constexpr = W * NB
-    kx, ks, km = _side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
+    kx, ks, km = side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
                             PAGE_SIZE, BLOCK, DOT, True, True)
     ks = tl.reshape(ks * sm_scale, (W, NB))
     km = tl.reshape(km * sm_scale, (W, NB))
@@ -237,7 +109,7 @@ def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_sca
     p = tl.exp2(s - m_safe[:, :, None])
     alpha = tl.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 2)
-    vx, vs, vm = _side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
+    vx, vs, vm = side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
                             PAGE_SIZE, BLOCK, DOT, False, VPERM)
     vs = tl.reshape(vs, (W, NB))
     vm = tl.reshape(vm, (W, NB))
@@ -264,7 +136,7 @@ def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, 
     s1 = tl.minimum(pg1 * TIER.T, n_live)
     # This tier's values fill the accumulator columns in the word order of key_order: permute the
     # accumulator into that order for the loop and back after it (once per program, not per tile).
-    VPERM: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1 and _word_unpack(F, TIER.VBITS, DOT)
+    VPERM: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1 and word_unpack(F, TIER.VBITS, DOT)
     if VPERM:
         acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, True)
     if BLOCK >= TIER.T:

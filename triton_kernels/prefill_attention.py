@@ -87,17 +87,40 @@ def _load_queries(q_ptr, stride_qb, stride_qh, stride_qq, b, h, qi, g, rmask,
 
 
 @triton.jit
+def _visible_end(pool, tab_row, n_slots, qmax, R, LOW: tl.constexpr, TIER: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One past the last slot of the tier whose stored position is ``<= qmax`` (0 if none).
+
+    Reads only the int32 positions (4 bytes a slot, against the ~100-500 bytes of its K/V), so the
+    attention loop can stop there instead of testing every tile: slots after it hold only keys in
+    the future of every query of the block (causal skipping by loop bound, by stored position,
+    which also covers pruned and reordered slots; tiles before it that happen to be all-future
+    are computed fully masked, which costs time, never correctness).
+    """
+    end = 0
+    for start in range(0, n_slots, BLOCK):
+        slot, _valid, _page, _row, kpos = slot_tile(pool, tab_row, start, n_slots, R, TIER, LOW, PAGE_SIZE, BLOCK)
+        end = tl.maximum(end, tl.max(tl.where(kpos <= qmax, slot + 1, 0), 0))
+    return end
+
+
+@triton.jit
 def _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, n_slots, R, sm_scale,
                   LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                   DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                   PREC: tl.constexpr):
-    for start in range(0, n_slots, BLOCK_N):
-        _, valid, page, row, kpos = slot_tile(pool, tab_row, start, n_slots, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
-        if tl.min(kpos, 0) <= qmax:  # causal skip: some query of the block sees a key of the tile
-            s = tile_logits(q, qpos_r[:, None], kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK_N, DOT, PREC)
-            m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE,
-                                            PAGE_SIZE, BLOCK_N, DOT, PREC)
+    """Online softmax over the tier's slots up to the last one any query of the block can see.
+
+    The tile body is branch-free (masks only), so the compiler can software-pipeline the loads of
+    the next tile under the math of this one.
+    """
+    end = _visible_end(pool, tab_row, n_slots, qmax, R, LOW, TIER, PAGE_SIZE, 4 * BLOCK_N)
+    for start in range(0, end, BLOCK_N):
+        _, valid, page, row, kpos = slot_tile(pool, tab_row, start, end, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
+        s = tile_logits(q, qpos_r[:, None], kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE,
+                        PAGE_SIZE, BLOCK_N, DOT, PREC)
+        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE,
+                                        PAGE_SIZE, BLOCK_N, DOT, PREC)
     return m, l, acc
 
 
