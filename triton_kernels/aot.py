@@ -75,7 +75,14 @@ def _layouts(spec: str, model: str, dtype=torch.float16, **overrides):
 def cases() -> list[Case]:
     """The compile matrix (every kernel at least once, the decode kernel for every config)."""
     from .paged_attention import DECODE_WARPS, decode_loop_tokens, decode_tiling, group_pad
-    from .prefill_attention import BLOCK_M, BLOCK_N, RECEIVED_BLOCK_M, RECEIVED_BLOCK_N, prefill_config, prefill_warps
+    from .prefill_attention import (
+        BLOCK_M,
+        BLOCK_N,
+        RECEIVED_BLOCK_M,
+        RECEIVED_BLOCK_N,
+        prefill_config,
+        prefill_warps,
+    )
     from .quant import layout_constexprs, quant_block_n
     from .tiles import tier_args
 
