@@ -115,7 +115,7 @@ def cases() -> list[Case]:
                          "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": fp[dname], "lse_ptr": "*fp32",
                          "lg_ptr": "*fp32"},
                     dict(targs, G=g, G_PAD=group_pad(g), DOT=dot_t, PREC=prec, SAVE_LOGITS=save, DIRECT=direct,
-                         **decode_tiling(targs)),
+                         **decode_tiling(targs, dot_t.primitive_bitwidth // 8)),
                     options={"num_warps": DECODE_WARPS, "num_stages": 2},
                     loop_tokens=decode_loop_tokens(lays[0]) if metric else 0,
                     token_bytes=read_bytes_per_token(lays[0]) if metric else 0)

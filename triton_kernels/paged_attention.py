@@ -355,36 +355,54 @@ def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool,
                         True, LO, PAGE_SIZE, G, G_PAD, BLOCK_N)
 
 
-def decode_tile_rows(tokens: int) -> int:
-    """Rows of the decode kernel's slot tile for a tier of ``tokens`` slots per page.
+# Register bytes of a tile's unpacked K and V rows up to which a bigger tile of whole pages is
+# preferred (it spreads the per-tile softmax work over more tokens at no extra masked rows).
+DECODE_TILE_BYTES = 32 * 1024
+
+
+def decode_tile_rows(tokens: int, row_bytes: int = 0) -> int:
+    """Rows of the decode kernel's slot tile for a tier of ``tokens`` slots per page, whose unpacked
+    K and V rows take ``row_bytes`` bytes of registers per slot.
 
     A tile holds ``rows // tokens`` whole pages (rows past them are masked), so the rows are the
-    power of two in 32..128 that wastes the fewest rows on that remainder; a page larger than
-    128 slots is read in 128-slot runs.
+    power of two in 32..128 that wastes the fewest rows on that remainder (a bigger tile must save
+    6% of its rows), or a bigger one that wastes no more (within 1%) while its unpacked rows fit
+    :data:`DECODE_TILE_BYTES`. A page larger than 128 slots is read in 128-slot runs.
     """
     if tokens >= DECODE_MAX_ROWS:
         return DECODE_MAX_ROWS
-    best = None
-    for rows in (32, 64, DECODE_MAX_ROWS):
-        if rows < tokens:
-            continue
-        used = (rows // tokens) * tokens / rows
-        if best is None or used > best[0] + 0.06:  # a bigger tile must save more than 6% of its rows
-            best = (used, rows)
-    return best[1]
+    cands = [(rows, (rows // tokens) * tokens / rows) for rows in (32, 64, DECODE_MAX_ROWS) if rows >= tokens]
+    best = cands[0]
+    for rows, used in cands[1:]:
+        if used > best[1] + 0.06:
+            best = (rows, used)
+    for rows, used in cands:
+        if rows > best[0] and used >= best[1] - 0.01 and rows * row_bytes <= DECODE_TILE_BYTES:
+            best = (rows, best[1])
+    return best[0]
 
 
-def decode_loop_tokens(layout) -> int:
+def tier_rows(tier, head_dim: int, dot_bytes: int) -> int:
+    """:func:`decode_tile_rows` of a :class:`leankit_kernels.tiles.Tier`: a tier whose sides are both
+    one-group quantized unpacks ``2 * head_dim`` codes of ``dot_bytes`` per slot; any other tier
+    dequantizes through fp32 registers and keeps the smallest tile that wastes fewest rows."""
+    if tier.KBITS < 16 and tier.VBITS < 16 and tier.NG == 1:
+        return decode_tile_rows(tier.T, 2 * head_dim * dot_bytes)
+    return decode_tile_rows(tier.T, DECODE_TILE_BYTES)
+
+
+def decode_loop_tokens(layout, dot_bytes: int = 2) -> int:
     """Live token slots one iteration of the decode kernel's inner loop reads for a tier of ``layout``."""
-    rows = decode_tile_rows(layout.tokens)
+    rows = tier_rows(tiles.tier_constexprs(layout), layout.head_dim, dot_bytes)
     return (rows // layout.tokens) * layout.tokens if rows >= layout.tokens else rows
 
 
-def decode_tiling(targs: dict) -> dict:
-    """Tile constexprs of :func:`_decode_kernel` for the tiers in ``targs`` (:func:`leankit_kernels.tiles.tier_args`):
-    ``W`` lanes (one per warp) of ``NB_HI`` / ``NB_LO`` slots."""
-    return {"W": DECODE_LANES, "NB_HI": decode_tile_rows(targs["HI"].T) // DECODE_LANES,
-            "NB_LO": decode_tile_rows(targs["LO"].T) // DECODE_LANES}
+def decode_tiling(targs: dict, dot_bytes: int = 2) -> dict:
+    """Tile constexprs of :func:`_decode_kernel` for the tiers in ``targs`` (:func:`leankit_kernels.tiles.tier_args`)
+    and MMA operands of ``dot_bytes`` bytes: ``W`` lanes of ``NB_HI`` / ``NB_LO`` slots."""
+    f = targs["F"]
+    return {"W": DECODE_LANES, "NB_HI": tier_rows(targs["HI"], f, dot_bytes) // DECODE_LANES,
+            "NB_LO": tier_rows(targs["LO"], f, dot_bytes) // DECODE_LANES}
 
 
 def group_pad(g: int) -> int:
@@ -509,7 +527,8 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     bh = b * hkv
     keep = update_scores or save_logits
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
-    tiling = decode_tiling(targs)
+    dot_t, prec = dot_config(q.dtype, dev)
+    tiling = decode_tiling(targs, dot_t.primitive_bitwidth // 8)
     variant = (dev, g, f, q.dtype, keep, tuple(sorted((k, str(v)) for k, v in {**targs, **tiling}.items())))
     if not num_splits:
         resident = _RESIDENT.get(variant, CTAS_PER_SM)
@@ -526,7 +545,6 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         logits, lg_n = tiles.empty(1, dtype=torch.float32, device=dev), 0
     part_acc = tiles.empty((bh, s, g, f) if not direct else (1,), dtype=torch.float32, device=dev)
     part_ml = tiles.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
-    dot_t, prec = dot_config(q.dtype, dev)
     gp = group_pad(g)
     compiled = kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
