@@ -73,7 +73,11 @@ from .tiles import (
 
 __all__ = ["DecodeLogits", "apply_score_update", "paged_attention", "received_attention", "score_update_ref"]
 
-# Warps of a decode program, and independent softmax lanes of its slot tile.
+# Warps of a decode program, and independent softmax lanes of its slot tile (each lane keeps its
+# own running max / sum / accumulator and they merge once per program, so no reduction crosses
+# lanes inside the loop). One lane measured best (python -m leankit_kernels.aot: 4 lanes, warps on
+# the lane axis, issue as much per KB with more registers, since each warp's MMA pads its own
+# copy of the query rows); a GPU needs tile rows / lanes >= 16 (the p @ v MMA's K).
 DECODE_WARPS = 4
 DECODE_LANES = 1
 DECODE_MAX_ROWS = 128
