@@ -215,12 +215,15 @@ def compile_case(case: Case, cc: int) -> dict:
     if not hasattr(fn, "arg_names") or type(fn).__name__ == "InterpretedFunction":
         raise RuntimeError("kernels were imported under TRITON_INTERPRET=1; run the AOT check in a fresh process")
     sig, attrs = {}, {}
+    unaligned = {fn.arg_names[j] if isinstance(j, int) else j
+                 for j in getattr(fn, "do_not_specialize_on_alignment", None) or ()}
     for i, name in enumerate(fn.arg_names):
         if name in case.constexprs:
             sig[name] = "constexpr"
         elif name in case.pointers:
             sig[name] = case.pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if name not in unaligned:  # as the launcher compiles it: no alignment claim for these
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in case.floats:
             sig[name] = "fp32"
         else:

@@ -225,6 +225,7 @@ DECODE_DYNAMIC = ("stride_qb", "stride_qh", "stride_pb", "stride_tier", "H", "R"
 DECODE_UNALIGNED = ("q_ptr", "qpos_ptr", "tab_ptr", "np_ptr", "len_ptr", "lse_ptr", "lg_ptr")
 REDUCE_DYNAMIC = ("H", "NSPLIT")
 SCORE_DYNAMIC = ("stride_pb", "stride_tier", "H", "R", "LG_N")
+SCORE_UNALIGNED = ("lg_ptr", "lse_ptr", "qpos_ptr", "qvalid_ptr", "tab_ptr", "len_ptr")
 
 
 @triton.jit(**tiles.jit_options(DECODE_DYNAMIC, DECODE_UNALIGNED))
@@ -332,7 +333,7 @@ def _score_tier(lg_row, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
     tl.store(p16, new.to(tl.float16), mask=vis)
 
 
-@triton.jit(do_not_specialize=SCORE_DYNAMIC)
+@triton.jit(**tiles.jit_options(SCORE_DYNAMIC, SCORE_UNALIGNED))
 def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool, tab_ptr, len_ptr, stride_tier,
                          H, R, LG_N, G: tl.constexpr, G_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_LOW: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):

@@ -145,7 +145,17 @@ def _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, n_slots, R, sm_scal
     return m, l, acc
 
 
-@triton.jit
+# Runtime integers that change from call to call (chunk length, table width, per-layer strides):
+# a specialization per value class would compile a variant per prompt length class. The query
+# strides stay specialized (model shapes, and their alignment lets the query rows load as vectors).
+PREFILL_DYNAMIC = ("stride_pb", "stride_tier", "H", "R", "NQ")
+RECEIVED_DYNAMIC = PREFILL_DYNAMIC + ("NH_OUT", "NL_OUT")
+# Pointers read a few values per program, or views whose alignment changes with the layer.
+PREFILL_UNALIGNED = ("qpos_ptr", "tab_ptr", "len_ptr", "lse_ptr")
+RECEIVED_UNALIGNED = ("qpos_ptr", "qv_ptr", "lse_ptr", "tab_ptr", "len_ptr")
+
+
+@triton.jit(**tiles.jit_options(PREFILL_DYNAMIC, PREFILL_UNALIGNED))
 def _prefill_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, pool, tab_ptr, len_ptr,
                     stride_tier, out_ptr, lse_ptr, H, R, NQ, sm_scale,
                     G: tl.constexpr, F: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -210,7 +220,7 @@ def _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, 
     tl.store(out_row + slot, got / G, mask=slot < n_out)
 
 
-@triton.jit
+@triton.jit(**tiles.jit_options(RECEIVED_DYNAMIC, RECEIVED_UNALIGNED))
 def _received_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool, tab_ptr,
                      len_ptr, stride_tier, out_h, out_l, NH_OUT, NL_OUT, H, R, NQ, sm_scale,
                      G: tl.constexpr, F: tl.constexpr, PAGE_SIZE: tl.constexpr,
