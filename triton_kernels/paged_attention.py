@@ -94,8 +94,8 @@ def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_sca
     """Base-2 logits ``[W, G_PAD, NB]`` of one slot tile and the online-softmax step over it.
 
     The ``BLOCK = W * NB`` slots are split into ``W`` independent lanes of ``NB`` slots, each with
-    its own running max, sum and accumulator (``m``, ``l`` ``[W, G_PAD]``, ``acc``
-    ``[W, G_PAD, F]``; a batched ``tl.dot`` per lane): the softmax never reduces across lanes
+    its own running max, sum and transposed accumulator (``m``, ``l`` ``[W, G_PAD]``, ``acc``
+    ``[W, F, G_PAD]``; a batched ``tl.dot`` per lane): the softmax never reduces across lanes
     inside the loop, and the lanes are merged once per program (:func:`_merge_lanes`).
     Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)`` and
     ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`).
@@ -117,8 +117,11 @@ def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_sca
                             PAGE_SIZE, BLOCK, DOT, False, VPERM)
     vs = tl.reshape(vs, (W, NB))
     vm = tl.reshape(vm, (W, NB))
-    pv = tl.dot((p * vs[:, None, :]).to(DOT), tl.reshape(vx, (W, NB, F)), input_precision=PREC)
-    acc = acc * alpha[:, :, None] + pv + tl.sum(p * vm[:, None, :], 2)[:, :, None]
+    # Transposed (v^T p^T): the F output columns fill the MMA's M dimension and the few query rows
+    # its N, so no padded query rows are copied into the operand registers each tile.
+    pv = tl.dot(tl.permute(tl.reshape(vx, (W, NB, F)), (0, 2, 1)), tl.permute((p * vs[:, None, :]).to(DOT), (0, 2, 1)),
+                input_precision=PREC)
+    acc = acc * alpha[:, None, :] + pv + tl.sum(p * vm[:, None, :], 2)[:, None, :]
     return s, m_new, l, acc
 
 
@@ -177,15 +180,15 @@ def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, 
 @triton.jit
 def _word_order(acc, W: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr,
                 TO_WORD: tl.constexpr):
-    """Permute the columns of ``acc`` ``[W, G_PAD, F]`` from feature order to the word order of
-    :func:`key_order` (``TO_WORD``) or back: inside each block of ``32 / BITS`` columns, feature
-    ``h * HALF + k`` sits at column ``2 k + h``, a transpose of ``[2, HALF]``."""
+    """Permute the feature rows of ``acc`` ``[W, F, G_PAD]`` from feature order to the word order of
+    :func:`key_order` (``TO_WORD``) or back: inside each block of ``32 / BITS`` rows, feature
+    ``h * HALF + k`` sits at row ``2 k + h``, a transpose of ``[2, HALF]``."""
     HALF: tl.constexpr = 16 // BITS
     if TO_WORD:
-        x = tl.reshape(acc, (W * G_PAD, F // (2 * HALF), 2, HALF))
+        x = tl.reshape(acc, (W, F // (2 * HALF), 2, HALF, G_PAD))
     else:
-        x = tl.reshape(acc, (W * G_PAD, F // (2 * HALF), HALF, 2))
-    return tl.reshape(tl.permute(x, (0, 1, 3, 2)), (W, G_PAD, F))
+        x = tl.reshape(acc, (W, F // (2 * HALF), HALF, 2, G_PAD))
+    return tl.reshape(tl.permute(x, (0, 1, 3, 2, 4)), (W, F, G_PAD))
 
 
 @triton.jit
@@ -208,11 +211,12 @@ def _store_logits(lg_ptr, LG_N, s, slot, valid, G: tl.constexpr, G_PAD: tl.const
 
 @triton.jit
 def _merge_lanes(m, l, acc):
-    """Merge the ``W`` lanes' online-softmax states (log-sum-exp merge) into one ``[G_PAD]`` state."""
+    """Merge the ``W`` lanes' online-softmax states (log-sum-exp merge) into one ``[G_PAD]`` state,
+    the accumulator back in ``[G_PAD, F]`` orientation."""
     mm = tl.max(m, 0)
     m_safe = tl.where(mm == float("-inf"), 0.0, mm)
     w = tl.exp2(m - m_safe[None, :])
-    return mm, tl.sum(l * w, 0), tl.sum(acc * w[:, :, None], 0)
+    return mm, tl.sum(l * w, 0), tl.trans(tl.sum(acc * w[:, None, :], 0))
 
 
 # Runtime integers the kernels must not specialize on: page counts per split, split count, logit
@@ -249,7 +253,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     tab_row = tab_ptr + bh.to(tl.int64) * R
     m = tl.full([W, G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([W, G_PAD], tl.float32)
-    acc = tl.zeros([W, G_PAD, F], tl.float32)
+    acc = tl.zeros([W, F, G_PAD], tl.float32)
     v0 = split * PPS
     v1 = v0 + PPS
     nh = tl.load(np_ptr + bh)
