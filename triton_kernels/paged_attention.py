@@ -27,9 +27,10 @@ Kernels
     are loop-invariant and the table is read once per page. Codes are unpacked a 32-bit word at a
     time straight into fp16 MMA operands, and one-group scale/min are applied per key after the
     matmuls (``q . k_hat = s (q . Q) + m sum(q)``, ``p @ v_hat = (p s) @ Q + p @ m``). All G query
-    heads of the group share the tile: ``tl.dot`` on ``[G_pad, F] x [F, N]`` and
-    ``[G_pad, N] x [N, F]`` (``G_pad`` = G rounded up to a power of two; ``tl.dot`` pads the MMA
-    itself), with an online softmax in base 2. With one split it writes the output directly.
+    heads of the group share the tile: ``tl.dot`` on ``[G_pad, F] x [F, N]`` for the logits and
+    ``[F, N] x [N, G_pad]`` (``v^T p^T``, into a transposed accumulator) for the output
+    (``G_pad`` = G rounded up to a power of two; ``tl.dot`` pads the MMA itself), with an online
+    softmax in base 2. With one split it writes the output directly.
     ``_decode_reduce_kernel``: merges the S partials of a (sequence, KV head) (log-sum-exp merge).
     ``_score_update_kernel``: after the reduce, turns the saved logits and the final lse into
     ``p_bar`` and updates the score segment of live slots (one program per (head, slot tile, tier)).
@@ -421,7 +422,7 @@ def group_pad(g: int) -> int:
 
 
 # Decode programs resident per SM before the kernel's own register count is known (the first
-# launch of each variant on a device): the fp16 decode variants use about 110-190 registers x 128
+# launch of each variant on a device): the fp16 decode variants use about 105-200 registers x 128
 # threads (python -m leankit_kernels.aot), so 2-4 fit the 64K-register file of sm_80/sm_90.
 CTAS_PER_SM = 2
 # Register file and per-program limit of sm_80 / sm_90 SMs.
