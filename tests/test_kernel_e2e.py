@@ -103,17 +103,18 @@ def test_triton_backend_generates_same_tokens(spec, overrides, monkeypatch):
         assert cache.memory_report()["tokens_per_tier"]["low"] > 0
 
 
-def _specialization(kernel, args: tuple, kwargs: dict, dynamic: tuple) -> tuple:
+def _specialization(kernel, args: tuple, kwargs: dict, dynamic: tuple, unaligned: tuple = ()) -> tuple:
     """Triton's compile key of one launch, by its rules: every constexpr's value, and for each
     runtime argument not in ``dynamic`` (``do_not_specialize``) the classes it specializes on
-    (integers: == 1, % 16 == 0, needs 64 bits; pointers: 16-byte alignment; floats: none)."""
+    (integers: == 1, % 16 == 0, needs 64 bits; pointers: 16-byte alignment unless in ``unaligned``;
+    floats: none)."""
     names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.__code__.co_varnames
     key = []
     for name, v in zip(names, args):
         if name in dynamic:
             continue
         if isinstance(v, torch.Tensor):
-            key.append((name, v.dtype, v.data_ptr() % 16 == 0))
+            key.append((name, v.dtype, name in unaligned or v.data_ptr() % 16 == 0))
         elif isinstance(v, bool) or not isinstance(v, int):
             key.append((name, type(v).__name__))
         else:
@@ -132,6 +133,13 @@ def test_one_generation_compiles_at_most_two_decode_variants(spec, overrides, mo
 
     keys, dyn = set(), set()
     launches = []
+    import inspect
+
+    import triton
+
+    # Pointers Triton leaves unspecialized on alignment, where this Triton can (tiles.jit_options).
+    can = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+    unaligned = pa_attn.DECODE_UNALIGNED if can else ()
     real = pa_attn.kernel_for
 
     def recording(kernel, device):
@@ -142,7 +150,7 @@ def test_one_generation_compiles_at_most_two_decode_variants(spec, overrides, mo
         class _Grid:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
-                    keys.add(_specialization(kernel, args, kwargs, pa_attn.DECODE_DYNAMIC))
+                    keys.add(_specialization(kernel, args, kwargs, pa_attn.DECODE_DYNAMIC, unaligned))
                     names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.__code__.co_varnames
                     dyn.add(tuple(v for n, v in zip(names, args) if n in ("PPS", "NSPLIT", "LG_N", "R")))
                     launches.append(grid)
@@ -153,7 +161,8 @@ def test_one_generation_compiles_at_most_two_decode_variants(spec, overrides, mo
     monkeypatch.setattr(pa_attn, "kernel_for", recording)
     # Split as on an H100 (132 SMs), not the interpreter's fixed 2: splits and pages per split move.
     choose = pa_attn.choose_splits
-    monkeypatch.setattr(pa_attn, "choose_splits", lambda bh, mp, g, f, ps, sms: choose(bh, mp, g, f, ps, 132))
+    monkeypatch.setattr(pa_attn, "choose_splits",
+                        lambda bh, mp, g, f, ps, sms, *rest: choose(bh, mp, g, f, ps, 132, *rest))
     monkeypatch.setenv("LEANKIT_BACKEND", "triton")
     model = _tiny_llama()
     ids = torch.tensor([[5, 17, 33, 8, 91, 44, 23, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 24]])

@@ -34,6 +34,8 @@ DECODE_CASES = [
     ("K4V2", F32, 5, 3, [63], 2, 32, 0.0, 0xFF),
     ("K16V4-K4V1", F32, 3, 3, [65], 2, None, 0.0, 0xFF),
     ("K8V4-K4V2", BF16, 3, 3, [65, 7], 2, None, 0.1, 0xFF),
+    ("K4V2-K2V1", F16, 3, 3, [65, 7], 2, None, 0.1, 0xFF),  # fp16 word-level unpack of 2-bit keys
+    ("K4V2", F16, 3, 3, [130, 20], 3, None, 0.1, 0xFF),  # values in permuted columns, through the partials
 ]
 
 
@@ -181,3 +183,58 @@ def test_save_logits_is_decode_only():
     fc, q, q_pos = testing.attention_case(testing.fresh_generator()[0], "K8V4", [20], 3, 3, 4)
     with pytest.raises(ValueError, match="decode"):
         paged_attention(q, fc.kv, q_pos, 0.125, save_logits=True)
+
+
+@pytest.mark.parametrize("spec,dtype,page_size", [("K4V2", F16, 8192), ("K8V4-K4V2", F32, 4096)])
+def test_decode_page_tiles_whole_and_partial(spec, dtype, page_size):
+    """Tiles of several whole pages, and pages longer than the largest tile (read in slot runs):
+    the decode output and lse match the reference."""
+    from leankit_kernels.paged_attention import DECODE_MAX_ROWS, decode_tile_rows
+
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, [301, 40], 3, 3, 1, dtype=dtype, prune_frac=0.1,
+                                          page_size=page_size)
+    assert any(lay.tokens > DECODE_MAX_ROWS for lay in fc.kv.layouts) or \
+        any(decode_tile_rows(lay.tokens) // lay.tokens > 1 for lay in fc.kv.layouts)
+    out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+
+
+def test_split_sizing_by_occupancy_and_per_head_work():
+    """Residency from registers (allocated per warp in units of 8 per thread), and splits sized by the
+    pages of all heads: one long head among short ones is split finer than when every head is
+    assumed as long as the longest; uniform heads split the same either way."""
+    from leankit_kernels.paged_attention import choose_splits, resident_programs
+
+    assert resident_programs(128, 0, 4) == 4 and resident_programs(121, 0, 4) == 4
+    assert resident_programs(168, 0, 4) == 3 and resident_programs(255, 0, 4) == 2
+    assert resident_programs(64, 60_000, 4, sm_shared=228 * 1024) == 3  # shared memory binds first
+    g, f, ps, sms = 4, 128, 4096, 132
+    uniform = choose_splits(8, 1000, g, f, ps, sms, total_pages=8 * 1000, resident=2)
+    assert uniform == choose_splits(8, 1000, g, f, ps, sms, resident=2)
+    skewed = choose_splits(8, 20000, g, f, ps, sms, total_pages=20000 + 7 * 100, resident=2)
+    longest = choose_splits(8, 20000, g, f, ps, sms, resident=2)
+    assert skewed > 4 * longest
+    # non-empty programs (pages per split = ceil(20000 / splits)) fill about the resident slots
+    pps = -(-20000 // skewed)
+    busy = -(-20000 // pps) + 7 * -(-100 // pps)
+    assert 2 * sms * 0.9 <= busy <= 2 * sms * 1.1, busy
+    # short contexts: a split never reads fewer pages than the partials' traffic bound allows
+    assert -(-1000 // choose_splits(8, 1000, g, f, ps, sms, 1070, resident=2)) >= 16
+    # more resident programs per SM, more splits; the partials' traffic bound still holds
+    assert choose_splits(8, 1000, g, f, ps, sms, 8 * 1000, resident=4) >= uniform
+    assert choose_splits(1, 3, g, f, ps, sms, 3, resident=4) <= 3
+    assert choose_splits(2, 40, g, f, ps, None) == 2 and choose_splits(2, 9, g, f, ps, None) == 1
+
+
+@pytest.mark.parametrize("spec,dtype", [("K8V4-K4V2", F16), ("FP16", F32)])
+def test_decode_independent_softmax_lanes(spec, dtype, monkeypatch):
+    """A tile split into 4 lanes with their own running max / sum / accumulator (merged once per
+    program) gives the same attention as one lane."""
+    import leankit_kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "DECODE_LANES", 4)
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, [130, 9], 3, 3, 1, dtype=dtype, prune_frac=0.1)
+    out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")

@@ -68,3 +68,16 @@ def test_prefill_small_blocks():
     fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [65], 3, 3, 21, prune_frac=0.1)
     out, lse = prefill_attention(q, fc.kv, q_pos, 0.125, block_m=16, block_n=16)
     testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+
+
+def test_prefill_config_per_gpu():
+    """H100 (sm_90) gets 128-row tiles capped at 128 registers; sm_80 and the interpreter keep 64 rows
+    uncapped (the AOT check holds both spill-free inside their loops)."""
+    from leankit_kernels.prefill_attention import prefill_config
+
+    h100 = prefill_config(128, (9, 0))
+    assert h100["BLOCK_M"] == 128 and h100["num_warps"] == 8 and h100["maxnreg"] == 128
+    for cap in ((8, 0), None):
+        cfg = prefill_config(128, cap)
+        assert cfg["BLOCK_M"] == 64 and "maxnreg" not in cfg
+    assert "maxnreg" not in prefill_config(64, (9, 0))

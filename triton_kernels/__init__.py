@@ -25,6 +25,8 @@ position), addressed through the bidirectional page table of :mod:`leankit.page_
 * :mod:`.page_alloc` -- one-launch page allocation/recycling: exclusive prefix sum
   (``tl.cumsum``) over every (tier, layer, sequence, head) demand against the circular free list,
   writing page ids into the bidirectional table (high from the left, low from the right).
+* :mod:`.codes` -- quantized codes of a page tile as exact fp16 MMA operands, unpacked a 32-bit
+  word at a time, with scale and min applied per key after the matmuls.
 * :mod:`.tiles` -- shared tile loaders (slot -> page -> bytes, unpack, dequantize), the
   online-softmax steps both attention kernels run, and launcher helpers; :mod:`.testing` -- cache
   builders and tolerances shared by tests and benchmarks;

@@ -55,6 +55,8 @@ class Case:
     floats: tuple = ("sm_scale",)
     divisible: tuple = ()
     options: dict = field(default_factory=lambda: {"num_warps": 4, "num_stages": 2})
+    # compute capability -> (constexpr, option) overrides the launcher picks on that GPU
+    arch: dict = field(default_factory=dict)
     # Decode cases with a single tier: tokens one inner-loop iteration reads, and their page bytes
     # per token (K/V data + meta + position); 0 = no issue metric for this case.
     loop_tokens: int = 0
@@ -72,8 +74,15 @@ def _layouts(spec: str, model: str, dtype=torch.float16, **overrides):
 
 def cases() -> list[Case]:
     """The compile matrix (every kernel at least once, the decode kernel for every config)."""
-    from .paged_attention import BLOCK_N_DECODE, decode_loop_tokens, group_pad
-    from .prefill_attention import BLOCK_M, BLOCK_N, prefill_warps
+    from .paged_attention import DECODE_WARPS, decode_loop_tokens, decode_tiling, group_pad
+    from .prefill_attention import (
+        BLOCK_M,
+        BLOCK_N,
+        RECEIVED_BLOCK_M,
+        RECEIVED_BLOCK_N,
+        prefill_config,
+        prefill_warps,
+    )
     from .quant import layout_constexprs, quant_block_n
     from .tiles import tier_args
 
@@ -105,8 +114,9 @@ def cases() -> list[Case]:
                     {"q_ptr": fp[dname], "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "np_ptr": "*i32",
                          "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": fp[dname], "lse_ptr": "*fp32",
                          "lg_ptr": "*fp32"},
-                    dict(targs, G=g, G_PAD=group_pad(g), BLOCK_N=BLOCK_N_DECODE, DOT=dot_t, PREC=prec,
-                         SAVE_LOGITS=save, DIRECT=direct),
+                    dict(targs, G=g, G_PAD=group_pad(g), DOT=dot_t, PREC=prec, SAVE_LOGITS=save, DIRECT=direct,
+                         **decode_tiling(targs, dot_t.primitive_bitwidth // 8)),
+                    options={"num_warps": DECODE_WARPS, "num_stages": 2},
                     loop_tokens=decode_loop_tokens(lays[0]) if metric else 0,
                     token_bytes=read_bytes_per_token(lays[0]) if metric else 0)
 
@@ -136,12 +146,13 @@ def cases() -> list[Case]:
                         {"q_ptr": "*fp16", "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "len_ptr": "*i32",
                              "out_ptr": "*fp16", "lse_ptr": "*fp32"}, common,
                         divisible=("stride_qb", "stride_qh", "stride_qq"),
-                        options={"num_warps": prefill_warps(128), "num_stages": 2}))
+                        options={"num_warps": prefill_warps(128), "num_stages": 2},
+                        arch={cc: prefill_config(128, (cc // 10, cc % 10)) for cc in (80, 90)}))
     targs = tier_args(_layouts("K8V4-K4V2", "llama3"))
     out.append(Case("received K8V4-K4V2 d128 G4", "prefill_attention", "_received_kernel",
                     {"q_ptr": "*fp16", "qpos_ptr": "*i32", "qv_ptr": "*i32", "lse_ptr": "*fp32", "pool": "*u8",
                          "tab_ptr": "*i32", "len_ptr": "*i32", "out_h": "*fp32", "out_l": "*fp32"},
-                    dict(targs, G=4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=tl.float16, PREC="tf32"),
+                    dict(targs, G=4, BLOCK_M=RECEIVED_BLOCK_M, BLOCK_N=RECEIVED_BLOCK_N, DOT=tl.float16, PREC="tf32"),
                     divisible=("stride_qb", "stride_qh", "stride_qq"),
                     options={"num_warps": prefill_warps(128), "num_stages": 2}))
     out += act_to_kv_cases()
@@ -193,17 +204,26 @@ def compile_case(case: Case, cc: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    over = case.arch.get(cc, {})
+    opt_names = ("num_warps", "num_stages", "maxnreg")
+    case = Case(case.label, case.module, case.kernel, case.pointers,
+                dict(case.constexprs, **{k: v for k, v in over.items() if k not in opt_names}), case.floats,
+                case.divisible, dict(case.options, **{k: v for k, v in over.items() if k in opt_names}),
+                loop_tokens=case.loop_tokens, token_bytes=case.token_bytes)
     mod = importlib.import_module(f"leankit_kernels.{case.module}")
     fn = getattr(mod, case.kernel)
     if not hasattr(fn, "arg_names") or type(fn).__name__ == "InterpretedFunction":
         raise RuntimeError("kernels were imported under TRITON_INTERPRET=1; run the AOT check in a fresh process")
     sig, attrs = {}, {}
+    unaligned = {fn.arg_names[j] if isinstance(j, int) else j
+                 for j in getattr(fn, "do_not_specialize_on_alignment", None) or ()}
     for i, name in enumerate(fn.arg_names):
         if name in case.constexprs:
             sig[name] = "constexpr"
         elif name in case.pointers:
             sig[name] = case.pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if name not in unaligned:  # as the launcher compiles it: no alignment claim for these
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in case.floats:
             sig[name] = "fp32"
         else:

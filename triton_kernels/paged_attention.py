@@ -22,10 +22,15 @@ Kernels
     of the head's *virtual* page list ``[high pages..., low pages...]``: each program walks its
     high-tier pages first, then its low-tier pages (LeanKV's load balancing, §6.2). Every unified
     page has the same byte size, so equal page counts mean equal bytes per split, whatever the
-    tiers' tokens-per-page. Per ``BLOCK_N``-slot tile it dequantizes K and V on the fly into fp32
-    registers, and all G query heads of the group share the tile: ``tl.dot`` on
-    ``[G_pad, F] x [F, BLOCK_N]`` and ``[G_pad, BLOCK_N] x [BLOCK_N, F]`` (``G_pad >= 16`` rows for
-    the MMA), with an online softmax in base 2. With one split it writes the output directly.
+    tiers' tokens-per-page. A tile is one or more whole pages of a tier (``decode_tile_rows``:
+    32..128 rows, the rows past the last whole page masked), so each slot's page column and row
+    are loop-invariant and the table is read once per page. Codes are unpacked a 32-bit word at a
+    time straight into fp16 MMA operands, and one-group scale/min are applied per key after the
+    matmuls (``q . k_hat = s (q . Q) + m sum(q)``, ``p @ v_hat = (p s) @ Q + p @ m``). All G query
+    heads of the group share the tile: ``tl.dot`` on ``[G_pad, F] x [F, N]`` for the logits and
+    ``[F, N] x [N, G_pad]`` (``v^T p^T``, into a transposed accumulator) for the output
+    (``G_pad`` = G rounded up to a power of two; ``tl.dot`` pads the MMA itself), with an online
+    softmax in base 2. With one split it writes the output directly.
     ``_decode_reduce_kernel``: merges the S partials of a (sequence, KV head) (log-sum-exp merge).
     ``_score_update_kernel``: after the reduce, turns the saved logits and the final lse into
     ``p_bar`` and updates the score segment of live slots (one program per (head, slot tile, tier)).
@@ -50,15 +55,14 @@ import triton.language as tl
 from leankit.attention import PagedKV, received_attention_ref
 
 from . import tiles
+from .codes import key_order, side_tile, word_unpack
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
-    code_ptrs,
     dot_config,
     kernel_for,
     layer_launch,
-    meta_index,
-    online_softmax_step,
+    load_positions,
     page_counts,
     program_head,
     score_ptrs,
@@ -66,111 +70,154 @@ from .tiles import (
     softmax_init,
     softmax_lse,
     softmax_output,
-    tile_logits,
-    unpack_codes,
 )
 
 __all__ = ["DecodeLogits", "apply_score_update", "paged_attention", "received_attention", "score_update_ref"]
 
-BLOCK_N_DECODE = 32
+# Warps of a decode program, and independent softmax lanes of its slot tile (each lane keeps its
+# own running max / sum / accumulator and they merge once per program, so no reduction crosses
+# lanes inside the loop). One lane measured best (python -m leankit_kernels.aot: 4 lanes, warps on
+# the lane axis, issue as much per KB with more registers, since each warp's MMA pads its own
+# copy of the query rows); a GPU needs tile rows / lanes >= 16 (the p @ v MMA's K).
+DECODE_WARPS = 4
+DECODE_LANES = 1
+DECODE_MAX_ROWS = 128
 # A split must read at least this many times the bytes of the fp32 partial (acc, max, sum) it
 # writes and the reduce reads back, so the split-K merge costs at most ~6% extra traffic.
 SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
-def _codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
-    """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
-    codes < 256 are exact in fp16, bf16 and fp32)."""
-    KB: tl.constexpr = F * BITS // 8
-    byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
-    codes = unpack_codes(byt, BITS)
-    if DOT == tl.float16:
-        # fp16 bits 0x6400 | c are the number 1024 + c (c < 1024): a bit-or instead of an int->float
-        # conversion per element. Keys keep the offset (folded into their min, _code_bias: q is
-        # an exact operand and the MMA accumulates in fp32, so it cancels exactly enough). Values
-        # drop it here, exactly in fp16: their other operand, p * scale, is rounded to fp16, and
-        # its rounding error times 1024 would swamp the output.
-        x = (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        if not BIASED:
-            x = x - 1024.0
-        return x
-    return codes.to(DOT)
-
-
-@triton.jit
-def _code_bias(DOT: tl.constexpr):
-    """The offset :func:`_codes` leaves on key codes: 1024 for fp16 operands, 0 otherwise."""
-    if DOT == tl.float16:
-        return 1024.0
-    return 0.0
-
-
-@triton.jit
-def _scale_min(pool, page, row, valid, MOFF: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """``(scale, min)`` fp32 ``[N]`` of a one-group side: one 4-byte vector load per token."""
-    p16 = pool.to(tl.pointer_type(tl.float16))
-    pair = tl.load(p16 + meta_index(page, row, MOFF, 1, PAGE_SIZE)[:, None] + tl.arange(0, 2)[None, :],
-                   mask=valid[:, None], other=0.0)
-    return tl.split(pair.to(tl.float32))
-
-
-@triton.jit
-def _decode_step(m, l, acc, q, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
                  TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Logits ``[G_PAD, BLOCK_N]`` of one slot tile and the online-softmax step over it.
+                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 VPERM: tl.constexpr):
+    """Base-2 logits ``[W, G_PAD, NB]`` of one slot tile and the online-softmax step over it.
 
-    A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
-    element path (LeanKV Eq. (2) applied after the matmul): ``q . k_hat = s (q . Q) + m sum(q)`` and
-    ``p @ v_hat = (p s) @ Q + (p @ m)``, so the ``[N, F]`` tile is only unpacked codes, converted
-    once to the MMA operand type. Other sides (dense, or several groups per token) dequantize in
-    registers (:func:`leankit_kernels.tiles.load_side`).
+    The ``BLOCK = W * NB`` slots are split into ``W`` independent lanes of ``NB`` slots, each with
+    its own running max, sum and transposed accumulator (``m``, ``l`` ``[W, G_PAD]``, ``acc``
+    ``[W, F, G_PAD]``; a batched ``tl.dot`` per lane): the softmax never reduces across lanes
+    inside the loop, and the lanes are merged once per program (:func:`_merge_lanes`).
+    Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)`` and
+    ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`).
     """
-    KFAST: tl.constexpr = TIER.KBITS < 16 and TIER.NG == 1
-    VFAST: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1
-    if KFAST:
-        kq = _codes(pool, page, row, valid, TIER.KOFF, TIER.KBITS, F, PAGE_SIZE, DOT, True)
-        ks, km = _scale_min(pool, page, row, valid, TIER.KMOFF, PAGE_SIZE)
-        km = km - _code_bias(DOT) * ks  # codes arrive as c + bias
-        raw = tl.dot(q, tl.trans(kq), input_precision=PREC)
-        s = (raw * ks[None, :] + qsum[:, None] * km[None, :]) * sm_scale
-        s = tl.where(kpos[None, :] <= qpos, s, float("-inf"))
-    else:
-        s = tile_logits(q, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE, PAGE_SIZE,
-                        BLOCK_N, DOT, PREC)
-    if VFAST:
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
-        vq = _codes(pool, page, row, valid, TIER.VOFF, TIER.VBITS, F, PAGE_SIZE, DOT, False)
-        vs, vm = _scale_min(pool, page, row, valid, TIER.VMOFF, PAGE_SIZE)
-        pv = tl.dot((p * vs[None, :]).to(DOT), vq, input_precision=PREC)
-        acc = acc * alpha[:, None] + pv + tl.sum(p * vm[None, :], 1)[:, None]
-        m = m_new
-    else:
-        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE, PAGE_SIZE,
-                                        BLOCK_N, DOT, PREC)
-    return s, m, l, acc
+    BLOCK: tl.constexpr = W * NB
+    kx, ks, km = side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
+                            PAGE_SIZE, BLOCK, DOT, True, True)
+    ks = tl.reshape(ks * sm_scale, (W, NB))
+    km = tl.reshape(km * sm_scale, (W, NB))
+    raw = tl.dot(q3, tl.permute(tl.reshape(kx, (W, NB, F)), (0, 2, 1)), input_precision=PREC)
+    s = raw * ks[:, None, :] + qsum[None, :, None] * km[:, None, :]
+    s = tl.where(tl.reshape(kpos, (W, NB))[:, None, :] <= qpos, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 2))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, :, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, 2)
+    vx, vs, vm = side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
+                            PAGE_SIZE, BLOCK, DOT, False, VPERM)
+    vs = tl.reshape(vs, (W, NB))
+    vm = tl.reshape(vm, (W, NB))
+    # Transposed (v^T p^T): the F output columns fill the MMA's M dimension and the few query rows
+    # its N, so no padded query rows are copied into the operand registers each tile.
+    pv = tl.dot(tl.permute(tl.reshape(vx, (W, NB, F)), (0, 2, 1)), tl.permute((p * vs[:, None, :]).to(DOT), (0, 2, 1)),
+                input_precision=PREC)
+    acc = acc * alpha[:, None, :] + pv + tl.sum(p * vm[:, None, :], 2)[:, None, :]
+    return s, m_new, l, acc
 
 
 @triton.jit
-def _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, s0, s1, R, sm_scale, lg_ptr, LG_N,
+def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, lg_ptr, LG_N,
                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
-    """Online-softmax accumulation over slots ``[s0, s1)`` of one tier."""
-    g = tl.arange(0, G_PAD)
-    for start in range(s0, s1, BLOCK_N):
-        slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
-        s, m, l, acc = _decode_step(m, l, acc, q, qsum, qpos, kpos, pool, page, row, valid, sm_scale, TIER, F,
-                                    DENSE, PAGE_SIZE, BLOCK_N, DOT, PREC)
-        if SAVE_LOGITS:
-            tl.store(lg_ptr + g[:, None] * LG_N + slot[None, :], s, mask=(g[:, None] < G) & valid[None, :])
+                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 SAVE_LOGITS: tl.constexpr):
+    """Online-softmax accumulation over the live slots of pages ``[pg0, pg1)`` of one tier.
+
+    A tile is ``PPT = BLOCK // T`` whole pages (``BLOCK = W * NB`` rows, the last ``BLOCK - PPT*T``
+    rows always masked), so each slot's page column and in-page row are loop-invariant
+    (``t // T``, ``t % T`` of the tile row ``t``): per tile only the ``PPT`` page ids are read
+    from the table. A page larger than the tile (``T > BLOCK``) is walked in ``BLOCK``-slot runs.
+    """
+    BLOCK: tl.constexpr = W * NB
+    t = tl.arange(0, BLOCK)
+    s1 = tl.minimum(pg1 * TIER.T, n_live)
+    # This tier's values fill the accumulator columns in the word order of key_order: permute the
+    # accumulator into that order for the loop and back after it (once per program, not per tile).
+    VPERM: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1 and word_unpack(F, TIER.VBITS, DOT)
+    if VPERM:
+        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, True)
+    if BLOCK >= TIER.T:
+        PPT: tl.constexpr = BLOCK // TIER.T
+        j = t // TIER.T
+        row = t % TIER.T
+        inside = t < PPT * TIER.T
+        for pg in range(pg0, pg1, PPT):
+            pcol = pg + j
+            slot = pcol * TIER.T + row
+            valid = inside & (slot < s1)
+            if LOW:
+                col = R - 1 - pcol
+            else:
+                col = pcol
+            page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
+            kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
+            s, m, l, acc = _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
+            if SAVE_LOGITS:
+                _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
+    else:
+        for start in range(pg0 * TIER.T, s1, BLOCK):
+            slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
+            s, m, l, acc = _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
+            if SAVE_LOGITS:
+                _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
+    if VPERM:
+        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, False)
     return m, l, acc
+
+
+@triton.jit
+def _word_order(acc, W: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr,
+                TO_WORD: tl.constexpr):
+    """Permute the feature rows of ``acc`` ``[W, F, G_PAD]`` from feature order to the word order of
+    :func:`key_order` (``TO_WORD``) or back: inside each block of ``32 / BITS`` rows, feature
+    ``h * HALF + k`` sits at row ``2 k + h``, a transpose of ``[2, HALF]``."""
+    HALF: tl.constexpr = 16 // BITS
+    if TO_WORD:
+        x = tl.reshape(acc, (W, F // (2 * HALF), 2, HALF, G_PAD))
+    else:
+        x = tl.reshape(acc, (W, F // (2 * HALF), HALF, 2, G_PAD))
+    return tl.reshape(tl.permute(x, (0, 1, 3, 2, 4)), (W, F, G_PAD))
+
+
+@triton.jit
+def _key_cols(TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
+    """Query columns matching the key tile of ``TIER`` (:func:`key_order` on its quantized one-group keys)."""
+    if TIER.KBITS < 16 and TIER.NG == 1:
+        return key_order(F, TIER.KBITS, DOT)
+    return tl.arange(0, F)
+
+
+@triton.jit
+def _store_logits(lg_ptr, LG_N, s, slot, valid, G: tl.constexpr, G_PAD: tl.constexpr, W: tl.constexpr,
+                  NB: tl.constexpr):
+    """Save the tile's logits ``s`` ``[W, G_PAD, NB]`` at ``lg_ptr[g * LG_N + slot]`` (live slots, real heads)."""
+    g = tl.arange(0, G_PAD)
+    slot3 = tl.reshape(slot, (W, NB))[:, None, :]
+    ok = (g < G)[None, :, None] & tl.reshape(valid, (W, NB))[:, None, :]
+    tl.store(lg_ptr + g[None, :, None] * LG_N + slot3, s, mask=ok)
+
+
+@triton.jit
+def _merge_lanes(m, l, acc):
+    """Merge the ``W`` lanes' online-softmax states (log-sum-exp merge) into one ``[G_PAD]`` state,
+    the accumulator back in ``[G_PAD, F]`` orientation."""
+    mm = tl.max(m, 0)
+    m_safe = tl.where(mm == float("-inf"), 0.0, mm)
+    w = tl.exp2(m - m_safe[None, :])
+    return mm, tl.sum(l * w, 0), tl.trans(tl.sum(acc * w[:, None, :], 0))
 
 
 # Runtime integers the kernels must not specialize on: page counts per split, split count, logit
@@ -178,16 +225,20 @@ def _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, s0, s1, R, sm_scale, l
 # each value class (== 1, % 16 == 0) it sees, a stall of about a second each; strides are read once
 # per program, so specializing on their alignment buys nothing.
 DECODE_DYNAMIC = ("stride_qb", "stride_qh", "stride_pb", "stride_tier", "H", "R", "PPS", "NSPLIT", "LG_N")
+# Pointers read or written a few scalars/rows per program (views such as one layer's slice of the
+# page table change alignment from layer to layer): their alignment buys no vector access.
+DECODE_UNALIGNED = ("q_ptr", "qpos_ptr", "tab_ptr", "np_ptr", "len_ptr", "lse_ptr", "lg_ptr")
 REDUCE_DYNAMIC = ("H", "NSPLIT")
 SCORE_DYNAMIC = ("stride_pb", "stride_tier", "H", "R", "LG_N")
+SCORE_UNALIGNED = ("lg_ptr", "lse_ptr", "qpos_ptr", "qvalid_ptr", "tab_ptr", "len_ptr")
 
 
-@triton.jit(do_not_specialize=DECODE_DYNAMIC)
+@triton.jit(**tiles.jit_options(DECODE_DYNAMIC, DECODE_UNALIGNED))
 def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_ptr, np_ptr, len_ptr, stride_tier,
                    part_acc, part_ml, out_ptr, lse_ptr, lg_ptr, H, R, PPS, NSPLIT, LG_N, sm_scale,
                    G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, W: tl.constexpr, NB_HI: tl.constexpr,
+                   NB_LO: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
                    SAVE_LOGITS: tl.constexpr, DIRECT: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
     """One (sequence, KV head, split): high-tier pages of the split, then its low-tier pages."""
     bh, b, h = program_head(H)
@@ -195,27 +246,32 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     g = tl.arange(0, G_PAD)
     f = tl.arange(0, F)
     qpos = tl.load(qpos_ptr + b * stride_pb)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + f[None, :],
-                mask=(g < G)[:, None], other=0.0).to(DOT)
-    qsum = tl.sum(q.to(tl.float32), 1)  # the m * sum(q) term of q . k_hat (one-group quantized keys)
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh
+    # Each tier's keys arrive in that tier's column order (key_order): load q in the same order.
+    q_hi = tl.load(q_row + _key_cols(HI, F, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
+    qsum = tl.sum(q_hi.to(tl.float32), 1)  # the m * sum(q) term of q . k_hat (one-group quantized keys)
+    q3 = tl.broadcast_to(q_hi[None, :, :], (W, G_PAD, F))
     tab_row = tab_ptr + bh.to(tl.int64) * R
-    m, l, acc = softmax_init(G_PAD, F)
+    m = tl.full([W, G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([W, G_PAD], tl.float32)
+    acc = tl.zeros([W, F, G_PAD], tl.float32)
     v0 = split * PPS
     v1 = v0 + PPS
     nh = tl.load(np_ptr + bh)
-    lh = tl.load(len_ptr + bh)
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
-    m, l, acc = _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, tl.minimum(v0, nh) * HI.T,
-                             tl.minimum(tl.minimum(v1, nh) * HI.T, lh), R, sm_scale, lg_row, LG_N,
-                             False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+    m, l, acc = _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, tl.minimum(v0, nh), tl.minimum(v1, nh),
+                             tl.load(len_ptr + bh), R, sm_scale, lg_row, LG_N,
+                             False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, W, NB_HI, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
         nl = tl.load(np_ptr + stride_tier + bh)
-        ll = tl.load(len_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
-        m, l, acc = _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, l0 * LO.T, tl.minimum(l1 * LO.T, ll), R,
-                                 sm_scale, lg_row + G * LG_N, LG_N,
-                                 True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, BLOCK_N, DOT, PREC, SAVE_LOGITS)
+        q_lo = tl.load(q_row + _key_cols(LO, F, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
+        q3 = tl.broadcast_to(q_lo[None, :, :], (W, G_PAD, F))
+        m, l, acc = _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, l0, l1, tl.load(len_ptr + stride_tier + bh),
+                                 R, sm_scale, lg_row + G * LG_N, LG_N,
+                                 True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, W, NB_LO, DOT, PREC, SAVE_LOGITS)
+    m, l, acc = _merge_lanes(m, l, acc)
     gmask = g < G
     if DIRECT:
         _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)
@@ -282,7 +338,7 @@ def _score_tier(lg_row, lse2, qpos, pool, tab_row, n_live, blk, R, LG_N,
     tl.store(p16, new.to(tl.float16), mask=vis)
 
 
-@triton.jit(do_not_specialize=SCORE_DYNAMIC)
+@triton.jit(**tiles.jit_options(SCORE_DYNAMIC, SCORE_UNALIGNED))
 def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool, tab_ptr, len_ptr, stride_tier,
                          H, R, LG_N, G: tl.constexpr, G_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_LOW: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
@@ -309,33 +365,106 @@ def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool,
                         True, LO, PAGE_SIZE, G, G_PAD, BLOCK_N)
 
 
-def decode_loop_tokens(layout) -> int:
-    """Token slots one iteration of the decode kernel's inner loop reads for a tier of ``layout``."""
-    return BLOCK_N_DECODE
+# Register bytes of a tile's unpacked K and V rows up to which a bigger tile of whole pages is
+# preferred (it spreads the per-tile softmax work over more tokens at no extra masked rows).
+DECODE_TILE_BYTES = 32 * 1024
+
+
+def decode_tile_rows(tokens: int, row_bytes: int = 0) -> int:
+    """Rows of the decode kernel's slot tile for a tier of ``tokens`` slots per page, whose unpacked
+    K and V rows take ``row_bytes`` bytes of registers per slot.
+
+    A tile holds ``rows // tokens`` whole pages (rows past them are masked), so the rows are the
+    power of two in 32..128 that wastes the fewest rows on that remainder (a bigger tile must save
+    6% of its rows), or a bigger one that wastes no more (within 1%) while its unpacked rows fit
+    :data:`DECODE_TILE_BYTES`. A page larger than 128 slots is read in 128-slot runs.
+    """
+    if tokens >= DECODE_MAX_ROWS:
+        return DECODE_MAX_ROWS
+    cands = [(rows, (rows // tokens) * tokens / rows) for rows in (32, 64, DECODE_MAX_ROWS) if rows >= tokens]
+    best = cands[0]
+    for rows, used in cands[1:]:
+        if used > best[1] + 0.06:
+            best = (rows, used)
+    for rows, used in cands:
+        if rows > best[0] and used >= best[1] - 0.01 and rows * row_bytes <= DECODE_TILE_BYTES:
+            best = (rows, best[1])
+    return best[0]
+
+
+def tier_rows(tier, head_dim: int, dot_bytes: int) -> int:
+    """:func:`decode_tile_rows` of a :class:`leankit_kernels.tiles.Tier`: a tier whose sides are both
+    one-group quantized unpacks ``2 * head_dim`` codes of ``dot_bytes`` per slot; any other tier
+    dequantizes through fp32 registers and keeps the smallest tile that wastes fewest rows."""
+    if tier.KBITS < 16 and tier.VBITS < 16 and tier.NG == 1:
+        return decode_tile_rows(tier.T, 2 * head_dim * dot_bytes)
+    return decode_tile_rows(tier.T, DECODE_TILE_BYTES)
+
+
+def decode_loop_tokens(layout, dot_bytes: int = 2) -> int:
+    """Live token slots one iteration of the decode kernel's inner loop reads for a tier of ``layout``."""
+    rows = tier_rows(tiles.tier_constexprs(layout), layout.head_dim, dot_bytes)
+    return (rows // layout.tokens) * layout.tokens if rows >= layout.tokens else rows
+
+
+def decode_tiling(targs: dict, dot_bytes: int = 2) -> dict:
+    """Tile constexprs of :func:`_decode_kernel` for the tiers in ``targs`` (:func:`leankit_kernels.tiles.tier_args`)
+    and MMA operands of ``dot_bytes`` bytes: ``W`` lanes of ``NB_HI`` / ``NB_LO`` slots."""
+    f = targs["F"]
+    return {"W": DECODE_LANES, "NB_HI": tier_rows(targs["HI"], f, dot_bytes) // DECODE_LANES,
+            "NB_LO": tier_rows(targs["LO"], f, dot_bytes) // DECODE_LANES}
 
 
 def group_pad(g: int) -> int:
-    """Rows of the query tile: the group size padded to a power of two >= 16 (MMA minimum)."""
-    return max(16, triton.next_power_of_2(g))
+    """Rows of the query tile: the group size padded to a power of two (``tl.dot`` pads the MMA itself,
+    so the softmax only ever touches these rows)."""
+    return triton.next_power_of_2(g)
 
 
-# Decode programs resident per SM: the decode kernels use at most ~128 registers x 128 threads
-# (python -m leankit_kernels.aot), so 4 fit the 64K-register file of sm_80/sm_90.
-CTAS_PER_SM = 4
+# Decode programs resident per SM before the kernel's own register count is known (the first
+# launch of each variant on a device): the fp16 decode variants use about 105-200 registers x 128
+# threads (python -m leankit_kernels.aot), so 2-4 fit the 64K-register file of sm_80/sm_90.
+CTAS_PER_SM = 2
+# Register file and per-program limit of sm_80 / sm_90 SMs.
+SM_REGISTERS = 65536
+SM_MAX_PROGRAMS = 32
+# variant key -> programs per SM that its compiled registers / shared memory allow (measured
+# from the compiled kernel after its first launch; host-side metadata, no device read).
+_RESIDENT: dict = {}
 
 
-def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: int | None) -> int:
+def resident_programs(regs: int, shared: int, warps: int, sm_shared: int = 0) -> int:
+    """Programs of ``warps`` warps using ``regs`` registers per thread and ``shared`` bytes of shared
+    memory that one SM holds at once (registers are allocated per warp in units of 256, i.e. the
+    per-thread count rounded up to 8; ``sm_shared=0`` leaves shared memory out)."""
+    if regs <= 0:
+        return CTAS_PER_SM
+    per_warp = -(-regs // 8) * 8 * 32
+    n = min(SM_MAX_PROGRAMS, SM_REGISTERS // (per_warp * warps))
+    if sm_shared and shared:
+        n = min(n, sm_shared // shared)
+    return max(1, n)
+
+
+def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: int | None,
+                  total_pages: int | None = None, resident: int = CTAS_PER_SM) -> int:
     """Flash-decoding split factor for ``bh`` (sequence, KV head) programs of up to ``max_pages`` pages.
 
-    Enough programs to fill every resident slot once (``CTAS_PER_SM * sms``: short contexts at
-    small batch need split-K to use the GPU at all), but never splits so small that the partials'
-    traffic (``8 G (F + 2)`` bytes per split: fp32 written, then read by the reduce) exceeds
-    ``1 / SPLIT_BYTES_RATIO`` of the page bytes the split reads. Programs whose head has fewer
-    pages than the longest one find an empty range and exit at once. ``sms=None`` (interpreter): 2.
+    Pages per split are sized by the layer's whole work, ``total_pages`` summed over its heads
+    (default: every head as long as the longest): enough splits that the non-empty programs fill
+    every resident slot once (``resident * sms``: short contexts at small batch need split-K to
+    use the GPU at all), so heads with more pages get more splits and a few long heads do not
+    dictate the split of all. Never splits so small that the partials' traffic (``8 G (F + 2)``
+    bytes per split: fp32 written, then read by the reduce) exceeds ``1 / SPLIT_BYTES_RATIO`` of
+    the page bytes the split reads. Programs past their head's pages find an empty range and exit
+    at once. ``sms=None`` (interpreter): 2 splits.
     """
     min_pages = max(1, triton.cdiv(SPLIT_BYTES_RATIO * 8 * g * (f + 2), page_size))
-    want = triton.cdiv(CTAS_PER_SM * sms, bh) if sms else 2
-    return max(1, min(want, triton.cdiv(max_pages, min_pages)))
+    if not sms:
+        return max(1, min(2, triton.cdiv(max_pages, min_pages)))
+    work = total_pages if total_pages is not None else bh * max_pages
+    pps = max(min_pages, triton.cdiv(max(1, work), resident * sms))
+    return max(1, triton.cdiv(max_pages, pps))
 
 
 @dataclass
@@ -355,8 +484,8 @@ class DecodeLogits:
 
 def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, *,
                     update_scores: bool = False, q_valid: torch.Tensor | None = None,
-                    num_splits: int | None = None, block_n: int = BLOCK_N_DECODE,
-                    page_bounds: tuple[int, int, int] | None = None, save_logits: bool = False):
+                    num_splits: int | None = None,
+                    page_bounds: tuple[int, ...] | None = None, save_logits: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's unified pages (kernel mirror of
     :func:`leankit.attention.paged_attention_ref`).
 
@@ -371,8 +500,9 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
             call's own lse (:func:`apply_score_update` on the saved logits).
         q_valid: bool ``[B, Q]``; rows where it is false update no score.
         num_splits: split-K factor (default: enough programs to fill the GPU once).
-        page_bounds: ``(max high pages, max low pages, max total pages)`` over the layer's heads
-            when the caller already knows them (upper bounds are fine). With them the launcher
+        page_bounds: ``(max high pages, max low pages, max total pages[, pages of all heads])`` over
+            the layer's heads when the caller already knows them (upper bounds are fine; the sum,
+            which sizes the splits, defaults to every head at the maximum). With them the launcher
             reads nothing from the device (no host sync): grids come from the bounds, and programs
             of heads with less work find empty ranges and exit.
         save_logits: decode only; also return a :class:`DecodeLogits` for a later
@@ -392,7 +522,11 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
     dev = q.device
-    max_h, max_l, max_pages = page_bounds or page_counts(n_pages, targs["HAS_LOW"])
+    bounds = tuple(page_bounds) if page_bounds is not None else page_counts(n_pages, targs["HAS_LOW"])
+    if len(bounds) not in (3, 4):
+        raise ValueError(f"page_bounds must be (max high, max low, max total[, sum]) pages, got {page_bounds!r}")
+    max_h, max_l, max_pages = bounds[:3]
+    total_pages = bounds[3] if len(bounds) == 4 else None
     out = tiles.empty((b, 1, hq, f), dtype=q.dtype, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
     if max_pages == 0:
@@ -401,12 +535,19 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         return (out, lse, None) if save_logits else (out, lse)
     q_pos = q_pos.to(device=dev, dtype=torch.int32)
     bh = b * hkv
+    keep = update_scores or save_logits
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
-    s = num_splits or choose_splits(bh, max_pages, g, f, targs["PAGE_SIZE"], sms)
+    dot_t, prec = dot_config(q.dtype, dev)
+    tiling = decode_tiling(targs, dot_t.primitive_bitwidth // 8)
+    variant = (dev, g, f, q.dtype, keep, tuple(sorted((k, str(v)) for k, v in {**targs, **tiling}.items())))
+    if not num_splits:
+        resident = _RESIDENT.get(variant, CTAS_PER_SM)
+        s = choose_splits(bh, max_pages, g, f, targs["PAGE_SIZE"], sms, total_pages, resident)
+    else:
+        s = num_splits
     pps = triton.cdiv(max_pages, max(1, s))
     s = triton.cdiv(max_pages, pps)
     direct = s == 1
-    keep = update_scores or save_logits
     lg_n = max(max_h * targs["HI"].T, max_l * targs["LO"].T if targs["HAS_LOW"] else 0)
     if keep:
         logits = tiles.empty((bh, 2, g, lg_n), dtype=torch.float32, device=dev)
@@ -414,13 +555,16 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         logits, lg_n = tiles.empty(1, dtype=torch.float32, device=dev), 0
     part_acc = tiles.empty((bh, s, g, f) if not direct else (1,), dtype=torch.float32, device=dev)
     part_ml = tiles.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
-    dot_t, prec = dot_config(q.dtype, dev)
     gp = group_pad(g)
-    kernel_for(_decode_kernel, dev)[(bh, s)](
+    compiled = kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
         part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, float(scale) * LOG2E,
-        G=g, G_PAD=gp, BLOCK_N=block_n, DOT=dot_t, PREC=prec, SAVE_LOGITS=keep, DIRECT=direct,
-        num_warps=4, num_stages=2, **targs)
+        G=g, G_PAD=gp, DOT=dot_t, PREC=prec, SAVE_LOGITS=keep, DIRECT=direct, num_warps=DECODE_WARPS,
+        num_stages=2, **tiling, **targs)
+    if dev.type == "cuda" and variant not in _RESIDENT and getattr(compiled, "n_regs", 0):
+        props = torch.cuda.get_device_properties(dev)
+        _RESIDENT[variant] = resident_programs(compiled.n_regs, int(compiled.metadata.shared), DECODE_WARPS,
+                                               getattr(props, "shared_memory_per_multiprocessor", 0))
     if not direct:
         kernel_for(_decode_reduce_kernel, dev)[(bh,)](part_acc, part_ml, out, lse, hkv, s, G=g, G_PAD=gp, F=f,
                                                       num_warps=4)

@@ -20,13 +20,16 @@ Kernels
     The group's rows are ordered query-major (``row = i * G + g``), so a block holds all G heads of
     ``BLOCK_M / G`` consecutive queries: every dequantized ``[BLOCK_N, F]`` K/V tile is shared by
     the whole group (``tl.dot`` ``[BLOCK_M, F] x [F, BLOCK_N]``), and the block's position range
-    is narrow, so tiles whose keys are all in the future of the block are skipped after loading
-    only their positions (causal skipping, by stored position, which also covers pruned and
-    reordered slots). Online softmax in base 2.
+    is narrow: a first pass over the tier's int32 positions finds the last slot any query of the
+    block can see, and the attention loop stops there (causal skipping by loop bound, by stored
+    position, which also covers pruned and reordered slots), with a branch-free tile body.
+    Online softmax in base 2. Tile sizes per GPU: :func:`prefill_config`.
     ``_received_kernel``: the significance pass (LeanKV §4: a token's significance is the
     attention probability it receives). One program per (sequence, KV head, tile of ``BLOCK_N``
-    slots, tier): it dequantizes its K tile once, then streams the group's query rows in blocks,
-    recomputes ``p = exp(q k^T * scale - lse)`` with the saved ``lse`` and sums it over rows. No
+    slots, tier): it dequantizes its K tile once and keeps it in registers, then streams the
+    group's query rows in blocks (from the first block with a query at or after the tile's
+    earliest key: a loop bound, no branch; ``RECEIVED_BLOCK_N`` keys per tile, so the rows are
+    read once per 128 keys), recomputes ``p = exp(q k^T * scale - lse)`` with the saved ``lse`` and sums it over rows. No
     ``Q x N`` matrix ever exists beyond one ``[BLOCK_M, BLOCK_N]`` register tile.
 """
 
@@ -59,11 +62,29 @@ __all__ = ["prefill_attention", "received_attention"]
 
 BLOCK_M = 64
 BLOCK_N = 32
+# Keys per program of the significance pass: its query rows are streamed once per key tile, so a
+# wide tile reads them fewer times (the K tile itself stays in registers across the stream).
+RECEIVED_BLOCK_N = 128
+RECEIVED_BLOCK_M = 32  # query rows per streamed block: keeps the 128-key tile spill-free on sm_80
 
 
 def prefill_warps(head_dim: int) -> int:
     """Warps per program: the ``[BLOCK_M, F]`` fp32 accumulator must fit registers without spills."""
     return 8 if head_dim >= 128 else 4
+
+
+def prefill_config(head_dim: int, capability: tuple[int, int] | None) -> dict:
+    """Tile and launch options of the prefill kernel on a GPU of compute ``capability`` (``None``:
+    the interpreter).
+
+    sm_90 (H100): 128 query rows per program, two warpgroups, capped at 128 registers so two
+    programs share an SM; every loop stays free of spills at that cap (``python -m
+    leankit_kernels.aot``: only a few bytes spill once per program, outside the loops). sm_80 and
+    the interpreter: 64 rows, uncapped (the cap would spill inside the loop there).
+    """
+    if capability is not None and capability[0] >= 9 and head_dim >= 128:
+        return {"BLOCK_M": 128, "BLOCK_N": BLOCK_N, "num_warps": 8, "maxnreg": 128}
+    return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": prefill_warps(head_dim)}
 
 
 @triton.jit
@@ -87,21 +108,54 @@ def _load_queries(q_ptr, stride_qb, stride_qh, stride_qq, b, h, qi, g, rmask,
 
 
 @triton.jit
+def _visible_end(pool, tab_row, n_slots, qmax, R, LOW: tl.constexpr, TIER: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One past the last slot of the tier whose stored position is ``<= qmax`` (0 if none).
+
+    Reads only the int32 positions (4 bytes a slot, against the ~100-500 bytes of its K/V), so the
+    attention loop can stop there instead of testing every tile: slots after it hold only keys in
+    the future of every query of the block (causal skipping by loop bound, by stored position,
+    which also covers pruned and reordered slots; tiles before it that happen to be all-future
+    are computed fully masked, which costs time, never correctness).
+    """
+    end = 0
+    for start in range(0, n_slots, BLOCK):
+        slot, _valid, _page, _row, kpos = slot_tile(pool, tab_row, start, n_slots, R, TIER, LOW, PAGE_SIZE, BLOCK)
+        end = tl.maximum(end, tl.max(tl.where(kpos <= qmax, slot + 1, 0), 0))
+    return end
+
+
+@triton.jit
 def _prefill_tier(m, l, acc, q, qpos_r, qmax, pool, tab_row, n_slots, R, sm_scale,
                   LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                   DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                   PREC: tl.constexpr):
-    for start in range(0, n_slots, BLOCK_N):
-        _, valid, page, row, kpos = slot_tile(pool, tab_row, start, n_slots, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
-        if tl.min(kpos, 0) <= qmax:  # causal skip: some query of the block sees a key of the tile
-            s = tile_logits(q, qpos_r[:, None], kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK_N, DOT, PREC)
-            m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE,
-                                            PAGE_SIZE, BLOCK_N, DOT, PREC)
+    """Online softmax over the tier's slots up to the last one any query of the block can see.
+
+    The tile body is branch-free (masks only), so the compiler can software-pipeline the loads of
+    the next tile under the math of this one.
+    """
+    end = _visible_end(pool, tab_row, n_slots, qmax, R, LOW, TIER, PAGE_SIZE, 4 * BLOCK_N)
+    for start in range(0, end, BLOCK_N):
+        _, valid, page, row, kpos = slot_tile(pool, tab_row, start, end, R, TIER, LOW, PAGE_SIZE, BLOCK_N)
+        s = tile_logits(q, qpos_r[:, None], kpos, pool, page, row, valid, sm_scale, TIER, F, DENSE,
+                        PAGE_SIZE, BLOCK_N, DOT, PREC)
+        m, l, acc = online_softmax_step(m, l, acc, s, pool, page, row, valid, TIER, F, DENSE,
+                                        PAGE_SIZE, BLOCK_N, DOT, PREC)
     return m, l, acc
 
 
-@triton.jit
+# Runtime integers that change from call to call (chunk length, table width, per-layer strides):
+# a specialization per value class would compile a variant per prompt length class. The query
+# strides stay specialized (model shapes, and their alignment lets the query rows load as vectors).
+PREFILL_DYNAMIC = ("stride_pb", "stride_tier", "H", "R", "NQ")
+RECEIVED_DYNAMIC = PREFILL_DYNAMIC + ("NH_OUT", "NL_OUT")
+# Pointers read a few values per program, or views whose alignment changes with the layer.
+PREFILL_UNALIGNED = ("qpos_ptr", "tab_ptr", "len_ptr", "lse_ptr")
+RECEIVED_UNALIGNED = ("qpos_ptr", "qv_ptr", "lse_ptr", "tab_ptr", "len_ptr")
+
+
+@triton.jit(**tiles.jit_options(PREFILL_DYNAMIC, PREFILL_UNALIGNED))
 def _prefill_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, pool, tab_ptr, len_ptr,
                     stride_tier, out_ptr, lse_ptr, H, R, NQ, sm_scale,
                     G: tl.constexpr, F: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -127,6 +181,18 @@ def _prefill_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb,
 
 
 @triton.jit
+def _first_row(qpos_ptr, b, stride_pb, NQ, kmin, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """First query-major row block (a multiple of ``BLOCK_M``) that holds a query at position
+    ``>= kmin``; ``NQ * G`` when none does. Reads only the ``NQ`` int32 query positions."""
+    first = NQ
+    for i0 in range(0, NQ, BLOCK_M):
+        i = i0 + tl.arange(0, BLOCK_M)
+        qp = tl.load(qpos_ptr + b * stride_pb + i, mask=i < NQ, other=-1)
+        first = tl.minimum(first, tl.min(tl.where(qp >= kmin, i, NQ), 0))
+    return (first * G) // BLOCK_M * BLOCK_M
+
+
+@triton.jit
 def _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool, tab_row,
                    out_row, n_out, n_live, blk, b, h, bh, R, NQ, sm_scale,
                    LOW: tl.constexpr, TIER: tl.constexpr, G: tl.constexpr, F: tl.constexpr,
@@ -138,22 +204,23 @@ def _received_tier(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, 
     k = load_side(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG, DENSE, PAGE_SIZE,
                   BLOCK_N).to(DOT)
     got = tl.zeros([BLOCK_N], tl.float32)
-    for r0 in range(0, NQ * G, BLOCK_M):
+    # The K tile stays in registers while the query rows stream past it, starting at the first
+    # block that holds a query at or after the tile's earliest key (earlier rows see none of it).
+    for r0 in range(_first_row(qpos_ptr, b, stride_pb, NQ, kmin, G, BLOCK_M), NQ * G, BLOCK_M):
         rmask, qi, g, qp = _query_rows(r0, b, qpos_ptr, stride_pb, NQ, G, BLOCK_M)
-        if tl.max(qp, 0) >= kmin:  # causal skip: the block sees some key of the tile
-            qok = tl.load(qv_ptr + b * NQ + qi, mask=rmask, other=0) != 0
-            lse = tl.load(lse_ptr + bh.to(tl.int64) * G * NQ + g * NQ + qi, mask=rmask, other=float("-inf"))
-            live = qok & (lse > float("-inf"))
-            lse2 = tl.where(live, lse * 1.4426950408889634, 0.0)
-            q = _load_queries(q_ptr, stride_qb, stride_qh, stride_qq, b, h, qi, g, rmask, G, F, DOT)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
-            vis = live[:, None] & (kpos[None, :] <= qp[:, None])
-            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
-            got += tl.sum(p, 0)
+        qok = tl.load(qv_ptr + b * NQ + qi, mask=rmask, other=0) != 0
+        lse = tl.load(lse_ptr + bh.to(tl.int64) * G * NQ + g * NQ + qi, mask=rmask, other=float("-inf"))
+        live = qok & (lse > float("-inf"))
+        lse2 = tl.where(live, lse * 1.4426950408889634, 0.0)
+        q = _load_queries(q_ptr, stride_qb, stride_qh, stride_qq, b, h, qi, g, rmask, G, F, DOT)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+        vis = live[:, None] & (kpos[None, :] <= qp[:, None])
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+        got += tl.sum(p, 0)
     tl.store(out_row + slot, got / G, mask=slot < n_out)
 
 
-@triton.jit
+@triton.jit(**tiles.jit_options(RECEIVED_DYNAMIC, RECEIVED_UNALIGNED))
 def _received_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb, qv_ptr, lse_ptr, pool, tab_ptr,
                      len_ptr, stride_tier, out_h, out_l, NH_OUT, NL_OUT, H, R, NQ, sm_scale,
                      G: tl.constexpr, F: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -178,13 +245,14 @@ def _received_kernel(q_ptr, stride_qb, stride_qh, stride_qq, qpos_ptr, stride_pb
 
 def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, *,
                       q_valid: torch.Tensor | None = None, return_significance: bool = False,
-                      block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+                      block_m: int | None = None, block_n: int | None = None):
     """Causal attention of ``q`` ``[B, Hq, Q, F]`` over the layer's pages (prompt already written).
 
     Returns ``(out [B, Q, Hq, F], lse [B, Hkv, G*Q])`` like
     :func:`leankit.attention.paged_attention_ref`; with ``return_significance=True`` also the
     per-tier received probability of every slot (see :func:`received_attention`), computed by a
-    second pass over the keys that reuses ``lse``.
+    second pass over the keys that reuses ``lse``. ``block_m``/``block_n`` override the tile of
+    :func:`prefill_config`.
     """
     b, hq, nq, f = q.shape
     q, tables, _n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
@@ -194,19 +262,21 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     lse = tiles.empty((b, hkv, g * nq), dtype=torch.float32, device=dev)
     q_pos = q_pos.to(device=dev, dtype=torch.int32).contiguous()
     dot_t, prec = dot_config(q.dtype, dev)
-    grid = (b * hkv, triton.cdiv(g * nq, block_m))
+    cfg = prefill_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None)
+    cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
+    cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
+    grid = (b * hkv, triton.cdiv(g * nq, cfg["BLOCK_M"]))
     kernel_for(_prefill_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), kv.pool.storage, tables, lens, stride_tier,
-        out, lse, hkv, r, nq, float(scale) * LOG2E, G=g, BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_t, PREC=prec,
-        num_warps=prefill_warps(f), num_stages=2, **targs)
+        out, lse, hkv, r, nq, float(scale) * LOG2E, G=g, DOT=dot_t, PREC=prec, num_stages=2, **cfg, **targs)
     if return_significance:
         return out, lse, received_attention(q, kv, q_pos, scale, lse, q_valid)
     return out, lse
 
 
 def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, lse: torch.Tensor,
-                       q_valid: torch.Tensor | None = None, *, block_m: int = BLOCK_M,
-                       block_n: int = BLOCK_N) -> list[torch.Tensor]:
+                       q_valid: torch.Tensor | None = None, *, block_m: int = RECEIVED_BLOCK_M,
+                       block_n: int = RECEIVED_BLOCK_N) -> list[torch.Tensor]:
     """Attention probability each stored token received from this step's queries (LeanKV §4).
 
     Kernel mirror of :func:`leankit.attention.received_attention_ref`: one fp32
@@ -219,7 +289,7 @@ def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale:
     q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
     dev = q.device
-    max_h, max_l, _ = page_counts(n_pages, targs["HAS_LOW"])
+    max_h, max_l, *_ = page_counts(n_pages, targs["HAS_LOW"])
     nh_out = max_h * targs["HI"].T
     nl_out = max_l * targs["LO"].T if targs["HAS_LOW"] else 0
     out_h = tiles.empty((b, hkv, nh_out), dtype=torch.float32, device=dev)

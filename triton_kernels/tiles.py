@@ -273,6 +273,18 @@ def softmax_lse(m, l):
 # ---------------------------------------------------------------------------- launcher helpers
 LOG2E = 1.4426950408889634
 
+
+def jit_options(dynamic: tuple = (), unaligned: tuple = ()) -> dict:
+    """``triton.jit`` options for a kernel: ``dynamic`` integers are not specialized on (value
+    classes), ``unaligned`` pointers not on their 16-byte alignment (where the Triton in use can
+    leave it out; it only matters to wide vector loads, which those pointers never feed)."""
+    import inspect
+
+    opts = {"do_not_specialize": dynamic}
+    if unaligned and "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        opts["do_not_specialize_on_alignment"] = unaligned
+    return opts
+
 _INTERPRETED: dict = {}
 
 
@@ -404,11 +416,13 @@ def layer_launch(q: torch.Tensor, kv):
     return q, tables, n_pages, lens, stride_tier, q.shape[1] // tables.shape[1], tier_args(kv.layouts)
 
 
-def page_counts(n_pages: torch.Tensor, has_low: bool) -> tuple[int, int, int]:
-    """``(max high pages, max low pages, max total pages)`` over heads, with one host sync."""
+def page_counts(n_pages: torch.Tensor, has_low: bool) -> tuple[int, int, int, int]:
+    """``(max high pages, max low pages, max total pages, pages of all heads)`` of a layer, with one
+    host sync."""
     lo = n_pages[1] if has_low else torch.zeros_like(n_pages[0])
-    stats = torch.stack([n_pages[0].max(), lo.max(), (n_pages[0] + lo).max()]) if n_pages[0].numel() else None
-    if stats is None:
-        return 0, 0, 0
-    a, b, c = (int(x) for x in stats.tolist())
-    return a, b, c
+    if not n_pages[0].numel():
+        return 0, 0, 0, 0
+    tot = n_pages[0] + lo
+    stats = torch.stack([n_pages[0].max(), lo.max(), tot.max(), tot.sum()])
+    a, b, c, d = (int(x) for x in stats.tolist())
+    return a, b, c, d
