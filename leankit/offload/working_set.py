@@ -85,11 +85,19 @@ class WorkingSet:
         self.slot_of[ids[held]] = -1
         self.used -= int(held.sum())
 
-    def clear(self) -> None:
-        """Free every slot."""
-        self.owner.fill_(-1)
-        self.slot_of.fill_(-1)
-        self.used = 0
+    def clear(self, keep: torch.Tensor | None = None) -> None:
+        """Free every slot, except those of the host pages marked in ``keep`` (bool, by host id)."""
+        if keep is None or keep.numel() == 0:
+            self.owner.fill_(-1)
+            self.slot_of.fill_(-1)
+            self.used = 0
+            return
+        held = (self.owner >= 0).nonzero().flatten()
+        ids = self.owner[held]
+        inside = ids < keep.numel()
+        kept = torch.zeros_like(inside)
+        kept[inside] = keep[ids[inside]]
+        self.drop(ids[~kept])
 
 
 class WindowFreeList:
