@@ -277,6 +277,50 @@ def test_resident_share_errors_and_finished_rows():
         off.reorder_cache(torch.tensor([0, 0, 2]))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_beam_search_with_offload_on_cuda_is_refused_clearly():
+    model = model_of("llama-mha", layers=3).cuda()
+    ids, mask = left_padded_batch(2, 9)
+    cache = cache_of(model, "K8V4", offload=True)
+    with pytest.raises(ValueError, match="beam search .* not supported with offload on CUDA"), torch.no_grad():
+        model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache, num_beams=3,
+                       max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def test_prefetch_reads_the_device_rarely():
+    """The prefetch's blocking reads (a GPU stall each): no scalar read, and one nonzero per selection."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {"_local_scalar_dense": 0, "nonzero": 0, "repeat_interleave": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in self.n:
+                self.n[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = model_of("llama-mha", layers=3)
+    ids, mask = left_padded_batch(2, 30, seed=1)
+    cache = cache_of(model, "K8V4:act=0.5,act_order=prefix", offload=True)
+    rt, reads = cache.offload, Reads()
+    prefetch = rt._prefetch
+
+    def counted(layer):
+        with reads:
+            prefetch(layer)
+
+    rt._prefetch = counted
+    generate(model, cache, ids, mask, new=4)
+    calls = 4 * cache.num_layers
+    assert reads.n["_local_scalar_dense"] == 0  # no .item()/int()/bool() of a device value
+    # per group (ACT, KV): the used pages, the pages without a slot, free slots, full and partial pages
+    assert reads.n["nonzero"] <= calls * 2 * 5
+    assert reads.n["repeat_interleave"] <= calls * 2  # partly filled pages: one expansion per group
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1,compress_every=4"])
 def test_smollm2_offload_is_exact(smollm2, spec):

@@ -104,13 +104,15 @@ class OffloadRuntime:
     def _row_bytes(self, ids, slots, fill, segments):
         """Flat byte indices ``(host, device)`` of the filled rows of partly filled pages."""
         ps = self.cache.cfg.page_size
+        dev_ = fill.device
+        owner = torch.repeat_interleave(torch.arange(fill.numel(), device=dev_), fill)  # the one host sync
+        row = torch.arange(owner.numel(), device=dev_) - (torch.cumsum(fill, 0) - fill)[owner]
+        host_page, dev_page = (ids[owner] * ps).unsqueeze(1), (slots[owner] * ps).unsqueeze(1)
         host, dev = [], []
         for off, nb in segments:
-            n = fill * nb
-            owner = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n)
-            within = off + torch.arange(owner.numel(), device=n.device) - (torch.cumsum(n, 0) - n)[owner]
-            host.append(ids[owner] * ps + within)
-            dev.append(slots[owner] * ps + within)
+            within = (off + row * nb).unsqueeze(1) + torch.arange(nb, device=dev_)
+            host.append((host_page + within).reshape(-1))
+            dev.append((dev_page + within).reshape(-1))
         return torch.cat(host), torch.cat(dev)
 
     # ------------------------------------------------------------------ pipeline steps
@@ -120,12 +122,13 @@ class OffloadRuntime:
         so they are never copied."""
         events = {}
         for kind, ids, fill, tokens, segments in self._groups(layer):
-            slots, fresh = self.working.assign(ids)
-            full = fresh & (fill == tokens)
+            slots, fresh = self.working.assign(ids, bound=self.home.num_pages)
+            # one nonzero per selection (a boolean index would sync once per tensor indexed)
+            full = (fresh & (fill == tokens)).nonzero().flatten()
             tag = (kind, layer)
             ev = self.link.pages_in(self.working.pool, slots[full], self.home, ids[full], tag=tag)
-            part = fresh & (fill > 0) & (fill < tokens)
-            if bool(part.any()):
+            part = (fresh & (fill > 0) & (fill < tokens)).nonzero().flatten()
+            if part.numel():
                 host, dev = self._row_bytes(ids[part], slots[part], fill[part], segments)
                 ev = self.link.bytes_in(self.working.pool, dev, self.home, host, tag=tag) or ev
             if ev is not None:  # the last copy of the kind (one stream: it covers the earlier ones)

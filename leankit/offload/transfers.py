@@ -63,8 +63,9 @@ class Link:
         if not self.cuda:
             dst.storage.index_copy_(0, slots.long(), src.storage.index_select(0, ids.long()))
             return None
-        staged = src.storage.index_select(0, ids.long().cpu())
-        staged = staged.pin_memory() if src.storage.is_pinned() else staged
+        idx = ids.long().cpu()  # host memory is indexed with host indices: one device read per copy
+        staged = torch.empty((idx.numel(), src.page_size), dtype=torch.uint8, pin_memory=src.storage.is_pinned())
+        torch.index_select(src.storage, 0, idx, out=staged)  # gathered straight into pinned memory
         self._keep.append(staged)
         self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))  # slots are free on the device
         with torch.cuda.stream(self.h2d_stream):
@@ -86,8 +87,9 @@ class Link:
         if not self.cuda:
             dst.storage.view(-1)[dst_index] = src.storage.view(-1)[src_index]
             return None
-        staged = src.storage.view(-1)[src_index.cpu()]
-        staged = staged.pin_memory() if src.storage.is_pinned() else staged
+        idx = src_index.cpu()
+        staged = torch.empty(idx.shape, dtype=torch.uint8, pin_memory=src.storage.is_pinned())
+        torch.index_select(src.storage.view(-1), 0, idx, out=staged)
         self._keep.append(staged)
         self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d_stream):

@@ -41,17 +41,19 @@ class WorkingSet:
             grown[: self.slot_of.numel()] = self.slot_of
             self.slot_of = grown
 
-    def assign(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def assign(self, ids: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Device slots of host pages ``ids`` (unique), giving free slots to those without one.
 
+        ``bound``: an id bound known on the host (the host pool's size), which spares a device read.
         Returns ``(slots, fresh)``: ``fresh`` marks the pages that had no slot before.
         """
         ids = ids.long()
         if ids.numel() == 0:
             return ids, torch.zeros(0, dtype=torch.bool, device=ids.device)
-        self._cover(int(ids.max()) + 1)
+        self._cover(bound if bound is not None else int(ids.max()) + 1)
         fresh = self.slot_of[ids] < 0
-        need = int(fresh.sum())
+        new_ids = ids[fresh]  # the one read of how many pages need a slot
+        need = new_ids.numel()
         if need:
             free = (self.owner < 0).nonzero().flatten()
             if free.numel() < need:
@@ -66,7 +68,6 @@ class WorkingSet:
                 self.owner = owner
                 free = (self.owner < 0).nonzero().flatten()
             slots = free[:need]
-            new_ids = ids[fresh]
             self.owner[slots] = new_ids
             self.slot_of[new_ids] = slots
             self.used += need
