@@ -348,11 +348,9 @@ class OffloadRuntime:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
+    from ..cli import _fmt_bytes
+
+    return _fmt_bytes(n)
 
 
 @functools.cache
