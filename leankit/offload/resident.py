@@ -73,7 +73,7 @@ class ResidentShare:
         # Whole filled pages only: a row's partly filled last page stays on the host, where the
         # row's later tokens go once the device's share is full.
         full = n // per_page
-        want = min(int(round(self.tokens / per_page)), int(full.sum()))
+        want = min(round(self.tokens / per_page), int(full.sum()))
         exact = full.double() * (want / int(full.sum()) if want else 0.0)
         cap = exact.floor().long()
         short = want - int(cap.sum())  # the largest remainders get the pages rounding left over
