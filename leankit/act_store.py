@@ -211,6 +211,7 @@ class ActStore:
         self._n_max = 0  # most ACT tokens of any row before this step
         self._stash: dict[int, torch.Tensor] = {}  # layer -> the step's captured ACT rows [n, D]
         self._rope = None  # (positions, tables) of this step's ACT keys, shared by all layers
+        self._ahead: dict[int, tuple] = {}  # layer -> K/V recomputed before its attention (offload)
 
     # -------------------------------------------------------------- bytes
     def token_bytes(self) -> dict:
@@ -235,7 +236,7 @@ class ActStore:
         cache.grow_pages(extra, table=self.table)
         self._mask, self._rank, self._n_new = mask, torch.cumsum(mask.int(), 1) - 1, n_act_new
         self._n_max = int(self.n_act.max()) if self.n_act.numel() else 0
-        self._stash, self._rope = {}, None
+        self._stash, self._rope, self._ahead = {}, None, {}
         kv = step.real & ~mask
         return dataclasses.replace(step, real=kv, rank=torch.cumsum(kv.int(), 1) - 1, n_new=kv.sum(1))
 
@@ -243,7 +244,14 @@ class ActStore:
         """Advance the per-row counters once every layer stored the step."""
         self.n_real += step.n_new.long()
         self.n_act += self._n_new
-        self._stash, self._rope = {}, None
+        self._stash, self._rope, self._ahead = {}, None, {}
+
+    def recompute_ahead(self, layer: int) -> None:
+        """Recompute ``layer``'s earlier ACT tokens' K/V now, as soon as their pages are on the device
+        (the offload pipeline calls it before the layer's KV pages have landed, KVPR §3.3); its
+        attention then uses them. Nothing to do when the step attends over no ACT token."""
+        if self._n_max > 0 and self.cache._seen > 0:  # the condition under which attend() reads them
+            self._ahead[layer] = self._keys(layer)
 
     def capture(self, layer: int, hidden: torch.Tensor) -> None:
         """Keep ``layer``'s input hidden state ``[B, Q, D]`` of the step's ACT tokens (pre-hook)."""
@@ -284,7 +292,7 @@ class ActStore:
         Returns the merged ``out`` ``[B, Q, Hq, F]``.
         """
         if lse is not None and self._n_max > 0:
-            k, v, pos, valid = self._keys(layer)
+            k, v, pos, valid = self._ahead.pop(layer, None) or self._keys(layer)
             out_act, lse_act = keys_attention(query, k, v, pos, valid, step.q_pos, scaling)
             out, _ = merge_attention(out, lse, out_act, lse_act)
         self._store(layer, step)
@@ -325,7 +333,7 @@ class ActStore:
         if self.table is not None:
             self.release(torch.ones(self.table.lens.shape[1], dtype=torch.bool, device=self.cache.device))
         self.table = self.n_real = self.n_act = self._mask = self._rank = self._n_new = None
-        self._stash, self._rope, self._n_max = {}, None, 0
+        self._stash, self._rope, self._n_max, self._ahead = {}, None, 0, {}
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]`` (fresh pages, bytes copied)."""

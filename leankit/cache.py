@@ -680,6 +680,8 @@ class LeanCache(Cache):
         Rows may be duplicated, so pages are copied (never shared): every new row gets fresh
         pages in one batched allocation, the page bytes are copied, and the old pages are freed.
         """
+        if self.offload is not None:  # a clear error where the host tier cannot reorder (leankit.offload)
+            self.offload.check_reorder()
         self._reorder_pages(beam_idx)  # may raise PoolExhausted, before any plain layer moved
         for layer in self.layers:
             if not isinstance(layer, LeanLayer):

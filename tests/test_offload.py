@@ -46,13 +46,14 @@ def cache_of(model, spec, **kw):
 
 
 def scribble(cache):
-    """Fill the device working set with NaN bytes after every step: only copied pages survive."""
+    """Fill the device working set with NaN bytes after every step: only copied (or resident) pages survive."""
     rt = cache.offload
     end = rt.end_step
 
     def end_and_scribble():
         end()
-        rt.working.pool.storage.fill_(0xFF)
+        free = rt.working.owner < 0  # resident pages (device_tokens) keep their slot: the rest is garbage
+        rt.working.pool.storage[free] = 0xFF
 
     rt.end_step = end_and_scribble
     return cache
@@ -152,6 +153,58 @@ def test_decode_step_moves_the_filled_rows_in_and_the_new_rows_out():
     assert rep["bytes_per_step"][0][0] == 0  # the prompt step had nothing on the host yet
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_act_pages_are_recomputed_before_the_kv_copy_is_awaited(prefetch):
+    """KVPR §3.3 order per layer: ACT copy issued, KV copy issued, ACT->KV recompute (waiting on the ACT
+    copy's event only), then the wait for the KV copy; the recomputed K/V are the ones attention uses."""
+    model = model_of("llama-mha", layers=3)
+    ids, mask = left_padded_batch(2, 13, seed=7, pad_step=3)
+    spec = "K8V4:act=0.4,act_order=prefix"
+    ref, ref_logits = generate(model, cache_of(model, spec), ids, mask, new=4, scores=True)
+    cache = scribble(cache_of(model, spec, offload={"prefetch": prefetch}))
+    store, link = cache.act_store, cache.offload.link
+    calls = []
+    keys = store._keys
+    store._keys = lambda layer: calls.append(layer) or keys(layer)
+    logs = []
+    end = cache.offload.end_step
+
+    def end_and_keep():
+        end()
+        logs.append(link.log)
+        link.log = []
+
+    cache.offload.end_step = end_and_keep
+    link.log = []
+    out, logits = generate(model, cache, ids, mask, new=4, scores=True)
+    assert torch.equal(out, ref) and torch.equal(logits, ref_logits)
+    assert calls == list(range(cache.num_layers)) * 3  # once per layer and decode step: in the window's opening
+    assert store._ahead == {}
+    for log in logs[1:]:  # decode steps (the prompt step has nothing on the host)
+        for layer in range(cache.num_layers):
+            order = [log.index((what, layer)) for what in ("act", "kv", "recompute", "wait_kv")]
+            assert order == sorted(order), (layer, log)
+            if prefetch and layer + 1 < cache.num_layers:  # the next layer's copies are queued first
+                assert log.index(("act", layer + 1)) < log.index(("recompute", layer))
+
+
+def test_memory_report_prints_the_offload_entry():
+    model = model_of("llama-gqa", layers=3)
+    ids, mask = left_padded_batch(2, 19, seed=2)
+    cache = cache_of(model, "K8V4:page_size=256", offload={"device_tokens": 12, "device_pages": 64})
+    generate(model, cache, ids, mask, new=3)
+    rep = cache.memory_report()
+    off, text = rep["offload"], str(rep)
+    assert off["device_resident_pages"] > 0 and off["host_pages"] == rep["pages_used"] - off["device_resident_pages"]
+    assert f"host {off['host_pages']} pages" in text
+    assert f"peak {off['device_pages_peak']} pages" in text and "a budget of 64 pages" in text
+    assert f"{off['device_resident_pages']} resident" in text
+    h2d, d2h = off["h2d_bytes_step"], off["d2h_bytes_step"]
+    assert 0 < d2h < 1024 < h2d  # printed in B and KiB
+    assert f"host->device {h2d / 1024:.1f} KiB, device->host {d2h} B" in text
+    assert text.startswith("LeanCache K8V4") and "pages               " in text  # the cache lines stay
+
+
 @pytest.mark.parametrize("bad,what", [("gpu", "offload= takes"), ({"prefetch": -1}, "prefetch"),
                                       ({"device_pages": 0}, "device_pages"), ({"depth": 2}, "unknown offload")])
 def test_bad_offload_argument(bad, what):
@@ -170,6 +223,102 @@ def test_beam_search_reorders_host_pages():
 
     for spec in ("K8V4", "FP16:act=0.5"):
         assert torch.equal(beams(scribble(cache_of(model, spec, offload=True))), beams(cache_of(model, spec)))
+
+
+@pytest.mark.parametrize("spec,kind", [("K8V4:page_size=256", "kv"), ("FP16:act=0.5,page_size=512", "act"),
+                                       ("K8V4:act=0.5,act_order=prefix,page_size=256", "kv")])
+def test_resident_share_stays_on_the_device(spec, kind):
+    model = model_of("llama-gqa", layers=3)
+    ids, mask = left_padded_batch(3, 23, seed=6, pad_step=4)
+    ref = generate(model, cache_of(model, spec), ids, mask, new=7)
+    host = cache_of(model, spec, offload=True)
+    assert torch.equal(generate(model, host, ids, mask, new=7), ref)
+    cache = scribble(cache_of(model, spec, offload={"device_tokens": 21, "device_kind": kind}))
+    assert torch.equal(generate(model, cache, ids, mask, new=7), ref)
+    rt = cache.offload
+    res = rt.resident
+    cap = res.kv_cap if kind == "kv" else res.act_cap
+    per_page = cache.layouts[HIGH].tokens if kind == "kv" else cache.act_store.layout.tokens
+    assert cap is not None and abs(int(cap.sum()) * per_page - 21) <= per_page / 2  # to within a page
+    heads = cache.num_kv_heads if kind == "kv" else cache.act_store.layout.slices
+    assert res.pages == int(cap.sum()) * heads * cache.num_layers > 0
+    assert rt.working.used == res.pages  # between steps only resident pages hold a slot
+    # resident pages never cross the link: fewer bytes in than with every page on the host, and
+    # the prompt's resident rows are never written back
+    steps = cache.memory_report()["offload"]["bytes_per_step"]
+    every = host.memory_report()["offload"]["bytes_per_step"]
+    assert all(got[0] < all_[0] and got[1] <= all_[1] for got, all_ in zip(steps[1:], every[1:]))
+    assert steps[0][1] < every[0][1]
+
+
+def test_resident_share_errors_and_finished_rows():
+    model = model_of("llama-gqa", layers=3)
+    with pytest.raises(ValueError, match="device_tokens needs policy 'full'"):
+        cache_of(model, "K8V4-K4V2:th=0.3,tl=0.05", offload={"device_tokens": 8})
+    with pytest.raises(ValueError, match="no ACT share"):
+        cache_of(model, "K8V4", offload={"device_tokens": 8, "device_kind": "act"})
+    with pytest.raises(ValueError, match="device_kind"):
+        OffloadConfig(device_kind="gpu")
+    ids, mask = left_padded_batch(3, 21, seed=4)
+    spec = "K8V4:page_size=256"  # pages of 6 tokens: several full pages per row
+    ref = generate(model, cache_of(model, spec), ids, mask)
+    eos = int(ref[1, ids.shape[1] + 2])  # row 1 ends after its third new token
+    dev = cache_of(model, spec, eos_token_id=eos)
+    out_dev = generate(model, dev, ids, mask, eos=eos)
+    off = scribble(cache_of(model, spec, eos_token_id=eos, offload={"device_tokens": 30}))
+    assert torch.equal(generate(model, off, ids, mask, eos=eos), out_dev)
+    assert 1 in off.finished.nonzero().flatten().tolist()
+    held = off.table.tables[off.table.tables >= 0].long()
+    assert bool(off.offload.resident.of(held).any())  # the live rows keep theirs
+    assert off.offload.resident.pages == int(off.offload.resident.of(held).sum())  # row 1's went back
+    assert off.offload.working.used == off.offload.resident.pages
+    assert off.free_list.num_free == off.free_list.capacity - off.memory_report()["pages_used"]
+    with pytest.raises(ValueError, match="beam search"):
+        off.reorder_cache(torch.tensor([0, 0, 2]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_beam_search_with_offload_on_cuda_is_refused_clearly():
+    model = model_of("llama-mha", layers=3).cuda()
+    ids, mask = left_padded_batch(2, 9)
+    cache = cache_of(model, "K8V4", offload=True)
+    with pytest.raises(ValueError, match="beam search .* not supported with offload on CUDA"), torch.no_grad():
+        model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache, num_beams=3,
+                       max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def test_prefetch_reads_the_device_rarely():
+    """The prefetch's blocking reads (a GPU stall each): no scalar read, and one nonzero per selection."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {"_local_scalar_dense": 0, "nonzero": 0, "repeat_interleave": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in self.n:
+                self.n[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = model_of("llama-mha", layers=3)
+    ids, mask = left_padded_batch(2, 30, seed=1)
+    cache = cache_of(model, "K8V4:act=0.5,act_order=prefix", offload=True)
+    rt, reads = cache.offload, Reads()
+    prefetch = rt._prefetch
+
+    def counted(layer):
+        with reads:
+            prefetch(layer)
+
+    rt._prefetch = counted
+    generate(model, cache, ids, mask, new=4)
+    calls = 4 * cache.num_layers
+    assert reads.n["_local_scalar_dense"] == 0  # no .item()/int()/bool() of a device value
+    # per group (ACT, KV): the used pages, the pages without a slot, free slots, full and partial pages
+    assert reads.n["nonzero"] <= calls * 2 * 5
+    assert reads.n["repeat_interleave"] <= calls * 2  # partly filled pages: one expansion per group
 
 
 @pytest.mark.slow

@@ -19,28 +19,39 @@ def long_model(layers: int = 2):
     return tiny_model("llama-mha", seed=0, hidden_size=128, num_hidden_layers=layers, max_position_embeddings=4096)
 
 
-def host_only_plan(model, kv: str, prompts, gen: int, **allowed):
-    """A plan whose GPU holds weights and buffers only, so every cache token crosses the link."""
+def host_plan(model, kv: str, prompts, gen: int, gpu_share: float = 0.0, **allowed):
+    """A plan whose GPU holds weights, buffers and ``gpu_share`` of the cache that would fit it
+    (0: one byte, so every cache token crosses the link)."""
     kw = {"weight_placement": False, "activation_cache": False, "kvpr": False}
     kw.update(allowed)
     hw = get_hardware(HW)
     roomy = plan_for_model(model, hw, len(prompts), prompts, gen, kv_configs=(kv,), **kw)
-    cap = roomy.memory["gpu_weights"] + roomy.memory["gpu_buffers"] + 1  # one byte of cache room
+    cap = roomy.memory["gpu_weights"] + roomy.memory["gpu_buffers"] + max(1.0, gpu_share * roomy.memory["gpu_cache"])
     return plan_for_model(model, hw, len(prompts), prompts, gen, kv_configs=(kv,),
                           limits=Limits(gpu_mem=cap), **kw)
 
 
+def host_only_plan(model, kv: str, prompts, gen: int, **allowed):
+    """A plan whose GPU holds weights and buffers only, so every cache token crosses the link."""
+    return host_plan(model, kv, prompts, gen, 0.0, **allowed)
+
+
+@pytest.mark.parametrize("gpu_share", [0.0, 0.15])
 @pytest.mark.parametrize("kv,mode", [("K8V4", "kv"), ("K4V4:group_size=16", "kv"), ("FP16", "hybrid"),
                                      ("FP16", "kvpr")])
-def test_counted_link_bytes_match_the_plan_within_one_percent(kv, mode):
+def test_counted_link_bytes_match_the_plan_within_one_percent(kv, mode, gpu_share):
     model = long_model()
     prompts, gen = (1900, 1777), 3
     allow = {"hybrid": {"activation_cache": True}, "kvpr": {"kvpr": True}}.get(mode, {})
-    plan = host_only_plan(model, kv, prompts, gen, **allow)
+    plan = host_plan(model, kv, prompts, gen, gpu_share, **allow)
     assert plan.feasible and plan.choice.mode == mode and plan.memory["host_cache"] > 0
+    resident = plan.memory["gpu_cache_tokens"]
+    assert (resident > 100) == (gpu_share > 0)  # a GPU-resident share of the cache, or none
     predicted = predicted_link_bytes(plan)
     cache = LeanCache.from_plan(model, plan)
     assert cache.offload is not None and str(cache.cfg) == kv.split(":")[0]
+    assert cache.offload.cfg.device_tokens == int(resident)
+    assert cache.offload.cfg.device_kind == ("act" if mode == "hybrid" and gpu_share else "kv")
     assert (cache.act_store is not None) == (mode != "kv")
     width = max(prompts)
     g = torch.Generator().manual_seed(0)
@@ -53,6 +64,7 @@ def test_counted_link_bytes_match_the_plan_within_one_percent(kv, mode):
         model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=gen + 1,
                        do_sample=False, pad_token_id=0)
     history = cache.memory_report()["offload"]["bytes_per_step"]
+    assert (cache.offload.resident.pages > 0) == (gpu_share > 0)
     # The plan prices decode step j with p + j tokens per row on the host: the runtime's forward
     # number j + 1 after the prompt, whose pages hold p + j tokens.
     step = int(predicted["context"] - sum(prompts) / len(prompts)) + 1

@@ -9,8 +9,10 @@ from dataclasses import dataclass, fields
 class OffloadConfig:
     """Where the pages of a LeanCache live and how the per-layer pipeline moves them.
 
-    Every page (KV at any precision, or ACT) lives in a host pool; the device keeps a working set
-    of the layer being computed plus the ``prefetch`` layers after it, and the step's new pages.
+    Every page (KV at any precision, or ACT) has a home in a host pool; the device keeps a working
+    set of the layer being computed plus the ``prefetch`` layers after it, and the step's new pages.
+    A plan that keeps part of the cache on the GPU (``device_tokens``) keeps those pages on the
+    device for good: they are never copied either way.
 
     Attributes:
         prefetch: layers whose host pages are copied in ahead of the layer being computed (0: a
@@ -20,12 +22,22 @@ class OffloadConfig:
             what the largest window needs; a fixed budget raises ``DeviceBudgetExceeded`` (a
             ``RuntimeError``) naming the pages needed when a window does not fit, and the step
             is dropped (the cache stays at its last completed step).
+        device_tokens: cache tokens per layer, summed over the batch, that stay on the device (the
+            planner's GPU-resident cache, ``plan.memory["gpu_cache_tokens"]``). The share is fixed
+            at the first step: each row keeps the first pages of kind ``device_kind`` in proportion
+            to its tokens of that kind, so that the kept tokens sum to
+            ``device_tokens`` (to a page per row). Needs policy ``full`` (pages that never move).
+        device_kind: the kind of page the resident share holds: ``"kv"`` (the planner's ``kv`` and
+            ``kvpr`` modes) or ``"act"`` (``hybrid``: HybridServe keeps ACT blocks on the GPU; needs
+            ``act=``).
         pin: pin the host pool when CUDA is present (page-locked memory is what lets a copy run
             on a side stream while the device computes). Ignored without CUDA.
     """
 
     prefetch: int = 1
     device_pages: int | None = None
+    device_tokens: int = 0
+    device_kind: str = "kv"
     pin: bool = True
 
     def __post_init__(self):
@@ -33,6 +45,11 @@ class OffloadConfig:
             raise ValueError(f"offload prefetch must be an integer >= 0 (layers ahead), got {self.prefetch!r}")
         if self.device_pages is not None and (not isinstance(self.device_pages, int) or self.device_pages < 1):
             raise ValueError(f"offload device_pages must be a positive integer or None, got {self.device_pages!r}")
+        if not isinstance(self.device_tokens, int) or isinstance(self.device_tokens, bool) or self.device_tokens < 0:
+            raise ValueError(f"offload device_tokens must be an integer >= 0 (tokens per layer kept on the device), "
+                             f"got {self.device_tokens!r}")
+        if self.device_kind not in ("kv", "act"):
+            raise ValueError(f"offload device_kind must be 'kv' or 'act', got {self.device_kind!r}")
 
     @classmethod
     def parse(cls, spec) -> OffloadConfig:

@@ -7,19 +7,26 @@ layer's work (its paged attention, its ACT recompute, the store of its new token
 
 1. **prefetch** (before the window, while the previous layer computes): every page of the
    layer's rows gets a device slot; the pages that hold tokens are copied in on the copy stream,
-   ACT pages first (the first tokens' activations travel first, KVPR's split: the fused ACT->KV
-   recompute needs only them), then the KV pages;
-2. **open**: the compute stream waits for the copies; the layer's page-table rows are rewritten
-   from host ids to device slots and the cache reads and writes the device pool; the next
-   ``prefetch`` layers start copying in;
+   ACT pages first, each kind behind its own event (the first tokens' activations travel first,
+   KVPR's split: the fused ACT->KV recompute needs only them), then the KV pages;
+2. **open**: the layer's page-table rows are rewritten from host ids to device slots and the
+   cache reads and writes the device pool; the next ``prefetch`` layers start copying in; the
+   compute stream waits for the ACT event alone and recomputes the layer's ACT tokens' K/V
+   (KVPR §3.3: recompute overlaps the transfer of the rest of the KV), and only then waits for
+   the KV event;
 3. **close**: the rows go back to host ids; what the layer changed is written back on the
    write-back stream (only the new tokens' rows under policy ``full``; whole pages when a
    significance policy rewrote every page's scores); the layer's slots are freed.
+
+Pages of the plan's device-resident share (:mod:`~leankit.offload.resident`) keep their slot
+from step to step and are never copied either way.
 
 On the CPU the same steps run synchronously between two distinct pools.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -27,6 +34,7 @@ from ..page_table import HIGH
 from ..pages import SEGMENTS
 from .config import OffloadConfig
 from .host_pool import HostPool
+from .resident import ResidentShare
 from .transfers import Link
 from .working_set import DeviceBudgetExceeded, WindowFreeList, WorkingSet
 
@@ -44,19 +52,27 @@ class OffloadRuntime:
                 f"offload on CUDA needs policy 'full' (a single-tier config such as 'K8V4', or ACT); "
                 f"policy {cache.cfg.policy!r} reorganizes pages of every layer between steps, which the "
                 "host tier cannot serve on a GPU yet (it runs on the CPU)")
+        if cfg.device_tokens and cache.cfg.policy != "full":
+            raise ValueError(f"offload device_tokens needs policy 'full' (pages that never move); policy "
+                             f"{cache.cfg.policy!r} moves pages between tiers or evicts them, so keep every page "
+                             "on the host (device_tokens=0)")
+        if cfg.device_tokens and cfg.device_kind == "act" and not cache.cfg.act:
+            raise ValueError("offload device_kind 'act' keeps ACT blocks on the device, but the config has no "
+                             f"ACT share ({cache.cfg}): add act=... or use device_kind 'kv'")
+        self.resident = ResidentShare(cfg.device_tokens, cfg.device_kind, cache.device)
         self.home = HostPool(cache.pool.num_pages, cache.cfg.page_size, cfg.pin)
         cache.pool = self.home  # the page table and the free list hold host page ids
         self.home_list = cache.free_list
         self.working = WorkingSet(cache.cfg.page_size, cache.device, cfg.device_pages)
         self.link = Link(cache.device)
         self._loaded: set[int] = set()  # layers whose pages hold device slots
-        self._events: dict[int, object] = {}  # layer -> event of its copies (CUDA)
+        self._events: dict[int, dict] = {}  # layer -> {"act": event, "kv": event} of its copies (CUDA)
         self._open: int | None = None
         self._before = None  # token counts of the open layer when it opened
 
     # ------------------------------------------------------------------ pages of a layer
     def _groups(self, layer: int) -> list[tuple]:
-        """The layer's pages as ``(ids, fill, tokens_per_page, segments)`` groups, ACT first.
+        """The layer's pages as ``(kind, ids, fill, tokens_per_page, segments)`` groups, ACT first.
 
         ``fill`` is the tokens each page holds (0 for a page reserved for the step's new tokens),
         ``segments`` the ``(byte offset, bytes per token)`` of the page's token-major segments: a
@@ -71,7 +87,8 @@ class OffloadRuntime:
             block = torch.arange(t.row_len, device=row.device) // t.slices
             fill = (t.lens[layer].long().view(-1, 1) - block.view(1, -1) * t.tokens).clamp(0, t.tokens)
             used = row >= 0
-            out.append((row[used].long(), fill[used], t.tokens, ((g.data_offset, g.row_bytes), (g.position_offset, 4))))
+            out.append(("act", row[used].long(), fill[used], t.tokens,
+                        ((g.data_offset, g.row_bytes), (g.position_offset, 4))))
         table = cache.table
         row = table.tables[layer]  # [B, H, R]
         col = torch.arange(table.row_len, device=row.device)
@@ -81,39 +98,49 @@ class OffloadRuntime:
             fill = (table.lens[tier, layer].long().unsqueeze(-1) - j.view(1, 1, -1) * layout.tokens)
             fill = fill.clamp(0, layout.tokens)
             segs = tuple((layout.seg_offsets[i], nb) for i, nb in enumerate(layout.seg_bytes) if nb)
-            out.append((row[mine].long(), fill[mine], layout.tokens, segs))
+            out.append(("kv", row[mine].long(), fill[mine], layout.tokens, segs))
         return out
 
     def _row_bytes(self, ids, slots, fill, segments):
         """Flat byte indices ``(host, device)`` of the filled rows of partly filled pages."""
         ps = self.cache.cfg.page_size
+        dev_ = fill.device
+        owner = torch.repeat_interleave(torch.arange(fill.numel(), device=dev_), fill)  # the one host sync
+        row = torch.arange(owner.numel(), device=dev_) - (torch.cumsum(fill, 0) - fill)[owner]
+        host_page, dev_page = (ids[owner] * ps).unsqueeze(1), (slots[owner] * ps).unsqueeze(1)
         host, dev = [], []
         for off, nb in segments:
-            n = fill * nb
-            owner = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n)
-            within = off + torch.arange(owner.numel(), device=n.device) - (torch.cumsum(n, 0) - n)[owner]
-            host.append(ids[owner] * ps + within)
-            dev.append(slots[owner] * ps + within)
+            within = (off + row * nb).unsqueeze(1) + torch.arange(nb, device=dev_)
+            host.append((host_page + within).reshape(-1))
+            dev.append((dev_page + within).reshape(-1))
         return torch.cat(host), torch.cat(dev)
 
     # ------------------------------------------------------------------ pipeline steps
     def _prefetch(self, layer: int) -> None:
-        """Give the layer's pages device slots and copy in the tokens they hold (ACT first)."""
-        event = None
-        for ids, fill, tokens, segments in self._groups(layer):
-            slots, fresh = self.working.assign(ids)
-            full = fresh & (fill == tokens)
-            event = self.link.pages_in(self.working.pool, slots[full], self.home, ids[full]) or event
-            part = fresh & (fill > 0) & (fill < tokens)
-            if bool(part.any()):
+        """Give the layer's pages device slots and copy in the tokens they hold: the ACT pages first,
+        then the KV pages, each kind behind its own event. Resident pages keep their slot (not fresh),
+        so they are never copied."""
+        events = {}
+        for kind, ids, fill, tokens, segments in self._groups(layer):
+            slots, fresh = self.working.assign(ids, bound=self.home.num_pages)
+            # one nonzero per selection (a boolean index would sync once per tensor indexed)
+            full = (fresh & (fill == tokens)).nonzero().flatten()
+            tag = (kind, layer)
+            ev = self.link.pages_in(self.working.pool, slots[full], self.home, ids[full], tag=tag)
+            part = (fresh & (fill > 0) & (fill < tokens)).nonzero().flatten()
+            if part.numel():
                 host, dev = self._row_bytes(ids[part], slots[part], fill[part], segments)
-                event = self.link.bytes_in(self.working.pool, dev, self.home, host) or event
+                ev = self.link.bytes_in(self.working.pool, dev, self.home, host, tag=tag) or ev
+            if ev is not None:  # the last copy of the kind (one stream: it covers the earlier ones)
+                events[kind] = ev
         self._loaded.add(layer)
-        if event is not None:
-            self._events[layer] = event
+        if events:
+            self._events[layer] = events
 
     def begin_step(self, step) -> None:
         """Start copying the first layer's pages in (the step's pages are allocated by now)."""
+        if self.resident.active:  # resident pages of finished rows went back to the free list
+            self.working.drop(self.resident.prune(self.cache))
         if self.cache.num_layers:
             self._prefetch(0)
 
@@ -124,9 +151,7 @@ class OffloadRuntime:
         cache = self.cache
         if layer not in self._loaded:
             self._prefetch(layer)
-        event = self._events.pop(layer, None)
-        if event is not None:
-            torch.cuda.current_stream(cache.device).wait_event(event)
+        events = self._events.pop(layer, {})
         store = cache.act_store
         act_lens = None if store is None or store.table is None else store.table.lens[layer].clone()
         self._before = (cache.table.lens[:, layer].clone(), act_lens)
@@ -134,9 +159,21 @@ class OffloadRuntime:
         cache.pool = self.working.pool
         cache.free_list = WindowFreeList(self.home_list, self.working, self._grow_home)
         self._open = layer
+        # The next layers' copies are queued before this layer's recompute, behind its own copies.
         for nxt in range(layer + 1, min(layer + 1 + self.cfg.prefetch, cache.num_layers)):
             if nxt not in self._loaded:
                 self._prefetch(nxt)
+        if act_lens is not None:  # ACT->KV recompute as soon as the ACT pages landed (KVPR §3.3)
+            self._wait(events.get("act"))
+            self.link.note(("recompute", layer))
+            store.recompute_ahead(layer)
+        self.link.note(("wait_kv", layer))
+        self._wait(events.get("kv"))
+
+    def _wait(self, event) -> None:
+        """The compute stream waits for one copy event (nothing to wait for on the CPU)."""
+        if event is not None:
+            torch.cuda.current_stream(self.cache.device).wait_event(event)
 
     def close(self, layer: int) -> None:
         """Point ``layer``'s rows back at host pages, write back what changed, free its slots."""
@@ -144,19 +181,22 @@ class OffloadRuntime:
         cache.pool, cache.free_list = self.home, self.home_list
         self._swap_rows(layer, self.working.owner)
         self._open = None
+        self.resident.fix(cache, layer)
+        self.resident.mark(cache, layer)
         groups = self._groups(layer)
         if self.whole_pages:  # every page the layer holds may have changed (scores, tier moves)
-            for ids, fill, tokens, segments in groups:
+            for _, ids, fill, tokens, segments in groups:
                 slots = self.working.slot_of[ids]
-                full = fill == tokens
+                full = (fill == tokens) & ~self.resident.of(ids)
                 self.link.pages_out(self.home, ids[full], self.working.pool, slots[full])
-                part = (fill > 0) & (fill < tokens)
+                part = (fill > 0) & (fill < tokens) & ~self.resident.of(ids)
                 if bool(part.any()):
                     host, dev = self._row_bytes(ids[part], slots[part], fill[part], segments)
                     self.link.bytes_out(self.home, host, self.working.pool, dev)
         else:
             self._write_new_rows(layer)
-        self.working.drop(torch.cat([g[0] for g in groups]))
+        ids = torch.cat([g[1] for g in groups])
+        self.working.drop(ids[~self.resident.of(ids)])  # resident pages keep their slot
         self._loaded.discard(layer)
 
     def _swap_rows(self, layer: int, mapping: torch.Tensor) -> None:
@@ -188,6 +228,8 @@ class OffloadRuntime:
             heads = cache.num_kv_heads
             ids, off = cache.table.locate(HIGH, layer, owner // heads, owner % heads, slot, layout.tokens)
             ids, off = ids.long(), off.long()
+            away = ~self.resident.of(ids)  # a resident page's rows stay on the device
+            ids, off = ids[away], off[away]
             slots = self.working.slot_of[ids]
             for name, nb in zip(SEGMENTS, layout.seg_bytes):
                 if nb:
@@ -202,6 +244,8 @@ class OffloadRuntime:
             if owner.numel():
                 ids, row = store.table.locate(layer, owner, slot)  # [n, S], [n]
                 ids, row = ids.long(), row.long()
+                away = ~self.resident.of(ids[:, 0])  # a block's pages are resident together
+                ids, row = ids[away], row[away]
                 slots = self.working.slot_of[ids]
                 for off, nb in ((g.data_offset, g.row_bytes), (g.position_offset, 4)):
                     within = (off + row * nb)[:, None]
@@ -236,8 +280,8 @@ class OffloadRuntime:
         self._forget()
 
     def _forget(self) -> None:
-        """Free every device slot and forget which layers were copied in."""
-        self.working.clear()
+        """Free every device slot but the resident pages' and forget which layers were copied in."""
+        self.working.clear(keep=self.resident.flags)
         self._loaded.clear()
         self._events.clear()
 
@@ -246,7 +290,21 @@ class OffloadRuntime:
         if self._open is not None:
             self.cache.pool, self.cache.free_list = self.home, self.home_list
             self._open = None
+        self.resident.reset()
         self.abandon_prefetch()
+
+    def check_reorder(self) -> None:
+        """Raise ``ValueError`` where beam search cannot reorder the host tier (before anything moved).
+
+        Beam reordering copies page bytes within one pool: on CUDA the host tier would be indexed
+        with device tensors, and a resident page's bytes are on the device, not in the host pool.
+        """
+        if self.cache.device.type == "cuda":
+            raise ValueError("beam search (reorder_cache) is not supported with offload on CUDA: the host tier "
+                             "cannot reorder its pages yet; use greedy or sampling, or offload=None")
+        if self.resident.active:
+            raise ValueError("beam search (reorder_cache) is not supported with offload device_tokens > 0: the "
+                             "resident pages' bytes live on the device only; use device_tokens=0")
 
     # ------------------------------------------------------------------ the layer call
     def attend(self, layer: int, run):
@@ -274,17 +332,50 @@ class OffloadRuntime:
         ps = self.cache.cfg.page_size
         last = self.link.history[-1] if self.link.history else (0, 0)
         steps = len(self.link.history)
+        host = rep["pages_used"] - self.resident.pages  # a resident page's bytes live on the device only
         out = dict(rep)
         out["offload"] = {
-            "host_pages": rep["pages_used"], "host_bytes": rep["pages_used"] * ps,
+            "host_pages": host, "host_bytes": host * ps,
             "host_pool_bytes": self.home.num_pages * ps, "pinned": self.home.pinned,
             "device_pages_peak": self.working.peak, "device_bytes_peak": self.working.peak * ps,
             "device_pages_budget": self.working.budget, "prefetch": self.cfg.prefetch,
             "h2d_bytes_step": last[0], "d2h_bytes_step": last[1],
             "h2d_bytes_total": self.link.total["h2d"], "d2h_bytes_total": self.link.total["d2h"],
             "steps": steps, "bytes_per_step": list(self.link.history),
+            "device_resident_pages": self.resident.pages, "device_tokens": self.cfg.device_tokens,
         }
-        return type(rep)(out)
+        return offload_report(type(rep))(out)
+
+
+def _size(n: float) -> str:
+    from ..cli import _fmt_bytes
+
+    return _fmt_bytes(n)
+
+
+@functools.cache
+def offload_report(base: type) -> type:
+    """A memory-report class like ``base`` whose ``str`` adds the ``offload`` entry's lines."""
+
+    class OffloadMemoryReport(base):
+        def __str__(self) -> str:
+            o = self["offload"]
+            budget = o["device_pages_budget"]
+            lines = [
+                super().__str__(),
+                (f"  offload             host {o['host_pages']} pages ({_size(o['host_bytes'])}"
+                 f"{', pinned' if o['pinned'] else ''}), prefetch {o['prefetch']} layer(s)"),
+                (f"  device working set  peak {o['device_pages_peak']} pages ({_size(o['device_bytes_peak'])}) "
+                 f"of {'an elastic budget' if budget is None else f'a budget of {budget} pages'}, "
+                 f"{o['device_resident_pages']} resident"),
+                (f"  link per step       host->device {_size(o['h2d_bytes_step'])}, device->host "
+                 f"{_size(o['d2h_bytes_step'])} (last of {o['steps']} steps; total {_size(o['h2d_bytes_total'])} "
+                 f"in, {_size(o['d2h_bytes_total'])} out)"),
+            ]
+            return "\n".join(lines)
+
+    OffloadMemoryReport.__name__ = OffloadMemoryReport.__qualname__ = f"Offload{base.__name__}"
+    return OffloadMemoryReport
 
 
 def make_runtime(cache, spec) -> OffloadRuntime:

@@ -9,8 +9,8 @@ A plan names a cache format (``choice.kv``; ``None`` is the plain fp16 cache, se
   row's tokens recomputed from activations (``act_order=prefix``, the mean of the per-step splits);
   ``attn_offload`` runs attention on the CPU, which leankit does not do (``ValueError``).
 * the cache goes to the host tier (``offload``) whenever the plan keeps cache bytes on the host;
-  the runtime then holds every layer's pages on the host and only the layers in flight on the
-  device (the plan's GPU-resident cache tokens, if any, are also streamed).
+  the plan's GPU-resident cache tokens (``plan.memory["gpu_cache_tokens"]``) stay on the device
+  (``device_tokens``: never copied) and the rest lives on the host, streamed per layer.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _plan_error(plan) -> str | None:
 
 
 def act_share(plan) -> float:
-    """The share of tokens the plan keeps as activations (0 for ``kv``)."""
+    """The share of the plan's *host* tokens kept as activations (0 for ``kv``)."""
     mode = plan.choice.mode
     if mode == "hybrid":
         return float(plan.act_share.get("host tokens as ACT", 0.0))
@@ -37,8 +37,32 @@ def act_share(plan) -> float:
     return 0.0
 
 
+def cache_act_share(plan, resident: float) -> float:
+    """The share of *all* of a row's tokens to store as ACT so that, with ``resident`` tokens per layer
+    kept on the device, the cache holds the plan's ACT tokens at its step context ``n`` tokens:
+
+    * ``hybrid``: the resident tokens are ACT (HybridServe's GPU cache), plus ``phi`` of the host
+      tokens: ``(G + phi (n - G)) / n``;
+    * ``kvpr``: the resident tokens are KV; the split ``f`` applies to the host tokens:
+      ``f (n - G) / n``.
+    """
+    share = act_share(plan)
+    n = plan.workload.batch * plan.step_context
+    if resident <= 0 or n <= 0:
+        return share
+    g = min(resident, n)
+    if plan.choice.mode == "hybrid":
+        return (g + share * (n - g)) / n
+    return share * (n - g) / n
+
+
 def cache_settings(plan) -> tuple[str, dict | None]:
     """``(kv spec, offload)`` for ``LeanCache(model, kv, offload=offload)`` from a plan.
+
+    ``offload`` is ``None`` when the whole cache fits the device, else the
+    :class:`~leankit.offload.OffloadConfig` fields: ``device_tokens`` is the plan's GPU-resident
+    cache tokens per layer (absent when the plan keeps none), ``device_kind`` their kind (ACT
+    blocks for ``hybrid``, KV otherwise), and the ACT share is :func:`cache_act_share`.
 
     Raises ``ValueError`` for an infeasible plan, CPU attention (``attn_offload``) or an ACT share
     on a two-tier format (ACT composes with policy ``full`` only).
@@ -52,7 +76,9 @@ def cache_settings(plan) -> tuple[str, dict | None]:
                          "plan again with attention offloading disallowed (Allowed(attention_offload=False), "
                          "`leankit plan --no-attn-offload`)")
     kv = ch.kv or "FP16"
-    share = round(act_share(plan), 4)
+    host = plan.memory.get("host_cache", 0.0) > 0 and plan.hardware.device != "cpu"
+    resident = int(plan.memory.get("gpu_cache_tokens", 0.0)) if host else 0
+    share = round(cache_act_share(plan, resident), 4)
     if share > 0:
         from ..config import KVConfig
 
@@ -63,8 +89,11 @@ def cache_settings(plan) -> tuple[str, dict | None]:
                              "--kv formats, or without the activation cache and KVPR")
         order = "prefix" if ch.mode == "kvpr" else "ratio"
         kv = f"{kv}{',' if ':' in kv else ':'}act={share:g},act_order={order}"
-    host = plan.memory.get("host_cache", 0.0) > 0 and plan.hardware.device != "cpu"
-    return kv, ({} if host else None)
+    if not host:
+        return kv, None
+    if not resident:
+        return kv, {}
+    return kv, {"device_tokens": resident, "device_kind": "act" if ch.mode == "hybrid" else "kv"}
 
 
 def check_model(plan, model) -> None:
@@ -129,5 +158,5 @@ def relative_gap(counted: float, predicted: float) -> float:
     return abs(counted - predicted) / predicted
 
 
-__all__ = ["act_share", "cache_settings", "check_model", "model_spec", "plan_for_model", "predicted_link_bytes",
+__all__ = ["act_share", "cache_act_share", "cache_settings", "check_model", "model_spec", "plan_for_model", "predicted_link_bytes",
            "relative_gap"]

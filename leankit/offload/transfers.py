@@ -25,6 +25,7 @@ class Link:
         self._keep: list = []  # host staging buffers that must live until their copy ran
         self.timing = False  # record CUDA events around copies (for the measured overlap)
         self.copy_events: list = []
+        self.log: list | None = None  # set to a list to record the issue order of copies and waits
         self.reset_counts()
 
     # ------------------------------------------------------------------ counters
@@ -44,19 +45,27 @@ class Link:
         self.step[way] += nbytes
         self.total[way] += nbytes
 
+    def note(self, what) -> None:
+        """Record ``what`` in the issue-order log (when ``log`` is a list): copies record their tag
+        when issued, the pipeline records its recomputes and waits."""
+        if self.log is not None:
+            self.log.append(what)
+
     # ------------------------------------------------------------------ host -> device
-    def pages_in(self, dst, slots: torch.Tensor, src, ids: torch.Tensor):
+    def pages_in(self, dst, slots: torch.Tensor, src, ids: torch.Tensor, tag=None):
         """Copy whole host pages ``src[ids]`` into device pages ``dst[slots]``; returns the copy's event
-        (``None`` on the CPU, where the copy is done on return)."""
+        (``None`` on the CPU, where the copy is done on return). ``tag`` names the copy in ``log``."""
         n = ids.numel()
         if n == 0:
             return None
         self._count("h2d", n * src.page_size)
+        self.note(tag)
         if not self.cuda:
             dst.storage.index_copy_(0, slots.long(), src.storage.index_select(0, ids.long()))
             return None
-        staged = src.storage.index_select(0, ids.long().cpu())
-        staged = staged.pin_memory() if src.storage.is_pinned() else staged
+        idx = ids.long().cpu()  # host memory is indexed with host indices: one device read per copy
+        staged = torch.empty((idx.numel(), src.page_size), dtype=torch.uint8, pin_memory=src.storage.is_pinned())
+        torch.index_select(src.storage, 0, idx, out=staged)  # gathered straight into pinned memory
         self._keep.append(staged)
         self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))  # slots are free on the device
         with torch.cuda.stream(self.h2d_stream):
@@ -67,18 +76,20 @@ class Link:
             ev.record(self.h2d_stream)
         return ev
 
-    def bytes_in(self, dst, dst_index: torch.Tensor, src, src_index: torch.Tensor):
+    def bytes_in(self, dst, dst_index: torch.Tensor, src, src_index: torch.Tensor, tag=None):
         """Copy the host bytes at flat index ``src_index`` to the device bytes at ``dst_index`` (the
         filled rows of a partly filled page: its empty rows never cross the link); returns the event."""
         n = dst_index.numel()
         if n == 0:
             return None
         self._count("h2d", n)
+        self.note(tag)
         if not self.cuda:
             dst.storage.view(-1)[dst_index] = src.storage.view(-1)[src_index]
             return None
-        staged = src.storage.view(-1)[src_index.cpu()]
-        staged = staged.pin_memory() if src.storage.is_pinned() else staged
+        idx = src_index.cpu()
+        staged = torch.empty(idx.shape, dtype=torch.uint8, pin_memory=src.storage.is_pinned())
+        torch.index_select(src.storage.view(-1), 0, idx, out=staged)
         self._keep.append(staged)
         self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.h2d_stream):

@@ -41,17 +41,19 @@ class WorkingSet:
             grown[: self.slot_of.numel()] = self.slot_of
             self.slot_of = grown
 
-    def assign(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def assign(self, ids: torch.Tensor, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Device slots of host pages ``ids`` (unique), giving free slots to those without one.
 
+        ``bound``: an id bound known on the host (the host pool's size), which spares a device read.
         Returns ``(slots, fresh)``: ``fresh`` marks the pages that had no slot before.
         """
         ids = ids.long()
         if ids.numel() == 0:
             return ids, torch.zeros(0, dtype=torch.bool, device=ids.device)
-        self._cover(int(ids.max()) + 1)
+        self._cover(bound if bound is not None else int(ids.max()) + 1)
         fresh = self.slot_of[ids] < 0
-        need = int(fresh.sum())
+        new_ids = ids[fresh]  # the one read of how many pages need a slot
+        need = new_ids.numel()
         if need:
             free = (self.owner < 0).nonzero().flatten()
             if free.numel() < need:
@@ -66,7 +68,6 @@ class WorkingSet:
                 self.owner = owner
                 free = (self.owner < 0).nonzero().flatten()
             slots = free[:need]
-            new_ids = ids[fresh]
             self.owner[slots] = new_ids
             self.slot_of[new_ids] = slots
             self.used += need
@@ -85,11 +86,19 @@ class WorkingSet:
         self.slot_of[ids[held]] = -1
         self.used -= int(held.sum())
 
-    def clear(self) -> None:
-        """Free every slot."""
-        self.owner.fill_(-1)
-        self.slot_of.fill_(-1)
-        self.used = 0
+    def clear(self, keep: torch.Tensor | None = None) -> None:
+        """Free every slot, except those of the host pages marked in ``keep`` (bool, by host id)."""
+        if keep is None or keep.numel() == 0:
+            self.owner.fill_(-1)
+            self.slot_of.fill_(-1)
+            self.used = 0
+            return
+        held = (self.owner >= 0).nonzero().flatten()
+        ids = self.owner[held]
+        inside = ids < keep.numel()
+        kept = torch.zeros_like(inside)
+        kept[inside] = keep[ids[inside]]
+        self.drop(ids[~kept])
 
 
 class WindowFreeList:

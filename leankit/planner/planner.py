@@ -407,6 +407,7 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
         per_tok_gpu = actb if choice.mode == "hybrid" else kvb
         gpu_tokens = min(float(n_final), free / (L * per_tok_gpu))
         mem["gpu_cache"] = gpu_tokens * L * per_tok_gpu
+        mem["gpu_cache_tokens"] = gpu_tokens  # per layer, summed over the batch (what a runtime keeps resident)
     host_tok = max(0.0, n_final - gpu_tokens)
     if choice.mode == "kvpr":
         # KV of every token plus the activations of the prompt tokens, the only ones Eq. 11 recomputes
@@ -514,7 +515,8 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
                 return
             self.n_gpu = min(n_tok, gpu_tokens)
             self.n_host = n_tok - self.n_gpu
-            gshare = self.n_gpu / n_tok if n_tok else 0.0
+            # the step's B new tokens go to the host once the GPU's share is full (n_tok counts them)
+            new_host = min(float(B), self.n_host)
             self.res_act = self.n_gpu if choice.mode == "hybrid" else 0.0
             nh = self.n_host if choice.mode in ("hybrid", "kvpr") else 0.0  # tokens that may go as ACT
             rest = (self.lin + self.attn + self.q) / m
@@ -526,12 +528,12 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
             if unified:
                 self.store = (0.0, 0.0)
             elif choice.mode == "hybrid":
-                f = B * (1 - gshare) / hw.d2h_bw
+                f = new_host / hw.d2h_bw
                 self.store = (f * kvw, f * (actw - kvw))
             else:
                 # kvpr: a decode token stores its KV only; Eq. 11 recomputes prompt tokens alone, so
                 # only their activations are kept (as the memory check counts them)
-                self.store = (B * (1 - gshare) * kvw / hw.d2h_bw, 0.0)
+                self.store = (new_host * kvw / hw.d2h_bw, 0.0)
             self.terms = terms + [self.store]
 
         def time(self, phi: float) -> float:
