@@ -375,8 +375,10 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
 
 
 # ============================================================================ the step's own tokens
-# Elements of one query chunk's score matrix [B, Hkv, G*Qc, Q] (fp32): 8M elements = 32 MB.
-STEP_CHUNK_ELEMS = 1 << 23
+# Elements of one query chunk's score matrix [B, Hkv, G*Qc, Q] (fp32): 2M elements = 8 MB, small
+# enough to stay in the last-level cache between the passes over it (measured 1.7x faster than
+# 32 MB chunks for a batch-8, 1k-token prompt) and large enough to keep the op count low.
+STEP_CHUNK_ELEMS = 1 << 21
 
 
 def _step_bias(q_pos: torch.Tensor, k_real: torch.Tensor, group: int, q0: int, q1: int) -> torch.Tensor:
