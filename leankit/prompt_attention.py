@@ -44,8 +44,11 @@ def _lse_capture(box: dict):
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.device.type == "cpu" and dropout_p == 0.0 and query.dim() == 4 and "lse" not in box:
-            choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                             enable_gqa=enable_gqa)
+            try:  # a private dispatcher query: a torch without it (or with another signature) just falls back
+                choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                                 enable_gqa=enable_gqa)
+            except (AttributeError, TypeError, RuntimeError):
+                choice = None
             if choice == SDPBackend.FLASH_ATTENTION.value:
                 if enable_gqa and key.shape[1] != query.shape[1]:  # what SDPA does before its flash kernel
                     rep = query.shape[1] // key.shape[1]
