@@ -76,3 +76,17 @@ def test_received_from_lse_with_large_logits():
     recv = received_from_lse(q, k, lse, real, 0.125)
     assert torch.isfinite(recv).all()
     torch.testing.assert_close(recv, step_received(q, k, pos, real, 0.125, ordered=True), rtol=1e-4, atol=1e-5)
+
+
+def test_unordered_prompt_falls_back_to_its_own_softmax(monkeypatch):
+    q, k, v, real, pos, mask = _prompt(2, 2, 2, 3, 19, [0, 6])
+    module = _Module(3)
+
+    def no_capture(box):  # the capture must not run for a prompt whose positions do not increase
+        raise AssertionError("captured the lse of an unordered prompt")
+
+    monkeypatch.setattr("leankit.prompt_attention._lse_capture", no_capture)
+    out, recv = prompt_attention(module, q, k, v, mask, 0.125, significance=True, q_pos=pos, k_real=real,
+                                 ordered=False)
+    assert torch.equal(out, sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)[0])
+    assert torch.equal(recv, step_received(q, k, pos, real, 0.125, ordered=False))
