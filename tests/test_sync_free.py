@@ -217,12 +217,12 @@ def _check_page_bounds(cache) -> None:
 @pytest.mark.parametrize("name,spec,overrides", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_decode_step_is_sync_free_inside_layers(name, spec, overrides):
     """No host sync inside any layer of a decode step, and at most one per step (the end-of-step
-    read of the error flags and allocation status) when Algorithm 1 does not run."""
+    read of the error flags, allocation status and policy status), Algorithm 1 or not."""
     per_step = count_decode_syncs(spec, overrides)
     for i, c in enumerate(per_step):
         in_layers, total = c.total("layer"), c.total()
         assert in_layers == 0, f"{name} decode step {i}: {in_layers} host syncs inside layers\n" + c.report()
-        assert c.compressed or total <= 1, (
+        assert total <= 1, (
             f"{name} decode step {i}: {total} host syncs (allowed: 1)\n" + c.report())
     if name == "leankv-tl0":  # the config does reach Algorithm 1 within the counted steps
         assert any(c.compressed for c in per_step) and not all(c.compressed for c in per_step)
@@ -233,11 +233,63 @@ def test_decode_step_is_sync_free_inside_layers(name, spec, overrides):
         assert c.calls["received_attention"] == 0 and c.calls["apply_score_update"] == fused, c.calls
 
 
-@pytest.mark.xfail(strict=True, reason="LeanKV's Algorithm 1 (read_tier_meta, compaction, relabel, page "
-                                       "recycling) still reads the device about a dozen times in a step that runs it")
 def test_compress_step_reads_the_device_at_most_once():
+    """A step that runs LeanKV's Algorithm 1 (fixed-shape compaction, deferred grant and recycle)
+    reads the device once, at its end."""
     c = count_decode_syncs(*CONFIGS[3][1:], steps=1)[0]
     assert c.compressed and c.total() <= 1, c.report()
+
+
+def _decode_run(backend: str, overrides: dict, steps: int, num_pages: int):
+    """Prompt plus ``steps`` greedy decode steps of LeanKV through a fixed pool on ``backend``;
+    returns (tokens, per-tier token counts, page counts, the free list after a host sync)."""
+    prev = os.environ.get("LEANKIT_BACKEND")
+    os.environ["LEANKIT_BACKEND"] = backend
+    try:
+        model = tiny_model("llama-gqa", num_hidden_layers=2)
+        ids, mask = left_padded_batch(rows=3, width=11, pad_step=3)
+        cache = LeanCache(model, "K8V4-K4V2", num_pages=num_pages, **overrides)
+        toks = []
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+            pos = mask.sum(1, keepdim=True) - 1 + (mask.shape[1] - mask.sum(1, keepdim=True))
+            for _ in range(steps):
+                nxt = logits[:, -1:].argmax(-1)
+                toks.append(nxt)
+                mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+                pos = pos + 1
+                logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                               use_cache=True).logits
+        return torch.cat(toks, 1), cache.table.lens.clone(), cache.table.n_pages.clone(), cache.free_list, cache
+    finally:
+        if prev is None:
+            os.environ.pop("LEANKIT_BACKEND", None)
+        else:
+            os.environ["LEANKIT_BACKEND"] = prev
+
+
+@pytest.mark.parametrize("overrides", [
+    {"th": 0.3, "tl": 0.1, "window": 3, "compress_every": 1, "group_size": 8, "page_size": 256},
+    {"th": 0.5, "tl": 0.05, "window": 2, "compress_every": 3, "page_size": 256},
+], ids=["prune-every-step", "every-3"])
+def test_sync_free_algorithm_1_moves_what_the_torch_backend_moves(overrides):
+    """The fixed-shape Algorithm 1 of the kernel backend (masked compaction, dense page handover,
+    deferred grant and recycle) keeps the same tokens in the same tiers as the torch backend's,
+    with the same page counts, and the free list accounts for every page."""
+    got = _decode_run("triton", overrides, steps=7, num_pages=160)
+    want = _decode_run("torch", overrides, steps=7, num_pages=160)
+    assert torch.equal(got[0], want[0]), (got[0], want[0])
+    assert torch.equal(got[1], want[1]), (got[1], want[1])
+    assert torch.equal(got[2], want[2]), (got[2], want[2])
+    assert int(got[1][1].sum()) > 0  # tokens did go low
+    cache = got[4]
+    owned = cache.table.tables >= 0
+    assert int(owned.sum()) == int(cache.table.n_pages.sum())
+    fl = got[3]
+    fl.sync()
+    assert fl.num_free == fl.capacity - int(owned.sum())
+    free = set(fl.free_ids().tolist())
+    assert not free & set(cache.table.tables[owned].tolist())  # no page both free and owned
 
 
 def _kernel_cache(monkeypatch, spec="K8V4", **kw):
