@@ -363,6 +363,37 @@ def test_short_fixed_pool_on_the_kernel_path_raises_at_the_end_of_the_step(monke
     assert int(cache.table.lens[:, :, 1:].sum()) == int(lens[:, :, 1:].sum()) + 3 * 2 * 2
 
 
+def test_short_pool_in_an_algorithm_1_step_moves_nothing(monkeypatch):
+    """A step of LeanKV's Algorithm 1 whose grant does not fit a fixed pool: PoolExhausted from the
+    step's one read, no token moved or dropped and no page handed out or recycled; the cache goes on."""
+    from leankit import PoolExhausted
+
+    kw = dict(th=0.3, tl=0.1, window=3, compress_every=1, group_size=8, page_size=256)
+    _, cache, _ = _kernel_cache(monkeypatch, "K8V4-K4V2", **kw)
+    need = int(cache.table.n_pages.sum())
+    model, cache, mask = _kernel_cache(monkeypatch, "K8V4-K4V2", num_pages=need + 1, **kw)
+    seen = []
+    for seed in range(10):
+        before = (cache.table.lens.clone(), cache.table.tables.clone(), cache.table.n_pages.clone(),
+                  cache.policy.watermark.clone(), cache.policy.pruned_mass.clone())
+        try:
+            _, mask = _step(model, cache, mask, seed)
+        except PoolExhausted as e:
+            seen.append(e)
+            break
+    assert seen, "the pool never ran short"
+    after = (cache.table.lens, cache.table.tables, cache.table.n_pages, cache.policy.watermark,
+             cache.policy.pruned_mass)
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
+    fl = cache.free_list
+    fl.sync()
+    assert fl.num_free == fl.capacity - int((cache.table.tables >= 0).sum()) == 1
+    cache.release(torch.tensor([True, False, False]))
+    _step(model, cache, mask, seed=11)  # a row's pages came back: the step fits
+    assert int(cache.table.lens[1].sum()) > 0
+
+
 def test_counter_sees_every_kind_of_sync():
     """The counter itself: each sync-forcing op is counted once, and only from the given roots."""
     x = torch.tensor([3, 0, 5])
