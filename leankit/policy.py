@@ -614,19 +614,27 @@ class _Base:
         table.shrink(keep_pages, cache.free_list, defer=True)
         return pruned * ok
 
+    def _page_need(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
+                   reserve: torch.Tensor | None):
+        """``(need_h, need_l, cur_h, cur_l, r)`` ``[L', B, H]``: pages each tier needs for ``len_*``
+        tokens (plus ``reserve[b]`` high slots), pages it owns, and the surplus high pages the low
+        side can take over (paper Fig. 5)."""
+        cache, table = self.cache, self.cache.table
+        res = torch.zeros_like(len_h) if reserve is None else reserve.view(1, -1, 1).to(len_h.dtype)
+        need_h = _ceil_div(len_h + res, cache.layouts[HIGH].tokens)
+        need_l = _ceil_div(len_l, cache.layouts[LOW].tokens) if len(cache.layouts) > 1 else torch.zeros_like(len_h)
+        cur_h = table.n_pages[HIGH].index_select(0, layers).long()
+        cur_l = table.n_pages[LOW].index_select(0, layers).long()
+        r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
+        return need_h, need_l, cur_h, cur_l, r
+
     def _plan_pages(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
                     reserve: torch.Tensor | None):
         """Grant the pages of :meth:`_fit_pages` before anything moves; returns ``(need_h, need_l, r,
         ok)``: ``r`` ``[L', B, H]`` high pages that :meth:`_move_tail_pages` hands to the low side
         once they are empty, ``ok`` the device flag of the grant (``r`` is zero when refused)."""
         cache, table = self.cache, self.cache.table
-        two = len(cache.layouts) > 1
-        res = torch.zeros_like(len_h) if reserve is None else reserve.view(1, -1, 1).to(len_h.dtype)
-        need_h = _ceil_div(len_h + res, cache.layouts[HIGH].tokens)
-        need_l = _ceil_div(len_l, cache.layouts[LOW].tokens) if two else torch.zeros_like(len_h)
-        cur_h = table.n_pages[HIGH].index_select(0, layers).long()
-        cur_l = table.n_pages[LOW].index_select(0, layers).long()
-        r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
+        need_h, need_l, cur_h, cur_l, r = self._page_need(layers, len_h, len_l, reserve)
         extra = torch.zeros_like(table.n_pages)
         extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
         extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
@@ -687,13 +695,7 @@ class _Base:
         that :meth:`_set_lens_and_shrink` trims to once the tokens are written.
         """
         cache, table = self.cache, self.cache.table
-        two = len(cache.layouts) > 1
-        res = torch.zeros_like(len_h) if reserve is None else reserve.view(1, -1, 1).to(len_h.dtype)
-        need_h = _ceil_div(len_h + res, cache.layouts[HIGH].tokens)
-        need_l = _ceil_div(len_l, cache.layouts[LOW].tokens) if two else torch.zeros_like(len_h)
-        cur_h = table.n_pages[HIGH].index_select(0, layers).long()
-        cur_l = table.n_pages[LOW].index_select(0, layers).long()
-        r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
+        need_h, need_l, cur_h, cur_l, r = self._page_need(layers, len_h, len_l, reserve)
         self._relabel(layers, r)
         extra = torch.zeros_like(table.n_pages)
         extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)

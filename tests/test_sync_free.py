@@ -163,25 +163,34 @@ def _mark_steps(cache, counters: list, patch):
         patch.setattr(module, name, counting(getattr(module, name), name))
 
 
+def _prompt(model, cache):
+    """Prefill a left-padded 3-row batch; returns (logits, attention mask, last positions)."""
+    ids, mask = left_padded_batch(rows=3, width=11, pad_step=3)
+    logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    pos = mask.sum(1, keepdim=True) - 1 + (mask.shape[1] - mask.sum(1, keepdim=True))
+    return logits, mask, pos
+
+
+def _next_inputs(logits, mask, pos):
+    """The greedy next tokens, the mask grown by them and their positions."""
+    nxt = logits[:, -1:].argmax(-1)
+    return nxt, torch.cat([mask, torch.ones_like(nxt)], 1), pos + 1
+
+
 def count_decode_syncs(spec: str, overrides: dict, steps: int = 5, layers: int = 3, num_pages: int = 160):
     """Run a prompt and ``steps`` decode steps of a tiny model through a fixed-pool LeanCache on the
     kernel backend; returns one :class:`SyncCounter` per decode step (the prompt is not counted).
     A counter's ``compressed`` is true when Algorithm 1 ran in its step."""
-    prev = os.environ.get("LEANKIT_BACKEND")
-    os.environ["LEANKIT_BACKEND"] = "triton"
     patch = pytest.MonkeyPatch()
     try:
+        patch.setenv("LEANKIT_BACKEND", "triton")
         model = tiny_model("llama-gqa", num_hidden_layers=layers)
-        ids, mask = left_padded_batch(rows=3, width=11, pad_step=3)
         cache = LeanCache(model, spec, num_pages=num_pages, **overrides)
         out = []
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-            pos = mask.sum(1, keepdim=True) - 1 + (mask.shape[1] - mask.sum(1, keepdim=True))
+            logits, mask, pos = _prompt(model, cache)
             for _ in range(steps):
-                nxt = logits[:, -1:].argmax(-1)
-                mask = torch.cat([mask, torch.ones_like(nxt)], 1)
-                pos = pos + 1
+                nxt, mask, pos = _next_inputs(logits, mask, pos)
                 counter = SyncCounter()
                 counter.compressed, counter.calls = False, Counter()
                 out.append(counter)
@@ -199,10 +208,6 @@ def count_decode_syncs(spec: str, overrides: dict, steps: int = 5, layers: int =
         return out
     finally:
         patch.undo()
-        if prev is None:
-            os.environ.pop("LEANKIT_BACKEND", None)
-        else:
-            os.environ["LEANKIT_BACKEND"] = prev
 
 
 def _check_page_bounds(cache) -> None:
@@ -243,29 +248,19 @@ def test_compress_step_reads_the_device_at_most_once():
 def _decode_run(backend: str, overrides: dict, steps: int, num_pages: int):
     """Prompt plus ``steps`` greedy decode steps of LeanKV through a fixed pool on ``backend``;
     returns (tokens, per-tier token counts, page counts, the free list after a host sync)."""
-    prev = os.environ.get("LEANKIT_BACKEND")
-    os.environ["LEANKIT_BACKEND"] = backend
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LEANKIT_BACKEND", backend)
         model = tiny_model("llama-gqa", num_hidden_layers=2)
-        ids, mask = left_padded_batch(rows=3, width=11, pad_step=3)
         cache = LeanCache(model, "K8V4-K4V2", num_pages=num_pages, **overrides)
         toks = []
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
-            pos = mask.sum(1, keepdim=True) - 1 + (mask.shape[1] - mask.sum(1, keepdim=True))
+            logits, mask, pos = _prompt(model, cache)
             for _ in range(steps):
-                nxt = logits[:, -1:].argmax(-1)
+                nxt, mask, pos = _next_inputs(logits, mask, pos)
                 toks.append(nxt)
-                mask = torch.cat([mask, torch.ones_like(nxt)], 1)
-                pos = pos + 1
                 logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache,
                                use_cache=True).logits
         return torch.cat(toks, 1), cache.table.lens.clone(), cache.table.n_pages.clone(), cache.free_list, cache
-    finally:
-        if prev is None:
-            os.environ.pop("LEANKIT_BACKEND", None)
-        else:
-            os.environ["LEANKIT_BACKEND"] = prev
 
 
 @pytest.mark.parametrize("overrides", [
@@ -336,24 +331,32 @@ def test_non_finite_kv_on_the_kernel_path_drops_the_step(monkeypatch):
     assert torch.equal(cache.table.lens, ref_cache.table.lens)
 
 
-def test_short_fixed_pool_on_the_kernel_path_raises_at_the_end_of_the_step(monkeypatch):
-    """A decode step that needs more pages than the fixed pool has left: PoolExhausted from the
-    step's one read, nothing handed out, the step dropped; after freeing a row the cache goes on."""
+def _short_pool_cache(monkeypatch, spec, **kw):
+    """A kernel-backend cache whose fixed pool has one page more than the prompt takes."""
+    _, cache, _ = _kernel_cache(monkeypatch, spec, **kw)
+    return _kernel_cache(monkeypatch, spec, num_pages=int(cache.table.n_pages.sum()) + 1, **kw)
+
+
+def _step_until_exhausted(model, cache, mask, steps, snapshot):
+    """Decode until a step raises PoolExhausted (within ``steps``; some (layer, row, head) soon needs
+    more pages than are left); returns (the error, the mask, ``snapshot()`` taken before that step)."""
     from leankit import PoolExhausted
 
-    model, cache, mask = _kernel_cache(monkeypatch, page_size=256)
-    need = int(cache.table.n_pages.sum())  # what the prompt took
-    model, cache, mask = _kernel_cache(monkeypatch, page_size=256, num_pages=need + 1)
-    seen = []
-    for seed in range(8):  # some (layer, row, head) soon needs a new page, more than the one left
-        lens = cache.table.lens.clone()
+    for seed in range(steps):
+        before = snapshot()
         try:
             _, mask = _step(model, cache, mask, seed)
         except PoolExhausted as e:
-            seen.append(e)
-            break
-    assert seen, "the pool never ran short"
-    assert seen[0].needed > seen[0].free
+            return e, mask, before
+    raise AssertionError("the pool never ran short")
+
+
+def test_short_fixed_pool_on_the_kernel_path_raises_at_the_end_of_the_step(monkeypatch):
+    """A decode step that needs more pages than the fixed pool has left: PoolExhausted from the
+    step's one read, nothing handed out, the step dropped; after freeing a row the cache goes on."""
+    model, cache, mask = _short_pool_cache(monkeypatch, "K8V4", page_size=256)
+    err, mask, (lens,) = _step_until_exhausted(model, cache, mask, 8, lambda: (cache.table.lens.clone(),))
+    assert err.needed > err.free
     assert torch.equal(cache.table.lens, lens)  # the step was dropped
     fl, owned = cache.free_list, int((cache.table.tables >= 0).sum())
     assert not fl.stale and fl.num_free == fl.capacity - owned == 1
@@ -366,22 +369,12 @@ def test_short_fixed_pool_on_the_kernel_path_raises_at_the_end_of_the_step(monke
 def test_short_pool_in_an_algorithm_1_step_moves_nothing(monkeypatch):
     """A step of LeanKV's Algorithm 1 whose grant does not fit a fixed pool: PoolExhausted from the
     step's one read, no token moved or dropped and no page handed out or recycled; the cache goes on."""
-    from leankit import PoolExhausted
-
-    kw = dict(th=0.3, tl=0.1, window=3, compress_every=1, group_size=8, page_size=256)
-    _, cache, _ = _kernel_cache(monkeypatch, "K8V4-K4V2", **kw)
-    need = int(cache.table.n_pages.sum())
-    model, cache, mask = _kernel_cache(monkeypatch, "K8V4-K4V2", num_pages=need + 1, **kw)
-    seen = []
-    for seed in range(10):
-        before = (cache.table.lens.clone(), cache.table.tables.clone(), cache.table.n_pages.clone(),
-                  cache.policy.watermark.clone(), cache.policy.pruned_mass.clone())
-        try:
-            _, mask = _step(model, cache, mask, seed)
-        except PoolExhausted as e:
-            seen.append(e)
-            break
-    assert seen, "the pool never ran short"
+    kw = {"th": 0.3, "tl": 0.1, "window": 3, "compress_every": 1, "group_size": 8, "page_size": 256}
+    model, cache, mask = _short_pool_cache(monkeypatch, "K8V4-K4V2", **kw)
+    _, mask, before = _step_until_exhausted(
+        model, cache, mask, 10, lambda: (cache.table.lens.clone(), cache.table.tables.clone(),
+                                         cache.table.n_pages.clone(), cache.policy.watermark.clone(),
+                                         cache.policy.pruned_mass.clone()))
     after = (cache.table.lens, cache.table.tables, cache.table.n_pages, cache.policy.watermark,
              cache.policy.pruned_mass)
     for a, b in zip(before, after):
