@@ -257,6 +257,7 @@ class LeanCache(Cache):
         self.finished: torch.Tensor | None = None
         self._seen = 0
         self._step: StepState | None = None
+        self._planning = False  # inside the policy's begin_step of a step
         self._pending: dict = {}  # layer -> the step's exact (key, value) until attention stores them
         self.workspace = Workspace()  # scratch of the reference attention, reused by every layer and step
         self._policy_saved = None
@@ -376,7 +377,11 @@ class LeanCache(Cache):
         ordered = q_len == 1 or bool(self._positions_increase(real, qp))
         step = StepState(real, rank, real.sum(1), q_pos.to(torch.int32), q_len, real.any(1), q_first, q_last,
                          self.table.lens, ordered)
-        self.policy.begin_step(step)
+        self._planning = True  # tokens the policy moves now raise the step's flag (read in end_step)
+        try:
+            self.policy.begin_step(step)
+        finally:
+            self._planning = False
         # What a failed step rolls back to: token counts (and policy counters) once the step's pages
         # are planned. Tokens are appended past these counts, so restoring them drops the step's
         # tokens, while the pages the step reserved stay with their heads for the next step.
@@ -469,7 +474,8 @@ class LeanCache(Cache):
         """Whether no head's pages can outgrow its page-table row (host bound, no device read)."""
         return self._page_bounds()[2] <= self.row_len
 
-    def grow_pages(self, extra: torch.Tensor, table=None, defer: bool = False, bound: int | None = None) -> None:
+    def grow_pages(self, extra: torch.Tensor, table=None, defer: bool = False,
+                   bound: int | None = None) -> torch.Tensor | None:
         """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool.
 
         ``table`` defaults to the KV page table; the ACT page table (leankit.act_store) passes its own.
@@ -477,13 +483,13 @@ class LeanCache(Cache):
         the grant then runs without a host read: for a fixed pool, a short pool raises
         :class:`PoolExhausted` from :meth:`end_step` (the step is dropped, nothing was handed
         out); an elastic pool defers only when ``bound`` (a host bound on ``extra.sum()``) fits
-        its free pages, and otherwise grows first (a host read).
+        its free pages, and otherwise grows first (a host read). A deferred grant returns its
+        device bool ``ok`` (false: refused whole, nothing handed out); an eager one returns None.
         """
         if defer and table is None and use_triton(self._kv_err) and self._rows_fit() and (
                 self.fixed_pool or (bound is not None and not self.free_list.stale
                                     and bound <= self.free_list.num_free)):
-            self.table.grow(extra, self.free_list, status=self._alloc_status)
-            return
+            return self.table.grow(extra, self.free_list, status=self._alloc_status)
         table = self.table if table is None else table
         try:
             table.grow(extra, self.free_list)
@@ -550,7 +556,8 @@ class LeanCache(Cache):
             if keep is not None:  # a negative page id: the kernel skips the token
                 page = torch.where(keep, page, torch.full_like(page, -1))
             flag = self.num_layers if isinstance(layer, torch.Tensor) else layer
-            err = self._kv_err[flag: flag + 1] if self._step is not None else None  # outside a step: raise now
+            in_step = self._step is not None or self._planning
+            err = self._kv_err[flag: flag + 1] if in_step else None  # outside a step: raise now
             quantize_into_pages(self.pool.storage, layout, page, off, k, v, pos, score, err=err)
         else:
             if keep is not None:

@@ -68,7 +68,8 @@ class BidirectionalPageTable:
         return torch.where(tier == HIGH, j, row_len - 1 - j)
 
     # ------------------------------------------------------------------ growth
-    def grow(self, extra: torch.Tensor, free_list: FreePageList, status: torch.Tensor | None = None) -> None:
+    def grow(self, extra: torch.Tensor, free_list: FreePageList,
+             status: torch.Tensor | None = None) -> torch.Tensor | None:
         """Give every (tier, layer, seq, head) ``extra[t, l, b, h]`` more pages in one allocation.
 
         Raises :class:`~leankit.allocator.PoolExhausted` (nothing changed) if the pool is short,
@@ -77,13 +78,13 @@ class BidirectionalPageTable:
         ``status`` (kernel backend only): a deferred grant that reads nothing back to the host; a
         short pool is recorded in ``status`` instead of raised (see
         :func:`leankit_kernels.page_alloc.grow_pages`). The caller guarantees that no row overflows.
+        Returns the grant's device bool ``ok`` then, else None.
         """
         extra = extra.to(torch.int32)
         if status is not None:
             from leankit_kernels.page_alloc import grow_pages
 
-            grow_pages(self, extra, free_list, status=status)
-            return
+            return grow_pages(self, extra, free_list, status=status)
         if int(extra.sum()) == 0:
             return
         if bool(((self.n_pages + extra).sum(0) > self.row_len).any()):
@@ -105,13 +106,21 @@ class BidirectionalPageTable:
         self.tables.view(-1, self.row_len)[rest, col] = ids.to(torch.int32)
         self.n_pages += extra
 
-    def shrink(self, keep: torch.Tensor, free_list: FreePageList) -> torch.Tensor:
+    def shrink(self, keep: torch.Tensor, free_list: FreePageList, defer: bool = False) -> torch.Tensor | int | None:
         """Recycle pages so that tier ``t`` of each head keeps ``keep[t, l, b, h]`` pages.
 
         The pages past ``keep`` (the tail of each side) return to the free list in one
         prefix-sum-ordered release. Returns the number of pages freed.
+
+        ``defer`` (kernel backend only): release without reading anything back to the host; the
+        free list's device tail advances and its host counters catch up at their next read
+        (:func:`leankit_kernels.page_alloc.shrink_pages`). Returns None then.
         """
         keep = torch.minimum(keep.to(torch.int32), self.n_pages)
+        if defer and use_triton(self.tables):
+            from leankit_kernels.page_alloc import shrink_pages
+
+            return shrink_pages(self, keep, free_list, defer=True)
         drop = (self.n_pages - keep).reshape(-1).long()
         total = int(drop.sum())
         if total == 0:

@@ -223,11 +223,18 @@ class TierMeta:
 
 
 def read_tier_meta(cache, tier: int, layers: torch.Tensor) -> TierMeta:
-    """Scores and positions of every slot of ``tier`` for ``layers`` (reads two page segments only)."""
+    """Scores and positions of every slot of ``tier`` for ``layers`` (reads two page segments only).
+
+    The slot dim covers the most pages any head holds: read from the page counts on the torch
+    backend, the cache's host bound (:meth:`LeanCache.page_bounds`) on the kernel backend.
+    """
     table, layout = cache.table, cache.layouts[tier]
     t = layout.tokens
     n_pages = table.n_pages[tier].index_select(0, layers)
-    p = int(n_pages.max()) if n_pages.numel() else 0
+    if use_triton(n_pages):  # host bound on any head's pages: no device read (masked past n_pages)
+        p = cache.page_bounds()[tier]
+    else:
+        p = int(n_pages.max()) if n_pages.numel() else 0
     j = torch.arange(p, device=n_pages.device)
     col = table.column(tier, j, table.row_len)
     ids = table.tables.index_select(0, layers)[..., col]
@@ -266,6 +273,45 @@ def read_tokens(pool, layout, page: torch.Tensor, off: torch.Tensor, dtype=torch
     v = layout.decode_side(pool.read_rows(layout, page, off, "v_data"), pool.read_rows(layout, page, off, "v_meta"),
                            prec.v_bits, dtype)
     return k, v
+
+
+def _nth_slots(mask: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots of the first ``cap`` set elements of each row of ``mask`` ``[..., S]``, in slot order.
+
+    Returns ``(slot [..., cap], present [..., cap])``. Fixed shape with no host read (where
+    ``nonzero`` would read the count back): a prefix sum ranks the set elements and a scatter puts
+    each slot at its rank; the rest land in a dropped column.
+    """
+    s = mask.shape[-1]
+    rank = torch.cumsum(mask.to(torch.int32), -1) - 1
+    target = torch.where(mask & (rank < cap), rank, torch.full_like(rank, cap)).long()
+    buf = torch.zeros((*mask.shape[:-1], cap + 1), dtype=torch.long, device=mask.device)
+    buf.scatter_(-1, target, torch.arange(s, device=mask.device).expand_as(target))
+    count = rank[..., -1:] + 1
+    return buf[..., :cap], torch.arange(cap, device=mask.device) < count
+
+
+def _head_grid(layers: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat ``(layer, b, h)`` of every element of a ``[L', B, H, c]`` tensor."""
+    dev = layers.device
+    lay = layers.view(-1, 1, 1, 1).expand(shape)
+    b = torch.arange(shape[1], device=dev).view(1, -1, 1, 1).expand(shape)
+    h = torch.arange(shape[2], device=dev).view(1, 1, -1, 1).expand(shape)
+    return lay.reshape(-1), b.reshape(-1), h.reshape(-1)
+
+
+def _copy_slots_masked(pool, layout, sp, so, dp, do, m: torch.Tensor) -> None:
+    """:meth:`PagePool.copy_slots` of the pairs where ``m`` holds, at a fixed shape (no host read).
+
+    Every other pair is replaced by the first kept pair, so it writes the same bytes to the same
+    slot (or, when no pair is kept, all of them rewrite one slot with its own bytes).
+    """
+    n = m.numel()
+    if n == 0:
+        return
+    idx = torch.where(m, torch.arange(n, device=m.device), m.to(torch.int8).argmax())
+    sp, so, dp, do, m = (t[idx] for t in (sp, so, dp, do, m))
+    pool.copy_slots(layout, torch.where(m, sp, dp), torch.where(m, so, do), dp, do)
 
 
 class _Base:
@@ -450,7 +496,7 @@ class _Base:
         table.n_pages[LOW, layers] += r.to(table.n_pages.dtype)
 
     def apply_classes(self, layers: torch.Tensor, metas: list[TierMeta], news: list[torch.Tensor],
-                      reserve: torch.Tensor | None = None) -> torch.Tensor:
+                      reserve: torch.Tensor | None = None, cap: int | None = None) -> torch.Tensor:
         """Execute per-slot decisions for ``layers`` with real reclaim; returns pruned mass ``[L', B, H]``.
 
         ``news[t]`` holds each slot's new class (``KEEP_HIGH``/``KEEP_LOW``/``PRUNED``). Tokens only
@@ -460,7 +506,12 @@ class _Base:
         Page work is batched over all given layers, sequences and heads: surplus high pages are
         handed to the low side first (paper Fig. 5), then at most **one** allocation and **one**
         prefix-sum recycling call cover every remaining page change.
+
+        ``cap`` (kernel backend): a host bound on the tokens any head removes from or moves out of a
+        tier. The step then runs at fixed shapes with no host read (:meth:`_apply_classes_fixed`).
         """
+        if cap is not None:
+            return self._apply_classes_fixed(layers, metas, news, reserve, cap)
         cache = self.cache
         table = cache.table
         two = len(cache.layouts) > 1
@@ -498,6 +549,143 @@ class _Base:
         self._set_lens_and_shrink(layers, len_h, final_l, need_h, need_l)
         return pruned
 
+    def _apply_classes_fixed(self, layers: torch.Tensor, metas: list[TierMeta], news: list[torch.Tensor],
+                             reserve: torch.Tensor | None, cap: int) -> torch.Tensor:
+        """:meth:`apply_classes` without a host read (kernel backend, one step's Algorithm 1).
+
+        The same moves in another order: the page plan comes first, as one deferred grant whose
+        device flag ``ok`` gates every later change (a refused grant moves no token and no page,
+        and :meth:`LeanCache.end_step` raises ``PoolExhausted``); holes and movers are listed at
+        the fixed width ``cap`` (:func:`_nth_slots`) instead of by ``nonzero``; the emptied high
+        pages move to the low side by a dense rewrite of the page-table rows; the recycle is
+        deferred. Sets ``self._grant_ok``.
+        """
+        cache, table = self.cache, self.cache.table
+        two = len(cache.layouts) > 1
+        mh, nh = metas[HIGH], news[HIGH]
+        alive_h = mh.valid & (nh == KEEP_HIGH)
+        to_low = mh.valid & (nh == KEEP_LOW) & two  # a single tier never classifies KEEP_LOW (Th = Tl)
+        pruned = _masked_sum(mh.score, mh.valid & (nh == PRUNED))
+        len_h = alive_h.sum(-1)
+        if two:
+            ml, nl = metas[LOW], news[LOW]
+            alive_l = ml.valid & (nl == KEEP_LOW)
+            pruned = pruned + _masked_sum(ml.score, ml.valid & (nl == PRUNED))
+            len_l = alive_l.sum(-1)
+        else:
+            len_l = torch.zeros_like(len_h)
+        final_l = len_l + to_low.sum(-1)
+        # 1. page plan: one deferred grant; emptied high pages join the low side after compaction
+        need_h, need_l, r, ok = self._plan_pages(layers, len_h, final_l, reserve)
+        self._grant_ok = ok
+        # 2. read the tokens going low before compaction may overwrite their slots
+        t_h = cache.layouts[HIGH].tokens
+        c = min(cap, to_low.shape[-1])
+        lo_slot, lo_has = _nth_slots(to_low & ok, c)
+        lay, bi, hi = _head_grid(layers, lo_slot.shape)
+        if c:
+            page, off = locate_slots(table, HIGH, lay, bi, hi, lo_slot.reshape(-1), t_h)
+            k, v = read_tokens(cache.pool, cache.layouts[HIGH], page.clamp_min(0), off)
+            keep = lo_has.reshape(-1)
+            k, v = (torch.where(keep.unsqueeze(-1), x, torch.zeros((), device=x.device)) for x in (k, v))
+            mv_score = mh.score.gather(-1, lo_slot).reshape(-1)
+            mv_pos = mh.pos.gather(-1, lo_slot).reshape(-1)
+        # 3. compaction of each tier
+        self._compact_fixed(HIGH, layers, mh.valid, alive_h, cap, ok)
+        if two:
+            self._compact_fixed(LOW, layers, ml.valid, alive_l, cap, ok)
+        # 4. emptied high pages to the low side (Fig. 5 reuse), then the downgraded tokens re-quantized
+        self._move_tail_pages(layers, r)
+        if c:
+            slot = torch.where(lo_has, len_l.unsqueeze(-1) + torch.arange(c, device=lo_has.device),
+                               torch.zeros_like(lo_slot)).reshape(-1)
+            cache.write_tokens(LOW, lay, bi, hi, slot, k, v, mv_pos, mv_score, keep=keep)
+        # 5. token counts and one deferred recycle, both kept as they were when the grant was refused
+        lens = table.lens
+        len_h = torch.where(ok, len_h, lens[HIGH].index_select(0, layers).long())
+        final_l = torch.where(ok, final_l, lens[LOW].index_select(0, layers).long())
+        lens[HIGH, layers] = len_h.to(lens.dtype)
+        lens[LOW, layers] = final_l.to(lens.dtype)
+        keep_pages = table.n_pages.clone()
+        keep_pages[HIGH, layers] = torch.where(ok, need_h, keep_pages[HIGH].index_select(0, layers).long()).to(
+            keep_pages.dtype)
+        keep_pages[LOW, layers] = torch.where(ok, need_l, keep_pages[LOW].index_select(0, layers).long()).to(
+            keep_pages.dtype)
+        table.shrink(keep_pages, cache.free_list, defer=True)
+        return pruned * ok
+
+    def _page_need(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
+                   reserve: torch.Tensor | None):
+        """``(need_h, need_l, cur_h, cur_l, r)`` ``[L', B, H]``: pages each tier needs for ``len_*``
+        tokens (plus ``reserve[b]`` high slots), pages it owns, and the surplus high pages the low
+        side can take over (paper Fig. 5)."""
+        cache, table = self.cache, self.cache.table
+        res = torch.zeros_like(len_h) if reserve is None else reserve.view(1, -1, 1).to(len_h.dtype)
+        need_h = _ceil_div(len_h + res, cache.layouts[HIGH].tokens)
+        need_l = _ceil_div(len_l, cache.layouts[LOW].tokens) if len(cache.layouts) > 1 else torch.zeros_like(len_h)
+        cur_h = table.n_pages[HIGH].index_select(0, layers).long()
+        cur_l = table.n_pages[LOW].index_select(0, layers).long()
+        r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
+        return need_h, need_l, cur_h, cur_l, r
+
+    def _plan_pages(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
+                    reserve: torch.Tensor | None):
+        """Grant the pages of :meth:`_fit_pages` before anything moves; returns ``(need_h, need_l, r,
+        ok)``: ``r`` ``[L', B, H]`` high pages that :meth:`_move_tail_pages` hands to the low side
+        once they are empty, ``ok`` the device flag of the grant (``r`` is zero when refused)."""
+        cache, table = self.cache, self.cache.table
+        need_h, need_l, cur_h, cur_l, r = self._page_need(layers, len_h, len_l, reserve)
+        extra = torch.zeros_like(table.n_pages)
+        extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
+        extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
+        # The grown low pages take the columns next to the low side's current ones and the moved
+        # pages the ones after them: the grown ones never reach a high column (the final extents
+        # fit the row), only the moved ones may, which _move_tail_pages handles.
+        ok = cache.grow_pages(extra, defer=True)
+        if ok is None:  # an eager grant (elastic pool) raised or succeeded
+            ok = torch.ones((), dtype=torch.bool, device=len_h.device)
+        return need_h, need_l, r * ok, ok
+
+    def _move_tail_pages(self, layers: torch.Tensor, r: torch.Tensor) -> None:
+        """Hand the last ``r`` (emptied) high pages of each head to its low side (Fig. 5 reuse), as
+        :meth:`_relabel` does, by one dense rewrite of the heads' page-table rows (no host read)."""
+        table = self.cache.table
+        rlen = table.row_len
+        rows = table.tables.index_select(0, layers)
+        cur_h = table.n_pages[HIGH].index_select(0, layers).long().unsqueeze(-1)
+        cur_l = table.n_pages[LOW].index_select(0, layers).long().unsqueeze(-1)
+        rr = r.long().unsqueeze(-1)
+        col = torch.arange(rlen, device=rows.device)
+        cleared = (col >= cur_h - rr) & (col < cur_h)  # the high pages that leave
+        i = rlen - 1 - col - cur_l  # index among the low side's new pages of a column
+        filled = (i >= 0) & (i < rr)  # new page i is high page cur_h - 1 - i
+        moved = rows.gather(-1, (cur_h - 1 - i).clamp(0, rlen - 1))
+        rows = torch.where(filled, moved, torch.where(cleared, torch.full_like(rows, -1), rows))
+        table.tables.index_copy_(0, layers, rows)
+        table.n_pages[HIGH, layers] -= r.to(table.n_pages.dtype)
+        table.n_pages[LOW, layers] += r.to(table.n_pages.dtype)
+
+    def _compact_fixed(self, tier: int, layers: torch.Tensor, valid: torch.Tensor, alive: torch.Tensor,
+                       cap: int, ok: torch.Tensor) -> None:
+        """:meth:`_compact` at the fixed width ``cap`` (a bound on any head's holes), when ``ok``:
+        the ``i``-th hole below the new length takes the ``i``-th alive token at or past it."""
+        cache = self.cache
+        s = valid.shape[-1]
+        c = min(cap, s)
+        if c == 0:
+            return
+        new_len = alive.sum(-1, keepdim=True)
+        slot = torch.arange(s, device=valid.device)
+        hole = valid & ~alive & (slot < new_len) & ok
+        mover = alive & (slot >= new_len) & ok
+        hs, has = _nth_slots(hole, c)
+        ms, _ = _nth_slots(mover, c)  # as many movers as holes in every head
+        lay, bi, hi = _head_grid(layers, hs.shape)
+        t = cache.layouts[tier].tokens
+        dp, do = locate_slots(cache.table, tier, lay, bi, hi, hs.reshape(-1), t)
+        sp, so = locate_slots(cache.table, tier, lay, bi, hi, ms.reshape(-1), t)
+        _copy_slots_masked(cache.pool, cache.layouts[tier], sp, so, dp, do, has.reshape(-1))
+
     def _fit_pages(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
                    reserve: torch.Tensor | None = None):
         """Give every head of ``layers`` the pages for ``len_h`` high / ``len_l`` low tokens.
@@ -507,13 +695,7 @@ class _Base:
         that :meth:`_set_lens_and_shrink` trims to once the tokens are written.
         """
         cache, table = self.cache, self.cache.table
-        two = len(cache.layouts) > 1
-        res = torch.zeros_like(len_h) if reserve is None else reserve.view(1, -1, 1).to(len_h.dtype)
-        need_h = _ceil_div(len_h + res, cache.layouts[HIGH].tokens)
-        need_l = _ceil_div(len_l, cache.layouts[LOW].tokens) if two else torch.zeros_like(len_h)
-        cur_h = table.n_pages[HIGH].index_select(0, layers).long()
-        cur_l = table.n_pages[LOW].index_select(0, layers).long()
-        r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
+        need_h, need_l, cur_h, cur_l, r = self._page_need(layers, len_h, len_l, reserve)
         self._relabel(layers, r)
         extra = torch.zeros_like(table.n_pages)
         extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
@@ -575,6 +757,12 @@ class LeanKVPolicy(_Base):
         # Host knowledge that spares a decode step its device reads (kernel backend):
         self._all_started = False  # every live row has stored its prompt: no prompt rows can come
         self._skip_next = False  # no row can be due for Algorithm 1 at the next one-token step
+        # long [B]: bound on any head's stored tokens not yet classified (pos >= watermark), and its
+        # maximum over live rows as last read on the host: it bounds the tokens Algorithm 1 moves
+        # per head, the width of its fixed-shape compaction on the kernel backend.
+        self.unclassified: torch.Tensor | None = None
+        self._cand_bound: int | None = None
+        self._grant_ok = None  # device flag of the last fixed-shape Algorithm 1 grant
 
     def _init_state(self, batch: int) -> None:
         super()._init_state(batch)
@@ -584,11 +772,14 @@ class LeanKVPolicy(_Base):
         self.watermark = torch.full((batch,), -_BIG, dtype=torch.long, device=dev)
         self.started = torch.zeros(batch, dtype=torch.bool, device=dev)
         self._all_started = self._skip_next = False
+        self.unclassified = torch.zeros(batch, dtype=torch.long, device=dev)
+        self._cand_bound = None
 
     def reset(self) -> None:
         super().reset()
         self.pruned_mass = self.watermark = self.started = self._prompt_rows = self._span = None
         self._all_started = self._skip_next = False
+        self.unclassified, self._cand_bound = None, None
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         super().reorder(beam_idx)
@@ -596,6 +787,7 @@ class LeanKVPolicy(_Base):
             self.pruned_mass = self.pruned_mass.index_select(1, beam_idx)
             self.watermark = self.watermark.index_select(0, beam_idx)
             self.started = self.started.index_select(0, beam_idx)
+            self.unclassified = self.unclassified.index_select(0, beam_idx)
 
     def save_state(self):
         # Only the prompt-phase classification (after_store, per layer) changes state mid-step.
@@ -629,16 +821,28 @@ class LeanKVPolicy(_Base):
         cut = torch.minimum(q_last - self.window, q_first - 1)
         gen = gen & (cut - self.watermark + 1 >= self.every)
         skip, self._skip_next = self._skip_next and step.q_len == 1, False
-        if skip or not bool(gen.any()):
+        # Kernel backend, every row generating: Algorithm 1 runs for the due rows at fixed shapes
+        # with no device read (rows not due are masked out), the tokens it moves bounded per head
+        # by the host's last read of the unclassified counts.
+        fixed = self._all_started and use_triton(gen)
+        if skip or (not fixed and not bool(gen.any())):
             if not self._direct:  # a prompt-only step allocates per layer as it stores (store)
                 self._grow_for_new(step)
             return
         layers = torch.arange(cache.num_layers, device=cache.device)
         metas = [read_tier_meta(cache, t, layers) for t in range(len(cache.layouts))]
         news = self._plan(metas, gen, cut, self.watermark, self.pruned_mass)
-        pruned = self.apply_classes(layers, metas, news, reserve=step.n_new)
-        self.pruned_mass += pruned
+        if fixed:
+            cap = self._cand_bound if self._cand_bound is not None else metas[HIGH].score.shape[-1]
+            self.pruned_mass += self.apply_classes(layers, metas, news, reserve=step.n_new, cap=max(cap, 0))
+            gen = gen & self._grant_ok  # a refused grant moved nothing
+        else:
+            self.pruned_mass += self.apply_classes(layers, metas, news, reserve=step.n_new)
         self.watermark = torch.where(gen, torch.maximum(self.watermark, cut + 1), self.watermark)
+        if fixed:  # the due rows' unclassified tokens now: those past the cut (the window)
+            m = metas[HIGH]
+            left = (m.valid & (m.pos.long() >= self.watermark.view(1, -1, 1, 1))).sum(-1).amax(dim=(0, 2))
+            self.unclassified = torch.where(gen, left, self.unclassified)
 
     def _plan(self, metas: list[TierMeta], rows: torch.Tensor, cut: torch.Tensor, watermark: torch.Tensor,
               pruned_mass: torch.Tensor):
@@ -737,13 +941,26 @@ class LeanKVPolicy(_Base):
         k = (self.every - 1 + max(self.window, 1)) + wm - q_last
         k = torch.where(has & started, k, torch.zeros_like(k))
         k = torch.where(self.cache.finished, torch.full_like(k, _BIG), k)
-        return k.min().reshape(1)
+        return torch.cat([k.min().reshape(1), self._unclassified_after(step).max().reshape(1)])
 
     def take_status(self, values: list[int]) -> None:
         self._skip_next = values[0] >= 2
+        self._cand_bound = int(values[1])
+
+    def _unclassified_after(self, step) -> torch.Tensor:
+        """``unclassified`` once the step's tokens are stored (0 for finished rows). A row that stored
+        its prompt keeps its window unclassified: at most ``W`` tokens when its positions increase
+        (distinct positions in ``(q_last - W, q_last]``), else all its new tokens."""
+        u = self.unclassified + step.n_new
+        if self._prompt_rows is not None:
+            first = step.n_new.clamp_max(max(self.window, 0)) if step.ordered else step.n_new
+            u = torch.where(self._prompt_rows, first, u)
+        return torch.where(self.cache.finished, torch.zeros_like(u), u)
 
     def end_step(self, step) -> None:
         super().end_step(step)
+        if use_triton(step.n_new):  # the bound of the fixed-shape Algorithm 1 (kernel backend only)
+            self.unclassified = self._unclassified_after(step)
         if self._prompt_rows is not None:
             _, _, q_last = self._span
             self.watermark = torch.where(self._prompt_rows, q_last - self.window + 1, self.watermark)

@@ -55,6 +55,37 @@ def test_grow_and_shrink_match_torch_path(shape, block):
     assert not (set(used.tolist()) & set(ker[0].free_ids().tolist())), f"seed {seed}"
 
 
+@pytest.mark.parametrize("shape,block", [((2, 3, 5), 16), ((1, 2, 3), 128)])
+def test_deferred_grow_and_shrink_match_torch_path(shape, block):
+    """``status=`` grants and ``defer=True`` recycles move only the device counters; once the host
+    syncs, tables, page counts, ring and counters equal the eager torch path's. A grant that does not
+    fit returns a false flag, records itself in ``status`` and hands out nothing."""
+    gen, seed = fresh_generator()
+    row_len = 30
+    ref, ker = _pair(shape, row_len, 300, 77, gen)
+    status = torch.zeros(3, dtype=torch.int64)
+    for step in range(3):
+        extra = torch.randint(0, 3, (2, *shape), generator=gen, dtype=torch.int32)
+        extra = torch.minimum(extra, (row_len - ref[1].n_pages.sum(0)).clamp_min(0) // 2)
+        ref[1].grow(extra, ref[0])
+        assert bool(grow_pages(ker[1], extra, ker[0], block=block, status=status))
+        keep = (ref[1].n_pages - torch.randint(0, 3, ref[1].n_pages.shape, generator=gen, dtype=torch.int32))
+        ref[1].shrink(keep.clamp_min(0), ref[0])
+        assert shrink_pages(ker[1], torch.minimum(keep.clamp_min(0), ker[1].n_pages), ker[0], block=block,
+                            defer=True) is None
+        assert ker[0].stale
+        _same(ref, ker)  # reading the counters syncs the host ones
+    assert not status.any()
+    snap = (ker[1].tables.clone(), ker[1].n_pages.clone())
+    free = ker[0].num_free
+    too_many = torch.full((2, *shape), 1, dtype=torch.int32)
+    too_many.view(-1)[0] = free  # one more page than the pool has left
+    assert not bool(grow_pages(ker[1], too_many, ker[0], block=block, status=status))
+    assert status.tolist() == [1, free + too_many.numel() - 1, free], f"seed {seed}"
+    assert torch.equal(ker[1].tables, snap[0]) and torch.equal(ker[1].n_pages, snap[1])
+    assert ker[0].num_free == free
+
+
 def test_exhaustion_changes_nothing():
     gen, _ = fresh_generator()
     _ref, ker = _pair((2, 2, 3), 30, 50, 0, gen)

@@ -106,7 +106,7 @@ def _check_tables(table) -> None:
 
 
 def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK,
-               status: torch.Tensor | None = None) -> int | None:
+               status: torch.Tensor | None = None) -> int | torch.Tensor:
     """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.grow` (one launch).
 
     ``extra`` int ``[2, L, B, H]``. Raises :class:`~leankit.allocator.PoolExhausted` (changing
@@ -117,7 +117,7 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
     is refused whole (no page moves, ``n_pages`` unchanged) and the first refusal writes
     ``(1, pages needed, pages free)`` into ``status`` for the caller to read and raise later. The
     free list's device counters advance; its host counters are stale until it next syncs.
-    Returns None then. The caller guarantees that no page-table row can overflow.
+    Returns the device bool ``ok`` (the grant was made) then. The caller guarantees that no page-table row can overflow.
     """
     _check_tables(table)
     extra = extra.to(device=table.tables.device, dtype=torch.int32).contiguous()
@@ -136,7 +136,7 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
                                                      n // 2, table.row_len, BLOCK=block, num_warps=4)
         cnt[0:1].add_(total * ok)
         free_list.mark_stale()
-        return None
+        return ok
     total = int(extra.sum())
     if total == 0:
         return 0
@@ -149,14 +149,29 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
     return total
 
 
-def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK) -> int:
+def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK,
+                 defer: bool = False) -> int | None:
     """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.shrink` (one launch).
 
     ``keep`` int ``[2, L, B, H]`` (already clipped to ``n_pages``). Returns the pages freed.
+
+    With ``defer`` nothing is read back to the host: the kernel reads the tail from the free
+    list's device counters, the device adds the total to it, and the host counters are stale
+    until the free list next syncs. Returns None then. (A drop never exceeds the pages the heads
+    own, so the double-free check of the eager path cannot fail here.)
     """
     _check_tables(table)
     keep = keep.to(device=table.tables.device, dtype=torch.int32)
     drop = (table.n_pages - keep).contiguous()
+    if defer:
+        n = drop.numel()
+        cnt = free_list.device_counters()
+        kernel_for(_shrink_kernel, drop.device)[(triton.cdiv(n, block),)](
+            drop, table.n_pages, table.tables, free_list.ring, cnt, free_list.capacity, n, n // 2, table.row_len,
+            BLOCK=block, num_warps=4)
+        cnt[1:2].add_(drop.sum(dtype=torch.int64))
+        free_list.mark_stale()
+        return None
     total = int(drop.sum())
     if total == 0:
         return 0
