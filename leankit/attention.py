@@ -248,7 +248,9 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
     b, hq, nq, f = q.shape
     hkv = kv.table.shape[2]
     g = hq // hkv
-    if chunk_pages is None and decode_attention.supports(kv.layouts, g * nq):
+    occupied = [bool(kv.table.n_pages[t, kv.layer].max()) if kv.table.n_pages.numel() else False
+                for t in range(len(kv.layouts))]
+    if chunk_pages is None and decode_attention.supports(kv.layouts, g * nq, occupied):
         # A few query rows over quantized pages: read live pages only, codes never dequantized.
         return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits)
     outs, lses = [], []

@@ -44,8 +44,11 @@ def _planes(bits: int) -> int:
     return 1 if bits >= 8 else 8 // bits
 
 
-def supports(layouts, rows: int) -> bool:
+def supports(layouts, rows: int, occupied=None) -> bool:
     """Whether this path serves ``rows`` grouped query rows over pages of ``layouts``.
+
+    ``occupied``: per tier, whether any head holds pages of it (default: all). Only occupied
+    tiers count: a two-tier config whose low tier is still empty reads like a single tier.
 
     Every side of every tier must be quantized (dense sides may hold stale NaN bytes in dead
     slots, which only the padded path masks) with groups that span whole bytes. One tier with
@@ -53,7 +56,8 @@ def supports(layouts, rows: int) -> bool:
     dead pages to skip) and that path already factors scale and min out, with one matmul per
     (sequence, head) instead of one per page (measured faster at 1k context).
     """
-    if rows > DECODE_ROWS or (len(layouts) == 1 and layouts[0].groups == 1):
+    live = [lay for t, lay in enumerate(layouts) if occupied is None or occupied[t]]
+    if rows > DECODE_ROWS or (len(live) <= 1 and all(lay.groups == 1 for lay in live)):
         return False
     for lay in layouts:
         prec = lay.precision

@@ -76,3 +76,5 @@ def test_supports(spec, gs, rows, expected):
     cfg = KVConfig.parse(spec, group_size=gs)
     layouts = [PageLayout.build(cfg, t, 64, torch.float32) for t in range(len(cfg.tiers))]
     assert decode_attention.supports(layouts, rows) is expected
+    if len(layouts) == 2 and layouts[0].groups == 1:  # an empty low tier leaves one one-group tier
+        assert decode_attention.supports(layouts, rows, occupied=[True, False]) is False
