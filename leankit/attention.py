@@ -30,8 +30,7 @@ import torch
 from . import decode_attention
 from .page_table import BidirectionalPageTable
 from .pages import SEGMENTS, PageLayout, PagePool
-from .quant import META_DTYPE
-
+from .quant import META_DTYPE, codes_per_byte
 
 # Floor of an exponent before ``exp_``: PyTorch's vectorized CPU exp leaves its fast path for
 # inputs below about -87.3 (where the fp32 result underflows), -inf included, and runs 10-20x
@@ -130,7 +129,7 @@ class Tile:
         conversion pass like an 8-bit one.
         """
         b, h, p, t, nb = data.shape
-        per_byte = 1 if bits >= 8 else 8 // bits
+        per_byte = 1 if bits >= 16 else codes_per_byte(bits)
         out = self.ws.get(name, (b, h, p, t, nb, per_byte), torch.float32, data.device)
         if per_byte == 1:
             out[..., 0].copy_(data)
@@ -248,11 +247,11 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
     b, hq, nq, f = q.shape
     hkv = kv.table.shape[2]
     g = hq // hkv
-    occupied = [bool(kv.table.n_pages[t, kv.layer].max()) if kv.table.n_pages.numel() else False
-                for t in range(len(kv.layouts))]
-    if chunk_pages is None and decode_attention.supports(kv.layouts, g * nq, occupied):
-        # A few query rows over quantized pages: read live pages only, codes never dequantized.
-        return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits)
+    if chunk_pages is None:
+        maxima = decode_attention.tier_page_maxima(kv)
+        if decode_attention.supports(kv.layouts, g * nq, [m > 0 for m in maxima]):
+            # A few query rows over quantized pages: read live pages only, codes never dequantized.
+            return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits, maxima)
     outs, lses = [], []
     logits = [] if return_logits else None  # per query chunk: one [B, Hkv, G, Qc, N_t] per tier
     for q0 in range(0, nq, query_chunk):

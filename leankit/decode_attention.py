@@ -21,8 +21,9 @@ the work is all in that per-key pass, so this module reads *live pages only*:
    ``scatter_reduce`` / ``index_add``. Codes are converted a chunk of pages at a time
    (:data:`CHUNK_TOKENS`), so the fp32 temporaries stay in cache.
 
-The result equals :func:`leankit.attention.paged_attention_ref` up to fp32 rounding (the tests
-check both on random and real caches).
+The result equals the padded-tile walk of :func:`leankit.attention.paged_attention_ref` up to
+fp32 rounding (``tests/test_decode_attention.py`` on hand-filled, poisoned caches; the oracle
+tests through the cache).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .pages import SEGMENTS
-from .quant import META_DTYPE
+from .quant import META_DTYPE, codes_per_byte
 
 # Grouped query rows (query heads per KV head x queries) served by this path: decode steps and
 # short chunks. Longer steps amortize the padded tiles over many rows.
@@ -38,10 +39,6 @@ DECODE_ROWS = 64
 # Tokens whose codes are converted to fp32 at once: about 1 MB per side at head_dim 64, which
 # stays in a core's L2 between the conversion and the matmul that reads it.
 CHUNK_TOKENS = 4096
-
-
-def _planes(bits: int) -> int:
-    return 1 if bits >= 8 else 8 // bits
 
 
 def supports(layouts, rows: int, occupied=None) -> bool:
@@ -64,14 +61,14 @@ def supports(layouts, rows: int, occupied=None) -> bool:
         if not (prec.k_quantized and prec.v_quantized):
             return False
         for bits in (prec.k_bits, prec.v_bits):
-            if lay.group_size % _planes(bits):
+            if lay.group_size % codes_per_byte(bits):
                 return False
     return True
 
 
 def _plane_query(q: torch.Tensor, bits: int) -> torch.Tensor:
     """``q`` ``[..., F]`` in plane-major column order ``[..., P, F/P]`` (element ``j*P + i`` at ``[i, j]``)."""
-    return q.unflatten(-1, (-1, _planes(bits))).transpose(-1, -2).contiguous()
+    return q.unflatten(-1, (-1, codes_per_byte(bits))).transpose(-1, -2).contiguous()
 
 
 def _plane_values(y: torch.Tensor, bits: int) -> torch.Tensor:
@@ -87,7 +84,7 @@ def _group_mask(layout, bits: int, device) -> torch.Tensor:
     key = (layout.head_dim, layout.group_size, bits, str(device))
     mask = _GROUP_MASKS.get(key)
     if mask is None:
-        p = _planes(bits)
+        p = codes_per_byte(bits)
         nb = layout.head_dim // p
         g = torch.arange(layout.groups, device=device).view(-1, 1, 1)
         j = torch.arange(nb, device=device).view(1, 1, -1)
@@ -99,11 +96,10 @@ def _group_mask(layout, bits: int, device) -> torch.Tensor:
 class _LiveTier:
     """The live pages of one tier of one layer, gathered once, with the head each belongs to."""
 
-    def __init__(self, kv, tier: int, ws):
+    def __init__(self, kv, tier: int, pmax: int, ws):
         table, layer = kv.table, kv.layer
         self.layout = layout = kv.layouts[tier]
-        n_pages = table.n_pages[tier, layer]  # [B, H]
-        self.pmax = int(n_pages.max()) if n_pages.numel() else 0
+        self.pmax = pmax  # most pages any head holds in this tier
         ids, live = table.tier_pages(tier, layer, 0, self.pmax)
         flat = live.reshape(-1).nonzero().squeeze(1)
         self.flat = flat  # index into [B*H*P_max]
@@ -141,7 +137,7 @@ class _LiveTier:
     def planes(self, side: str, bits: int, c0: int, c1: int, ws) -> torch.Tensor:
         """Codes of pages ``c0 .. c1-1`` as fp32 ``[Lc, T, P * nb]`` in plane-major column order."""
         data = self._seg(f"{side}_data")[c0:c1]
-        p = _planes(bits)
+        p = codes_per_byte(bits)
         out = ws.get(f"live_{side}", (c1 - c0, self.tokens, p, data.shape[-1]), torch.float32, data.device)
         if p == 1:
             out[:, :, 0].copy_(data)
@@ -158,9 +154,19 @@ class _LiveTier:
         return [(c0, min(self.n, c0 + per)) for c0 in range(0, self.n, per)]
 
 
-def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, return_logits: bool = False):
+def tier_page_maxima(kv) -> list[int]:
+    """Most pages any (sequence, head) of the layer holds, per tier (one host read)."""
+    n_pages = kv.table.n_pages[: len(kv.layouts), kv.layer]  # [tiers, B, H]
+    return n_pages.flatten(1).amax(1).tolist() if n_pages[0].numel() else [0] * len(kv.layouts)
+
+
+def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, return_logits: bool = False,
+                        page_maxima: list[int] | None = None):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's live pages (same contract as
-    :func:`leankit.attention.paged_attention_ref`; see the module docstring for the method)."""
+    :func:`leankit.attention.paged_attention_ref`; see the module docstring for the method).
+
+    ``page_maxima``: :func:`tier_page_maxima` of ``kv`` if the caller already has it.
+    """
     from .attention import Workspace
 
     b, hq, nq, f = q.shape
@@ -170,7 +176,8 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     ws = kv.workspace or Workspace()
     qr = q.float().reshape(bh, rows, f)  # row g*Q + i of KV head h: query head h*G + g, query i
     qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows)
-    tiers = [_LiveTier(kv, t, ws) for t in range(len(kv.layouts))]
+    maxima = tier_page_maxima(kv) if page_maxima is None else page_maxima
+    tiers = [_LiveTier(kv, t, pmax, ws) for t, pmax in enumerate(maxima)]
 
     # Pass 1: scaled scores of every live slot [L, R, T], and the per-head maximum. A chunk only
     # converts codes and multiplies; metadata, masks and the query gather are tier-wide ops.
@@ -217,7 +224,7 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         acc_codes = torch.zeros((bh, ng * rows, f), device=q.device).index_add_(0, lt.head, y)
         acc_min = torch.zeros((bh, rows, ng), device=q.device).index_add_(0, lt.head, torch.bmm(p, mn.transpose(1, 2)))
         picked = (acc_codes.view(bh, ng, rows, f) * _group_mask(lay, bits, q.device)).sum(1)
-        acc += _plane_values(picked.view(bh, rows, _planes(bits), -1), bits)  # each column from its own group
+        acc += _plane_values(picked.view(bh, rows, codes_per_byte(bits), -1), bits)  # each column from its own group
         acc += acc_min.repeat_interleave(lay.group_size, dim=-1)
 
     out = torch.where(l_sum.unsqueeze(-1) > 0, acc / l_sum.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))

@@ -28,8 +28,9 @@ from torch.nn.attention import SDPBackend
 
 from .attention import EXP_FLOOR, STEP_CHUNK_ELEMS, step_received
 
-# Added to a score that must not count (a padding key, a query that is not live): exp() of a
-# score this far below zero is exactly 0 in fp32, and 2 * BIG still fits.
+# Added to a score that must not count (a padding key, a query that is not live): whatever q.k is,
+# the sum lands below EXP_FLOOR, so the term is floored like every masked score (padding keys are
+# then zeroed outright), and 2 * BIG still fits in fp32.
 _BIG = 1e30
 
 
