@@ -23,7 +23,7 @@ each dequantized K/V tile is shared by the whole group (as the Triton kernel doe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -227,7 +227,8 @@ def _grouped_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float,
-                        chunk_pages: int | None = None, query_chunk: int = 512, return_logits: bool = False):
+                        chunk_pages: int | None = None, query_chunk: int = 512, return_logits: bool = False,
+                        live_logits: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's pages.
 
     Args:
@@ -236,6 +237,9 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
         return_logits: also return the scaled logits, so a few queries (decode, short chunks) get
             their significance from :func:`received_from_logits` without a second pass over the
             keys. They take ``4 * B * Hq * Q * N`` bytes: not for long prompts.
+        live_logits: where the live-page path serves the call, return its logits as one
+            :class:`~leankit.decode_attention.LiveLogits` per tier (live pages only) instead of
+            the padded layout; :func:`received_from_logits` and the policies take either.
 
     Returns:
         ``(out, lse)``: ``out`` is ``[B, Q, Hq, F]`` in ``q.dtype`` (the layout HF's attention
@@ -251,7 +255,7 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
         maxima = decode_attention.tier_page_maxima(kv)
         if decode_attention.supports(kv.layouts, g * nq, [m > 0 for m in maxima]):
             # A few query rows over quantized pages: read live pages only, codes never dequantized.
-            return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits, maxima)
+            return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits, maxima, live_logits)
     outs, lses = [], []
     logits = [] if return_logits else None  # per query chunk: one [B, Hkv, G, Qc, N_t] per tier
     for q0 in range(0, nq, query_chunk):
@@ -300,12 +304,20 @@ def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: i
 
     ``p_ij = exp(s_ij - lse_i)`` summed over the step's live queries and averaged over the
     ``group`` query heads of each KV group; the same numbers as the second pass, without reading
-    the keys again.
+    the keys again. Given :class:`~leankit.decode_attention.LiveLogits` (the live-page path), it
+    returns them with ``received`` ``[L, T]`` filled in, for live pages only.
     """
     b, hkv, rows = lse.shape
     live = torch.isfinite(lse)
     if q_valid is not None:
         live = live & q_valid.view(b, 1, 1, -1).expand(b, hkv, group, rows // group).reshape(b, hkv, rows)
+    if logits and isinstance(logits[0], decode_attention.LiveLogits):
+        # Live pages only: the same sum per slot, [L, T], each page with its own head's rows.
+        lse_rows = torch.where(live, lse, torch.zeros_like(lse)).view(b * hkv, rows, 1)
+        dead_rows = ~live.view(b * hkv, rows, 1)
+        return [replace(t, received=torch.exp(
+            (t.logits - lse_rows.index_select(0, t.head)).masked_fill_(dead_rows.index_select(0, t.head), EXP_FLOOR)
+            .clamp_min_(EXP_FLOOR)).sum(1).div_(group)) for t in logits]
     lse_safe = torch.where(live, lse, torch.zeros_like(lse)).unsqueeze(-1)
     out = []
     for s in logits:

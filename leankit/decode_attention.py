@@ -28,6 +28,8 @@ tests through the cache).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .pages import SEGMENTS
@@ -109,6 +111,8 @@ class _LiveTier:
         pages = ws.get(f"live_pages{tier}", (self.n, kv.pool.page_size), torch.uint8, kv.pool.device)
         torch.index_select(kv.pool.storage, 0, ids.reshape(-1)[flat].long(), out=pages)
         self.pages = pages
+        self._views = {}
+        self.page_ids = ids.reshape(-1)[flat].long()  # pool id of each live page
         # Tokens left in each page: the tier's length minus the slots of the pages before it.
         left = table.lens[tier, layer].reshape(-1).index_select(0, self.head) - (flat - self.head * self.pmax) * t
         self.valid = torch.arange(t, device=flat.device) < left.unsqueeze(1)  # [L, T]
@@ -117,22 +121,29 @@ class _LiveTier:
 
     def _seg(self, name: str, dtype=torch.uint8) -> torch.Tensor:
         """Segment ``name`` of every live page as ``[L, T, n]`` (a typed view, no copy)."""
+        key = (name, dtype)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._seg_view(name, dtype)
+        return view
+
+    def _seg_view(self, name: str, dtype) -> torch.Tensor:
         lay = self.layout
         i = SEGMENTS.index(name)
-        size = torch.empty((), dtype=dtype).element_size()
-        off, nb = lay.seg_offsets[i] // size, lay.seg_bytes[i] // size
+        off, nb = lay.seg_offsets[i] // dtype.itemsize, lay.seg_bytes[i] // dtype.itemsize
         return self.pages.view(dtype)[:, off: off + self.tokens * nb].unflatten(-1, (self.tokens, nb))
 
-    def meta(self, side: str, zero_dead: bool) -> torch.Tensor:
-        """Scale and min of every live slot as one contiguous fp32 ``[2, L, G, T]``; 0 on dead slots if asked.
+    def meta(self, side: str, zero_dead: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and min of every live slot, fp32 ``[L, G, T]`` each; 0 on dead slots if asked.
 
-        Slots run last so that each ``[L, 1, T]`` group slice broadcasts over query rows with unit stride.
+        The segment converts as one contiguous copy (a transposing copy measured several times
+        slower); the group and slot dims are then swapped in the views.
         """
-        m = self._seg(f"{side}_meta", META_DTYPE).unflatten(-1, (-1, 2)).permute(3, 0, 2, 1)  # [2, L, G, T]
-        out = torch.empty(m.shape, dtype=torch.float32, device=m.device).copy_(m)
+        m = self._seg(f"{side}_meta", META_DTYPE).float()  # [L, T, G*2], contiguous
         if zero_dead:
-            out.masked_fill_(~self.valid.unsqueeze(1), 0.0)
-        return out
+            m.masked_fill_(~self.valid.unsqueeze(-1), 0.0)
+        m = m.unflatten(-1, (-1, 2)).transpose(1, 2)  # [L, G, T, 2]
+        return m[..., 0], m[..., 1]
 
     def planes(self, side: str, bits: int, c0: int, c1: int, ws) -> torch.Tensor:
         """Codes of pages ``c0 .. c1-1`` as fp32 ``[Lc, T, P * nb]`` in plane-major column order."""
@@ -154,6 +165,23 @@ class _LiveTier:
         return [(c0, min(self.n, c0 + per)) for c0 in range(0, self.n, per)]
 
 
+@dataclass
+class LiveLogits:
+    """The scaled logits of one tier's live pages, with what a significance update needs.
+
+    Returned by :func:`live_page_attention` with ``live_logits=True``, so the running-significance
+    update (LeanKV §4) touches live slots only and never re-reads the pages' positions.
+    """
+
+    page_ids: torch.Tensor  # [L] int64 pool id of each live page
+    head: torch.Tensor  # [L] flat (sequence, KV head) index of each page, in [0, B*Hkv)
+    logits: torch.Tensor  # [L, R, T] fp32 scaled scores; -inf where dead or after the query
+    valid: torch.Tensor  # [L, T] bool: slot holds a stored token
+    pos: torch.Tensor  # [L, T] int32 token positions (dead slots: int32 max)
+    score: torch.Tensor  # [L, T] fp32 stored significance as read (dead slots: stale bytes)
+    received: torch.Tensor | None = None  # [L, T] mass received this step, once computed
+
+
 def tier_page_maxima(kv) -> list[int]:
     """Most pages any (sequence, head) of the layer holds, per tier (one host read)."""
     n_pages = kv.table.n_pages[: len(kv.layouts), kv.layer]  # [tiers, B, H]
@@ -161,11 +189,13 @@ def tier_page_maxima(kv) -> list[int]:
 
 
 def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, return_logits: bool = False,
-                        page_maxima: list[int] | None = None):
+                        page_maxima: list[int] | None = None, live_logits: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's live pages (same contract as
     :func:`leankit.attention.paged_attention_ref`; see the module docstring for the method).
 
     ``page_maxima``: :func:`tier_page_maxima` of ``kv`` if the caller already has it.
+    ``live_logits``: with ``return_logits``, the third item is one :class:`LiveLogits` per tier
+    instead of the padded ``[B, Hkv, R, P_t * T_t]`` logits.
     """
     from .attention import Workspace
 
@@ -194,9 +224,13 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
                       out=dots[c0:c1].view(c1 - c0, ng * rows, -1))
         sc, mn = lt.meta("k", zero_dead=False)  # [L, G, T] each
         qsum = (qr * scale).unflatten(-1, (ng, -1)).sum(-1).index_select(0, lt.head)  # [L, R, G]
-        s_tier = torch.baddbmm(dots[:, 0] * sc[:, :1], qsum, mn)  # s_0 (q_0 . Q_0) + sum_g m_g sum(q_g)
-        for gi in range(1, ng):
-            s_tier.addcmul_(dots[:, gi], sc[:, gi: gi + 1])
+        # sum_g s_g (q_g . Q_g) + m_g sum(q_g), elementwise: a matmul with G inner terms is far
+        # slower on a CPU than these few fused multiply-adds.
+        s_tier = torch.mul(dots[:, 0], sc[:, :1])
+        for gi in range(ng):
+            if gi:
+                s_tier.addcmul_(dots[:, gi], sc[:, gi: gi + 1])
+            s_tier.addcmul_(qsum[..., gi: gi + 1], mn[:, gi: gi + 1])
         visible = lt.pos.unsqueeze(1) <= qp.index_select(0, lt.head).unsqueeze(-1)  # live and not after the query
         s_tier = s_tier.masked_fill_(~visible, float("-inf"))
         if n:
@@ -217,12 +251,14 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         p = torch.exp(s_tier - shift) if return_logits else s_tier.sub_(shift).exp_()  # [L, R, T]; 0 on dead slots
         l_sum.index_add_(0, lt.head, p.sum(-1))
         sc, mn = lt.meta("v", zero_dead=True)  # [L, G, T] each
-        weights = torch.mul(p.unsqueeze(1), sc.unsqueeze(2)).view(n, ng * rows, -1)  # p * s_g, rows by group
+        weights = torch.mul(p.unsqueeze(1), sc.unsqueeze(2), out=p.new_empty((n, ng, rows, lt.tokens)))
+        weights = weights.view(n, ng * rows, -1)  # p * s_g, rows by group
         y = q.new_empty((n, ng * rows, f), dtype=torch.float32)  # per page: sum p s codes
         for c0, c1 in lt.chunks():
             torch.bmm(weights[c0:c1], lt.planes("v", bits, c0, c1, ws), out=y[c0:c1])
         acc_codes = torch.zeros((bh, ng * rows, f), device=q.device).index_add_(0, lt.head, y)
-        acc_min = torch.zeros((bh, rows, ng), device=q.device).index_add_(0, lt.head, torch.bmm(p, mn.transpose(1, 2)))
+        p_min = torch.stack([(p * mn[:, gi: gi + 1]).sum(-1) for gi in range(ng)], -1)  # [L, R, G]: sum_n p_n m_n
+        acc_min = torch.zeros((bh, rows, ng), device=q.device).index_add_(0, lt.head, p_min)
         picked = (acc_codes.view(bh, ng, rows, f) * _group_mask(lay, bits, q.device)).sum(1)
         acc += _plane_values(picked.view(bh, rows, codes_per_byte(bits), -1), bits)  # each column from its own group
         acc += acc_min.repeat_interleave(lay.group_size, dim=-1)
@@ -233,6 +269,10 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     lse = lse.view(b, hkv, rows)
     if not return_logits:
         return out, lse
+    if live_logits:
+        return out, lse, [LiveLogits(lt.page_ids, lt.head, s_tier, lt.valid, lt.pos,
+                                     lt._seg("score", torch.float16).squeeze(-1).float())
+                          for lt, s_tier in zip(tiers, scores)]
     per_tier = []
     for lt, s_tier in zip(tiers, scores):  # padded slot order [B, Hkv, R, P_max * T], -inf where dead
         full = torch.full((bh * lt.pmax, rows, lt.tokens), float("-inf"), device=q.device)

@@ -41,6 +41,7 @@ import torch
 
 from .allocator import exclusive_cumsum
 from .backend import use_triton
+from .decode_attention import LiveLogits
 from .page_table import HIGH, LOW
 
 KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
@@ -440,6 +441,9 @@ class _Base:
         """
         cache = self.cache
         has, q_first, q_last = self._query_span(step)
+        if received and isinstance(received[0], LiveLogits):
+            self._update_live_scores(step, received)
+            return
         layers = torch.tensor([layer], device=cache.device)
         view = (1, -1, 1, 1)
         for tier, layout in enumerate(cache.layouts):
@@ -451,6 +455,20 @@ class _Base:
             new = torch.where(m.valid & has.view(view), new, m.score).to(torch.float16)
             pages = new.view(*m.ids.shape, layout.tokens)
             cache.pool.write_scores(layout, m.ids[m.pvalid], pages[m.pvalid])
+
+    def _update_live_scores(self, step, live: list[LiveLogits]) -> None:
+        """:meth:`update_scores` from the live-page path: live pages only, their positions and
+        scores already in hand (no second gather of the score and position segments)."""
+        cache = self.cache
+        has, q_first, q_last = self._query_span(step)
+        heads = cache.table.shape[2]
+        for layout, t in zip(cache.layouts, live):
+            if not t.page_ids.numel():
+                continue
+            row = (t.head // heads).unsqueeze(1)  # [L, 1] sequence of each page
+            new = update_significance(t.score, t.pos, t.received, q_first[row], q_last[row])
+            new = torch.where(t.valid & has[row], new, t.score)
+            cache.pool.write_scores(layout, t.page_ids, new)
 
     # -------------------------------------------------------------- moving tokens
     def _compact(self, tier: int, layers: torch.Tensor, valid: torch.Tensor,

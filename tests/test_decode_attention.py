@@ -78,3 +78,45 @@ def test_supports(spec, gs, rows, expected):
     assert decode_attention.supports(layouts, rows) is expected
     if len(layouts) == 2 and layouts[0].groups == 1:  # an empty low tier leaves one one-group tier
         assert decode_attention.supports(layouts, rows, occupied=[True, False]) is False
+
+
+@pytest.mark.parametrize("nq", [1, 2])
+def test_live_logits_give_the_padded_received_mass(nq):
+    """``live_logits=True`` hands back live pages only; the mass each slot received must equal the
+    padded path's (:func:`received_from_logits` on the padded logits), slot for slot, and the pages'
+    positions and stored scores must be those of the pool."""
+    from leankit.attention import received_from_logits
+
+    gen, seed = testing.fresh_generator()
+    g = 3
+    fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [65, 7, 40], 2, g, nq, prune_frac=0.1, group_size=32,
+                                          low_frac=0.6)
+    kv = fc.kv
+    kv.workspace = Workspace()
+    q_valid = torch.rand(3, nq, generator=gen) > 0.3
+    q_valid[:, -1] = True
+    out, lse, padded = decode_attention.live_page_attention(q, kv, q_pos, 0.125, return_logits=True)
+    out2, lse2, live = decode_attention.live_page_attention(q, kv, q_pos, 0.125, return_logits=True, live_logits=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    want = received_from_logits(padded, lse, g, q_valid)
+    got = received_from_logits(live, lse, g, q_valid)
+    hkv = kv.table.shape[2]
+    for tier, (w, t) in enumerate(zip(want, got)):
+        pmax = int(kv.table.n_pages[tier, kv.layer].max())
+        ids, valid = kv.table.tier_pages(tier, kv.layer, 0, pmax)
+        assert t.page_ids.numel() == int(valid.sum()) > 0
+        t_tok = kv.layouts[tier].tokens
+        for i in range(t.page_ids.numel()):  # find each live page in the padded layout
+            b, h = divmod(int(t.head[i]), hkv)
+            rank = ((ids[b, h] == t.page_ids[i]) & valid[b, h]).nonzero()
+            assert rank.numel() == 1
+            r = int(rank)
+            slots = slice(r * t_tok, (r + 1) * t_tok)
+            ok = t.valid[i]
+            torch.testing.assert_close(t.received[i][ok], w[b, h, slots][ok], rtol=1e-6, atol=1e-9,
+                                       msg=f"received, tier {tier} (seed {seed})")
+            seg = kv.pool.storage[t.page_ids[i]]
+            lay = kv.layouts[tier]
+            pos = seg[lay.offset("position"): lay.offset("position") + 4 * t_tok].view(torch.int32)
+            score = seg[lay.offset("score"): lay.offset("score") + 2 * t_tok].view(torch.float16).float()
+            assert torch.equal(t.pos[i][ok], pos[ok]) and torch.equal(t.score[i][ok], score[ok])

@@ -109,3 +109,39 @@ def test_significance_from_kept_logits_equals_the_second_pass():
         for a, b in zip(got, ref):
             assert a.shape == b.shape and bool((b > 0).any())
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # fp32: matmul shapes differ by query chunk
+
+
+def test_live_page_score_update_equals_the_padded_one(monkeypatch):
+    """Decode on the CPU path takes its significance from the live-page attention
+    (:class:`~leankit.decode_attention.LiveLogits`); the stored scores, tiers and tokens must be
+    those of the padded path (``live_logits`` off) over prompt, decode and Algorithm 1 steps."""
+    import leankit.cache as cache_mod
+    from leankit.page_table import LOW
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=4 * F, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=F, max_position_embeddings=256)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (2, 37))
+    results = []
+    real_ref = cache_mod.paged_attention_ref
+    for live in (True, False):
+        def ref(*a, live_logits=False, _live=live, **k):
+            return real_ref(*a, live_logits=live_logits and _live, **k)
+        monkeypatch.setattr(cache_mod, "paged_attention_ref", ref)
+        cache = LeanCache(model, "K8V4-K4V2", th=0.3, tl=0.05, low_group_size=8, window=4, compress_every=1,
+                          page_size=256, max_seq_len=128)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        tiers = []
+        for tier in (HIGH, LOW):
+            m = read_tier_meta(cache, tier, torch.tensor([0, 1]))
+            key = torch.where(m.valid, m.pos, 1 << 20)
+            order = torch.argsort(key, -1)
+            tiers.append((torch.gather(key, -1, order), torch.gather(m.score, -1, order)))
+        results.append((out, tiers))
+    (out_a, tiers_a), (out_b, tiers_b) = results
+    assert torch.equal(out_a, out_b)
+    assert int((tiers_a[1][0] < (1 << 20)).sum()) > 0  # the low tier is in use
+    for (pos_a, score_a), (pos_b, score_b) in zip(tiers_a, tiers_b):
+        assert torch.equal(pos_a, pos_b)
+        torch.testing.assert_close(score_a, score_b, rtol=2e-3, atol=1e-6)  # fp16 score segment
