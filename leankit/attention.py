@@ -312,12 +312,12 @@ def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: i
     if q_valid is not None:
         live = live & q_valid.view(b, 1, 1, -1).expand(b, hkv, group, rows // group).reshape(b, hkv, rows)
     if logits and isinstance(logits[0], decode_attention.LiveLogits):
-        # Live pages only: the same sum per slot, [L, T], each page with its own head's rows.
-        lse_rows = torch.where(live, lse, torch.zeros_like(lse)).view(b * hkv, rows, 1)
-        dead_rows = ~live.view(b * hkv, rows, 1)
-        return [replace(t, received=torch.exp(
-            (t.logits - lse_rows.index_select(0, t.head)).masked_fill_(dead_rows.index_select(0, t.head), EXP_FLOOR)
-            .clamp_min_(EXP_FLOOR)).sum(1).div_(group)) for t in logits]
+        # Live pages only, [L, T] per tier, from the numerators pass 2 already took:
+        # p_ij = exp(s_ij - shift_i) * exp(shift_i - lse_i), so no exp over the slots again. The
+        # row factor is 0 for rows that do not count (padding queries, rows that see nothing).
+        shift = logits[0].shift.view(b, hkv, rows)
+        factor = torch.where(live, torch.exp(shift - lse), torch.zeros_like(lse)).div_(group).view(b * hkv, 1, rows)
+        return [replace(t, received=torch.bmm(factor.index_select(0, t.head), t.probs).squeeze(1)) for t in logits]
     lse_safe = torch.where(live, lse, torch.zeros_like(lse)).unsqueeze(-1)
     out = []
     for s in logits:

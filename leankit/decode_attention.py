@@ -175,7 +175,9 @@ class LiveLogits:
 
     page_ids: torch.Tensor  # [L] int64 pool id of each live page
     head: torch.Tensor  # [L] flat (sequence, KV head) index of each page, in [0, B*Hkv)
-    logits: torch.Tensor  # [L, R, T] fp32 scaled scores; -inf where dead or after the query
+    # [L, R, T] fp32 exp(s - shift): the softmax numerators of pass 2 (0 where dead or after the query)
+    probs: torch.Tensor
+    shift: torch.Tensor  # [B*Hkv, R] the per-row maximum they are taken against
     valid: torch.Tensor  # [L, T] bool: slot holds a stored token
     pos: torch.Tensor  # [L, T] int32 token positions (dead slots: int32 max)
     score: torch.Tensor  # [L, T] fp32 stored significance as read (dead slots: stale bytes)
@@ -248,7 +250,8 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         lay, bits = lt.layout, lt.layout.precision.v_bits
         ng, n = lay.groups, lt.n
         shift = m_safe.index_select(0, lt.head).unsqueeze(-1)
-        p = torch.exp(s_tier - shift) if return_logits else s_tier.sub_(shift).exp_()  # [L, R, T]; 0 on dead slots
+        keep_logits = return_logits and not live_logits  # the padded logits are s itself, not its exp
+        p = torch.exp(s_tier - shift) if keep_logits else s_tier.sub_(shift).exp_()  # [L, R, T]; 0 on dead slots
         l_sum.index_add_(0, lt.head, p.sum(-1))
         sc, mn = lt.meta("v", zero_dead=True)  # [L, G, T] each
         weights = torch.mul(p.unsqueeze(1), sc.unsqueeze(2), out=p.new_empty((n, ng, rows, lt.tokens)))
@@ -270,9 +273,9 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     if not return_logits:
         return out, lse
     if live_logits:
-        return out, lse, [LiveLogits(lt.page_ids, lt.head, s_tier, lt.valid, lt.pos,
+        return out, lse, [LiveLogits(lt.page_ids, lt.head, probs, m_safe, lt.valid, lt.pos,
                                      lt._seg("score", torch.float16).squeeze(-1).float())
-                          for lt, s_tier in zip(tiers, scores)]
+                          for lt, probs in zip(tiers, scores)]  # exp'd in place by pass 2
     per_tier = []
     for lt, s_tier in zip(tiers, scores):  # padded slot order [B, Hkv, R, P_max * T], -inf where dead
         full = torch.full((bh * lt.pmax, rows, lt.tokens), float("-inf"), device=q.device)
