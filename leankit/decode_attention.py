@@ -102,20 +102,23 @@ class _LiveTier:
         table, layer = kv.table, kv.layer
         self.layout = layout = kv.layouts[tier]
         self.pmax = pmax  # most pages any head holds in this tier
-        ids, live = table.tier_pages(tier, layer, 0, self.pmax)
-        flat = live.reshape(-1).nonzero().squeeze(1)
-        self.flat = flat  # index into [B*H*P_max]
-        self.head = flat // max(self.pmax, 1)  # (sequence, head) of each live page, in [0, B*H)
-        self.n = flat.numel()
+        # Live page i is rank ``rank[i]`` of head ``head[i]``: heads in order, ranks 0 .. n_pages-1.
+        counts = table.n_pages[tier, layer].reshape(-1).long()  # [B*H]
+        self.n = n = int(counts.sum())
+        heads = torch.arange(counts.numel(), device=counts.device)
+        self.head = head = torch.repeat_interleave(heads, counts, output_size=n)  # in [0, B*H)
+        rank = torch.arange(n, device=counts.device) - (torch.cumsum(counts, 0) - counts).index_select(0, head)
+        self.flat = head * self.pmax + rank  # index into [B*H*P_max] (the padded layout)
+        rows = table.tables[layer].reshape(counts.numel(), -1)
+        self.page_ids = rows[head, table.column(tier, rank, table.row_len)].long()  # pool id of each live page
         t = self.tokens = layout.tokens
-        pages = ws.get(f"live_pages{tier}", (self.n, kv.pool.page_size), torch.uint8, kv.pool.device)
-        torch.index_select(kv.pool.storage, 0, ids.reshape(-1)[flat].long(), out=pages)
+        pages = ws.get(f"live_pages{tier}", (n, kv.pool.page_size), torch.uint8, kv.pool.device)
+        torch.index_select(kv.pool.storage, 0, self.page_ids, out=pages)
         self.pages = pages
         self._views = {}
-        self.page_ids = ids.reshape(-1)[flat].long()  # pool id of each live page
         # Tokens left in each page: the tier's length minus the slots of the pages before it.
-        left = table.lens[tier, layer].reshape(-1).index_select(0, self.head) - (flat - self.head * self.pmax) * t
-        self.valid = torch.arange(t, device=flat.device) < left.unsqueeze(1)  # [L, T]
+        left = table.lens[tier, layer].reshape(-1).index_select(0, head) - rank * t
+        self.valid = torch.arange(t, device=head.device) < left.unsqueeze(1)  # [L, T]
         # Dead slots get a position after every query, so one comparison masks them and causality.
         self.pos = self._seg("position", torch.int32).squeeze(-1).masked_fill(~self.valid, torch.iinfo(torch.int32).max)
 
