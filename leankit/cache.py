@@ -599,7 +599,7 @@ class LeanCache(Cache):
             if module is not None:  # exactly what an uncompressed cache computes for a prompt
                 out, received_new = prompt_attention(module, query, k_new, v_new, attention_mask, scaling,
                                                      significance=sig, q_pos=st.q_pos, k_real=st.real,
-                                                     ordered=st.ordered)
+                                                     ordered=st.ordered, ws=self.workspace)
             else:
                 out, _, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
                                                       received=sig)

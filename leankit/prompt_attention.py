@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from .attention import EXP_FLOOR, STEP_CHUNK_ELEMS, step_received
+from .attention import EXP_FLOOR, STEP_CHUNK_ELEMS, Workspace, step_received
 
 # Added to a score that must not count (a padding key, a query that is not live): whatever q.k is,
 # the sum lands below EXP_FLOOR, so the term is floored like every masked score (padding keys are
@@ -72,45 +72,58 @@ def _lse_capture(box: dict):
 
 
 def received_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, k_real: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, ws: Workspace | None = None) -> torch.Tensor:
     """Prompt significance ``[B, Hkv, Q]`` given the softmax's log-sum-exp ``lse`` ``[B, Hq, Q]``.
 
     ``sum_i exp(s_ij - lse_i)`` over the live queries ``i`` at or after key ``j``, averaged over the
     ``G`` query heads of each KV group (LeanKV §4, prompt phase). The step's real tokens must have
     increasing positions (:attr:`leankit.cache.StepState.ordered`), so that "at or after" is
     "at a later index" and a chunk of queries sees no key past its last query.
+
+    ``ws``: scratch reused across layers. The augmented operands and each chunk's scores are tens
+    of MB; fresh tensors of that size are page-faulted on first touch, which measured about a
+    third of the matmul that fills them.
     """
     b, hq, nq, f = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    ws = ws or Workspace()
+    dev = q.device
     live = k_real.view(b, 1, 1, nq)
-    row_shift = torch.where(live & torch.isfinite(lse.view(b, hkv, g, nq)), -lse.view(b, hkv, g, nq).float(),
-                            torch.full((), -_BIG, device=q.device))
-    q_aug = torch.cat([q.float().view(b, hkv, g, nq, f) * scale, row_shift.unsqueeze(-1),
-                       torch.ones((b, hkv, g, nq, 1), device=q.device)], dim=-1)
-    k_aug = torch.cat([k.float(), torch.ones((b, hkv, nq, 1), device=k.device),
-                       torch.where(k_real, 0.0, -_BIG).view(b, 1, nq, 1).expand(b, hkv, nq, 1)], dim=-1)
-    k_aug = k_aug.transpose(-1, -2)  # [B, Hkv, F+2, Q]
-    recv = torch.zeros((b, hkv, nq), device=q.device)
-    rows = max(1, STEP_CHUNK_ELEMS // max(1, b * hq * nq))
+    # q_aug = [q * scale, -lse_i, 1] and k_aug = [k, 1, -BIG * pad_j]: one matmul gives s_ij - lse_i,
+    # pushed far below the exp floor for padding keys and rows that do not count.
+    q_aug = ws.get("recv_q", (b, hkv, g, nq, f + 2), torch.float32, dev)
+    torch.mul(q.view(b, hkv, g, nq, f).float(), scale, out=q_aug[..., :f])
+    torch.where(live & torch.isfinite(lse.view(b, hkv, g, nq)), -lse.view(b, hkv, g, nq).float(),
+                torch.full((), -_BIG, device=dev), out=q_aug[..., f])
+    q_aug[..., f + 1] = 1.0
+    k_aug = ws.get("recv_k", (b, hkv, f + 2, nq), torch.float32, dev)  # keys on the last dim: [B, Hkv, F+2, Q]
+    k_aug[:, :, :f].copy_(k.transpose(-1, -2))
+    k_aug[:, :, f] = 1.0
+    k_aug[:, :, f + 1].copy_(torch.where(k_real, 0.0, -_BIG).view(b, 1, nq))
+    recv = torch.zeros((b, hkv, nq), device=dev)
+    rows = min(nq, max(1, STEP_CHUNK_ELEMS // max(1, b * hq * nq)))
+    causal = torch.ones(rows, rows, dtype=torch.bool, device=dev).triu(1)
     for q0 in range(0, nq, rows):
         q1 = min(nq, q0 + rows)
         nqc = q1 - q0
-        e = torch.matmul(q_aug[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f + 2), k_aug[..., :q1])
+        e = ws.get("recv_scores", (b, hkv, g * nqc, q1), torch.float32, dev)
+        torch.matmul(q_aug[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f + 2), k_aug[..., :q1], out=e)
         block = e.view(b, hkv, g, nqc, q1)[..., q0:q1]  # keys of the chunk itself: causal by index
-        block.masked_fill_(torch.ones(nqc, nqc, dtype=torch.bool, device=q.device).triu(1), EXP_FLOOR)
+        block.masked_fill_(causal[:nqc, :nqc], EXP_FLOOR)
         recv[..., :q1] += e.clamp_min_(EXP_FLOOR).exp_().sum(2)
     return recv.masked_fill_(~k_real.view(b, 1, nq), 0.0) / g
 
 
 def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                      scaling: float, *, significance: bool, q_pos: torch.Tensor, k_real: torch.Tensor,
-                     ordered: bool):
+                     ordered: bool, ws: Workspace | None = None):
     """The prompt's attention through transformers' SDPA, and (if asked) its tokens' significance.
 
     Returns ``(out [B, Q, Hq, F], received [B, Hkv, Q] or None)``. The significance reuses the
     SDPA kernel's log-sum-exp where it ran PyTorch's CPU flash kernel on a prompt whose positions
-    increase; otherwise it is :func:`leankit.attention.step_received`'s own pass.
+    increase; otherwise it is :func:`leankit.attention.step_received`'s own pass. ``ws``: the
+    cache's scratch (:class:`~leankit.attention.Workspace`) for that pass.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -122,5 +135,5 @@ def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         return out, None
     lse = box.get("lse")
     if lse is not None and lse.shape == query.shape[:3]:
-        return out, received_from_lse(query, key, lse, k_real, scaling)
+        return out, received_from_lse(query, key, lse, k_real, scaling, ws)
     return out, step_received(query, key, q_pos, k_real, scaling, ordered)

@@ -45,9 +45,16 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     f = codes.shape[-1]
     if f % p:
         raise ValueError(f"last dim {f} is not a multiple of {p} codes per byte")
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], f // p, p)
-    shifts = torch.arange(p, device=codes.device, dtype=torch.int32) * bits
-    return (c << shifts).sum(-1).to(torch.uint8)
+    if p == 1:
+        return codes.to(torch.uint8)
+    # Horner over the codes of each byte, highest first: byte = sum_i c_i 2^(i*bits). Exact in the
+    # codes' own dtype (every partial value is an integer below 256), one pass over 1/p of the data
+    # per code, with no widening to int32 and no shift tensor.
+    c = codes.reshape(*codes.shape[:-1], f // p, p)
+    acc = c[..., p - 1] * (1 << bits)
+    for i in range(p - 2, 0, -1):
+        acc.add_(c[..., i]).mul_(1 << bits)
+    return acc.add_(c[..., 0]).to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -72,8 +79,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None):
         raise ValueError(f"group_size {gs} must divide the last dim {f}")
     xg = x.float().reshape(*x.shape[:-1], f // gs, gs)
     qmax = (1 << bits) - 1
-    lo = xg.amin(-1)
-    hi = xg.amax(-1)
+    lo, hi = torch.aminmax(xg, dim=-1)
     mn16 = lo.to(META_DTYPE)
     # Scale from the stored minimum so that the largest element maps inside [0, qmax].
     sc16 = ((hi - mn16.float()) / qmax).to(META_DTYPE)
@@ -83,10 +89,10 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None):
         check_finite(x)
         raise NonFiniteKVError("KV values exceed the fp16 range of the quantization metadata")
     sc = sc16.float().unsqueeze(-1)
-    safe = torch.where(sc > 0, sc, torch.ones_like(sc))
-    codes = torch.where(sc > 0, torch.round((xg - mn16.float().unsqueeze(-1)) / safe), torch.zeros_like(xg))
-    codes = codes.clamp_(0, qmax).reshape(*x.shape)
-    return pack(codes, bits), sc16, mn16
+    # A constant group (s = 0) divides by +inf: its codes are 0 (x - min is finite here).
+    safe = torch.where(sc > 0, sc, torch.full((), float("inf"), device=sc.device))
+    codes = torch.sub(xg, mn16.float().unsqueeze(-1)).div_(safe).round_().clamp_(0, qmax)
+    return pack(codes.reshape(*x.shape), bits), sc16, mn16
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
