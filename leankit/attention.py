@@ -317,7 +317,9 @@ def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: i
         # row factor is 0 for rows that do not count (padding queries, rows that see nothing).
         shift = logits[0].shift.view(b, hkv, rows)
         factor = torch.where(live, torch.exp(shift - lse), torch.zeros_like(lse)).div_(group).view(b * hkv, 1, rows)
-        return [replace(t, received=torch.bmm(factor.index_select(0, t.head), t.probs).squeeze(1)) for t in logits]
+        # Few rows per page: a broadcast multiply and a row sum beat a batched matmul of [1, R] x [R, T].
+        return [replace(t, received=(t.probs * factor.index_select(0, t.head).transpose(1, 2)).sum(1))
+                for t in logits]
     lse_safe = torch.where(live, lse, torch.zeros_like(lse)).unsqueeze(-1)
     out = []
     for s in logits:

@@ -312,9 +312,8 @@ class PagePool:
 
     def write_scores(self, layout: PageLayout, page_ids: torch.Tensor, scores: torch.Tensor) -> None:
         """Overwrite the whole score segment of pages ``page_ids`` ``[n]`` with ``scores`` ``[n, T]``."""
-        off, nb = layout.offset("score"), layout.tokens * 2
-        rows = scores.to(torch.float16).contiguous().view(torch.uint8).reshape(-1, nb)
-        self.storage[page_ids.long(), off: off + nb] = rows
+        seg = self.segment_view(layout, "score", torch.float16).squeeze(-1)  # [num_pages, T]
+        seg.index_copy_(0, page_ids.reshape(-1).long(), scores.reshape(-1, layout.tokens).to(torch.float16))
 
     def copy_slots(self, layout: PageLayout, src_pages, src_slots, dst_pages, dst_slots) -> None:
         """Copy whole tokens (all six segments) between slots of pages of the same layout."""
