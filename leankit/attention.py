@@ -23,6 +23,7 @@ each dequantized K/V tile is shared by the whole group (as the Triton kernel doe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,10 +56,8 @@ class Workspace:
 
     def get(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
         """A tensor of ``shape`` (uninitialized) backed by the buffer ``name``."""
-        key = (name, dtype, torch.device(device))
-        n = 1
-        for d in shape:
-            n *= int(d)
+        key = (name, dtype, device if isinstance(device, torch.device) else torch.device(device))
+        n = math.prod(map(int, shape))
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < n:
             buf = self._bufs[key] = torch.empty(max(n, 1), dtype=dtype, device=device)

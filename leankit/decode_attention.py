@@ -148,24 +148,25 @@ class _LiveTier:
         m = m.unflatten(-1, (-1, 2)).transpose(1, 2)  # [L, G, T, 2]
         return m[..., 0], m[..., 1]
 
-    def planes(self, side: str, bits: int, c0: int, c1: int, ws) -> torch.Tensor:
-        """Codes of pages ``c0 .. c1-1`` as fp32 ``[Lc, T, P * nb]`` in plane-major column order."""
-        data = self._seg(f"{side}_data")[c0:c1]
-        p = codes_per_byte(bits)
-        out = ws.get(f"live_{side}", (c1 - c0, self.tokens, p, data.shape[-1]), torch.float32, data.device)
-        if p == 1:
-            out[:, :, 0].copy_(data)
-        else:
-            mask = (1 << bits) - 1
-            out[:, :, 0].copy_(data & mask)
-            for i in range(1, p - 1):
-                out[:, :, i].copy_((data >> (i * bits)) & mask)
-            out[:, :, p - 1].copy_(data >> ((p - 1) * bits))
-        return out.view(c1 - c0, self.tokens, -1)
-
-    def chunks(self):
-        per = max(1, CHUNK_TOKENS // self.tokens)
-        return [(c0, min(self.n, c0 + per)) for c0 in range(0, self.n, per)]
+    def planes(self, side: str, bits: int, ws):
+        """Yield ``(c0, c1, codes)`` per chunk of :data:`CHUNK_TOKENS`: the codes of pages
+        ``c0 .. c1-1`` as fp32 ``[Lc, T, P * nb]`` in plane-major column order (one reused buffer)."""
+        data_all = self._seg(f"{side}_data")
+        p, t = codes_per_byte(bits), self.tokens
+        per = max(1, CHUNK_TOKENS // t)
+        buf = ws.get(f"live_{side}", (min(per, self.n), t, p, data_all.shape[-1]), torch.float32, data_all.device)
+        mask = (1 << bits) - 1
+        for c0 in range(0, self.n, per):
+            c1 = min(self.n, c0 + per)
+            data, out = data_all[c0:c1], buf[: c1 - c0]
+            if p == 1:
+                out[:, :, 0].copy_(data)
+            else:
+                out[:, :, 0].copy_(data & mask)
+                for i in range(1, p - 1):
+                    out[:, :, i].copy_((data >> (i * bits)) & mask)
+                out[:, :, p - 1].copy_(data >> ((p - 1) * bits))
+            yield c0, c1, out.view(c1 - c0, t, -1)
 
 
 @dataclass
@@ -224,9 +225,8 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         qbd = (qq.unsqueeze(1) * _group_mask(lay, bits, q.device)).view(bh, ng * rows, f)  # block-diagonal by group
         q_pages = qbd.index_select(0, lt.head)  # [L, G*R, F]: each page meets its own head's rows
         dots = q.new_empty((n, ng, rows, lt.tokens), dtype=torch.float32)
-        for c0, c1 in lt.chunks():
-            torch.bmm(q_pages[c0:c1], lt.planes("k", bits, c0, c1, ws).transpose(1, 2),
-                      out=dots[c0:c1].view(c1 - c0, ng * rows, -1))
+        for c0, c1, codes in lt.planes("k", bits, ws):
+            torch.bmm(q_pages[c0:c1], codes.transpose(1, 2), out=dots[c0:c1].view(c1 - c0, ng * rows, -1))
         sc, mn = lt.meta("k", zero_dead=False)  # [L, G, T] each
         qsum = (qr * scale).unflatten(-1, (ng, -1)).sum(-1).index_select(0, lt.head)  # [L, R, G]
         # sum_g s_g (q_g . Q_g) + m_g sum(q_g), elementwise: a matmul with G inner terms is far
@@ -260,8 +260,8 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         weights = torch.mul(p.unsqueeze(1), sc.unsqueeze(2), out=p.new_empty((n, ng, rows, lt.tokens)))
         weights = weights.view(n, ng * rows, -1)  # p * s_g, rows by group
         y = q.new_empty((n, ng * rows, f), dtype=torch.float32)  # per page: sum p s codes
-        for c0, c1 in lt.chunks():
-            torch.bmm(weights[c0:c1], lt.planes("v", bits, c0, c1, ws), out=y[c0:c1])
+        for c0, c1, codes in lt.planes("v", bits, ws):
+            torch.bmm(weights[c0:c1], codes, out=y[c0:c1])
         acc_codes = torch.zeros((bh, ng * rows, f), device=q.device).index_add_(0, lt.head, y)
         p_min = torch.stack([(p * mn[:, gi: gi + 1]).sum(-1) for gi in range(ng)], -1)  # [L, R, G]: sum_n p_n m_n
         acc_min = torch.zeros((bh, rows, ng), device=q.device).index_add_(0, lt.head, p_min)
