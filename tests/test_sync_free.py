@@ -128,7 +128,7 @@ def _phase_hooks(model, counter: SyncCounter):
 # (name, spec, overrides): the full policy (quantized and lossless) and LeanKV with and without
 # pruning; a small window and compress_every=1 make Algorithm 1 run at every decode step.
 # Small pages (a few tokens each) make decode steps allocate new pages. leankv-tl0 runs
-# Algorithm 1 every 4 tokens, leankv-prune at every step. h2o and streaming evict at the end of
+# Algorithm 1 every 4 tokens, leankv-prune at every step (leankv-1tier prunes a single tier). h2o and streaming evict at the end of
 # every step (the 11-token prompt is past their budget and window).
 CONFIGS = [
     ("K8V4", "K8V4", {"page_size": 256}),
@@ -136,6 +136,7 @@ CONFIGS = [
     ("leankv-tl0", "K8V4-K4V2", {"th": 0.25, "tl": 0.0, "window": 3, "compress_every": 4, "page_size": 256}),
     ("leankv-prune", "K8V4-K4V2", {"th": 0.3, "tl": 0.1, "window": 3, "compress_every": 1, "group_size": 8,
                                    "page_size": 256}),
+    ("leankv-1tier", "K8V4", {"policy": "leankv", "tl": 0.08, "window": 3, "compress_every": 1, "page_size": 256}),
     ("h2o", "K8V4", {"policy": "h2o", "budget": 0.5, "page_size": 256}),
     ("streaming", "K8V4", {"policy": "streaming", "sink": 2, "window": 5, "page_size": 256}),
 ]
