@@ -1037,8 +1037,7 @@ class _EndOfStepEviction(_Base):
             return None
         self._planned = self._plan_eviction(step)
         _, m, keep = self._planned
-        evicted = (m.valid & ~keep).sum(-1).reshape(-1)
-        return evicted.amax().reshape(1) if evicted.numel() else torch.zeros(1, dtype=torch.long, device=keep.device)
+        return (m.valid & ~keep).sum(-1).amax().reshape(1)
 
     def take_status(self, values: list[int]) -> None:
         self._cap = int(values[0])
@@ -1121,7 +1120,8 @@ class StreamingPolicy(_EndOfStepEviction):
     def _keep(self, step, m: TierMeta) -> torch.Tensor:
         view = (1, -1, 1, 1)
         pos = m.pos.long()
-        return (pos < (self._first_after(step) + self.sink).view(view)) | (pos > (step.q_last - self.window).view(view))
+        sink = pos < (self._first_after(step) + self.sink).view(view)
+        return sink | (pos > (step.q_last - self.window).view(view))
 
 
 

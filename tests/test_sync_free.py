@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from leankit.cache import LeanCache
+from leankit.policy import HIGH, read_tier_meta
 from leankit.testing import left_padded_batch, tiny_model
 
 _ROOTS = tuple(os.path.dirname(__import__(m).__file__) + os.sep for m in ("leankit", "leankit_kernels"))
@@ -128,15 +129,17 @@ def _phase_hooks(model, counter: SyncCounter):
 # (name, spec, overrides): the full policy (quantized and lossless) and LeanKV with and without
 # pruning; a small window and compress_every=1 make Algorithm 1 run at every decode step.
 # Small pages (a few tokens each) make decode steps allocate new pages. leankv-tl0 runs
-# Algorithm 1 every 4 tokens, leankv-prune at every step (leankv-1tier prunes a single tier). h2o and streaming evict at the end of
-# every step (the 11-token prompt is past their budget and window).
+# Algorithm 1 every 4 tokens, leankv-prune at every step (leankv-1tier prunes a single tier).
+# h2o and streaming evict at the end of every step (the 11-token prompt is past their budget
+# and window).
 CONFIGS = [
     ("K8V4", "K8V4", {"page_size": 256}),
     ("FP16", "FP16", {}),
     ("leankv-tl0", "K8V4-K4V2", {"th": 0.25, "tl": 0.0, "window": 3, "compress_every": 4, "page_size": 256}),
     ("leankv-prune", "K8V4-K4V2", {"th": 0.3, "tl": 0.1, "window": 3, "compress_every": 1, "group_size": 8,
                                    "page_size": 256}),
-    ("leankv-1tier", "K8V4", {"policy": "leankv", "tl": 0.08, "window": 3, "compress_every": 1, "page_size": 256}),
+    ("leankv-1tier", "K8V4", {"policy": "leankv", "tl": 0.08, "window": 3, "compress_every": 1,
+                              "page_size": 256}),
     ("h2o", "K8V4", {"policy": "h2o", "budget": 0.5, "page_size": 256}),
     ("streaming", "K8V4", {"policy": "streaming", "sink": 2, "window": 5, "page_size": 256}),
 ]
@@ -303,8 +306,6 @@ def _assert_same_run(got, want) -> None:
 
 def _kept_positions(cache) -> torch.Tensor:
     """Positions of the high tier's tokens, slot by slot (``-1`` past each head's count)."""
-    from leankit.policy import HIGH, read_tier_meta
-
     m = read_tier_meta(cache, HIGH, torch.arange(cache.num_layers))
     width = int(cache.table.lens[HIGH].max())
     return torch.where(m.valid, m.pos, torch.full_like(m.pos, -1))[..., :width]
