@@ -409,12 +409,14 @@ class LeanCache(Cache):
         """
         if self._step is not None:
             self._check_step_flags()
+            # Pages in use at the step's high point, before the policy's end-of-step eviction frees
+            # any (the free list is current here: the read above loaded any deferred counters).
+            used = self.free_list.capacity - self.free_list.num_free
             self.policy.end_step(self._step)
             self._seen += self._step.q_len
             self._step = None
             if self.offload is not None:  # land the write-backs, count the step's bytes
                 self.offload.end_step()
-            used = self.free_list.capacity - self.free_list.num_free
             if used * self.cfg.page_size >= self._peak[0]:
                 # fp16 bytes as a device tensor: memory_report converts it (no sync per step)
                 self._peak = (used * self.cfg.page_size, self._fp16_bytes(as_tensor=True))

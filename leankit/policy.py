@@ -598,7 +598,7 @@ class _Base:
         self._grant_ok = ok
         # 2. read the tokens going low before compaction may overwrite their slots
         t_h = cache.layouts[HIGH].tokens
-        c = min(cap, to_low.shape[-1])
+        c = min(cap, to_low.shape[-1]) if two else 0
         lo_slot, lo_has = _nth_slots(to_low & ok, c)
         lay, bi, hi = _head_grid(layers, lo_slot.shape)
         if c:
@@ -613,7 +613,8 @@ class _Base:
         if two:
             self._compact_fixed(LOW, layers, ml.valid, alive_l, cap, ok)
         # 4. emptied high pages to the low side (Fig. 5 reuse), then the downgraded tokens re-quantized
-        self._move_tail_pages(layers, r)
+        if two:
+            self._move_tail_pages(layers, r)
         if c:
             slot = torch.where(lo_has, len_l.unsqueeze(-1) + torch.arange(c, device=lo_has.device),
                                torch.zeros_like(lo_slot)).reshape(-1)
@@ -653,6 +654,8 @@ class _Base:
         once they are empty, ``ok`` the device flag of the grant (``r`` is zero when refused)."""
         cache, table = self.cache, self.cache.table
         need_h, need_l, cur_h, cur_l, r = self._page_need(layers, len_h, len_l, reserve)
+        if reserve is None and len(cache.layouts) == 1:  # tokens only leave one tier: no head needs a page
+            return need_h, need_l, r, torch.ones((), dtype=torch.bool, device=len_h.device)
         extra = torch.zeros_like(table.n_pages)
         extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
         extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
@@ -988,7 +991,76 @@ class LeanKVPolicy(_Base):
         self._prompt_rows = None
 
 
-class H2OPolicy(_Base):
+class _EndOfStepEviction(_Base):
+    """A single-tier policy that evicts from the high tier at the end of every step, for all
+    layers at once with one batched recycle (H2O, StreamingLLM).
+
+    Torch backend: :meth:`end_step` plans and evicts eagerly. Kernel backend: the plan is made in
+    :meth:`step_status`, before the step's one host read, which also carries the most tokens any
+    head evicts; :meth:`end_step` then evicts at that fixed width (:meth:`apply_classes` with
+    ``cap``: masked compaction and a deferred recycle) with no host read of its own.
+    """
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        if cache.cfg.low is not None:
+            raise ValueError(f"policy {cache.cfg.policy!r} keeps a single precision tier; "
+                             "drop the low tier from the config")
+        self._planned = None  # (layers, meta, keep) made by step_status (kernel backend)
+        self._cap = None  # the most slots any head of _planned evicts, read with the step's flags
+
+    def reset(self) -> None:
+        super().reset()
+        self._planned = self._cap = None
+
+    def _keep(self, step, m: TierMeta) -> torch.Tensor:
+        """bool ``[L, B, H, S]``: the valid slots the policy keeps once ``step`` is stored. Called
+        before :meth:`end_step` updates the per-row state: it works from the state after the step."""
+        raise NotImplementedError
+
+    def _advance(self, step) -> None:
+        """Update the per-row state for the stored step."""
+        super().end_step(step)
+
+    def _plan_eviction(self, step):
+        """``(layers, meta, keep)`` of the high tier of every layer (rows without a query keep all)."""
+        cache = self.cache
+        layers = torch.arange(cache.num_layers, device=cache.device)
+        m = read_tier_meta(cache, HIGH, layers)
+        keep = m.valid & (self._keep(step, m) | ~step.has_query.view(1, -1, 1, 1))
+        return layers, m, keep
+
+    def step_status(self, step) -> torch.Tensor | None:
+        """Kernel backend: plan the step's eviction; the value read back is the most slots any
+        head evicts (the fixed width of :meth:`end_step`'s compaction, 0: nothing to evict)."""
+        if not use_triton(step.q_pos):
+            return None
+        self._planned = self._plan_eviction(step)
+        _, m, keep = self._planned
+        return (m.valid & ~keep).sum(-1).amax().reshape(1)
+
+    def take_status(self, values: list[int]) -> None:
+        self._cap = int(values[0])
+
+    def end_step(self, step) -> None:
+        planned, cap = self._planned, self._cap
+        self._planned = self._cap = None
+        if planned is None or cap is None:  # torch backend: plan now, eagerly
+            if not bool(step.has_query.any()):
+                self._advance(step)
+                return
+            planned = self._plan_eviction(step)
+        self._advance(step)
+        layers, m, keep = planned
+        new = torch.where(keep, KEEP_HIGH, PRUNED)
+        if cap is not None:
+            if cap > 0:
+                self.apply_classes(layers, [m], [new], cap=cap)
+        elif bool((m.valid & ~keep).any()):
+            self.apply_classes(layers, [m], [new])
+
+
+class H2OPolicy(_EndOfStepEviction):
     """H2O-style static budget: per head, the ``budget`` fraction of the row's tokens is kept.
 
     Half of the budget is the most recent tokens, half the heavy hitters: the tokens with the
@@ -1001,42 +1073,26 @@ class H2OPolicy(_Base):
 
     def __init__(self, cache):
         super().__init__(cache)
-        if cache.cfg.low is not None:
-            raise ValueError("policy 'h2o' keeps a single precision tier; drop the low tier from the config")
         self.budget = cache.cfg.budget
-        self._span = None
 
-    def end_step(self, step) -> None:
-        super().end_step(step)
-        cache = self.cache
-        has, _, q_last = self._query_span(step)
-        if not bool(has.any()):
-            return
-        layers = torch.arange(cache.num_layers, device=cache.device)
-        m = read_tier_meta(cache, HIGH, layers)
+    def _keep(self, step, m: TierMeta) -> torch.Tensor:
         view = (1, -1, 1, 1)
-        k = torch.ceil(self.budget * self.real_seen.float()).long().clamp_min(1)
+        q_last = step.q_last
+        seen = self.real_seen + step.n_new  # real tokens per row once the step is stored
+        k = torch.ceil(self.budget * seen.float()).long().clamp_min(1)
         recent = k // 2
         pos = m.pos.long()
         is_recent = pos > (q_last - recent).view(view)
         acc = m.score * (q_last.view(view) - pos + 1).float()
-        pool = m.valid & ~is_recent
-        rank = _rank(-acc, pool)
-        keep = m.valid & (is_recent | (rank < (k - recent).view(view)))
-        keep = keep | ~has.view(view)
-        new = torch.where(keep, KEEP_HIGH, PRUNED)
-        if bool((m.valid & ~keep).any()):
-            self.apply_classes(layers, [m], [new])
+        rank = _rank(-acc, m.valid & ~is_recent)
+        return is_recent | (rank < (k - recent).view(view))
 
 
-class StreamingPolicy(_Base):
+class StreamingPolicy(_EndOfStepEviction):
     """StreamingLLM: keep the first ``sink`` tokens of each row and the ``window`` most recent."""
 
     def __init__(self, cache):
         super().__init__(cache)
-        if cache.cfg.low is not None:
-            raise ValueError("policy 'streaming' keeps a single precision tier; "
-                             "drop the low tier from the config")
         self.sink, self.window = cache.cfg.sink, cache.cfg.window
         self.first_pos: torch.Tensor | None = None
 
@@ -1053,21 +1109,19 @@ class StreamingPolicy(_Base):
         if self.first_pos is not None:
             self.first_pos = self.first_pos.index_select(0, beam_idx)
 
-    def end_step(self, step) -> None:
-        super().end_step(step)
-        cache = self.cache
-        has, q_first, q_last = self._query_span(step)
-        self.first_pos = torch.where(has, torch.minimum(self.first_pos, q_first), self.first_pos)
-        if not bool(has.any()):
-            return
-        layers = torch.arange(cache.num_layers, device=cache.device)
-        m = read_tier_meta(cache, HIGH, layers)
+    def _first_after(self, step) -> torch.Tensor:
+        """Each row's first real position once the step is stored."""
+        return torch.where(step.has_query, torch.minimum(self.first_pos, step.q_first), self.first_pos)
+
+    def _advance(self, step) -> None:
+        self.first_pos = self._first_after(step)
+        super()._advance(step)
+
+    def _keep(self, step, m: TierMeta) -> torch.Tensor:
         view = (1, -1, 1, 1)
         pos = m.pos.long()
-        keep = (pos < (self.first_pos + self.sink).view(view)) | (pos > (q_last - self.window).view(view))
-        keep = m.valid & (keep | ~has.view(view))
-        if bool((m.valid & ~keep).any()):
-            self.apply_classes(layers, [m], [torch.where(keep, KEEP_HIGH, PRUNED)])
+        sink = pos < (self._first_after(step) + self.sink).view(view)
+        return sink | (pos > (step.q_last - self.window).view(view))
 
 
 

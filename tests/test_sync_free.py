@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from leankit.cache import LeanCache
+from leankit.policy import HIGH, read_tier_meta
 from leankit.testing import left_padded_batch, tiny_model
 
 _ROOTS = tuple(os.path.dirname(__import__(m).__file__) + os.sep for m in ("leankit", "leankit_kernels"))
@@ -128,18 +129,25 @@ def _phase_hooks(model, counter: SyncCounter):
 # (name, spec, overrides): the full policy (quantized and lossless) and LeanKV with and without
 # pruning; a small window and compress_every=1 make Algorithm 1 run at every decode step.
 # Small pages (a few tokens each) make decode steps allocate new pages. leankv-tl0 runs
-# Algorithm 1 every 4 tokens, leankv-prune at every step.
+# Algorithm 1 every 4 tokens, leankv-prune at every step (leankv-1tier prunes a single tier).
+# h2o and streaming evict at the end of every step (the 11-token prompt is past their budget
+# and window).
 CONFIGS = [
     ("K8V4", "K8V4", {"page_size": 256}),
     ("FP16", "FP16", {}),
     ("leankv-tl0", "K8V4-K4V2", {"th": 0.25, "tl": 0.0, "window": 3, "compress_every": 4, "page_size": 256}),
     ("leankv-prune", "K8V4-K4V2", {"th": 0.3, "tl": 0.1, "window": 3, "compress_every": 1, "group_size": 8,
                                    "page_size": 256}),
+    ("leankv-1tier", "K8V4", {"policy": "leankv", "tl": 0.08, "window": 3, "compress_every": 1,
+                              "page_size": 256}),
+    ("h2o", "K8V4", {"policy": "h2o", "budget": 0.5, "page_size": 256}),
+    ("streaming", "K8V4", {"policy": "streaming", "sink": 2, "window": 5, "page_size": 256}),
 ]
 
 
 def _mark_steps(cache, counters: list, patch):
-    """Tag each step's counter: ``compressed`` when the policy moved tokens (LeanKV's Algorithm 1);
+    """Tag each step's counter: ``compressed`` when the policy moved tokens (LeanKV's Algorithm 1,
+    the end-of-step eviction of h2o and streaming);
     ``calls`` counts the fused decode score updates and second passes over the keys."""
     policy = cache.policy
     apply = policy.apply_classes
@@ -231,9 +239,11 @@ def test_decode_step_is_sync_free_inside_layers(name, spec, overrides):
             f"{name} decode step {i}: {total} host syncs (allowed: 1)\n" + c.report())
     if name == "leankv-tl0":  # the config does reach Algorithm 1 within the counted steps
         assert any(c.compressed for c in per_step) and not all(c.compressed for c in per_step)
-    # Generation-phase significance (LeanKV §4) comes from the decode kernel's own logits, one fused
-    # update per layer, never from a second pass over the keys.
-    fused = 3 if spec != "K8V4" and spec != "FP16" else 0
+    if name in ("h2o", "streaming"):  # every counted step evicts
+        assert all(c.compressed for c in per_step)
+    # Generation-phase significance (LeanKV §4, H2O's accumulated attention) comes from the decode
+    # kernel's own logits, one fused update per layer, never from a second pass over the keys.
+    fused = 3 if name.startswith(("leankv", "h2o")) else 0
     for c in per_step:
         assert c.calls["received_attention"] == 0 and c.calls["apply_score_update"] == fused, c.calls
 
@@ -245,13 +255,14 @@ def test_compress_step_reads_the_device_at_most_once():
     assert c.compressed and c.total() <= 1, c.report()
 
 
-def _decode_run(backend: str, overrides: dict, steps: int, num_pages: int):
-    """Prompt plus ``steps`` greedy decode steps of LeanKV through a fixed pool on ``backend``;
-    returns (tokens, per-tier token counts, page counts, the free list after a host sync)."""
+def _decode_run(backend: str, overrides: dict, steps: int, num_pages: int, spec: str = "K8V4-K4V2"):
+    """Prompt plus ``steps`` greedy decode steps through a fixed pool on ``backend`` (LeanKV unless
+    ``overrides`` names another policy); returns (tokens, per-tier token counts, page counts, the
+    free list, the cache)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LEANKIT_BACKEND", backend)
         model = tiny_model("llama-gqa", num_hidden_layers=2)
-        cache = LeanCache(model, "K8V4-K4V2", num_pages=num_pages, **overrides)
+        cache = LeanCache(model, spec, num_pages=num_pages, **overrides)
         toks = []
         with torch.no_grad():
             logits, mask, pos = _prompt(model, cache)
@@ -273,10 +284,16 @@ def test_sync_free_algorithm_1_moves_what_the_torch_backend_moves(overrides):
     with the same page counts, and the free list accounts for every page."""
     got = _decode_run("triton", overrides, steps=7, num_pages=160)
     want = _decode_run("torch", overrides, steps=7, num_pages=160)
+    _assert_same_run(got, want)
+    assert int(got[1][1].sum()) > 0  # tokens did go low
+
+
+def _assert_same_run(got, want) -> None:
+    """Two :func:`_decode_run` results agree: tokens, per-tier token and page counts; and the
+    kernel run's free list accounts for every page."""
     assert torch.equal(got[0], want[0]), (got[0], want[0])
     assert torch.equal(got[1], want[1]), (got[1], want[1])
     assert torch.equal(got[2], want[2]), (got[2], want[2])
-    assert int(got[1][1].sum()) > 0  # tokens did go low
     cache = got[4]
     owned = cache.table.tables >= 0
     assert int(owned.sum()) == int(cache.table.n_pages.sum())
@@ -285,6 +302,32 @@ def test_sync_free_algorithm_1_moves_what_the_torch_backend_moves(overrides):
     assert fl.num_free == fl.capacity - int(owned.sum())
     free = set(fl.free_ids().tolist())
     assert not free & set(cache.table.tables[owned].tolist())  # no page both free and owned
+
+
+def _kept_positions(cache) -> torch.Tensor:
+    """Positions of the high tier's tokens, slot by slot (``-1`` past each head's count)."""
+    m = read_tier_meta(cache, HIGH, torch.arange(cache.num_layers))
+    width = int(cache.table.lens[HIGH].max())
+    return torch.where(m.valid, m.pos, torch.full_like(m.pos, -1))[..., :width]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"policy": "h2o", "budget": 0.45, "page_size": 256},
+    {"policy": "streaming", "sink": 3, "window": 4, "page_size": 256},
+], ids=["h2o", "streaming"])
+def test_sync_free_eviction_keeps_what_the_torch_backend_keeps(overrides):
+    """The end-of-step eviction of h2o and streaming at the fixed width read with the step's flags
+    (masked compaction, deferred recycle) keeps the torch backend's tokens, in the same slots, with
+    the same page counts, and the free list accounts for every page."""
+    got = _decode_run("triton", overrides, steps=7, num_pages=160, spec="K8V4")
+    want = _decode_run("torch", overrides, steps=7, num_pages=160, spec="K8V4")
+    _assert_same_run(got, want)
+    assert torch.equal(_kept_positions(got[4]), _kept_positions(want[4]))
+    seen = got[4].policy.real_seen.view(1, -1, 1)
+    assert bool((got[1][0] < seen).all())  # every head of every row evicted tokens
+    t = got[4].layouts[0].tokens
+    full = int((-(-seen // t)).sum()) * 2 * 2  # pages of the same tokens uncompressed (2 layers, 2 heads)
+    assert int(got[2].sum()) < full  # ... and their pages came back
 
 
 def _kernel_cache(monkeypatch, spec="K8V4", **kw):
