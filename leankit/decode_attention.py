@@ -119,8 +119,18 @@ class _LiveTier:
         # Tokens left in each page: the tier's length minus the slots of the pages before it.
         left = table.lens[tier, layer].reshape(-1).index_select(0, head) - rank * t
         self.valid = torch.arange(t, device=head.device) < left.unsqueeze(1)  # [L, T]
-        # Dead slots get a position after every query, so one comparison masks them and causality.
-        self.pos = self._seg("position", torch.int32).squeeze(-1).masked_fill(~self.valid, torch.iinfo(torch.int32).max)
+        # A tier's tokens fill slots 0 .. lens-1, so only a head's last pages hold dead slots (stale
+        # bytes, NaN patterns included). They are cleaned in this gathered copy, a few pages only:
+        # a position after every query (one comparison then masks dead slots and causality), and
+        # V scale and min 0 (their probability is 0, and 0 * NaN would not be).
+        pos = self._seg("position", torch.int32).squeeze(-1)  # [L, T]
+        part = (left < t).nonzero().squeeze(1)
+        if part.numel():
+            dead = ~self.valid.index_select(0, part)
+            pos[part] = pos.index_select(0, part).masked_fill_(dead, torch.iinfo(torch.int32).max)
+            v_meta = self._seg("v_meta", META_DTYPE)
+            v_meta[part] = v_meta.index_select(0, part).masked_fill_(dead.unsqueeze(-1), 0.0)
+        self.pos = pos
 
     def _seg(self, name: str, dtype=torch.uint8) -> torch.Tensor:
         """Segment ``name`` of every live page as ``[L, T, n]`` (a typed view, no copy)."""
@@ -136,15 +146,14 @@ class _LiveTier:
         off, nb = lay.seg_offsets[i] // dtype.itemsize, lay.seg_bytes[i] // dtype.itemsize
         return self.pages.view(dtype)[:, off: off + self.tokens * nb].unflatten(-1, (self.tokens, nb))
 
-    def meta(self, side: str, zero_dead: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scale and min of every live slot, fp32 ``[L, G, T]`` each; 0 on dead slots if asked.
+    def meta(self, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale and min of every live slot, fp32 ``[L, G, T]`` each (strided views).
 
         The segment converts as one contiguous copy (a transposing copy measured several times
-        slower); the group and slot dims are then swapped in the views.
+        slower); the group and slot dims are then swapped in the views. V sides hold 0 on dead
+        slots (cleaned at gather time); K sides may hold anything there.
         """
         m = self._seg(f"{side}_meta", META_DTYPE).float()  # [L, T, G*2], contiguous
-        if zero_dead:
-            m.masked_fill_(~self.valid.unsqueeze(-1), 0.0)
         m = m.unflatten(-1, (-1, 2)).transpose(1, 2)  # [L, G, T, 2]
         return m[..., 0], m[..., 1]
 
@@ -227,7 +236,7 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         dots = q.new_empty((n, ng, rows, lt.tokens), dtype=torch.float32)
         for c0, c1, codes in lt.planes("k", bits, ws):
             torch.bmm(q_pages[c0:c1], codes.transpose(1, 2), out=dots[c0:c1].view(c1 - c0, ng * rows, -1))
-        sc, mn = lt.meta("k", zero_dead=False)  # [L, G, T] each
+        sc, mn = lt.meta("k")  # [L, G, T] each
         qsum = (qr * scale).unflatten(-1, (ng, -1)).sum(-1).index_select(0, lt.head)  # [L, R, G]
         # sum_g s_g (q_g . Q_g) + m_g sum(q_g), elementwise: a matmul with G inner terms is far
         # slower on a CPU than these few fused multiply-adds.
@@ -256,14 +265,14 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         keep_logits = return_logits and not live_logits  # the padded logits are s itself, not its exp
         p = torch.exp(s_tier - shift) if keep_logits else s_tier.sub_(shift).exp_()  # [L, R, T]; 0 on dead slots
         l_sum.index_add_(0, lt.head, p.sum(-1))
-        sc, mn = lt.meta("v", zero_dead=True)  # [L, G, T] each
+        sc, mn = lt.meta("v")  # [L, G, T] each; 0 on dead slots
         weights = torch.mul(p.unsqueeze(1), sc.unsqueeze(2), out=p.new_empty((n, ng, rows, lt.tokens)))
         weights = weights.view(n, ng * rows, -1)  # p * s_g, rows by group
         y = q.new_empty((n, ng * rows, f), dtype=torch.float32)  # per page: sum p s codes
         for c0, c1, codes in lt.planes("v", bits, ws):
             torch.bmm(weights[c0:c1], codes, out=y[c0:c1])
         acc_codes = torch.zeros((bh, ng * rows, f), device=q.device).index_add_(0, lt.head, y)
-        p_min = torch.stack([(p * mn[:, gi: gi + 1]).sum(-1) for gi in range(ng)], -1)  # [L, R, G]: sum_n p_n m_n
+        p_min = torch.bmm(p, mn.contiguous().transpose(1, 2))  # [L, R, G]: sum_n p_n m_n
         acc_min = torch.zeros((bh, rows, ng), device=q.device).index_add_(0, lt.head, p_min)
         picked = (acc_codes.view(bh, ng, rows, f) * _group_mask(lay, bits, q.device)).sum(1)
         acc += _plane_values(picked.view(bh, rows, codes_per_byte(bits), -1), bits)  # each column from its own group
