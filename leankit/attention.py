@@ -436,6 +436,13 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
         of KV head ``h``), so :func:`merge_attention` combines the two directly. A row that sees
         no key has ``lse = -inf`` and output 0.
     """
+    if q.shape[2] == 1:
+        return _one_token_attention(q, k, v, k_real, scale, lse_other, received)
+    return _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received)
+
+
+def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received):
+    """:func:`step_attention` of any step: masked matmul, softmax and ``P v`` per chunk of queries."""
     b, hq, nq, f = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -471,6 +478,28 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     if recv is not None:
         recv /= g
     return out, lse.view(b, hkv, g * nq), recv
+
+
+def _one_token_attention(q, k, v, k_real, scale, lse_other, received):
+    """:func:`step_attention` of a decode step (one token per row), in closed form.
+
+    Each query sees exactly one new key, its own token (a row that is not live sees it too, as in
+    the general mask), so ``lse = s = q . k * scale``, ``P = 1`` and ``out = v``.
+    """
+    b, hq, _, f = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    kf = k.float()
+    s = torch.matmul(q.float().view(b, hkv, g, f), kf.view(b, hkv, f, 1)).view(b, hkv, g) * scale
+    out = v.float().view(b, hkv, 1, f).expand(b, hkv, g, f).reshape(b, 1, hq, f)
+    recv = None
+    if received:
+        w = k_real.view(b, 1, 1).expand(b, hkv, g).float()
+        if lse_other is not None:
+            total = torch.logaddexp(lse_other.view(b, hkv, g), s)
+            w = w * torch.exp(s - torch.where(torch.isfinite(total), total, s))
+        recv = w.sum(-1, keepdim=True) / g
+    return out, s, recv
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):

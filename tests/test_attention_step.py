@@ -81,3 +81,25 @@ def test_merge_with_an_empty_side_is_the_other_side():
     torch.testing.assert_close(lse, lse_a)
     out, lse = merge_attention(torch.zeros_like(a), empty, torch.zeros_like(a), empty)
     assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
+@pytest.mark.parametrize("with_old", [False, True])
+def test_one_token_step_equals_the_general_pass(with_old):
+    """A decode step (one token per row) takes a closed form; it must equal the general chunked
+    pass, finished rows (not real) included, with and without older keys' log-sum-exp."""
+    from leankit.attention import _chunked_step_attention
+
+    g = torch.Generator().manual_seed(11)
+    b, hq, hkv, f = 5, 6, 2, 16
+    q, k, v = (torch.randn(b, h, 1, f, generator=g) for h in (hq, hkv, hkv))
+    pos = torch.randint(3, 50, (b, 1), generator=g)
+    real = torch.tensor([[True], [False], [True], [True], [False]])
+    lse_old = None
+    if with_old:
+        lse_old = torch.randn(b, hkv, hq // hkv, generator=g) + 2
+        lse_old[0, 1, 2] = float("-inf")  # a row that saw no older key
+    got = step_attention(q, k, v, pos, real, 0.3, lse_other=lse_old, received=True)
+    ref = _chunked_step_attention(q, k, v, pos, real, 0.3, lse_old, True)
+    for a, r in zip(got, ref):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
