@@ -24,7 +24,8 @@ modes:
               and on CUDA the transfer time hidden behind compute
 
 Both take --json FILE (everything measured) and --write-readme (the results table between the
-<!-- leankit-bench:MODE --> markers of README.md, with the command, CPU, threads, torch and date).
+<!-- leankit-bench:MODE --> markers of README.md, with the command, CPU, threads, torch and date;
+the prefill-heavy throughput mix writes the block throughput-prefill-heavy).
 """
 
 STEP_HELP = f"""\
@@ -216,7 +217,8 @@ def cmd_throughput(args) -> int:
                          seed=args.seed, progress=not args.no_progress, ceiling=args.ceiling)
     body = f"{args.model}.\n\n{throughput.table(res)}\n\n{throughput.notes(res)}"
     print(body)
-    _finish(args, "throughput", body, res)
+    # One README block per mix: the decode-heavy table is "throughput", the other "throughput-<mix>".
+    _finish(args, "throughput" if args.mix == "decode-heavy" else f"throughput-{args.mix}", body, res)
     return 0
 
 
