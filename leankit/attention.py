@@ -227,7 +227,7 @@ def _grouped_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float,
                         chunk_pages: int | None = None, query_chunk: int = 512, return_logits: bool = False,
-                        live_logits: bool = False):
+                        live_slots: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's pages.
 
     Args:
@@ -236,9 +236,10 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
         return_logits: also return the scaled logits, so a few queries (decode, short chunks) get
             their significance from :func:`received_from_logits` without a second pass over the
             keys. They take ``4 * B * Hq * Q * N`` bytes: not for long prompts.
-        live_logits: where the live-page path serves the call, return its logits as one
-            :class:`~leankit.decode_attention.LiveLogits` per tier (live pages only) instead of
-            the padded layout; :func:`received_from_logits` and the policies take either.
+        live_slots: where the live-page path serves the call, return one
+            :class:`~leankit.decode_attention.LiveSlots` per tier (softmax numerators over live
+            pages only) instead of the padded logits; :func:`received_from_logits` and the
+            policies take either.
 
     Returns:
         ``(out, lse)``: ``out`` is ``[B, Q, Hq, F]`` in ``q.dtype`` (the layout HF's attention
@@ -254,7 +255,7 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
         maxima = decode_attention.tier_page_maxima(kv)
         if decode_attention.supports(kv.layouts, g * nq, [m > 0 for m in maxima]):
             # A few query rows over quantized pages: read live pages only, codes never dequantized.
-            return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits, maxima, live_logits)
+            return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits, maxima, live_slots)
     outs, lses = [], []
     logits = [] if return_logits else None  # per query chunk: one [B, Hkv, G, Qc, N_t] per tier
     for q0 in range(0, nq, query_chunk):
@@ -303,14 +304,14 @@ def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: i
 
     ``p_ij = exp(s_ij - lse_i)`` summed over the step's live queries and averaged over the
     ``group`` query heads of each KV group; the same numbers as the second pass, without reading
-    the keys again. Given :class:`~leankit.decode_attention.LiveLogits` (the live-page path), it
+    the keys again. Given :class:`~leankit.decode_attention.LiveSlots` (the live-page path), it
     returns them with ``received`` ``[L, T]`` filled in, for live pages only.
     """
     b, hkv, rows = lse.shape
     live = torch.isfinite(lse)
     if q_valid is not None:
         live = live & q_valid.view(b, 1, 1, -1).expand(b, hkv, group, rows // group).reshape(b, hkv, rows)
-    if logits and isinstance(logits[0], decode_attention.LiveLogits):
+    if logits and isinstance(logits[0], decode_attention.LiveSlots):
         # Live pages only, [L, T] per tier, from the numerators pass 2 already took:
         # p_ij = exp(s_ij - shift_i) * exp(shift_i - lse_i), so no exp over the slots again. The
         # row factor is 0 for rows that do not count (padding queries, rows that see nothing).

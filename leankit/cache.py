@@ -620,7 +620,7 @@ class LeanCache(Cache):
                     out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
             elif sig and nq <= LOGITS_QUERY_LIMIT:  # few queries: keep the logits for the significance update
                 out_old, lse_old, logits = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling,
-                                                               return_logits=True, live_logits=True)
+                                                               return_logits=True, live_slots=True)
             else:
                 out_old, lse_old = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling)
             if self.rotation is not None:

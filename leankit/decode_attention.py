@@ -179,11 +179,14 @@ class _LiveTier:
 
 
 @dataclass
-class LiveLogits:
-    """The scaled logits of one tier's live pages, with what a significance update needs.
+class LiveSlots:
+    """One tier's live pages after a step's attention: its softmax numerators over their slots,
+    and what the significance update needs of them.
 
-    Returned by :func:`live_page_attention` with ``live_logits=True``, so the running-significance
+    Returned by :func:`live_page_attention` with ``live_slots=True``, so the running-significance
     update (LeanKV §4) touches live slots only and never re-reads the pages' positions.
+    ``pos`` views the layer's gathered pages in the cache's workspace: valid until the next
+    layer's attention.
     """
 
     page_ids: torch.Tensor  # [L] int64 pool id of each live page
@@ -204,13 +207,13 @@ def tier_page_maxima(kv) -> list[int]:
 
 
 def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, return_logits: bool = False,
-                        page_maxima: list[int] | None = None, live_logits: bool = False):
+                        page_maxima: list[int] | None = None, live_slots: bool = False):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's live pages (same contract as
     :func:`leankit.attention.paged_attention_ref`; see the module docstring for the method).
 
     ``page_maxima``: :func:`tier_page_maxima` of ``kv`` if the caller already has it.
-    ``live_logits``: with ``return_logits``, the third item is one :class:`LiveLogits` per tier
-    instead of the padded ``[B, Hkv, R, P_t * T_t]`` logits.
+    ``live_slots``: with ``return_logits``, the third item is one :class:`LiveSlots` per tier
+    (softmax numerators over live pages) instead of the padded ``[B, Hkv, R, P_t * T_t]`` logits.
     """
     from .attention import Workspace
 
@@ -262,7 +265,7 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         lay, bits = lt.layout, lt.layout.precision.v_bits
         ng, n = lay.groups, lt.n
         shift = m_safe.index_select(0, lt.head).unsqueeze(-1)
-        keep_logits = return_logits and not live_logits  # the padded logits are s itself, not its exp
+        keep_logits = return_logits and not live_slots  # the padded logits are s itself, not its exp
         p = torch.exp(s_tier - shift) if keep_logits else s_tier.sub_(shift).exp_()  # [L, R, T]; 0 on dead slots
         l_sum.index_add_(0, lt.head, p.sum(-1))
         sc, mn = lt.meta("v")  # [L, G, T] each; 0 on dead slots
@@ -284,8 +287,8 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     lse = lse.view(b, hkv, rows)
     if not return_logits:
         return out, lse
-    if live_logits:
-        return out, lse, [LiveLogits(lt.page_ids, lt.head, probs, m_safe, lt.valid, lt.pos,
+    if live_slots:
+        return out, lse, [LiveSlots(lt.page_ids, lt.head, probs, m_safe, lt.valid, lt.pos,
                                      lt._seg("score", torch.float16).squeeze(-1).float())
                           for lt, probs in zip(tiers, scores)]  # exp'd in place by pass 2
     per_tier = []

@@ -41,7 +41,7 @@ import torch
 
 from .allocator import exclusive_cumsum
 from .backend import use_triton
-from .decode_attention import LiveLogits
+from .decode_attention import LiveSlots
 from .page_table import HIGH, LOW
 
 KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
@@ -437,11 +437,13 @@ class _Base:
         ``received``: per tier ``[B, H, P_t * T_t]``, the probability mass each slot received from
         the step's queries (:func:`~leankit.attention.received_from_logits` or
         :func:`~leankit.attention.received_attention_ref`, computed with the step's final
-        log-sum-exp), for the tokens stored by *earlier* steps. Rewrites the score segments.
+        log-sum-exp), for the tokens stored by *earlier* steps; or, from the live-page decode,
+        one :class:`~leankit.decode_attention.LiveSlots` per tier with ``received`` filled in.
+        Rewrites the score segments.
         """
         cache = self.cache
         has, q_first, q_last = self._query_span(step)
-        if received and isinstance(received[0], LiveLogits):
+        if received and isinstance(received[0], LiveSlots):
             self._update_live_scores(step, received)
             return
         layers = torch.tensor([layer], device=cache.device)
@@ -456,7 +458,7 @@ class _Base:
             pages = new.view(*m.ids.shape, layout.tokens)
             cache.pool.write_scores(layout, m.ids[m.pvalid], pages[m.pvalid])
 
-    def _update_live_scores(self, step, live: list[LiveLogits]) -> None:
+    def _update_live_scores(self, step, live: list[LiveSlots]) -> None:
         """:meth:`update_scores` from the live-page path: live pages only, their positions and
         scores already in hand (no second gather of the score and position segments)."""
         cache = self.cache

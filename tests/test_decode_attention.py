@@ -81,8 +81,8 @@ def test_supports(spec, gs, rows, expected):
 
 
 @pytest.mark.parametrize("nq", [1, 2])
-def test_live_logits_give_the_padded_received_mass(nq):
-    """``live_logits=True`` hands back live pages only; the mass each slot received must equal the
+def test_live_slots_give_the_padded_received_mass(nq):
+    """``live_slots=True`` hands back live pages only; the mass each slot received must equal the
     padded path's (:func:`received_from_logits` on the padded logits), slot for slot, and the pages'
     positions and stored scores must be those of the pool."""
     from leankit.attention import received_from_logits
@@ -96,7 +96,7 @@ def test_live_logits_give_the_padded_received_mass(nq):
     q_valid = torch.rand(3, nq, generator=gen) > 0.3
     q_valid[:, -1] = True
     out, lse, padded = decode_attention.live_page_attention(q, kv, q_pos, 0.125, return_logits=True)
-    out2, lse2, live = decode_attention.live_page_attention(q, kv, q_pos, 0.125, return_logits=True, live_logits=True)
+    out2, lse2, live = decode_attention.live_page_attention(q, kv, q_pos, 0.125, return_logits=True, live_slots=True)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     want = received_from_logits(padded, lse, g, q_valid)
     got = received_from_logits(live, lse, g, q_valid)

@@ -113,8 +113,8 @@ def test_significance_from_kept_logits_equals_the_second_pass():
 
 def test_live_page_score_update_equals_the_padded_one(monkeypatch):
     """Decode on the CPU path takes its significance from the live-page attention
-    (:class:`~leankit.decode_attention.LiveLogits`); the stored scores, tiers and tokens must be
-    those of the padded path (``live_logits`` off) over prompt, decode and Algorithm 1 steps."""
+    (:class:`~leankit.decode_attention.LiveSlots`); the stored scores, tiers and tokens must be
+    those of the padded path (``live_slots`` off) over prompt, decode and Algorithm 1 steps."""
     import leankit.cache as cache_mod
     from leankit.page_table import LOW
 
@@ -126,8 +126,8 @@ def test_live_page_score_update_equals_the_padded_one(monkeypatch):
     results = []
     real_ref = cache_mod.paged_attention_ref
     for live in (True, False):
-        def ref(*a, live_logits=False, _live=live, **k):
-            return real_ref(*a, live_logits=live_logits and _live, **k)
+        def ref(*a, live_slots=False, _live=live, **k):
+            return real_ref(*a, live_slots=live_slots and _live, **k)
         monkeypatch.setattr(cache_mod, "paged_attention_ref", ref)
         cache = LeanCache(model, "K8V4-K4V2", th=0.3, tl=0.05, low_group_size=8, window=4, compress_every=1,
                           page_size=256, max_seq_len=128)
