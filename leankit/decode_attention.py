@@ -73,7 +73,7 @@ def _plane_query(q: torch.Tensor, bits: int) -> torch.Tensor:
     return q.unflatten(-1, (-1, codes_per_byte(bits))).transpose(-1, -2).contiguous()
 
 
-def _plane_values(y: torch.Tensor, bits: int) -> torch.Tensor:
+def _plane_values(y: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_plane_query` on an output: ``[..., P, nb]`` -> ``[..., F]``."""
     return y.transpose(-1, -2).flatten(-2)
 
@@ -278,7 +278,7 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         p_min = torch.bmm(p, mn.contiguous().transpose(1, 2))  # [L, R, G]: sum_n p_n m_n
         acc_min = torch.zeros((bh, rows, ng), device=q.device).index_add_(0, lt.head, p_min)
         picked = (acc_codes.view(bh, ng, rows, f) * _group_mask(lay, bits, q.device)).sum(1)
-        acc += _plane_values(picked.view(bh, rows, codes_per_byte(bits), -1), bits)  # each column from its own group
+        acc += _plane_values(picked.view(bh, rows, codes_per_byte(bits), -1))  # each column from its own group
         acc += acc_min.repeat_interleave(lay.group_size, dim=-1)
 
     out = torch.where(l_sum.unsqueeze(-1) > 0, acc / l_sum.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
