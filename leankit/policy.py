@@ -242,10 +242,9 @@ def read_tier_meta(cache, tier: int, layers: torch.Tensor) -> TierMeta:
     pvalid = j < n_pages.unsqueeze(-1)
     ids = torch.where(pvalid, ids, torch.zeros_like(ids))
     flat = ids.reshape(-1).long()
-    st = cache.pool.storage
-    so, po = layout.offset("score"), layout.offset("position")
-    score = st[:, so: so + 2 * t].index_select(0, flat).contiguous().view(torch.float16).float()
-    pos = st[:, po: po + 4 * t].index_select(0, flat).contiguous().view(torch.int32)
+    pool = cache.pool
+    score = pool.segment_view(layout, "score", torch.float16).squeeze(-1).index_select(0, flat).float()
+    pos = pool.segment_view(layout, "position", torch.int32).squeeze(-1).index_select(0, flat)
     shape = (*ids.shape[:-1], p * t)
     lens = table.lens[tier].index_select(0, layers)
     valid = torch.arange(p * t, device=lens.device) < lens.unsqueeze(-1)
