@@ -53,7 +53,7 @@ def test_prompt_attention_is_sdpa_and_significance_matches(b, hkv, g, n, pads):
 
 
 def test_capture_leaves_sdpa_unchanged_and_records_lse():
-    q, k, v, real, pos, mask = _prompt(0, 2, 3, 3, 21, [0, 4])
+    q, k, v, _real, _pos, mask = _prompt(0, 2, 3, 3, 21, [0, 4])
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
     box = {}
     with _lse_capture(box):
@@ -66,9 +66,26 @@ def test_capture_leaves_sdpa_unchanged_and_records_lse():
     torch.testing.assert_close(box["lse"][1, :, 4:], torch.logsumexp(s, -1)[1, :, 4:])
 
 
+@pytest.mark.parametrize("chunk_elems,min_rows", [(64, 1), (3000, 5), (1 << 18, 16)])
+def test_received_from_lse_in_many_query_chunks(monkeypatch, chunk_elems, min_rows):
+    # Small chunks force many query chunks, each with its own causal diagonal block and key range.
+    import leankit.prompt_attention as pa
+
+    monkeypatch.setattr(pa, "_CHUNK_ELEMS", chunk_elems)
+    monkeypatch.setattr(pa, "_MIN_ROWS", min_rows)
+    seed = int(torch.randint(0, 1 << 30, ()))
+    q, k, _v, real, pos, mask = _prompt(seed, 2, 3, 2, 97, [0, 11])
+    s = torch.einsum("bhqf,bhkf->bhqk", q, k.repeat_interleave(2, 1)) * 0.125
+    lse = torch.logsumexp(s.masked_fill(~mask, float("-inf")), -1)
+    recv = received_from_lse(q, k, lse, real, 0.125)
+    ref = step_received(q, k, pos, real, 0.125, ordered=True)
+    torch.testing.assert_close(recv, ref, rtol=2e-5, atol=2e-6, msg=f"seed {seed}")
+    assert torch.equal(recv[1, :, :11], torch.zeros(3, 11))  # row 1's padding keys
+
+
 def test_received_from_lse_with_large_logits():
     # Scores far beyond exp()'s fp32 range: the lse shift keeps every term finite.
-    q, k, v, real, pos, mask = _prompt(1, 2, 2, 2, 33, [0, 3])
+    q, k, _v, real, pos, mask = _prompt(1, 2, 2, 2, 33, [0, 3])
     q, k = q * 40, k * 40
     s = torch.einsum("bhqf,bhkf->bhqk", q, k.repeat_interleave(2, 1)) * 0.125
     s = s.masked_fill(~mask, float("-inf"))
