@@ -409,6 +409,11 @@ class HybridPolicy:
     def after_store(self, layer, step) -> None:
         self.inner.after_store(layer, self._view(step))
 
+    def step_status(self, step):
+        # The kernel backend's one host read per step carries the inner policy's status; the
+        # inner policy plans it over the step it was given, the KV-only view.
+        return self.inner.step_status(self._view(step))
+
     def end_step(self, step) -> None:
         self.inner.end_step(self._view(step))
         self.act.end_step(step)

@@ -53,6 +53,7 @@ class FreePageList:
         self.counters: torch.Tensor | None = None
         self._stale = False  # the device counters moved past the host ones
         self._head, self._tail = 0, capacity
+        self._floor = capacity  # while stale: a host lower bound on the free pages
 
     @property
     def free_head(self) -> int:
@@ -87,9 +88,20 @@ class FreePageList:
             self.counters = torch.tensor([self._head, self._tail], dtype=torch.int64, device=self.ring.device)
         return self.counters
 
-    def mark_stale(self) -> None:
-        """A kernel advanced the device counters; the host ones are behind until :meth:`sync`."""
+    def mark_stale(self, taken: int | None = None) -> None:
+        """A kernel advanced the device counters; the host ones are behind until :meth:`sync`.
+
+        ``taken``: a host bound on the pages the kernel took from the list (0 for a release, which
+        only adds free pages; None if unknown). It keeps :attr:`free_floor` a true lower bound.
+        """
+        self._floor = 0 if taken is None else max(0, self.free_floor - int(taken))
         self._stale = True
+
+    @property
+    def free_floor(self) -> int:
+        """Free pages, or a lower bound of them while the host counters are stale; reads nothing
+        from the device (an elastic pool's deferred grant checks its bound against this)."""
+        return self._floor if self._stale else self._tail - self._head
 
     @property
     def stale(self) -> bool:

@@ -484,24 +484,32 @@ class LeanCache(Cache):
         ``defer``: the caller can take a refusal at the end of the step. On the kernel backend
         the grant then runs without a host read: for a fixed pool, a short pool raises
         :class:`PoolExhausted` from :meth:`end_step` (the step is dropped, nothing was handed
-        out); an elastic pool defers only when ``bound`` (a host bound on ``extra.sum()``) fits
-        its free pages, and otherwise grows first (a host read). A deferred grant returns its
-        device bool ``ok`` (false: refused whole, nothing handed out); an eager one returns None.
+        out); an elastic pool defers when it has ``bound`` (a host bound on ``extra.sum()``),
+        growing first (one host read, then rarely: capacity at least doubles) if its free pages
+        might be fewer. A deferred grant returns its device bool ``ok`` (false: refused whole,
+        nothing handed out); an eager one returns None.
         """
         if defer and table is None and use_triton(self._kv_err) and self._rows_fit() and (
-                self.fixed_pool or (bound is not None and not self.free_list.stale
-                                    and bound <= self.free_list.num_free)):
-            return self.table.grow(extra, self.free_list, status=self._alloc_status)
+                self.fixed_pool or bound is not None):
+            if not self.fixed_pool and bound > self.free_list.free_floor:
+                self._ensure_free(bound)
+            return self.table.grow(extra, self.free_list, status=self._alloc_status, taken=bound)
         table = self.table if table is None else table
         try:
             table.grow(extra, self.free_list)
         except PoolExhausted as e:
             if self.fixed_pool:
                 raise
-            new_cap = max(self.pool.num_pages * 2, self.pool.num_pages + e.needed - e.free)
+            self._ensure_free(e.needed)
+            table.grow(extra, self.free_list)
+
+    def _ensure_free(self, pages: int) -> None:
+        """Grow an elastic pool (at least doubling it) until it has ``pages`` free pages."""
+        free = self.free_list.num_free  # (syncs the host counters)
+        if free < pages:
+            new_cap = max(self.pool.num_pages * 2, self.pool.num_pages + pages - free)
             self.pool.grow(new_cap)
             self.free_list.grow(new_cap)
-            table.grow(extra, self.free_list)
 
     # ------------------------------------------------------------------ layer protocol
     def _store(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):

@@ -69,7 +69,7 @@ class BidirectionalPageTable:
 
     # ------------------------------------------------------------------ growth
     def grow(self, extra: torch.Tensor, free_list: FreePageList,
-             status: torch.Tensor | None = None) -> torch.Tensor | None:
+             status: torch.Tensor | None = None, taken: int | None = None) -> torch.Tensor | None:
         """Give every (tier, layer, seq, head) ``extra[t, l, b, h]`` more pages in one allocation.
 
         Raises :class:`~leankit.allocator.PoolExhausted` (nothing changed) if the pool is short,
@@ -78,23 +78,33 @@ class BidirectionalPageTable:
         ``status`` (kernel backend only): a deferred grant that reads nothing back to the host; a
         short pool is recorded in ``status`` instead of raised (see
         :func:`leankit_kernels.page_alloc.grow_pages`). The caller guarantees that no row overflows.
-        Returns the grant's device bool ``ok`` then, else None.
+        Returns the grant's device bool ``ok`` then, else None. ``taken``: a host bound on
+        ``extra.sum()`` for the free list's lower bound on its free pages (None: unknown).
         """
         extra = extra.to(torch.int32)
         if status is not None:
             from leankit_kernels.page_alloc import grow_pages
 
-            return grow_pages(self, extra, free_list, status=status)
-        if int(extra.sum()) == 0:
+            return grow_pages(self, extra, free_list, status=status, taken=taken)
+        # One host read: the total, the row check and (if a deferred kernel moved them) the free
+        # list's device counters.
+        stale = free_list.stale
+        parts = [extra.sum(dtype=torch.int64).view(1),
+                 ((self.n_pages + extra).sum(0) > self.row_len).any().long().view(1)]
+        values = torch.cat(parts + ([free_list.counters] if stale else [])).tolist()
+        if stale:
+            free_list.load(*values[2:])
+        total, overflow = values[0], values[1]
+        if total == 0:
             return
-        if bool(((self.n_pages + extra).sum(0) > self.row_len).any()):
+        if overflow:
             raise ValueError(
                 f"a sequence outgrew its page-table row ({self.row_len} pages): raise max_seq_len of the LeanCache"
             )
         if use_triton(self.tables):  # Triton backend: one prefix-sum launch (leankit_kernels.page_alloc)
             from leankit_kernels.page_alloc import grow_pages
 
-            grow_pages(self, extra, free_list)
+            grow_pages(self, extra, free_list, total=total)
             return
         ids, offsets = free_list.allocate(extra)
         flat_extra = extra.reshape(-1).long()

@@ -284,3 +284,33 @@ def test_smollm2_fp16_act_half_identical_tokens(smollm2):
     diff = max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits))
     print(f"\nSmolLM2 fp32, FP16:act=0.5 vs FP16: max |logit difference| over 32 steps = {diff:.3e}")
     assert diff < 1e-3
+
+
+def test_hybrid_policy_hands_its_inner_policy_the_kv_view_for_step_status():
+    # The kernel backend's per-step status read goes through the wrapper: the inner policy must
+    # plan it over the KV-only view of the step, as every other hook does.
+    from leankit.act_store import HybridPolicy
+
+    class Inner:
+        def __init__(self):
+            self.seen = []
+
+        def begin_step(self, step):
+            self.seen.append(("begin", step))
+
+        def step_status(self, step):
+            self.seen.append(("status", step))
+            return torch.tensor([7])
+
+    class Store:
+        def plan(self, step):
+            return ("kv view of", step)
+
+    inner = Inner()
+    policy = HybridPolicy(inner, Store())
+    full = object()
+    policy.begin_step(full)
+    assert policy.step_status(full).tolist() == [7]
+    assert inner.seen == [("begin", ("kv view of", full)), ("status", ("kv view of", full))]
+    with pytest.raises(RuntimeError, match="begin_step did not plan"):
+        policy.step_status(object())

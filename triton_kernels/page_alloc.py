@@ -106,7 +106,8 @@ def _check_tables(table) -> None:
 
 
 def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK,
-               status: torch.Tensor | None = None) -> int | torch.Tensor:
+               status: torch.Tensor | None = None, taken: int | None = None,
+               total: int | None = None) -> int | torch.Tensor:
     """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.grow` (one launch).
 
     ``extra`` int ``[2, L, B, H]``. Raises :class:`~leankit.allocator.PoolExhausted` (changing
@@ -118,6 +119,9 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
     ``(1, pages needed, pages free)`` into ``status`` for the caller to read and raise later. The
     free list's device counters advance; its host counters are stale until it next syncs.
     Returns the device bool ``ok`` (the grant was made) then. The caller guarantees that no page-table row can overflow.
+    ``taken`` (with ``status``): a host bound on ``extra.sum()``, which keeps the free list's
+    host lower bound on its free pages (:attr:`~leankit.allocator.FreePageList.free_floor`) valid.
+    ``total`` (without ``status``): ``extra.sum()`` if the caller has already read it.
     """
     _check_tables(table)
     extra = extra.to(device=table.tables.device, dtype=torch.int32).contiguous()
@@ -135,9 +139,9 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
         kernel_for(_grow_kernel, extra.device)[grid](extra, table.n_pages, table.tables, free_list.ring, cnt, cap, n,
                                                      n // 2, table.row_len, BLOCK=block, num_warps=4)
         cnt[0:1].add_(total * ok)
-        free_list.mark_stale()
+        free_list.mark_stale(taken)
         return ok
-    total = int(extra.sum())
+    total = int(extra.sum()) if total is None else total
     if total == 0:
         return 0
     if total > free_list.num_free:
@@ -170,7 +174,7 @@ def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: i
             drop, table.n_pages, table.tables, free_list.ring, cnt, free_list.capacity, n, n // 2, table.row_len,
             BLOCK=block, num_warps=4)
         cnt[1:2].add_(drop.sum(dtype=torch.int64))
-        free_list.mark_stale()
+        free_list.mark_stale(taken=0)  # a release only adds free pages
         return None
     total = int(drop.sum())
     if total == 0:
