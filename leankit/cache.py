@@ -407,6 +407,7 @@ class LeanCache(Cache):
         one host sync): NaN/Inf K/V drop the whole step (:meth:`abort_step`) and raise
         :class:`~leankit.quant.NonFiniteKVError` naming the first bad layer.
         """
+        self.workspace.step_memo.clear()
         if self._step is not None:
             self._check_step_flags()
             # Pages in use at the step's high point, before the policy's end-of-step eviction frees
@@ -535,6 +536,7 @@ class LeanCache(Cache):
         (earlier layers of the step may already have stored their tokens); pages the step
         reserved stay owned by their heads and serve the next step.
         """
+        self.workspace.step_memo.clear()
         if self._step is None:
             return
         self.table.lens.copy_(self._step.lens_before)

@@ -46,12 +46,35 @@ _CHUNK_ELEMS = 1 << 18
 _MIN_ROWS = 16
 
 
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, memo: dict | None) -> torch.Tensor:
+    """``mask`` (bool, True = attend) as the additive ``0 / -inf`` mask SDPA builds from it.
+
+    ``memo``: conversions kept for one forward step. Every layer of a forward receives the same
+    mask tensor, and at 8 x 4096 tokens its fp32 form is 512 MB, rebuilt per layer otherwise
+    (about 0.3 s a layer on one core). An entry matches only the same tensor object, unmodified
+    since (its version counter), converted to the same dtype.
+    """
+    key = (id(mask), dtype)
+    hit = memo.get(key) if memo is not None else None
+    if hit is not None and hit[0] is mask and hit[1] == mask._version:
+        return hit[2]
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    if memo is not None:
+        if len(memo) >= _MASK_MEMO_ENTRIES:  # e.g. sliding-window and full layers alternate two masks
+            memo.pop(next(iter(memo)))
+        memo[key] = (mask, mask._version, out)
+    return out
+
+
+_MASK_MEMO_ENTRIES = 2
+
+
 @contextlib.contextmanager
-def _lse_capture(box: dict):
+def _lse_capture(box: dict, mask_memo: dict | None = None):
     """Run the body with ``F.scaled_dot_product_attention`` also recording the CPU flash kernel's lse.
 
     Calls that the flash kernel would not serve (another device or backend, dropout) go to the
-    original function unchanged, and ``box`` gets no lse.
+    original function unchanged, and ``box`` gets no lse. ``mask_memo``: see :func:`_additive_mask`.
     """
     original = F.scaled_dot_product_attention
 
@@ -67,8 +90,7 @@ def _lse_capture(box: dict):
                     rep = query.shape[1] // key.shape[1]
                     key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
                 if attn_mask is not None and attn_mask.dtype == torch.bool:
-                    attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-                        ~attn_mask, float("-inf"))
+                    attn_mask = _additive_mask(attn_mask, query.dtype, mask_memo)
                 out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
                 box["lse"] = lse
@@ -151,7 +173,8 @@ def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
     box: dict = {}
     capture = significance and ordered and query.device.type == "cpu"
-    with _lse_capture(box) if capture else contextlib.nullcontext():
+    memo = ws.step_memo if ws is not None else None
+    with _lse_capture(box, memo) if capture else contextlib.nullcontext():
         out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)[0]
     if not significance:
         return out, None

@@ -107,3 +107,52 @@ def test_unordered_prompt_falls_back_to_its_own_softmax(monkeypatch):
                                  ordered=False)
     assert torch.equal(out, sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)[0])
     assert torch.equal(recv, step_received(q, k, pos, real, 0.125, ordered=False))
+
+
+def test_additive_mask_is_converted_once_per_step_and_follows_changes():
+    # Every layer of a forward gets the same bool mask: its fp32 form is built once per step.
+    import leankit.prompt_attention as pa
+
+    q, k, v, _real, _pos, mask = _prompt(3, 2, 3, 3, 21, [0, 4])
+    memo = {}
+    first = pa._additive_mask(mask, torch.float32, memo)
+    assert pa._additive_mask(mask, torch.float32, memo) is first
+    want = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    assert torch.equal(first, want)
+    mask[0, 0, 5, 0] = False  # an in-place change bumps the version: converted again
+    again = pa._additive_mask(mask, torch.float32, memo)
+    assert again is not first and again[0, 0, 5, 0] == float("-inf")
+    assert pa._additive_mask(mask.clone(), torch.float32, memo) is not again  # another tensor
+    assert len(memo) <= pa._MASK_MEMO_ENTRIES
+    # The attention through the memo is SDPA's, bit for bit, for every call of a step.
+    box = {}
+    for _ in range(2):
+        box.clear()
+        with _lse_capture(box, memo):
+            got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+        assert torch.equal(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True))
+
+
+def test_cache_converts_the_prompt_mask_once_and_clears_its_step_memo(monkeypatch):
+    import leankit.prompt_attention as pa
+    from leankit import LeanCache
+    from leankit.testing import tiny_model
+
+    made = []
+    convert = pa._additive_mask
+
+    def spied(mask, dtype, memo):
+        out = convert(mask, dtype, memo)
+        made.append(out)
+        return out
+
+    monkeypatch.setattr(pa, "_additive_mask", spied)
+    model = tiny_model("llama-gqa", num_hidden_layers=2)
+    cache = LeanCache(model, "K8V4-K4V2", th=0.25, tl=0.0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert len(made) == 2 and made[0] is made[1]  # one conversion, used by both layers
+    assert cache.workspace.step_memo == {}
