@@ -18,7 +18,7 @@ chunk needs the causal mask (its upper triangle is zeroed after the ``exp``), an
 queries is one matrix-vector product. Scores are floored at
 :data:`leankit.attention.EXP_FLOOR` before the ``exp`` (see there why). The pass runs per
 (sequence, KV head) in query chunks of about 1 MB of scores, which the ``exp`` and the sum reread
-from L2.
+from L2 (short prompts put several pairs in one chunk).
 """
 
 from __future__ import annotations
@@ -135,27 +135,38 @@ def received_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, k_rea
     k_aug[:, :, :f].copy_(k.transpose(-1, -2))
     k_aug[:, :, f] = 1.0
     k_aug[:, :, f + 1].copy_(torch.where(k_real, 0.0, -_BIG).view(b, 1, nq))
-    recv = torch.zeros((b, hkv, nq), device=dev)
-    ones = torch.ones(g * nq, device=dev)
+    pairs = b * hkv  # (sequence, KV head) pairs, each with its own keys
+    qa, ka = q_aug.view(pairs, g, nq, f + 2), k_aug.view(pairs, f + 2, nq)
+    recv = torch.zeros((pairs, 1, nq), device=dev)
     flat = ws.get("recv_scores", (max(_CHUNK_ELEMS, g * _MIN_ROWS * nq),), torch.float32, dev)
     q0 = 0
     while q0 < nq:
         # Query rows per chunk: the chunk's scores [G*rows, q1] stay near _CHUNK_ELEMS (in L2 for
         # the clamp, exp and sum that follow the matmul), with at least _MIN_ROWS rows so the
-        # matmul keeps its efficiency. Early chunks see few keys, so they take more rows.
+        # matmul keeps its efficiency. Early chunks see few keys, so they take more rows; short
+        # prompts batch several pairs into one chunk instead of launching tiny ops per pair.
         rows = max(_MIN_ROWS, int((math.sqrt(q0 * q0 + 4 * _CHUNK_ELEMS / g) - q0) / 2))  # G*rows*(q0+rows) <= elems
         q1 = min(nq, q0 + rows)
         m = g * (q1 - q0)
-        e = flat[: m * q1].view(m, q1)
-        for bi in range(b):
-            for h in range(hkv):
-                torch.matmul(q_aug[bi, h, :, q0:q1].reshape(m, f + 2), k_aug[bi, h, :, :q1], out=e)
-                # Keys after a query in the chunk's own block are clamped like the rest (their
-                # scores were never bounded by that query's lse) and zeroed after the exp.
-                e.clamp_(EXP_FLOOR, _EXP_CEIL).exp_()
-                e.view(g, q1 - q0, q1)[..., q0:q1].tril_()
-                recv[bi, h, :q1].addmv_(e.t(), ones[:m])  # sum over the chunk's queries
+        per = max(1, min(pairs, _CHUNK_ELEMS // (m * q1)))
+        ones = torch.ones((per, 1, m), device=dev)
+        for p0 in range(0, pairs, per):
+            p1 = min(pairs, p0 + per)
+            e = flat[: (p1 - p0) * m * q1].view(p1 - p0, m, q1)
+            if p1 - p0 == 1:  # a plain matmul reads the key slice in place (a batched one copies it)
+                torch.mm(qa[p0, :, q0:q1].reshape(m, f + 2), ka[p0, :, :q1], out=e[0])
+            else:
+                torch.bmm(qa[p0:p1, :, q0:q1].reshape(p1 - p0, m, f + 2), ka[p0:p1, :, :q1], out=e)
+            # Keys after a query in the chunk's own block are clamped like the rest (their scores
+            # were never bounded by that query's lse) and zeroed after the exp.
+            e.clamp_(EXP_FLOOR, _EXP_CEIL).exp_()
+            e.view((p1 - p0) * g, q1 - q0, q1)[..., q0:q1].tril_()  # (3-d: a 4-d tril_ measured 4x slower)
+            if p1 - p0 == 1:  # sum over the chunk's queries
+                recv[p0, 0, :q1].addmv_(e[0].t(), ones[0, 0])
+            else:
+                recv[p0:p1, :, :q1].baddbmm_(ones[: p1 - p0], e)
         q0 = q1
+    recv = recv.view(b, hkv, nq)
     return recv.masked_fill_(~k_real.view(b, 1, nq), 0.0) / g
 
 

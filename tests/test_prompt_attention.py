@@ -66,9 +66,11 @@ def test_capture_leaves_sdpa_unchanged_and_records_lse():
     torch.testing.assert_close(box["lse"][1, :, 4:], torch.logsumexp(s, -1)[1, :, 4:])
 
 
-@pytest.mark.parametrize("chunk_elems,min_rows", [(64, 1), (3000, 5), (1 << 18, 16)])
+@pytest.mark.parametrize("chunk_elems,min_rows", [(64, 1), (3000, 5), (75272, 16), (1 << 18, 16)])
 def test_received_from_lse_in_many_query_chunks(monkeypatch, chunk_elems, min_rows):
-    # Small chunks force many query chunks, each with its own causal diagonal block and key range.
+    # Small chunks force many query chunks, each with its own causal diagonal block and key range;
+    # 75272 puts 4 of the 6 (sequence, KV head) pairs in one batched chunk and 2 in the next, and
+    # 1 << 18 all 6 in one.
     import leankit.prompt_attention as pa
 
     monkeypatch.setattr(pa, "_CHUNK_ELEMS", chunk_elems)
