@@ -117,6 +117,19 @@ class WindowFreeList:
     def num_free(self) -> int:
         return self.home.num_free
 
+    # The host list's counter state, for callers that fold a stale list's counters into their own
+    # device read (BidirectionalPageTable.grow).
+    @property
+    def stale(self) -> bool:
+        return self.home.stale
+
+    @property
+    def counters(self) -> torch.Tensor | None:
+        return self.home.counters
+
+    def load(self, head: int, tail: int) -> None:
+        self.home.load(head, tail)
+
     def allocate(self, demand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Host pages for ``demand`` (as :meth:`FreePageList.allocate`), returned as device slots."""
         try:
