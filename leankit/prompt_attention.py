@@ -44,6 +44,9 @@ _EXP_CEIL = 80.0
 # about 25% slower at 4k tokens), and a floor on the chunk's rows for the matmul's efficiency.
 _CHUNK_ELEMS = 1 << 18
 _MIN_ROWS = 16
+# Additive masks kept per step (:func:`_additive_mask`): models whose sliding-window and full
+# layers alternate pass two masks.
+_MASK_MEMO_ENTRIES = 2
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, memo: dict | None) -> torch.Tensor:
@@ -60,13 +63,10 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, memo: dict | None) ->
         return hit[2]
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     if memo is not None:
-        if len(memo) >= _MASK_MEMO_ENTRIES:  # e.g. sliding-window and full layers alternate two masks
+        if len(memo) >= _MASK_MEMO_ENTRIES:
             memo.pop(next(iter(memo)))
         memo[key] = (mask, mask._version, out)
     return out
-
-
-_MASK_MEMO_ENTRIES = 2
 
 
 @contextlib.contextmanager
@@ -114,9 +114,9 @@ def received_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, k_rea
     increasing positions (:attr:`leankit.cache.StepState.ordered`), so that "at or after" is
     "at a later index" and a chunk of queries sees no key past its last query.
 
-    ``ws``: scratch reused across layers. The augmented operands and each chunk's scores are tens
-    of MB; fresh tensors of that size are page-faulted on first touch, which measured about a
-    third of the matmul that fills them.
+    ``ws``: scratch reused across layers. The augmented operands are tens of MB; fresh tensors
+    of that size are page-faulted on first touch, which measured about a third of the matmul
+    that fills them.
     """
     b, hq, nq, f = q.shape
     hkv = k.shape[1]
@@ -161,10 +161,7 @@ def received_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, k_rea
             # were never bounded by that query's lse) and zeroed after the exp.
             e.clamp_(EXP_FLOOR, _EXP_CEIL).exp_()
             e.view((p1 - p0) * g, q1 - q0, q1)[..., q0:q1].tril_()  # (3-d: a 4-d tril_ measured 4x slower)
-            if p1 - p0 == 1:  # sum over the chunk's queries
-                recv[p0, 0, :q1].addmv_(e[0].t(), ones[0, 0])
-            else:
-                recv[p0:p1, :, :q1].baddbmm_(ones[: p1 - p0], e)
+            recv[p0:p1, :, :q1].baddbmm_(ones[: p1 - p0], e)  # sum over the chunk's queries
         q0 = q1
     recv = recv.view(b, hkv, nq)
     return recv.masked_fill_(~k_real.view(b, 1, nq), 0.0) / g
