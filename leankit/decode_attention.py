@@ -222,7 +222,7 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     g = hq // hkv
     bh, rows = b * hkv, g * nq
     ws = kv.workspace or Workspace()
-    qr = q.float().reshape(bh, rows, f)  # row g*Q + i of KV head h: query head h*G + g, query i
+    qs = q.float().reshape(bh, rows, f) * scale  # scaled; row g*Q + i of KV head h: query head h*G + g, query i
     qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows)
     maxima = tier_page_maxima(kv) if page_maxima is None else page_maxima
     tiers = [_LiveTier(kv, t, pmax, ws) for t, pmax in enumerate(maxima)]
@@ -233,14 +233,14 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     for lt in tiers:
         lay, bits = lt.layout, lt.layout.precision.k_bits
         ng, n = lay.groups, lt.n
-        qq = _plane_query(qr * scale, bits).flatten(-2)  # [BH, R, F], plane-major columns
+        qq = _plane_query(qs, bits).flatten(-2)  # [BH, R, F], plane-major columns
         qbd = (qq.unsqueeze(1) * _group_mask(lay, bits, q.device)).view(bh, ng * rows, f)  # block-diagonal by group
         q_pages = qbd.index_select(0, lt.head)  # [L, G*R, F]: each page meets its own head's rows
         dots = q.new_empty((n, ng, rows, lt.tokens), dtype=torch.float32)
         for c0, c1, codes in lt.planes("k", bits, ws):
             torch.bmm(q_pages[c0:c1], codes.transpose(1, 2), out=dots[c0:c1].view(c1 - c0, ng * rows, -1))
         sc, mn = lt.meta("k")  # [L, G, T] each
-        qsum = (qr * scale).unflatten(-1, (ng, -1)).sum(-1).index_select(0, lt.head)  # [L, R, G]
+        qsum = qs.unflatten(-1, (ng, -1)).sum(-1).index_select(0, lt.head)  # [L, R, G]
         # sum_g s_g (q_g . Q_g) + m_g sum(q_g), elementwise: a matmul with G inner terms is far
         # slower on a CPU than these few fused multiply-adds.
         s_tier = torch.mul(dots[:, 0], sc[:, :1])
