@@ -1,7 +1,10 @@
+import copy
+
 import pytest
 import torch
 
 from leankit.config import KVConfig
+import leankit.pages as pages_mod
 from leankit.pages import SEGMENTS, PageLayout, PagePool
 from leankit.quant import dequantize, quantize
 
@@ -66,6 +69,47 @@ def test_pool_grow_keeps_bytes():
     before = pool.storage.clone()
     pool.grow(7)
     assert pool.num_pages == 7 and torch.equal(pool.storage[:3], before)
+
+
+def test_cpu_pool_grows_inside_its_reserve_without_moving_pages():
+    pool = PagePool(3, 256)
+    pool.storage.random_(0, 256)
+    pool.grow(5)  # past the first (exact) allocation: the pages move once, into a reserve
+    first = pool.storage.clone()
+    base = pool.storage.data_ptr()
+    for n in range(6, 5 * pages_mod.CPU_RESERVE_FACTOR + 1):
+        pool.grow(n)
+        pool.storage[n - 1].fill_(n % 256)
+        assert pool.storage.shape == (n, 256) and pool.storage.is_contiguous()
+        assert pool.storage.data_ptr() == base  # a wider view, no copy
+    assert torch.equal(pool.storage[:5], first)
+    pool.grow(5 * pages_mod.CPU_RESERVE_FACTOR + 1)  # past the reserve: one move, bytes kept
+    assert pool.storage.data_ptr() != base and torch.equal(pool.storage[:5], first)
+    assert all(int(pool.storage[n - 1, 0]) == n % 256 for n in range(6, 5 * pages_mod.CPU_RESERVE_FACTOR + 1))
+    pool.grow(4)  # never shrinks
+    assert pool.num_pages == 5 * pages_mod.CPU_RESERVE_FACTOR + 1
+
+
+def test_pool_grows_exactly_when_the_reserve_is_refused(monkeypatch):
+    monkeypatch.setattr(pages_mod, "CPU_RESERVE_FACTOR", 1 << 50)  # more address space than exists
+    pool = PagePool(2, 256)
+    pool.storage.random_(0, 256)
+    before = pool.storage.clone()
+    pool.grow(9)
+    assert pool.storage.shape == (9, 256) and torch.equal(pool.storage[:2], before)
+    assert pool.storage.untyped_storage().nbytes() == 9 * 256
+
+
+def test_pool_copies_carry_its_pages_not_its_reserve():
+    pool = PagePool(2, 256)
+    pool.grow(3)
+    pool.storage.random_(0, 256)
+    assert pool.storage.untyped_storage().nbytes() > 3 * 256  # the reserve behind the view
+    twin = copy.deepcopy(pool)
+    assert torch.equal(twin.storage, pool.storage) and twin.storage.untyped_storage().nbytes() == 3 * 256
+    twin.grow(4)
+    twin.storage[3].fill_(7)
+    assert torch.equal(twin.storage[:3], pool.storage) and pool.num_pages == 3
 
 
 def test_k4v2_page_holds_about_twice_k8v4():
