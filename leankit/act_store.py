@@ -238,7 +238,8 @@ class ActStore:
         self._n_max = int(self.n_act.max()) if self.n_act.numel() else 0
         self._stash, self._rope, self._ahead = {}, None, {}
         kv = step.real & ~mask
-        return dataclasses.replace(step, real=kv, rank=torch.cumsum(kv.int(), 1) - 1, n_new=kv.sum(1))
+        # Its own derived indices: the step's would list the ACT tokens too.
+        return dataclasses.replace(step, real=kv, rank=torch.cumsum(kv.int(), 1) - 1, n_new=kv.sum(1), derived={})
 
     def end_step(self, step) -> None:
         """Advance the per-row counters once every layer stored the step."""

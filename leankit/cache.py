@@ -17,7 +17,7 @@ Per forward step (one call of the decoder):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -145,6 +145,9 @@ class StepState:
     q_last: torch.Tensor  # long [B]: position of the row's last real token (a small sentinel if none)
     lens_before: torch.Tensor  # int32 [2, L, B, H]: tokens per tier once the step's pages were planned
     ordered: bool  # every row's real tokens have increasing positions (so no key follows a later query)
+    # Index tensors derived from the step once and shared by all its layers (every layer stores
+    # the same tokens), filled on first use by the policy.
+    derived: dict = field(default_factory=dict)
 
 
 _NO_POS = 1 << 30  # sentinel position of a row with no real token in the step

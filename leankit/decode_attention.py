@@ -70,7 +70,7 @@ def supports(layouts, rows: int, occupied=None) -> bool:
 
 def _plane_query(q: torch.Tensor, bits: int) -> torch.Tensor:
     """``q`` ``[..., F]`` in plane-major column order ``[..., P, F/P]`` (element ``j*P + i`` at ``[i, j]``)."""
-    return q.unflatten(-1, (-1, codes_per_byte(bits))).transpose(-1, -2).contiguous()
+    return q.view(*q.shape[:-1], -1, codes_per_byte(bits)).transpose(-1, -2).contiguous()
 
 
 def _plane_values(y: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ class _LiveTier:
         lay = self.layout
         i = SEGMENTS.index(name)
         off, nb = lay.seg_offsets[i] // dtype.itemsize, lay.seg_bytes[i] // dtype.itemsize
-        return self.pages.view(dtype)[:, off: off + self.tokens * nb].unflatten(-1, (self.tokens, nb))
+        return self.pages.view(dtype)[:, off: off + self.tokens * nb].view(self.n, self.tokens, nb)
 
     def meta(self, side: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and min of every live slot, fp32 ``[L, G, T]`` each (strided views).
@@ -154,7 +154,7 @@ class _LiveTier:
         slots (cleaned at gather time); K sides may hold anything there.
         """
         m = self._seg(f"{side}_meta", META_DTYPE).float()  # [L, T, G*2], contiguous
-        m = m.unflatten(-1, (-1, 2)).transpose(1, 2)  # [L, G, T, 2]
+        m = m.view(self.n, self.tokens, self.layout.groups, 2).transpose(1, 2)  # [L, G, T, 2]
         return m[..., 0], m[..., 1]
 
     def planes(self, side: str, bits: int, ws):
@@ -240,7 +240,7 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         for c0, c1, codes in lt.planes("k", bits, ws):
             torch.bmm(q_pages[c0:c1], codes.transpose(1, 2), out=dots[c0:c1].view(c1 - c0, ng * rows, -1))
         sc, mn = lt.meta("k")  # [L, G, T] each
-        qsum = qs.unflatten(-1, (ng, -1)).sum(-1).index_select(0, lt.head)  # [L, R, G]
+        qsum = qs.view(bh, rows, ng, -1).sum(-1).index_select(0, lt.head)  # [L, R, G]
         # sum_g s_g (q_g . Q_g) + m_g sum(q_g), elementwise: a matmul with G inner terms is far
         # slower on a CPU than these few fused multiply-adds.
         s_tier = torch.mul(dots[:, 0], sc[:, :1])

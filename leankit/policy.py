@@ -384,33 +384,49 @@ class _Base:
         """
         cache = self.cache
         dense = use_triton(k)  # the kernel skips pad tokens itself: no host sync to list the real ones
-        if dense:
-            b_idx, q_idx = (i.reshape(-1) for i in torch.meshgrid(torch.arange(k.shape[0], device=k.device),
-                                                                  torch.arange(k.shape[2], device=k.device),
-                                                                  indexing="ij"))
-        else:
-            b_idx, q_idx = step.real.nonzero(as_tuple=True)
-        if b_idx.numel() == 0:
+        rows = self._store_rows(step, k.shape[0], k.shape[1], k.shape[2], k.device, dense)
+        if rows is None:
             return
-        heads = k.shape[1]
-        n = b_idx.numel()
-        h_idx = torch.arange(heads, device=k.device).repeat(n)
-        b_rep = b_idx.repeat_interleave(heads)
-        q_rep = q_idx.repeat_interleave(heads)
-        keep = step.real[b_rep, q_rep] if dense else None
+        b_rep, h_idx, q_rep, keep, rank, pos, q_first, q_last = rows
         lens = cache.table.lens[HIGH, layer]
-        slot = lens[b_rep, h_idx] + step.rank[b_rep, q_rep]
+        slot = lens[b_rep, h_idx] + rank
         kk = k[b_rep, h_idx, q_rep]
         vv = v[b_rep, h_idx, q_rep]
-        pos = step.q_pos[b_rep, q_rep]
         if received is None:
             score = torch.zeros(kk.shape[0], device=k.device)
         else:  # the running mean of a token no query has seen yet, after this step's queries (§4)
-            _, q_first, q_last = self._query_span(step)
             score = update_significance(torch.zeros(kk.shape[0], device=k.device), pos, received[b_rep, h_idx, q_rep],
-                                        q_first[b_rep], q_last[b_rep])
+                                        q_first, q_last)
         cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, kk, vv, pos, score, keep=keep)
         lens += step.n_new.view(-1, 1).to(lens.dtype)
+
+    def _store_rows(self, step, batch: int, heads: int, q_len: int, device, dense: bool):
+        """The step's new tokens as one row per (token, KV head), the same for every layer, so
+        derived once per step (``step.derived``): ``(b, h, q, keep, rank, pos, q_first, q_last)``
+        per row (``keep`` None unless ``dense``), or None when the step stores nothing.
+
+        ``dense`` (kernel backend) lists every (sequence, query) with a ``keep`` flag instead of
+        the real ones only, which would read the device (``nonzero``).
+        """
+        key = ("store_rows", batch, heads, q_len, dense)
+        if key in step.derived:
+            return step.derived[key]
+        if dense:
+            b_idx, q_idx = (i.reshape(-1) for i in torch.meshgrid(torch.arange(batch, device=device),
+                                                                  torch.arange(q_len, device=device), indexing="ij"))
+        else:
+            b_idx, q_idx = step.real.nonzero(as_tuple=True)
+        rows = None
+        if b_idx.numel():
+            h_idx = torch.arange(heads, device=device).repeat(b_idx.numel())
+            b_rep = b_idx.repeat_interleave(heads)
+            q_rep = q_idx.repeat_interleave(heads)
+            keep = step.real[b_rep, q_rep] if dense else None
+            _, q_first, q_last = self._query_span(step)
+            rows = (b_rep, h_idx, q_rep, keep, step.rank[b_rep, q_rep], step.q_pos[b_rep, q_rep],
+                    q_first[b_rep], q_last[b_rep])
+        step.derived[key] = rows
+        return rows
 
     def after_store(self, layer: int, step) -> None:
         """Hook run once ``layer``'s new tokens are stored (nothing to do by default)."""

@@ -83,9 +83,10 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None):
     mn16 = lo.to(META_DTYPE)
     # Scale from the stored minimum so that the largest element maps inside [0, qmax].
     sc16 = ((hi - mn16.float()) / qmax).to(META_DTYPE)
-    # One check on the per-group metadata covers the input too: a NaN/Inf element makes its
-    # group's min or max (and so the stored min or scale) non-finite.
-    if not (torch.isfinite(mn16).all() and torch.isfinite(sc16).all()):
+    # One check on the stored scale covers the input and the stored min too: a NaN/Inf element
+    # makes its group's min or max non-finite, and a non-finite min (NaN, or beyond the fp16
+    # range) makes hi - min NaN or infinite, so the scale is then non-finite as well.
+    if not torch.isfinite(sc16).all():
         check_finite(x)
         raise NonFiniteKVError("KV values exceed the fp16 range of the quantization metadata")
     sc = sc16.float().unsqueeze(-1)
