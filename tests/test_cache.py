@@ -263,3 +263,26 @@ def test_batch_size_change_needs_fresh_cache():
     _generate(model, ids, mask, cache, max_new_tokens=2)
     with pytest.raises(ValueError, match="fresh LeanCache"):
         cache.begin_step(3, 1)
+
+
+
+@pytest.mark.parametrize("spec", ["K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=8"])
+def test_store_rows_are_derived_once_per_step_and_shared_by_its_layers(monkeypatch, spec):
+    from leankit.policy import _Base
+
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    calls, computed = [], []
+    original = _Base._store_rows
+
+    def spy(self, step, *args):
+        calls.append(id(step))
+        if not any(key[0] == "store_rows" for key in step.derived):
+            computed.append(id(step))
+        return original(self, step, *args)
+
+    monkeypatch.setattr(_Base, "_store_rows", spy)
+    _generate(model, ids, mask, LeanCache(model, spec), max_new_tokens=4)
+    steps = set(calls)
+    assert len(steps) >= 3 and len(calls) == len(steps) * model.config.num_hidden_layers
+    assert sorted(computed) == sorted(steps)  # each step derives its rows once, for all its layers
