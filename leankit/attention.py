@@ -53,9 +53,6 @@ class Workspace:
 
     def __init__(self):
         self._bufs: dict[tuple, torch.Tensor] = {}
-        # Tensors derived once per forward step and shared by its layers (the prompt's additive
-        # attention mask); the cache clears it when the step ends or is dropped.
-        self.step_memo: dict = {}
 
     def get(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
         """A tensor of ``shape`` (uninitialized) backed by the buffer ``name``."""

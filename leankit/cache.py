@@ -145,8 +145,9 @@ class StepState:
     q_last: torch.Tensor  # long [B]: position of the row's last real token (a small sentinel if none)
     lens_before: torch.Tensor  # int32 [2, L, B, H]: tokens per tier once the step's pages were planned
     ordered: bool  # every row's real tokens have increasing positions (so no key follows a later query)
-    # Index tensors derived from the step once and shared by all its layers (every layer stores
-    # the same tokens), filled on first use by the policy.
+    # Tensors derived from the step once and shared by all its layers, filled on first use: the
+    # policy's store rows (every layer stores the same tokens) and the prompt's additive masks
+    # (every layer gets the same mask). They go with the step when it ends or is dropped.
     derived: dict = field(default_factory=dict)
 
 
@@ -410,7 +411,6 @@ class LeanCache(Cache):
         one host sync): NaN/Inf K/V drop the whole step (:meth:`abort_step`) and raise
         :class:`~leankit.quant.NonFiniteKVError` naming the first bad layer.
         """
-        self.workspace.step_memo.clear()
         if self._step is not None:
             self._check_step_flags()
             # Pages in use at the step's high point, before the policy's end-of-step eviction frees
@@ -539,7 +539,6 @@ class LeanCache(Cache):
         (earlier layers of the step may already have stored their tokens); pages the step
         reserved stay owned by their heads and serve the next step.
         """
-        self.workspace.step_memo.clear()
         if self._step is None:
             return
         self.table.lens.copy_(self._step.lens_before)
@@ -614,7 +613,8 @@ class LeanCache(Cache):
             if module is not None:  # exactly what an uncompressed cache computes for a prompt
                 out, received_new = prompt_attention(module, query, k_new, v_new, attention_mask, scaling,
                                                      significance=sig, q_pos=st.q_pos, k_real=st.real,
-                                                     ordered=st.ordered, ws=self.workspace)
+                                                     ordered=st.ordered, ws=self.workspace,
+                                                     mask_memo=st.derived.setdefault("prompt_masks", {}))
             else:
                 out, _, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
                                                       received=sig)

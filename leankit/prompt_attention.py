@@ -169,20 +169,20 @@ def received_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, k_rea
 
 def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                      scaling: float, *, significance: bool, q_pos: torch.Tensor, k_real: torch.Tensor,
-                     ordered: bool, ws: Workspace | None = None):
+                     ordered: bool, ws: Workspace | None = None, mask_memo: dict | None = None):
     """The prompt's attention through transformers' SDPA, and (if asked) its tokens' significance.
 
     Returns ``(out [B, Q, Hq, F], received [B, Hkv, Q] or None)``. The significance reuses the
     SDPA kernel's log-sum-exp where it ran PyTorch's CPU flash kernel on a prompt whose positions
     increase; otherwise it is :func:`leankit.attention.step_received`'s own pass. ``ws``: the
-    cache's scratch (:class:`~leankit.attention.Workspace`) for that pass.
+    cache's scratch (:class:`~leankit.attention.Workspace`) for that pass. ``mask_memo``: the
+    step's additive masks (:func:`_additive_mask`), shared by its layers.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     box: dict = {}
     capture = significance and ordered and query.device.type == "cpu"
-    memo = ws.step_memo if ws is not None else None
-    with _lse_capture(box, memo) if capture else contextlib.nullcontext():
+    with _lse_capture(box, mask_memo) if capture else contextlib.nullcontext():
         out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)[0]
     if not significance:
         return out, None
