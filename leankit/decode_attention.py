@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .pages import SEGMENTS
 from .quant import META_DTYPE, codes_per_byte
 
@@ -43,20 +44,23 @@ DECODE_ROWS = 64
 CHUNK_TOKENS = 4096
 
 
-def supports(layouts, rows: int, occupied=None) -> bool:
+def supports(layouts, rows: int, occupied=None, compiled: bool = False) -> bool:
     """Whether this path serves ``rows`` grouped query rows over pages of ``layouts``.
 
     ``occupied``: per tier, whether any head holds pages of it (default: all). Only occupied
     tiers count: a two-tier config whose low tier is still empty reads like a single tier.
+    ``compiled``: the call will run on the compiled CPU kernels (:func:`use_compiled`).
 
     Every side of every tier must be quantized (dense sides may hold stale NaN bytes in dead
-    slots, which only the padded path masks) with groups that span whole bytes. One tier with
-    one group per token stays on the padded path: every head has the same page count there (no
-    dead pages to skip) and that path already factors scale and min out, with one matmul per
-    (sequence, head) instead of one per page (measured faster at 1k context).
+    slots, which only the padded path masks) with groups that span whole bytes. On the torch
+    path, one tier with one group per token stays on the padded path: every head has the same
+    page count there (no dead pages to skip) and that path already factors scale and min out,
+    with one matmul per (sequence, head) instead of one per page (measured faster at 1k context).
+    The compiled kernels read each page once with no fp32 copy of its codes, which beats the
+    padded path there too.
     """
     live = [lay for t, lay in enumerate(layouts) if occupied is None or occupied[t]]
-    if rows > DECODE_ROWS or (len(live) <= 1 and all(lay.groups == 1 for lay in live)):
+    if rows > DECODE_ROWS or (not compiled and len(live) <= 1 and all(lay.groups == 1 for lay in live)):
         return False
     for lay in layouts:
         prec = lay.precision
@@ -66,6 +70,12 @@ def supports(layouts, rows: int, occupied=None) -> bool:
             if lay.group_size % codes_per_byte(bits):
                 return False
     return True
+
+
+def use_compiled(device) -> bool:
+    """Whether a step on ``device`` runs the per-page loops in :mod:`leankit.native` (CPU only,
+    where the kernels could be built)."""
+    return torch.device(device).type == "cpu" and native.kernels() is not None
 
 
 def _plane_query(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -153,9 +163,12 @@ class _LiveTier:
         slower); the group and slot dims are then swapped in the views. V sides hold 0 on dead
         slots (cleaned at gather time); K sides may hold anything there.
         """
-        m = self._seg(f"{side}_meta", META_DTYPE).float()  # [L, T, G*2], contiguous
-        m = m.view(self.n, self.tokens, self.layout.groups, 2).transpose(1, 2)  # [L, G, T, 2]
+        m = self.meta32(side).view(self.n, self.tokens, self.layout.groups, 2).transpose(1, 2)  # [L, G, T, 2]
         return m[..., 0], m[..., 1]
+
+    def meta32(self, side: str) -> torch.Tensor:
+        """Scale and min of every live slot as one contiguous fp32 ``[L, T, 2G]`` (pairs per group)."""
+        return self._seg(f"{side}_meta", META_DTYPE).float()
 
     def planes(self, side: str, bits: int, ws):
         """Yield ``(c0, c1, codes)`` per chunk of :data:`CHUNK_TOKENS`: the codes of pages
@@ -206,14 +219,59 @@ def tier_page_maxima(kv) -> list[int]:
     return n_pages.flatten(1).amax(1).tolist() if n_pages[0].numel() else [0] * len(kv.layouts)
 
 
+def _key_scores_torch(qs: torch.Tensor, lt: _LiveTier, bits: int, ws) -> torch.Tensor:
+    """Scaled scores ``[L, R, T]`` of every live slot of ``lt`` (torch path: plane-major codes,
+    one batched matmul per chunk of pages, Eq. 2 factored)."""
+    lay, (bh, rows, f) = lt.layout, qs.shape
+    ng, n = lay.groups, lt.n
+    qq = _plane_query(qs, bits).flatten(-2)  # [BH, R, F], plane-major columns
+    qbd = (qq.unsqueeze(1) * _group_mask(lay, bits, qs.device)).view(bh, ng * rows, f)  # block-diagonal by group
+    q_pages = qbd.index_select(0, lt.head)  # [L, G*R, F]: each page meets its own head's rows
+    dots = qs.new_empty((n, ng, rows, lt.tokens))
+    for c0, c1, codes in lt.planes("k", bits, ws):
+        torch.bmm(q_pages[c0:c1], codes.transpose(1, 2), out=dots[c0:c1].view(c1 - c0, ng * rows, -1))
+    sc, mn = lt.meta("k")  # [L, G, T] each
+    qsum = qs.view(bh, rows, ng, -1).sum(-1).index_select(0, lt.head)  # [L, R, G]
+    # sum_g s_g (q_g . Q_g) + m_g sum(q_g), elementwise: a matmul with G inner terms is far
+    # slower on a CPU than these few fused multiply-adds.
+    s_tier = torch.mul(dots[:, 0], sc[:, :1])
+    for gi in range(ng):
+        if gi:
+            s_tier.addcmul_(dots[:, gi], sc[:, gi: gi + 1])
+        s_tier.addcmul_(qsum[..., gi: gi + 1], mn[:, gi: gi + 1])
+    return s_tier
+
+
+def _values_torch(p: torch.Tensor, lt: _LiveTier, ws, bh: int, rows: int, f: int) -> torch.Tensor:
+    """``[BH, R, F]``: ``sum_n p_n v_hat_n`` over the live slots of ``lt``, per head (torch path,
+    plane-major and factored: ``sum_n (p_n s_n) codes_n + sum_n p_n m_n`` per group)."""
+    lay, bits = lt.layout, lt.layout.precision.v_bits
+    ng, n = lay.groups, lt.n
+    sc, mn = lt.meta("v")  # [L, G, T] each; 0 on dead slots
+    weights = torch.mul(p.unsqueeze(1), sc.unsqueeze(2), out=p.new_empty((n, ng, rows, lt.tokens)))
+    weights = weights.view(n, ng * rows, -1)  # p * s_g, rows by group
+    y = p.new_empty((n, ng * rows, f))  # per page: sum p s codes
+    for c0, c1, codes in lt.planes("v", bits, ws):
+        torch.bmm(weights[c0:c1], codes, out=y[c0:c1])
+    acc_codes = torch.zeros((bh, ng * rows, f), device=p.device).index_add_(0, lt.head, y)
+    p_min = torch.bmm(p, mn.contiguous().transpose(1, 2))  # [L, R, G]: sum_n p_n m_n
+    acc_min = torch.zeros((bh, rows, ng), device=p.device).index_add_(0, lt.head, p_min)
+    picked = (acc_codes.view(bh, ng, rows, f) * _group_mask(lay, bits, p.device)).sum(1)
+    out = _plane_values(picked.view(bh, rows, codes_per_byte(bits), -1))  # each column from its own group
+    return out + acc_min.repeat_interleave(lay.group_size, dim=-1)
+
+
 def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, return_logits: bool = False,
-                        page_maxima: list[int] | None = None, live_slots: bool = False):
+                        page_maxima: list[int] | None = None, live_slots: bool = False,
+                        use_native: bool = True):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's live pages (same contract as
     :func:`leankit.attention.paged_attention_ref`; see the module docstring for the method).
 
     ``page_maxima``: :func:`tier_page_maxima` of ``kv`` if the caller already has it.
     ``live_slots``: with ``return_logits``, the third item is one :class:`LiveSlots` per tier
     (softmax numerators over live pages) instead of the padded ``[B, Hkv, R, P_t * T_t]`` logits.
+    ``use_native``: on a CPU, run the per-page loops in the compiled kernels of
+    :mod:`leankit.native` when they are available (``False``: always the torch path).
     """
     from .attention import Workspace
 
@@ -222,32 +280,23 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     g = hq // hkv
     bh, rows = b * hkv, g * nq
     ws = kv.workspace or Workspace()
-    qs = q.float().reshape(bh, rows, f) * scale  # scaled; row g*Q + i of KV head h: query head h*G + g, query i
+    qs = (q.float().reshape(bh, rows, f) * scale).contiguous()  # scaled; row g*Q + i of KV head h: query head h*G + g, query i
     qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows)
     maxima = tier_page_maxima(kv) if page_maxima is None else page_maxima
     tiers = [_LiveTier(kv, t, pmax, ws) for t, pmax in enumerate(maxima)]
+    compiled = native.kernels() if use_native and use_compiled(q.device) else None
 
     # Pass 1: scaled scores of every live slot [L, R, T], and the per-head maximum. A chunk only
     # converts codes and multiplies; metadata, masks and the query gather are tier-wide ops.
     scores, m = [], torch.full((bh, rows), float("-inf"), device=q.device)
     for lt in tiers:
-        lay, bits = lt.layout, lt.layout.precision.k_bits
-        ng, n = lay.groups, lt.n
-        qq = _plane_query(qs, bits).flatten(-2)  # [BH, R, F], plane-major columns
-        qbd = (qq.unsqueeze(1) * _group_mask(lay, bits, q.device)).view(bh, ng * rows, f)  # block-diagonal by group
-        q_pages = qbd.index_select(0, lt.head)  # [L, G*R, F]: each page meets its own head's rows
-        dots = q.new_empty((n, ng, rows, lt.tokens), dtype=torch.float32)
-        for c0, c1, codes in lt.planes("k", bits, ws):
-            torch.bmm(q_pages[c0:c1], codes.transpose(1, 2), out=dots[c0:c1].view(c1 - c0, ng * rows, -1))
-        sc, mn = lt.meta("k")  # [L, G, T] each
-        qsum = qs.view(bh, rows, ng, -1).sum(-1).index_select(0, lt.head)  # [L, R, G]
-        # sum_g s_g (q_g . Q_g) + m_g sum(q_g), elementwise: a matmul with G inner terms is far
-        # slower on a CPU than these few fused multiply-adds.
-        s_tier = torch.mul(dots[:, 0], sc[:, :1])
-        for gi in range(ng):
-            if gi:
-                s_tier.addcmul_(dots[:, gi], sc[:, gi: gi + 1])
-            s_tier.addcmul_(qsum[..., gi: gi + 1], mn[:, gi: gi + 1])
+        lay, bits, n = lt.layout, lt.layout.precision.k_bits, lt.n
+        if compiled is not None:
+            s_tier = compiled.key_scores(qs, lt.head, lt._seg("k_data"), lt.meta32("k"),
+                                         q.new_empty((n, rows, lt.tokens), dtype=torch.float32), bits,
+                                         lay.group_size)
+        else:
+            s_tier = _key_scores_torch(qs, lt, bits, ws)
         visible = lt.pos.unsqueeze(1) <= qp.index_select(0, lt.head).unsqueeze(-1)  # live and not after the query
         s_tier = s_tier.masked_fill_(~visible, float("-inf"))
         if n:
@@ -262,24 +311,15 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     for lt, s_tier in zip(tiers, scores):
         if not lt.n:
             continue
-        lay, bits = lt.layout, lt.layout.precision.v_bits
-        ng, n = lay.groups, lt.n
         shift = m_safe.index_select(0, lt.head).unsqueeze(-1)
         keep_logits = return_logits and not live_slots  # the padded logits are s itself, not its exp
         p = torch.exp(s_tier - shift) if keep_logits else s_tier.sub_(shift).exp_()  # [L, R, T]; 0 on dead slots
         l_sum.index_add_(0, lt.head, p.sum(-1))
-        sc, mn = lt.meta("v")  # [L, G, T] each; 0 on dead slots
-        weights = torch.mul(p.unsqueeze(1), sc.unsqueeze(2), out=p.new_empty((n, ng, rows, lt.tokens)))
-        weights = weights.view(n, ng * rows, -1)  # p * s_g, rows by group
-        y = q.new_empty((n, ng * rows, f), dtype=torch.float32)  # per page: sum p s codes
-        for c0, c1, codes in lt.planes("v", bits, ws):
-            torch.bmm(weights[c0:c1], codes, out=y[c0:c1])
-        acc_codes = torch.zeros((bh, ng * rows, f), device=q.device).index_add_(0, lt.head, y)
-        p_min = torch.bmm(p, mn.contiguous().transpose(1, 2))  # [L, R, G]: sum_n p_n m_n
-        acc_min = torch.zeros((bh, rows, ng), device=q.device).index_add_(0, lt.head, p_min)
-        picked = (acc_codes.view(bh, ng, rows, f) * _group_mask(lay, bits, q.device)).sum(1)
-        acc += _plane_values(picked.view(bh, rows, codes_per_byte(bits), -1))  # each column from its own group
-        acc += acc_min.repeat_interleave(lay.group_size, dim=-1)
+        if compiled is not None:
+            compiled.value_accumulate(p, lt.head, lt._seg("v_data"), lt.meta32("v"), acc,
+                                      lt.layout.precision.v_bits, lt.layout.group_size)
+        else:
+            acc += _values_torch(p, lt, ws, bh, rows, f)
 
     out = torch.where(l_sum.unsqueeze(-1) > 0, acc / l_sum.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
     lse = torch.where(l_sum > 0, m_safe + torch.log(l_sum.clamp_min(1e-30)), torch.full_like(m, float("-inf")))

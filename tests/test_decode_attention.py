@@ -1,5 +1,6 @@
 """Live-page decode attention (``leankit.decode_attention``) against the padded-tile reference.
 
+Both the torch path and the compiled CPU kernels (:mod:`leankit.native`) are checked.
 The padded-tile walk of :func:`leankit.attention.paged_attention_ref` (forced with
 ``chunk_pages``) is the reference: it dequantizes every tile explicitly (Eq. 2). The live-page
 path must give the same output, log-sum-exp and per-tier logits on hand-filled caches with
@@ -25,8 +26,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-h{c[1]}g{c[2]}-ctx{'_'.join(map(str, c[3]))}-q{c[4]}")
-def test_live_pages_match_padded_tiles(case):
+def test_live_pages_match_padded_tiles(case, use_native):
     spec, hkv, g, ctx, nq, gs, prune, fill = case
     gen, seed = testing.fresh_generator()
     fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, nq, prune_frac=prune, group_size=gs, fill=fill,
@@ -37,7 +39,8 @@ def test_live_pages_match_padded_tiles(case):
         q_pos[1] -= 3  # some stored keys lie after this row's queries
     ref_out, ref_lse, ref_logits = paged_attention_ref(q, fc.kv, q_pos, 0.125, chunk_pages=5, return_logits=True)
     for _ in range(2):  # the second call reuses the workspace buffers
-        out, lse, logits = decode_attention.live_page_attention(q, fc.kv, q_pos, 0.125, return_logits=True)
+        out, lse, logits = decode_attention.live_page_attention(q, fc.kv, q_pos, 0.125, return_logits=True,
+                                                                use_native=use_native)
         testing.assert_close_normwise(out, ref_out, torch.float32, f"out (seed {seed})")
         testing.assert_close_normwise(lse, ref_lse, torch.float32, f"lse (seed {seed})")
         testing.assert_all_close_normwise(logits, ref_logits, torch.float32, f"logits (seed {seed})")
