@@ -104,19 +104,26 @@ class Kernels:
         self._key, self._value = lib.lk_key_scores, lib.lk_value_accumulate
 
     @staticmethod
-    def _args(x, head, codes, meta, out, bits, group_size, n_rows_of):
+    def _args(per_head, per_page, head, codes, meta, bits, group_size):
+        """Check the operands of either kernel and return the arguments between its first and last
+        pointer. ``per_head`` is fp32 ``[BH, R, F]`` (queries or accumulator), ``per_page`` fp32
+        ``[L, R, T]`` (scores or probabilities)."""
         n, tokens, nb = codes.shape
         dim = nb * 8 // bits
-        rows = n_rows_of
-        ok = (x.dtype == meta.dtype == out.dtype == torch.float32 and head.dtype == torch.int64
-              and codes.dtype == torch.uint8 and all(t.device.type == "cpu" for t in (x, head, codes, meta, out))
-              and x.is_contiguous() and head.is_contiguous() and meta.is_contiguous() and out.is_contiguous()
+        tensors = (per_head, per_page, head, codes, meta)
+        ok = (per_head.dtype == per_page.dtype == meta.dtype == torch.float32 and head.dtype == torch.int64
+              and codes.dtype == torch.uint8 and all(t.device.type == "cpu" for t in tensors)
+              and all(t.is_contiguous() for t in (per_head, per_page, head, meta))
               and codes.stride(2) == 1 and codes.stride(1) == nb and head.shape == (n,)
-              and dim % group_size == 0 and meta.shape == (n, tokens, dim // group_size * 2))
+              and dim % group_size == 0 and meta.shape == (n, tokens, dim // group_size * 2)
+              and per_head.dim() == 3 and per_head.shape[2] == dim
+              and per_page.shape == (n, per_head.shape[1], tokens))
         if not ok:
-            raise ValueError("native live-page kernel: unexpected argument dtypes, devices, shapes or strides")
-        return (head.data_ptr(), codes.data_ptr(), codes.stride(0), n, tokens, dim, rows, bits, group_size,
-                meta.data_ptr(), out.data_ptr())
+            raise ValueError("native live-page kernel: unexpected dtypes, devices, shapes or strides "
+                             "(want q/acc fp32 [BH, R, F], scores/p fp32 [L, R, T], head int64 [L], "
+                             "codes uint8 [L, T, F*bits/8] with contiguous rows, meta fp32 [L, T, 2G])")
+        return (head.data_ptr(), codes.data_ptr(), codes.stride(0), n, tokens, dim, per_head.shape[1], bits,
+                group_size, meta.data_ptr())
 
     def key_scores(self, q: torch.Tensor, head: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
                    out: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -126,11 +133,8 @@ class Kernels:
         ``[L, T, F * bits / 8]`` (rows contiguous, any page stride); ``meta`` fp32 ``[L, T, 2G]``
         (scale, min per group); ``out`` fp32 ``[L, R, T]``, written.
         """
-        args = self._args(q, head, codes, meta, out, bits, group_size, q.shape[1])
-        if out.shape != (codes.shape[0], q.shape[1], codes.shape[1]) or q.shape[2] != args[5]:
-            raise ValueError("native key_scores: out must be [L, R, T] and q [BH, R, F]")
-        if self._key(q.data_ptr(), *args):
-            raise ValueError("native key_scores: head_dim too large")
+        if self._key(q.data_ptr(), *self._args(q, out, head, codes, meta, bits, group_size), out.data_ptr()):
+            raise ValueError(f"native key_scores: head_dim {q.shape[-1]} is larger than the kernel's limit")
         return out
 
     def value_accumulate(self, p: torch.Tensor, head: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
@@ -138,11 +142,8 @@ class Kernels:
         """``acc[head[l], r] += sum_t p[l, r, t] (s_g Q_g + m_g)`` per group: the values' share of
         the attention output, unnormalized. ``p`` fp32 ``[L, R, T]`` (0 on dead slots, whose
         scale and min must be 0); ``acc`` fp32 ``[BH, R, F]``, added to."""
-        args = self._args(p, head, codes, meta, acc, bits, group_size, p.shape[1])
-        if p.shape != (codes.shape[0], acc.shape[1], codes.shape[1]) or acc.shape[2] != args[5]:
-            raise ValueError("native value_accumulate: p must be [L, R, T] and acc [BH, R, F]")
-        if self._value(p.data_ptr(), *args):
-            raise ValueError("native value_accumulate: head_dim too large")
+        if self._value(p.data_ptr(), *self._args(acc, p, head, codes, meta, bits, group_size), acc.data_ptr()):
+            raise ValueError(f"native value_accumulate: head_dim {acc.shape[-1]} is larger than the kernel's limit")
         return acc
 
 
