@@ -43,7 +43,8 @@ def _dequant(codes, meta, bits, group_size):
 
 
 SHAPES = [(8, 64, 64, 3), (8, 40, 8, 1), (4, 64, 32, 6), (4, 18, 2, 2), (2, 24, 4, 5), (2, 64, 16, 3),
-          (1, 32, 8, 2), (1, 72, 24, 4)]
+          (1, 32, 8, 2), (1, 72, 24, 4),
+          (4, 64, 2, 40), (8, 256, 8, 64)]  # more (row, group) sums than head_dim: the scratch must fit them
 
 
 @needs_kernels

@@ -134,7 +134,7 @@ class Kernels:
         (scale, min per group); ``out`` fp32 ``[L, R, T]``, written.
         """
         if self._key(q.data_ptr(), *self._args(q, out, head, codes, meta, bits, group_size), out.data_ptr()):
-            raise ValueError(f"native key_scores: head_dim {q.shape[-1]} is larger than the kernel's limit")
+            raise MemoryError("native key_scores: no memory for the kernel's scratch")
         return out
 
     def value_accumulate(self, p: torch.Tensor, head: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
@@ -143,7 +143,7 @@ class Kernels:
         the attention output, unnormalized. ``p`` fp32 ``[L, R, T]`` (0 on dead slots, whose
         scale and min must be 0); ``acc`` fp32 ``[BH, R, F]``, added to."""
         if self._value(p.data_ptr(), *self._args(acc, p, head, codes, meta, bits, group_size), acc.data_ptr()):
-            raise ValueError(f"native value_accumulate: head_dim {acc.shape[-1]} is larger than the kernel's limit")
+            raise MemoryError("native value_accumulate: no memory for the kernel's scratch")
         return acc
 
 

@@ -15,8 +15,7 @@
  * Plain C99 with no dependencies, compiled on first use by leankit/native/__init__.py.
  */
 #include <stdint.h>
-
-#define MAX_DIM 1024
+#include <stdlib.h>
 
 /* One token's codes, nb bytes, into fp32 columns out[nb * 8 / bits]. */
 static inline void unpack_token(const uint8_t *restrict src, int nb, int bits, float *restrict out) {
@@ -52,13 +51,15 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
 
 /* Key side. q: [BH, R, F] scaled queries; head: [L] the (sequence, KV head) of each live page;
  * codes of page l, token t at data + l * page_stride + t * nb; meta: [L, T, G, 2] (scale, min);
- * out: [L, R, T] scores. Returns 0, or -1 if F is too large. */
+ * out: [L, R, T] scores. Returns 0, or -1 if its scratch could not be allocated. */
 int lk_key_scores(const float *restrict q, const int64_t *restrict head, const uint8_t *restrict data,
                   int64_t page_stride, int64_t n_pages, int tokens, int dim, int rows, int bits,
                   int group_size, const float *restrict meta, float *restrict out) {
-    if (dim > MAX_DIM) return -1;
     const int groups = dim / group_size, nb = dim * bits / 8;
-    float codes[MAX_DIM], qsum[MAX_DIM];
+    /* Scratch: one token's codes and sum(q_rg) of one head's rows (any head_dim, rows, groups). */
+    float *codes = malloc(sizeof(float) * ((size_t)dim + (size_t)rows * groups));
+    if (!codes) return -1;
+    float *qsum = codes + dim;
     int64_t prev = -1;
     for (int64_t l = 0; l < n_pages; ++l) {
         const float *qh = q + head[l] * rows * dim;
@@ -84,17 +85,18 @@ int lk_key_scores(const float *restrict q, const int64_t *restrict head, const u
             }
         }
     }
+    free(codes);
     return 0;
 }
 
 /* Value side. p: [L, R, T] softmax numerators (0 where dead or masked); codes and meta as above
- * (dead slots hold scale and min 0); acc: [BH, R, F], added to. */
+ * (dead slots hold scale and min 0); acc: [BH, R, F], added to. Returns 0, or -1 as above. */
 int lk_value_accumulate(const float *restrict p, const int64_t *restrict head, const uint8_t *restrict data,
                         int64_t page_stride, int64_t n_pages, int tokens, int dim, int rows, int bits,
                         int group_size, const float *restrict meta, float *restrict acc) {
-    if (dim > MAX_DIM) return -1;
     const int groups = dim / group_size, nb = dim * bits / 8;
-    float codes[MAX_DIM];
+    float *codes = malloc(sizeof(float) * (size_t)dim);
+    if (!codes) return -1;
     for (int64_t l = 0; l < n_pages; ++l) {
         float *ah = acc + head[l] * rows * dim;
         const uint8_t *page = data + l * page_stride;
@@ -114,5 +116,6 @@ int lk_value_accumulate(const float *restrict p, const int64_t *restrict head, c
             }
         }
     }
+    free(codes);
     return 0;
 }
