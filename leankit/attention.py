@@ -254,7 +254,7 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
     if chunk_pages is None:
         maxima = decode_attention.tier_page_maxima(kv)
         if decode_attention.supports(kv.layouts, g * nq, [m > 0 for m in maxima],
-                                     compiled=decode_attention.use_compiled(q.device)):
+                                     compiled=decode_attention.compiled_kernels(q.device) is not None):
             # A few query rows over quantized pages: read live pages only, codes never dequantized.
             return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits, maxima, live_slots)
     outs, lses = [], []

@@ -16,6 +16,9 @@ the work is all in that per-key pass, so this module reads *live pages only*:
    (a few rows) and the output permuted back. Scale and min stay out of the per-element path
    (Eq. 2 factored, as in the Triton kernels): ``q . k_hat = sum_g s_g (q_g . Q_g) + m_g sum(q_g)``;
    the groups ride in the matmul's rows as a block-diagonal query.
+   On a CPU the key scores and value sums of each page run instead in the compiled kernels of
+   :mod:`leankit.native` (same factoring, natural column order, codes unpacked in registers),
+   when they could be built; the torch steps above are the fallback and their reference.
 3. The softmax is exact and two-pass per layer (scores of every live page are small: rows x
    tokens), with per-head maxima and sums reduced over the pages of each head by
    ``scatter_reduce`` / ``index_add``. Codes are converted a chunk of pages at a time
@@ -49,7 +52,7 @@ def supports(layouts, rows: int, occupied=None, compiled: bool = False) -> bool:
 
     ``occupied``: per tier, whether any head holds pages of it (default: all). Only occupied
     tiers count: a two-tier config whose low tier is still empty reads like a single tier.
-    ``compiled``: the call will run on the compiled CPU kernels (:func:`use_compiled`).
+    ``compiled``: the call will run on the compiled CPU kernels (:func:`compiled_kernels`).
 
     Every side of every tier must be quantized (dense sides may hold stale NaN bytes in dead
     slots, which only the padded path masks) with groups that span whole bytes. On the torch
@@ -72,10 +75,10 @@ def supports(layouts, rows: int, occupied=None, compiled: bool = False) -> bool:
     return True
 
 
-def use_compiled(device) -> bool:
-    """Whether a step on ``device`` runs the per-page loops in :mod:`leankit.native` (CPU only,
-    where the kernels could be built)."""
-    return torch.device(device).type == "cpu" and native.kernels() is not None
+def compiled_kernels(device) -> native.Kernels | None:
+    """The kernels of :mod:`leankit.native` that run a step's per-page loops on ``device``:
+    on a CPU where they could be built, else None (the torch path)."""
+    return native.kernels() if torch.device(device).type == "cpu" else None
 
 
 def _plane_query(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -284,7 +287,7 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows)
     maxima = tier_page_maxima(kv) if page_maxima is None else page_maxima
     tiers = [_LiveTier(kv, t, pmax, ws) for t, pmax in enumerate(maxima)]
-    compiled = native.kernels() if use_native and use_compiled(q.device) else None
+    compiled = compiled_kernels(q.device) if use_native else None
 
     # Pass 1: scaled scores of every live slot [L, R, T], and the per-head maximum. A chunk only
     # converts codes and multiplies; metadata, masks and the query gather are tier-wide ops.
