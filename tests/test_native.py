@@ -8,6 +8,7 @@ and without these kernels against the padded-tile reference.
 """
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +104,60 @@ def test_bad_arguments_raise_and_write_nothing():
     with pytest.raises(ValueError):
         kernels.value_accumulate(torch.rand(head.numel(), 3, 5), head, codes, meta, torch.zeros(3, 3, 64), 4, 32)
     assert not out.any()
+
+
+@pytest.fixture
+def four_threads():
+    """Four torch threads (the kernels' team), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits,dim,group_size,rows", [(4, 64, 32, 3), (2, 40, 8, 5), (8, 24, 24, 1)])
+def test_split_over_threads_gives_the_one_thread_result_bit_for_bit(four_threads, bits, dim, group_size, rows):
+    """Each page's scores and each head's accumulation order do not depend on the thread count,
+    so a call split over threads reproduces the one-thread call exactly. Forty heads give enough
+    pages for a team of four."""
+    gen, seed = testing.fresh_generator()
+    n_heads, tokens = 40, 5
+    head, codes, meta = _case(gen, bits, dim, group_size, rows, n_heads, tokens)
+    q = torch.randn(n_heads, rows, dim, generator=gen)
+    p = torch.rand(head.numel(), rows, tokens, generator=gen)
+    acc0 = torch.randn(n_heads, rows, dim, generator=gen)
+
+    def both():
+        return (kernels.key_scores(q, head, codes, meta, torch.empty(head.numel(), rows, tokens), bits, group_size),
+                kernels.value_accumulate(p, head, codes, meta, acc0.clone(), bits, group_size))
+
+    split = both()
+    torch.set_num_threads(1)
+    for got, want, name in zip(split, both(), ("scores", "acc")):
+        assert torch.equal(got, want), f"{name} differ across thread counts (seed {seed})"
+
+
+@needs_kernels
+def test_value_side_with_an_unsorted_head_index_is_still_exact(four_threads):
+    """Two threads must never add into one head's accumulator: an unsorted index runs on one."""
+    gen, seed = testing.fresh_generator()
+    head, codes, meta = _case(gen, 4, 64, 32, 3, 40, 6)
+    order = torch.randperm(head.numel(), generator=gen)
+    head, codes, meta = head[order].contiguous(), codes[order], meta[order].contiguous()
+    p = torch.rand(head.numel(), 3, 6, generator=gen)
+    acc = kernels.value_accumulate(p, head, codes, meta, torch.zeros(40, 3, 64), 4, 32)
+    per_page = torch.einsum("lrt,ltf->lrf", p.double(), _dequant(codes, meta, 4, 32).double())
+    want = torch.zeros(40, 3, 64, dtype=torch.float64).index_add(0, head, per_page)
+    testing.assert_close_normwise(acc, want.float(), torch.float32, f"acc (seed {seed})")
+
+
+@needs_kernels
+@pytest.mark.skipif(not native._torch_libgomp(), reason="torch here does not run on libgomp.so.1")
+def test_built_on_torchs_openmp_runtime_and_no_second_one():
+    maps = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line]
+    assert kernels.parallel
+    assert len(set(maps)) == 1, f"two OpenMP runtimes mapped: {sorted(set(maps))}"
 
 
 def test_without_a_compiler_leankit_warns_once_and_runs_the_torch_path(monkeypatch):

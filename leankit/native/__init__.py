@@ -11,6 +11,12 @@ The C file has no dependencies. It is compiled with the system's C compiler (``$
 source, the flags and the CPU's feature flags, and loaded with :mod:`ctypes`. Without a compiler,
 or with ``LEANKIT_NATIVE=0``, :func:`kernels` returns ``None`` and leankit runs the torch path,
 which computes the same thing (``tests/test_native.py`` checks one against the other).
+
+Threads: where torch runs on GNU OpenMP (its Linux wheels ship ``libgomp.so.1``), the library is
+built with ``-fopenmp``. Loaded after torch, its ``libgomp.so.1`` dependency resolves to the copy
+torch has already loaded, so the kernels split their pages over torch's own intra-op threads
+(``torch.get_num_threads()``). A second OpenMP runtime would keep a second set of workers
+spinning against torch's, which measured slower than one thread, so elsewhere the build is serial.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ SOURCE = Path(__file__).with_name("live_attention.c")
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math"]
 ARCH_FLAGS = ["-march=native"]  # dropped if the compiler refuses it
+OPENMP_FLAGS = ["-fopenmp"]  # only where torch's own libgomp is loaded (see the module docstring)
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -60,6 +67,16 @@ def _cpu_features() -> str:
     return platform.processor() + platform.machine()
 
 
+def _torch_libgomp() -> bool:
+    """Whether this process has a ``libgomp.so.1`` mapped (torch's, once torch is imported), which
+    a ``-fopenmp`` build then shares instead of loading a runtime of its own."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any(line.rstrip().endswith("/libgomp.so.1") for line in f)
+    except OSError:
+        return False
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -68,10 +85,13 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str) -> Path:
+    """Compile (or find in the cache) the library with the most of ``-march=native`` and OpenMP
+    that the compiler accepts."""
     src = SOURCE.read_bytes()
+    omp = OPENMP_FLAGS if _torch_libgomp() else []
     last_error = ""
-    for arch in (ARCH_FLAGS, []):
-        key = hashlib.sha256(src + " ".join([cc, *FLAGS, *arch, _cpu_features()]).encode()).hexdigest()[:16]
+    for extra in dict.fromkeys(tuple(v) for v in (ARCH_FLAGS + omp, omp, ARCH_FLAGS, [])):  # unique, in order
+        key = hashlib.sha256(src + " ".join([cc, *FLAGS, *extra, _cpu_features()]).encode()).hexdigest()[:16]
         out = _cache_dir() / f"live_attention-{key}.so"
         if out.exists():
             return out
@@ -79,7 +99,7 @@ def _build(cc: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            run = subprocess.run([cc, *FLAGS, *arch, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+            run = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
                                  check=False)
             if run.returncode == 0:
                 os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
@@ -98,10 +118,13 @@ class Kernels:
         self.path = path
         lib = ctypes.CDLL(str(path))
         args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_int]
         for fn in (lib.lk_key_scores, lib.lk_value_accumulate):
             fn.argtypes, fn.restype = args, ctypes.c_int
         self._key, self._value = lib.lk_key_scores, lib.lk_value_accumulate
+        lib.lk_parallel.restype = ctypes.c_int
+        self.parallel = bool(lib.lk_parallel())  # splits its pages over torch's threads
 
     @staticmethod
     def _args(per_head, per_page, head, codes, meta, bits, group_size):
@@ -133,7 +156,8 @@ class Kernels:
         ``[L, T, F * bits / 8]`` (rows contiguous, any page stride); ``meta`` fp32 ``[L, T, 2G]``
         (scale, min per group); ``out`` fp32 ``[L, R, T]``, written.
         """
-        if self._key(q.data_ptr(), *self._args(q, out, head, codes, meta, bits, group_size), out.data_ptr()):
+        if self._key(q.data_ptr(), *self._args(q, out, head, codes, meta, bits, group_size), out.data_ptr(),
+                     torch.get_num_threads()):
             raise MemoryError("native key_scores: no memory for the kernel's scratch")
         return out
 
@@ -142,7 +166,8 @@ class Kernels:
         """``acc[head[l], r] += sum_t p[l, r, t] (s_g Q_g + m_g)`` per group: the values' share of
         the attention output, unnormalized. ``p`` fp32 ``[L, R, T]`` (0 on dead slots, whose
         scale and min must be 0); ``acc`` fp32 ``[BH, R, F]``, added to."""
-        if self._value(p.data_ptr(), *self._args(acc, p, head, codes, meta, bits, group_size), acc.data_ptr()):
+        if self._value(p.data_ptr(), *self._args(acc, p, head, codes, meta, bits, group_size), acc.data_ptr(),
+                       torch.get_num_threads()):
             raise MemoryError("native value_accumulate: no memory for the kernel's scratch")
         return acc
 
