@@ -224,10 +224,15 @@ def test_bench_step_cli_writes_json_and_readme(tiny, tmp_path, capsys):
     readme.write_text(f"intro\n{start}\n{end}\nend\n")
     js = tmp_path / "step.json"
     argv = ["bench", "step", "--model", "tiny", "--batch", "2", "--context", "17", "--steps", "2", "--warmup", "1",
-            "--kv", "K8V4", "--json", str(js), "--write-readme", "--readme", str(readme), "--no-progress"]
+            "--kv", "K8V4", "--json", str(js), "--write-readme", "--readme", str(readme), "--no-progress",
+            "--default-malloc"]  # the pinned allocator is checked in a process of its own below
     assert main(argv) == 0
     data = json.loads(js.read_text())
     assert data["mode"] == "step" and data["command"] == ["leankit", *argv] and len(data["results"]) == 1
+    assert data["allocator"] is None
+    row = data["results"][0]
+    assert len(row["prefill_faults_dynamic"]) == len(row["prefill_faults_lean"]) == step.PREFILL_RUNS
+    assert "Minor page faults of the measured prefills" in readme.read_text()
     text = readme.read_text()
     assert text.startswith(f"intro\n{start}\n") and text.endswith(f"{end}\nend\n")
     assert "| 17 | `K8V4` | decode |" in text and "leankit bench step --model tiny" in text and "torch " in text
@@ -259,3 +264,32 @@ def test_readme_command_leaves_out_output_options():
     argv = ["step", "--batch", "8", "--json", "out/step.json", "--write-readme", "--readme=R.md", "--no-progress",
             "--threads", "1"]
     assert reproducible_args(argv) == ["step", "--batch", "8", "--threads", "1"]
+
+
+PIN_PROBE = """
+import sys, torch
+from leankit.bench.malloc import minor_faults, pin_glibc_malloc
+note = pin_glibc_malloc() if sys.argv[1] == "pin" else None
+torch.ones(64 << 18).sum()  # a 64 MiB block, touched, then freed
+f0 = minor_faults()
+torch.ones(64 << 18).sum()  # the same size again
+print(minor_faults() - f0, note)
+"""
+
+
+@pytest.mark.skipif(not __import__("platform").libc_ver()[0] == "glibc", reason="glibc's malloc only")
+def test_pinned_malloc_reuses_a_freed_block_instead_of_faulting_it_in_again():
+    """Unpinned, glibc maps a 64 MiB block fresh each time (16k first-touch faults); pinned, the
+    freed block is reused. Each case runs in a process of its own, as the setting is per process."""
+    import subprocess
+    import sys
+
+    def probe(mode):
+        out = subprocess.run([sys.executable, "-c", PIN_PROBE, mode], capture_output=True, text=True, check=True)
+        faults, note = out.stdout.split(" ", 1)
+        return int(faults), note.strip()
+
+    fresh, none = probe("default")
+    reused, note = probe("pin")
+    assert none == "None" and note.startswith("Allocator: glibc")
+    assert fresh > 8000 and reused < 1000, (fresh, reused)

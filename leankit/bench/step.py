@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .malloc import minor_faults
 from .text import corpus_ids, left_padded, pad_id, step_batch
 from .timing import CATEGORIES, ExclusiveTimer, breakdown, lean_targets, patched
 
@@ -103,11 +104,14 @@ def measure_context(model, ids: torch.Tensor, pad: int, batch: int, context: int
     # median is its prefill time (a single prefill is at the mercy of the machine's state), and
     # the last round's cache goes on to decode.
     times = {id(r): [] for r in runners}
+    faults = {id(r): [] for r in runners}  # minor page faults per prefill: fresh memory touched
     for j in range(PREFILL_RUNS):
         k = j % len(runners)
         for r in runners[k:] + runners[:k]:
             r.cache = r.make()
+            f0 = minor_faults()
             r.state, dt, parts = bench.run(r, prefill, input_ids, mask)
+            faults[id(r)].append(minor_faults() - f0)
             times[id(r)].append(dt)
             if parts is not None:
                 r.prefill_parts = breakdown(parts, dt)
@@ -131,6 +135,7 @@ def measure_context(model, ids: torch.Tensor, pad: int, batch: int, context: int
         rows.append(dict(
             context=context, batch=batch, kv=str(plain.cache.cfg), kv_arg=kv,
             prefill_dynamic_s=dyn.prefill_s, prefill_lean_s=plain.prefill_s, prefill_ratio=plain.prefill_s / dyn.prefill_s,
+            prefill_faults_dynamic=faults[id(dyn)], prefill_faults_lean=faults[id(plain)],
             step_dynamic_s=dyn_step, step_lean_s=step, decode_ratio=step / dyn_step,
             prefill_breakdown=_fractions([timed.prefill_parts], sum(timed.prefill_parts.values())),
             decode_breakdown=_fractions(timed.parts, sum(timed.steps)),
@@ -170,6 +175,19 @@ def table(rows: list[dict]) -> str:
             cells.append(f"{100 * over:+.1f}%")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def faults_line(rows: list[dict]) -> str:
+    """One sentence: the minor page faults of each measured prefill, DynamicCache's and each config's."""
+    if not rows:
+        return ""
+    by_context: dict = {}
+    for r in rows:
+        by_context.setdefault(r["context"], [("DynamicCache", r["prefill_faults_dynamic"])]).append(
+            (f"`{r['kv_arg']}`", r["prefill_faults_lean"]))
+    parts = [f"{ctx}: " + "; ".join(f"{name} {', '.join(f'{n / 1e3:.0f}k' for n in counts)}" for name, counts in named)
+             for ctx, named in by_context.items()]
+    return "Minor page faults of the measured prefills, in run order (context " + " / ".join(parts) + ")."
 
 
 NOTES = ("Ratios: LeanCache time / DynamicCache time, the same batch in one process (decode: ratio of medians, "
