@@ -270,26 +270,29 @@ PIN_PROBE = """
 import sys, torch
 from leankit.bench.malloc import minor_faults, pin_glibc_malloc
 note = pin_glibc_malloc() if sys.argv[1] == "pin" else None
-torch.ones(64 << 18).sum()  # a 64 MiB block, touched, then freed
-f0 = minor_faults()
-torch.ones(64 << 18).sum()  # the same size again
-print(minor_faults() - f0, note)
+faults = []
+for _ in range(10):  # a 64 MiB block, touched and freed, ten times over
+    f0 = minor_faults()
+    torch.ones(64 << 18).sum()
+    faults.append(minor_faults() - f0)
+print(",".join(map(str, faults)), note)
 """
 
 
 @pytest.mark.skipif(not __import__("platform").libc_ver()[0] == "glibc", reason="glibc's malloc only")
 def test_pinned_malloc_reuses_a_freed_block_instead_of_faulting_it_in_again():
-    """Unpinned, glibc maps a 64 MiB block fresh each time (16k first-touch faults); pinned, the
-    freed block is reused. Each case runs in a process of its own, as the setting is per process."""
+    """Unpinned, glibc maps a 64 MiB block afresh every time (16k first-touch faults each); pinned,
+    the freed block stays in the heap and is reused once the heap has grown to hold it (after at
+    most four rounds, measured). Each case runs in a process of its own, as the setting is per process."""
     import subprocess
     import sys
 
     def probe(mode):
         out = subprocess.run([sys.executable, "-c", PIN_PROBE, mode], capture_output=True, text=True, check=True)
         faults, note = out.stdout.split(" ", 1)
-        return int(faults), note.strip()
+        return [int(f) for f in faults.split(",")], note.strip()
 
     fresh, none = probe("default")
     reused, note = probe("pin")
     assert none == "None" and note.startswith("Allocator: glibc")
-    assert fresh > 8000 and reused < 1000, (fresh, reused)
+    assert min(fresh[-3:]) > 8000 and max(reused[-3:]) < 1000, (fresh, reused)
