@@ -35,7 +35,8 @@
 /* Threads worth using on n_pages, at most `threads`. */
 static int team_size(int64_t n_pages, int threads) {
     const int64_t most = n_pages / MIN_PAGES_PER_THREAD;
-    return threads < 1 ? 1 : (most < threads ? (most < 1 ? 1 : (int)most) : threads);
+    if (threads > most) threads = (int)most;
+    return threads < 1 ? 1 : threads;
 }
 
 /* First page of thread `tid`'s run out of `nth` over n_pages: an even share; with `by_head`,
