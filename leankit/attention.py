@@ -306,7 +306,8 @@ def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: i
     ``p_ij = exp(s_ij - lse_i)`` summed over the step's live queries and averaged over the
     ``group`` query heads of each KV group; the same numbers as the second pass, without reading
     the keys again. Given :class:`~leankit.decode_attention.LiveSlots` (the live-page path), it
-    returns them with ``received`` ``[L, T]`` filled in, for live pages only.
+    returns them with ``row_weight`` filled in, which gives ``received`` ``[L, T]`` for live pages
+    only (or lets the compiled score update fold it in per slot).
     """
     b, hkv, rows = lse.shape
     live = torch.isfinite(lse)
@@ -317,10 +318,8 @@ def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: i
         # p_ij = exp(s_ij - shift_i) * exp(shift_i - lse_i), so no exp over the slots again. The
         # row factor is 0 for rows that do not count (padding queries, rows that see nothing).
         shift = logits[0].shift.view(b, hkv, rows)
-        factor = torch.where(live, torch.exp(shift - lse), torch.zeros_like(lse)).div_(group).view(b * hkv, 1, rows)
-        # Few rows per page: a broadcast multiply and a row sum beat a batched matmul of [1, R] x [R, T].
-        return [replace(t, received=(t.probs * factor.index_select(0, t.head).transpose(1, 2)).sum(1))
-                for t in logits]
+        factor = torch.where(live, torch.exp(shift - lse), torch.zeros_like(lse)).div_(group).view(b * hkv, rows)
+        return [replace(t, row_weight=factor) for t in logits]
     lse_safe = torch.where(live, lse, torch.zeros_like(lse)).unsqueeze(-1)
     out = []
     for s in logits:

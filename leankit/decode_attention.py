@@ -16,9 +16,11 @@ the work is all in that per-key pass, so this module reads *live pages only*:
    (a few rows) and the output permuted back. Scale and min stay out of the per-element path
    (Eq. 2 factored, as in the Triton kernels): ``q . k_hat = sum_g s_g (q_g . Q_g) + m_g sum(q_g)``;
    the groups ride in the matmul's rows as a block-diagonal query.
-   On a CPU the key scores and value sums of each page run instead in the compiled kernels of
-   :mod:`leankit.native` (same factoring, natural column order, codes unpacked in registers),
-   when they could be built; the torch steps above are the fallback and their reference.
+   On a CPU the whole step runs instead in the compiled kernels of :mod:`leankit.native` when
+   they could be built: pages are listed from the page table and read in place in the pool (no
+   gathered copy), with the masks, maxima, numerators and sums inside two passes (same
+   factoring, natural column order, codes unpacked in registers). The torch steps here are the
+   fallback and their reference.
 3. The softmax is exact and two-pass per layer (scores of every live page are small: rows x
    tokens), with per-head maxima and sums reduced over the pages of each head by
    ``scatter_reduce`` / ``index_add``. Codes are converted a chunk of pages at a time
@@ -201,8 +203,8 @@ class LiveSlots:
 
     Returned by :func:`live_page_attention` with ``live_slots=True``, so the running-significance
     update (LeanKV §4) touches live slots only and never re-reads the pages' positions.
-    ``pos`` views the layer's gathered pages in the cache's workspace: valid until the next
-    layer's attention.
+    ``probs``, ``valid``, ``pos`` and ``score`` live in the cache's workspace: valid until the
+    next layer's attention.
     """
 
     page_ids: torch.Tensor  # [L] int64 pool id of each live page
@@ -213,7 +215,18 @@ class LiveSlots:
     valid: torch.Tensor  # [L, T] bool: slot holds a stored token
     pos: torch.Tensor  # [L, T] int32 token positions (dead slots: int32 max)
     score: torch.Tensor  # [L, T] fp32 stored significance as read (dead slots: stale bytes)
-    received: torch.Tensor | None = None  # [L, T] mass received this step, once computed
+    # [B*Hkv, R] fp32 what each row's numerator counts for in the received mass (exp(shift - lse)
+    # averaged over the group, 0 for rows that do not count), once the step's lse is known
+    row_weight: torch.Tensor | None = None
+    pages: native.PoolPages | None = None  # the pages as the compiled kernels read them, on that path
+
+    @property
+    def received(self) -> torch.Tensor:
+        """``[L, T]``: the probability mass each slot received this step (``row_weight`` set)."""
+        if self.row_weight is None:
+            raise ValueError("LiveSlots.received needs row_weight: pass the slots through received_from_logits")
+        # Few rows per page: a broadcast multiply and a row sum beat a batched matmul of [1, R] x [R, T].
+        return (self.probs * self.row_weight.index_select(0, self.head).unsqueeze(-1)).sum(1)
 
 
 def tier_page_maxima(kv) -> list[int]:
@@ -278,31 +291,27 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     """
     from .attention import Workspace
 
+    ws = kv.workspace or Workspace()
+    compiled = compiled_kernels(q.device) if use_native else None
+    if compiled is not None:
+        return _live_attention_native(compiled, q, kv, q_pos, scale, ws, return_logits, live_slots)
     b, hq, nq, f = q.shape
     hkv = kv.table.shape[2]
     g = hq // hkv
     bh, rows = b * hkv, g * nq
-    ws = kv.workspace or Workspace()
     qs = (q.float().reshape(bh, rows, f) * scale).contiguous()  # scaled; row g*Q + i of KV head h: query head h*G + g, query i
     qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows)
     maxima = tier_page_maxima(kv) if page_maxima is None else page_maxima
     tiers = [_LiveTier(kv, t, pmax, ws) for t, pmax in enumerate(maxima)]
-    compiled = compiled_kernels(q.device) if use_native else None
 
     # Pass 1: scaled scores of every live slot [L, R, T], and the per-head maximum. A chunk only
     # converts codes and multiplies; metadata, masks and the query gather are tier-wide ops.
     scores, m = [], torch.full((bh, rows), float("-inf"), device=q.device)
     for lt in tiers:
-        lay, bits, n = lt.layout, lt.layout.precision.k_bits, lt.n
-        if compiled is not None:
-            s_tier = compiled.key_scores(qs, lt.head, lt._seg("k_data"), lt.meta32("k"),
-                                         q.new_empty((n, rows, lt.tokens), dtype=torch.float32), bits,
-                                         lay.group_size)
-        else:
-            s_tier = _key_scores_torch(qs, lt, bits, ws)
+        s_tier = _key_scores_torch(qs, lt, lt.layout.precision.k_bits, ws)
         visible = lt.pos.unsqueeze(1) <= qp.index_select(0, lt.head).unsqueeze(-1)  # live and not after the query
         s_tier = s_tier.masked_fill_(~visible, float("-inf"))
-        if n:
+        if lt.n:
             m.scatter_reduce_(0, lt.head.view(-1, 1).expand(-1, rows), s_tier.amax(-1), "amax")
         scores.append(s_tier)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -318,25 +327,87 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
         keep_logits = return_logits and not live_slots  # the padded logits are s itself, not its exp
         p = torch.exp(s_tier - shift) if keep_logits else s_tier.sub_(shift).exp_()  # [L, R, T]; 0 on dead slots
         l_sum.index_add_(0, lt.head, p.sum(-1))
-        if compiled is not None:
-            compiled.value_accumulate(p, lt.head, lt._seg("v_data"), lt.meta32("v"), acc,
-                                      lt.layout.precision.v_bits, lt.layout.group_size)
-        else:
-            acc += _values_torch(p, lt, ws, bh, rows, f)
+        acc += _values_torch(p, lt, ws, bh, rows, f)
 
-    out = torch.where(l_sum.unsqueeze(-1) > 0, acc / l_sum.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
-    lse = torch.where(l_sum > 0, m_safe + torch.log(l_sum.clamp_min(1e-30)), torch.full_like(m, float("-inf")))
-    out = out.view(b, hkv, g, nq, f).reshape(b, hq, nq, f).transpose(1, 2).to(q.dtype)
-    lse = lse.view(b, hkv, rows)
+    out, lse = _normalize(q, acc, l_sum, m_safe, b, hkv, g, nq)
     if not return_logits:
         return out, lse
     if live_slots:
         return out, lse, [LiveSlots(lt.page_ids, lt.head, probs, m_safe, lt.valid, lt.pos,
                                      lt._seg("score", torch.float16).squeeze(-1).float())
                           for lt, probs in zip(tiers, scores)]  # exp'd in place by pass 2
-    per_tier = []
-    for lt, s_tier in zip(tiers, scores):  # padded slot order [B, Hkv, R, P_max * T], -inf where dead
-        full = torch.full((bh * lt.pmax, rows, lt.tokens), float("-inf"), device=q.device)
-        full.index_copy_(0, lt.flat, s_tier)
-        per_tier.append(full.view(bh, lt.pmax, rows, lt.tokens).transpose(1, 2).reshape(b, hkv, rows, -1))
-    return out, lse, per_tier
+    return out, lse, [_padded_logits(s_tier, lt.flat, lt.pmax, b, hkv) for lt, s_tier in zip(tiers, scores)]
+
+
+def _padded_logits(s_tier: torch.Tensor, flat: torch.Tensor, pmax: int, b: int, hkv: int) -> torch.Tensor:
+    """Live-page scores ``[L, R, T]`` in the padded slot order ``[B, Hkv, R, P_max * T]`` of
+    :func:`leankit.attention.paged_attention_ref`, -inf where dead; ``flat`` is each page's index
+    ``head * P_max + rank`` into the padded pages."""
+    _, rows, tokens = s_tier.shape
+    full = torch.full((b * hkv * pmax, rows, tokens), float("-inf"), device=s_tier.device)
+    full.index_copy_(0, flat, s_tier)
+    return full.view(b * hkv, pmax, rows, tokens).transpose(1, 2).reshape(b, hkv, rows, -1)
+
+
+def _normalize(q, acc, l_sum, m_safe, b: int, hkv: int, g: int, nq: int):
+    """The attention output ``[B, Q, Hq, F]`` (in ``q``'s dtype) and log-sum-exp ``[B, Hkv, R]``
+    from the unnormalized value sums ``acc`` ``[BH, R, F]``, the numerators' sums ``l_sum`` and
+    the shift ``m_safe`` ``[BH, R]`` they were taken against; 0 and -inf for rows that see nothing."""
+    f, rows = acc.shape[-1], g * nq
+    seen = l_sum > 0
+    out = torch.where(seen.unsqueeze(-1), acc / l_sum.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(acc))
+    lse = torch.where(seen, m_safe + torch.log(l_sum.clamp_min(1e-30)), torch.full_like(m_safe, float("-inf")))
+    out = out.view(b, hkv, g, nq, f).reshape(b, hkv * g, nq, f).transpose(1, 2).to(q.dtype)
+    return out, lse.view(b, hkv, rows)
+
+
+def _live_attention_native(k: native.Kernels, q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, ws,
+                           return_logits: bool, live_slots: bool):
+    """:func:`live_page_attention` on the compiled CPU kernels: each tier's live pages are listed
+    from the page table and read in place in the pool (no gathered copy, no fp32 copy of the
+    metadata); masks, maxima, numerators and their sums are computed inside the two passes."""
+    b, hq, nq, f = q.shape
+    table, layer, pool = kv.table, kv.layer, kv.pool
+    hkv = table.shape[2]
+    g = hq // hkv
+    bh, rows = b * hkv, g * nq
+    qs = (q.float().reshape(bh, rows, f) * scale).contiguous()  # scaled; row g*Q + i of KV head h: query head h*G + g, query i
+    qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows).contiguous()
+    rows_of_table = table.tables[layer].view(bh, table.row_len)
+    m = torch.full((bh, rows), float("-inf"))
+    tiers, scores, slots = [], [], []
+    for tier, lay in enumerate(kv.layouts):
+        first = int(table.column(tier, 0, table.row_len))
+        step = int(table.column(tier, 1, table.row_len)) - first
+        listing = tuple(ws.get(f"live_list{tier}_{i}", (bh * table.row_len,), torch.int64, "cpu") for i in range(3))
+        pages = k.list_pages(pool.storage, table.n_pages[tier, layer].view(bh), rows_of_table, first, step,
+                             lay.tokens, dict(zip(SEGMENTS, lay.seg_offsets)), out=listing)
+        n, t = pages.page_id.numel(), lay.tokens
+        s_tier = ws.get(f"live_scores{tier}", (n, rows, t), torch.float32, "cpu")
+        extra = {}
+        if return_logits and live_slots:
+            extra = {"pos_out": ws.get(f"live_pos{tier}", (n, t), torch.int32, "cpu"),
+                     "valid_out": ws.get(f"live_valid{tier}", (n, t), torch.bool, "cpu"),
+                     "score_out": ws.get(f"live_score{tier}", (n, t), torch.float32, "cpu")}
+        k.live_scores(pages, qs, qp, table.lens[tier, layer].view(bh), lay.precision.k_bits, lay.group_size,
+                      s_tier, m, **extra)
+        tiers.append(pages)
+        scores.append(s_tier)
+        slots.append(extra)
+    shift = m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # a row that sees nothing: numerators 0 either way
+    padded = None
+    if return_logits and not live_slots:  # the padded logits are the scores themselves, kept before pass 2
+        maxima = tier_page_maxima(kv)
+        padded = [_padded_logits(s_tier, pages.head * pmax + pages.rank, pmax, b, hkv)
+                  for s_tier, pages, pmax in zip(scores, tiers, maxima)]
+    l_sum = torch.zeros((bh, rows))
+    acc = torch.zeros((bh, rows, f))
+    for lay, pages, s_tier in zip(kv.layouts, tiers, scores):
+        k.live_values(pages, s_tier, shift, lay.precision.v_bits, lay.group_size, l_sum, acc)
+    out, lse = _normalize(q, acc, l_sum, shift, b, hkv, g, nq)
+    if not return_logits:
+        return out, lse
+    if padded is not None:
+        return out, lse, padded
+    return out, lse, [LiveSlots(pages.page_id, pages.head, probs, shift, extra["valid_out"], extra["pos_out"],
+                                extra["score_out"], pages=pages) for pages, probs, extra in zip(tiers, scores, slots)]

@@ -41,7 +41,7 @@ import torch
 
 from .allocator import exclusive_cumsum
 from .backend import use_triton
-from .decode_attention import LiveSlots
+from .decode_attention import LiveSlots, compiled_kernels
 from .page_table import HIGH, LOW
 
 KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
@@ -481,6 +481,10 @@ class _Base:
         heads = cache.table.shape[2]
         for layout, t in zip(cache.layouts, live):
             if not t.page_ids.numel():
+                continue
+            if t.pages is not None:  # the compiled kernels' pages: the same rule, per slot, in place
+                compiled_kernels(cache.device).update_scores(t.pages, t.probs, t.row_weight, t.pos, t.valid, t.score,
+                                                             q_first, q_last, has)
                 continue
             row = (t.head // heads).unsqueeze(1)  # [L, 1] sequence of each page
             new = update_significance(t.score, t.pos, t.received, q_first[row], q_last[row])

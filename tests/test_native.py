@@ -21,26 +21,77 @@ kernels = native.kernels()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler for leankit.native")
 
 
-def _case(gen, bits, dim, group_size, rows, n_heads, tokens):
-    """Codes as a strided view into fake pages, fp32 meta ``[L, T, 2G]``, a sorted head index."""
+SEGMENT_BYTES = {"position": 4, "score": 2}
+
+
+def _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="k"):
+    """Live pages of one tier scattered over a larger pool, segments at odd (unaligned) offsets.
+
+    Returns ``(pages, lens, q_pos)``: a :class:`~leankit.native.PoolPages` over a random pool with
+    a ragged, sorted head index (some heads own no page), the tier's token count per head (a
+    head's last page partly dead) and each row's query position. Dead slots hold NaN scale and
+    min and arbitrary positions: stale bytes the kernels must never let through."""
     counts = torch.randint(0, 4, (n_heads,), generator=gen)
     counts[int(torch.randint(0, n_heads, (1,), generator=gen))] += 1  # at least one page
-    head = torch.repeat_interleave(torch.arange(n_heads), counts)
     n, nb, groups = int(counts.sum()), dim * bits // 8, dim // group_size
-    pages = torch.randint(0, 256, (n, tokens * nb + 37), dtype=torch.uint8, generator=gen)
-    codes = pages[:, 5: 5 + tokens * nb].view(n, tokens, nb)  # page stride tokens * nb + 37
+    head = torch.repeat_interleave(torch.arange(n_heads), counts)
+    rank = torch.arange(n) - (torch.cumsum(counts, 0) - counts)[head]
+    sizes = {f"{side}_data": nb, f"{side}_meta": 4 * groups, **SEGMENT_BYTES}
+    offsets, end = {}, 5
+    for name, size in sizes.items():
+        offsets[name], end = end, end + tokens * size + 3
+    pool_pages = n + 7
+    storage = torch.randint(0, 256, (pool_pages, end + 11), dtype=torch.uint8, generator=gen)
+    page_id = torch.randperm(pool_pages, generator=gen)[:n]
+    dead = torch.randint(0, tokens, (n_heads,), generator=gen) * (counts > 0)
+    lens = (counts * tokens - dead).to(torch.int32)
     meta = torch.randn(n, tokens, groups, 2, generator=gen)
     meta[..., 0] = meta[..., 0].abs() / (1 << bits)
-    return head, codes, meta.reshape(n, tokens, 2 * groups).contiguous()
+    meta = meta.half()
+    pos = torch.randint(0, 3 * tokens * 4, (n, tokens), generator=gen, dtype=torch.int32)
+    live = torch.arange(tokens) < (lens.long()[head] - rank * tokens).unsqueeze(1)
+    meta[~live] = float("nan")
+
+    def write(name, values):
+        off = offsets[name]
+        view = storage[:, off: off + tokens * sizes[name]]
+        view[page_id] = values.contiguous().view(torch.uint8).reshape(n, -1)
+
+    write(f"{side}_meta", meta)
+    write("position", pos)
+    write("score", torch.randn(n, tokens, generator=gen).half())
+    q_pos = torch.randint(0, 3 * tokens * 4, (n_heads, rows), generator=gen, dtype=torch.int32)
+    pages = native.PoolPages(storage, page_id, head, rank, tokens, offsets)
+    return pages, lens, q_pos
 
 
-def _dequant(codes, meta, bits, group_size):
-    n, tokens, _ = codes.shape
-    q = unpack(codes, bits).float()  # [L, T, F], natural column order
-    m = meta.view(n, tokens, -1, 2)
-    scale = m[..., 0].repeat_interleave(group_size, -1)
-    low = m[..., 1].repeat_interleave(group_size, -1)
-    return q * scale + low
+def _segment(pages, name, nbytes):
+    """Segment ``name`` of every page, uint8 ``[L, T, nbytes]`` (gathered for the reference)."""
+    off = pages.offsets[name]
+    return pages.storage[pages.page_id, off: off + pages.tokens * nbytes].view(-1, pages.tokens, nbytes)
+
+
+def _dequant(pages, side, bits, group_size, dim):
+    """fp64 ``[L, T, F]`` values of the pages' ``side`` (Eq. 2), NaN on dead slots."""
+    groups = dim // group_size
+    q = unpack(_segment(pages, f"{side}_data", dim * bits // 8), bits).double()  # natural column order
+    m = _segment(pages, f"{side}_meta", 4 * groups).contiguous().view(torch.float16).double()
+    m = m.view(*q.shape[:2], groups, 2)
+    return q * m[..., 0].repeat_interleave(group_size, -1) + m[..., 1].repeat_interleave(group_size, -1)
+
+
+def _visible(pages, lens, q_pos):
+    """bool ``[L, R, T]``: slot holds a stored token whose position is not after the row's query."""
+    live = torch.arange(pages.tokens) < (lens.long()[pages.head] - pages.rank * pages.tokens).unsqueeze(1)
+    pos = _segment(pages, "position", 4).contiguous().view(torch.int32).squeeze(-1)
+    return live.unsqueeze(1) & (pos.unsqueeze(1) <= q_pos[pages.head].unsqueeze(-1)), live, pos
+
+
+def _scores_ref(pages, lens, q_pos, q, bits, group_size):
+    keys = _dequant(pages, "k", bits, group_size, q.shape[-1])
+    visible, live, pos = _visible(pages, lens, q_pos)
+    s = torch.einsum("lrf,ltf->lrt", q[pages.head].double(), torch.where(live.unsqueeze(-1), keys, 0.0))
+    return s.masked_fill(~visible, float("-inf")), live, pos
 
 
 SHAPES = [(8, 64, 64, 3), (8, 40, 8, 1), (4, 64, 32, 6), (4, 18, 2, 2), (2, 24, 4, 5), (2, 64, 16, 3),
@@ -50,60 +101,191 @@ SHAPES = [(8, 64, 64, 3), (8, 40, 8, 1), (4, 64, 32, 6), (4, 18, 2, 2), (2, 24, 
 
 @needs_kernels
 @pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES, ids=lambda v: str(v))
-def test_key_scores_match_dequantized_dot_products(bits, dim, group_size, rows):
+def test_live_scores_match_dequantized_dot_products(bits, dim, group_size, rows):
     gen, seed = testing.fresh_generator()
     n_heads, tokens = 5, 7
-    head, codes, meta = _case(gen, bits, dim, group_size, rows, n_heads, tokens)
+    pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens)
+    n = pages.page_id.numel()
     q = torch.randn(n_heads, rows, dim, generator=gen)
-    out = torch.full((head.numel(), rows, tokens), float("nan"))
-    kernels.key_scores(q, head, codes, meta, out, bits, group_size)
-    want = torch.einsum("lrf,ltf->lrt", q[head].double(), _dequant(codes, meta, bits, group_size).double())
+    out = torch.full((n, rows, tokens), float("nan"))
+    m = torch.full((n_heads, rows), float("-inf"))
+    pos_out = torch.zeros(n, tokens, dtype=torch.int32)
+    valid_out = torch.zeros(n, tokens, dtype=torch.bool)
+    score_out = torch.zeros(n, tokens)
+    kernels.live_scores(pages, q, q_pos, lens, bits, group_size, out, m, pos_out, valid_out, score_out)
+    want, live, pos = _scores_ref(pages, lens, q_pos, q, bits, group_size)
     testing.assert_close_normwise(out, want.float(), torch.float32, f"scores (seed {seed})")
+    want_m = torch.full((n_heads, rows), float("-inf"), dtype=torch.float64).scatter_reduce(
+        0, pages.head.view(-1, 1).expand(-1, rows), want.amax(-1), "amax")
+    testing.assert_close_normwise(m, want_m.float(), torch.float32, f"row maxima (seed {seed})")
+    assert torch.equal(valid_out, live)
+    assert torch.equal(pos_out, pos.masked_fill(~live, torch.iinfo(torch.int32).max))
+    stored = _segment(pages, "score", 2).contiguous().view(torch.float16).squeeze(-1).float()
+    assert torch.equal(score_out, stored)
 
 
 @needs_kernels
 @pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES, ids=lambda v: str(v))
-def test_value_accumulate_matches_dequantized_weighted_sum(bits, dim, group_size, rows):
+def test_live_values_match_softmax_weighted_dequantized_sum(bits, dim, group_size, rows):
     gen, seed = testing.fresh_generator()
     n_heads, tokens = 4, 9
-    head, codes, meta = _case(gen, bits, dim, group_size, rows, n_heads, tokens)
-    p = torch.rand(head.numel(), rows, tokens, generator=gen)
-    p[p < 0.2] = 0.0  # masked slots
-    acc0 = torch.randn(n_heads, rows, dim, generator=gen)
-    acc = kernels.value_accumulate(p, head, codes, meta, acc0.clone(), bits, group_size)
-    per_page = torch.einsum("lrt,ltf->lrf", p.double(), _dequant(codes, meta, bits, group_size).double())
-    want = acc0.double().index_add(0, head, per_page)
-    testing.assert_close_normwise(acc, want.float(), torch.float32, f"acc (seed {seed})")
+    pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="v")
+    n = pages.page_id.numel()
+    visible, live, _ = _visible(pages, lens, q_pos)
+    scores = (3 * torch.randn(n, rows, tokens, generator=gen)).masked_fill(~visible, float("-inf"))
+    shift = torch.randn(n_heads, rows, generator=gen).abs() + 3.0
+    l0, acc0 = torch.rand(n_heads, rows, generator=gen), torch.randn(n_heads, rows, dim, generator=gen)
+    p, l_sum, acc = scores.clone(), l0.clone(), acc0.clone()
+    kernels.live_values(pages, p, shift, bits, group_size, l_sum, acc)
+    want_p = torch.exp(scores.double() - shift.double()[pages.head].unsqueeze(-1))
+    testing.assert_close_normwise(p, want_p.float(), torch.float32, f"numerators (seed {seed})")
+    assert torch.equal(p == 0, ~visible | (want_p.float() == 0))
+    values = torch.where(live.unsqueeze(-1), _dequant(pages, "v", bits, group_size, dim), 0.0)
+    per_page = torch.einsum("lrt,ltf->lrf", want_p, values)
+    testing.assert_close_normwise(acc, acc0.double().index_add(0, pages.head, per_page).float(), torch.float32,
+                                  f"acc (seed {seed})")
+    testing.assert_close_normwise(l_sum, l0.double().index_add(0, pages.head, want_p.sum(-1)).float(),
+                                  torch.float32, f"l_sum (seed {seed})")
 
 
 @needs_kernels
-def test_nan_key_metadata_stays_in_its_own_slot():
-    """Dead slots may hold NaN scale/min (stale bytes); the caller masks their scores afterwards,
-    so the kernel must not let them leak into any other slot."""
+def test_numerators_of_extreme_scores():
+    """exp over the whole range the softmax meets: 0 at and below the underflow edge (-inf
+    included), 1 at 0, and close to exp between: within a few ulp where the CPU has FMA, else
+    within an error that grows like |x| (the two halves of ln 2 may be merged), which is below
+    1e-7 of the largest numerator everywhere."""
+    x = torch.cat([torch.tensor([0.0, -1e-8, -0.5, -1.0, -10.0, -86.9, -87.0, -87.1, -100.0, float("-inf")]),
+                   -torch.rand(997) * 90])
     gen, _ = testing.fresh_generator()
-    head, codes, meta = _case(gen, 4, 64, 32, 3, 3, 6)
-    meta[:, 4:] = float("nan")
-    q = torch.randn(3, 3, 64, generator=gen)
-    out = kernels.key_scores(q, head, codes, meta, torch.empty(head.numel(), 3, 6), 4, 32)
-    assert torch.isnan(out[..., 4:]).all() and torch.isfinite(out[..., :4]).all()
+    pages, _, _ = _pool_case(gen, 8, 8, 8, 1, 1, x.numel(), side="v")
+    pages = native.PoolPages(pages.storage, pages.page_id[:1], pages.head[:1], pages.rank[:1], pages.tokens,
+                             pages.offsets)
+    p = x.view(1, 1, -1).clone()
+    kernels.live_values(pages, p, torch.zeros(1, 1), 8, 8, torch.zeros(1, 1), torch.zeros(1, 1, 8))
+    want = torch.exp(x.double())
+    want[x < -87.0] = 0.0
+    err = (p.view(-1).double() - want).abs()
+    rel = (err / want.clamp_min(1e-300) / (1 - x.double()))[want > 0]
+    assert rel.max() < 1e-6 and err.max() < 1e-7, f"numerators off by {rel.max():.2e} x (1 + |x|) relative"
+    assert (p.view(-1)[x < -87.0] == 0).all() and p.view(-1)[0] == 1.0
+
+
+@needs_kernels
+@pytest.mark.parametrize("first_col,col_step", [(0, 1), (-1, -1)], ids=["high", "low"])
+def test_list_pages_reads_the_table_by_rank(first_col, col_step):
+    gen, seed = testing.fresh_generator()
+    heads, row_len = 7, 9
+    table = torch.randint(0, 50, (heads, row_len), generator=gen, dtype=torch.int32)
+    counts = torch.randint(0, 5, (heads,), generator=gen, dtype=torch.int32)
+    first = first_col % row_len
+    storage = torch.zeros(50, 16, dtype=torch.uint8)
+    pages = kernels.list_pages(storage, counts, table, first, col_step, 4, {})
+    head = torch.repeat_interleave(torch.arange(heads), counts.long())
+    rank = torch.arange(head.numel()) - (torch.cumsum(counts.long(), 0) - counts.long())[head]
+    assert torch.equal(pages.head, head) and torch.equal(pages.rank, rank), f"seed {seed}"
+    assert torch.equal(pages.page_id, table[head, first + col_step * rank].long()), f"seed {seed}"
+    with pytest.raises(ValueError, match="outside the page-table row"):
+        kernels.list_pages(storage, torch.full((heads,), row_len + 1, dtype=torch.int32), table, first, col_step, 4, {})
 
 
 @needs_kernels
 def test_bad_arguments_raise_and_write_nothing():
     gen, _ = testing.fresh_generator()
-    head, codes, meta = _case(gen, 4, 64, 32, 3, 3, 6)
+    pages, lens, q_pos = _pool_case(gen, 4, 64, 32, 3, 3, 6)
     q = torch.randn(3, 3, 64, generator=gen)
-    out = torch.zeros(head.numel(), 3, 6)
-    bad = [(q.double(), head, codes, meta, out), (q, head.int(), codes, meta, out),
-           (q.transpose(1, 2).contiguous().transpose(1, 2), head, codes, meta, out),
-           (q, head, codes, meta[:, :, :2].contiguous(), out), (q, head, codes, meta, out[:, :2]),
-           (q[..., :32].contiguous(), head, codes, meta, out)]
+    n = pages.page_id.numel()
+    out, m = torch.zeros(n, 3, 6), torch.zeros(3, 3)
+
+    def with_ids(page_id, head=pages.head):
+        return native.PoolPages(pages.storage, page_id, head, pages.rank, pages.tokens, pages.offsets)
+
+    outside = pages.page_id.clone()
+    outside[-1] = pages.storage.shape[0]
+    bad = [(pages, q.double(), q_pos, lens), (pages, q, q_pos.long(), lens), (pages, q, q_pos, lens[:2]),
+           (pages, q.transpose(1, 2).contiguous().transpose(1, 2), q_pos, lens), (pages, q[:2], q_pos, lens),
+           (with_ids(pages.page_id.int()), q, q_pos, lens)]
     for args in bad:
         with pytest.raises(ValueError):
-            kernels.key_scores(*args, 4, 32)
+            kernels.live_scores(*args, 4, 32, out, m)
+    with pytest.raises(ValueError, match="outside the pool"):
+        kernels.live_scores(with_ids(outside), q, q_pos, lens, 4, 32, out, m)
+    if n > 1 and pages.head[0] != pages.head[-1]:
+        with pytest.raises(ValueError, match="grouped by head"):
+            kernels.live_scores(with_ids(pages.page_id.flip(0), pages.head.flip(0)), q, q_pos, lens, 4, 32, out, m)
+    with pytest.raises(ValueError):  # a segment reaching past the page
+        far = dict(pages.offsets, k_data=pages.storage.shape[1] - 1)
+        kernels.live_scores(native.PoolPages(pages.storage, pages.page_id, pages.head, pages.rank, pages.tokens, far),
+                            q, q_pos, lens, 4, 32, out, m)
     with pytest.raises(ValueError):
-        kernels.value_accumulate(torch.rand(head.numel(), 3, 5), head, codes, meta, torch.zeros(3, 3, 64), 4, 32)
-    assert not out.any()
+        kernels.live_values(pages, torch.rand(n, 3, 5), m, 4, 32, torch.zeros(3, 3), torch.zeros(3, 3, 64))
+    assert not out.any() and not m.any()
+
+
+def _score_update_case(gen, rows, n_heads, tokens, heads_per_seq):
+    pages, lens, _ = _pool_case(gen, 4, 64, 32, rows, n_heads, tokens)
+    n, t = pages.page_id.numel(), tokens
+    live = torch.arange(t) < (lens.long()[pages.head] - pages.rank * t).unsqueeze(1)
+    p = torch.rand(n, rows, t, generator=gen) * (torch.rand(n, rows, t, generator=gen) > 0.2)
+    row_weight = torch.rand(n_heads, rows, generator=gen) / rows
+    seqs = n_heads // heads_per_seq
+    q_last = torch.randint(3 * t * 4, 3 * t * 5, (seqs,), generator=gen)
+    q_first = q_last - torch.randint(0, 3, (seqs,), generator=gen)
+    has = torch.rand(seqs, generator=gen) > 0.25
+    pos = _segment(pages, "position", 4).contiguous().view(torch.int32).squeeze(-1)
+    stored = torch.rand(n, t, generator=gen) * 1e-3  # down into fp16's subnormal range
+    off = pages.offsets["score"]
+    pages.storage[pages.page_id, off: off + 2 * t] = stored.half().view(torch.uint8).view(n, -1)
+    stored = stored.half().float()
+    return pages, p, row_weight, pos, live, stored, q_first, q_last, has
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,n_heads,tokens,heads_per_seq", [(3, 6, 7, 3), (1, 4, 5, 1), (8, 9, 17, 3)])
+def test_update_scores_matches_the_running_significance_rule(rows, n_heads, tokens, heads_per_seq):
+    """The per-slot update written into the pool equals :func:`leankit.policy.update_significance`
+    on the received mass, rounded to fp16; dead slots and sequences without a query keep their
+    bytes."""
+    from leankit.policy import update_significance
+
+    gen, seed = testing.fresh_generator()
+    pages, p, w, pos, live, stored, q_first, q_last, has = _score_update_case(gen, rows, n_heads, tokens,
+                                                                              heads_per_seq)
+    before = pages.storage.clone()
+    kernels.update_scores(pages, p, w, pos, live, stored, q_first, q_last, has)
+    seq = (pages.head // heads_per_seq).unsqueeze(1)
+    received = (p.double() * w.double()[pages.head].unsqueeze(-1)).sum(1)
+    new = update_significance(stored.double(), pos, received, q_first[seq], q_last[seq]).half()
+    got = _segment(pages, "score", 2).contiguous().view(torch.float16).squeeze(-1)
+    keep = ~(live & has[seq])
+    old = before[pages.page_id][:, pages.offsets["score"]: pages.offsets["score"] + 2 * tokens].view(-1, tokens, 2)
+    assert torch.equal(_segment(pages, "score", 2)[keep], old[keep]), f"untouched slots changed (seed {seed})"
+    ulp = torch.finfo(torch.float16).eps * new.float().abs() + 2.0 ** -24  # one fp16 step, subnormals included
+    assert ((got.float() - new.float()).abs() <= ulp)[~keep].all(), f"scores (seed {seed})"
+    rest = torch.ones(pages.storage.shape[0], dtype=torch.bool)
+    rest[pages.page_id] = False
+    assert torch.equal(pages.storage[rest], before[rest]), "pages outside the index were written"
+
+
+@needs_kernels
+def test_update_scores_rounds_to_fp16_as_torch_does():
+    """With one row of weight 1, an empty score and the query at the token, the new score is the
+    received mass itself: its fp16 bytes must be torch's cast, bit for bit (ties, subnormals,
+    overflow to infinity)."""
+    gen, _ = testing.fresh_generator()
+    t = 64
+    pages, _, _ = _pool_case(gen, 4, 64, 32, 1, 1, t)
+    n = pages.page_id.numel()
+    values = torch.cat([torch.tensor([0.0, 2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -24 * 1.5, 6.1e-5, 65504.0, 65519.0,
+                                      65520.0, 1e6, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11]),
+                        torch.rand(n * t - 11, generator=gen) * 10.0 ** torch.randint(-9, 4, (n * t - 11,),
+                                                                                      generator=gen)])
+    p = values.view(n, 1, t)
+    pos = torch.full((n, t), 100, dtype=torch.int32)
+    q = torch.tensor([100])
+    kernels.update_scores(pages, p.contiguous(), torch.ones(1, 1), pos, torch.ones(n, t, dtype=torch.bool),
+                          torch.zeros(n, t), q, q, torch.ones(1, dtype=torch.bool))
+    got = _segment(pages, "score", 2).contiguous().view(torch.int16).view(-1)
+    assert torch.equal(got, values.half().view(torch.int16))
 
 
 @pytest.fixture
@@ -118,38 +300,30 @@ def four_threads():
 @needs_kernels
 @pytest.mark.parametrize("bits,dim,group_size,rows", [(4, 64, 32, 3), (2, 40, 8, 5), (8, 24, 24, 1)])
 def test_split_over_threads_gives_the_one_thread_result_bit_for_bit(four_threads, bits, dim, group_size, rows):
-    """Each page's scores and each head's accumulation order do not depend on the thread count,
-    so a call split over threads reproduces the one-thread call exactly. Forty heads give enough
-    pages for a team of four."""
+    """Each page's scores and each head's maxima, sums and accumulation order do not depend on
+    the thread count, so a call split over threads reproduces the one-thread call exactly. Forty
+    heads give enough pages for a team of four."""
     gen, seed = testing.fresh_generator()
     n_heads, tokens = 40, 5
-    head, codes, meta = _case(gen, bits, dim, group_size, rows, n_heads, tokens)
+    pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens)
+    vpages = native.PoolPages(pages.storage, pages.page_id, pages.head, pages.rank, tokens,
+                              dict(pages.offsets, v_data=pages.offsets["k_data"], v_meta=pages.offsets["k_meta"]))
+    n = pages.page_id.numel()
     q = torch.randn(n_heads, rows, dim, generator=gen)
-    p = torch.rand(head.numel(), rows, tokens, generator=gen)
     acc0 = torch.randn(n_heads, rows, dim, generator=gen)
 
     def both():
-        return (kernels.key_scores(q, head, codes, meta, torch.empty(head.numel(), rows, tokens), bits, group_size),
-                kernels.value_accumulate(p, head, codes, meta, acc0.clone(), bits, group_size))
+        s, m = torch.empty(n, rows, tokens), torch.full((n_heads, rows), float("-inf"))
+        kernels.live_scores(pages, q, q_pos, lens, bits, group_size, s, m)
+        shift = m.nan_to_num(neginf=0.0)
+        l_sum, acc = torch.zeros(n_heads, rows), acc0.clone()
+        kernels.live_values(vpages, s, shift, bits, group_size, l_sum, acc)
+        return s, m, l_sum, acc
 
     split = both()
     torch.set_num_threads(1)
-    for got, want, name in zip(split, both(), ("scores", "acc")):
+    for got, want, name in zip(split, both(), ("numerators", "maxima", "sums", "acc")):
         assert torch.equal(got, want), f"{name} differ across thread counts (seed {seed})"
-
-
-@needs_kernels
-def test_value_side_with_an_unsorted_head_index_is_still_exact(four_threads):
-    """Two threads must never add into one head's accumulator: an unsorted index runs on one."""
-    gen, seed = testing.fresh_generator()
-    head, codes, meta = _case(gen, 4, 64, 32, 3, 40, 6)
-    order = torch.randperm(head.numel(), generator=gen)
-    head, codes, meta = head[order].contiguous(), codes[order], meta[order].contiguous()
-    p = torch.rand(head.numel(), 3, 6, generator=gen)
-    acc = kernels.value_accumulate(p, head, codes, meta, torch.zeros(40, 3, 64), 4, 32)
-    per_page = torch.einsum("lrt,ltf->lrf", p.double(), _dequant(codes, meta, 4, 32).double())
-    want = torch.zeros(40, 3, 64, dtype=torch.float64).index_add(0, head, per_page)
-    testing.assert_close_normwise(acc, want.float(), torch.float32, f"acc (seed {seed})")
 
 
 @needs_kernels

@@ -3,8 +3,10 @@
 The torch path of decode attention over live pages (:mod:`leankit.decode_attention`) spends most
 of its time outside arithmetic: every code becomes an fp32 element in memory before a matmul can
 read it (4x the bytes the page holds, 16x for 2-bit codes), and each 2 KB page is one small GEMM
-that MKL runs far below its peak. ``live_attention.c`` reads each page's codes once and uses them
-while they sit in registers, the way the Triton kernels do on a GPU.
+that MKL runs far below its peak. ``live_attention.c`` reads each page in place in the pool, through
+its id, and uses its codes while they sit in registers, the way the Triton kernels do on a GPU;
+the masks, the softmax's maxima and sums, and the running-significance update of the live slots
+run inside the same loops instead of as a dozen tensor ops per tier.
 
 The C file has no dependencies. It is compiled with the system's C compiler (``$CC``, else
 ``cc``/``gcc``/``clang``) into ``$LEANKIT_CACHE_DIR`` (default ``~/.cache/leankit``), keyed by the
@@ -30,6 +32,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -111,65 +114,206 @@ def _build(cc: str) -> Path:
     raise RuntimeError(f"{cc} could not build {SOURCE.name}: {last_error}")
 
 
+@dataclass(frozen=True)
+class PoolPages:
+    """Pages of one tier read in place from a page pool: which pages, whose, and where in a page
+    each segment lies. Built by :meth:`Kernels.list_pages`.
+
+    ``storage`` is the pool, uint8 ``[num_pages, page_bytes]`` and contiguous; ``page_id``,
+    ``head`` and ``rank`` are int64 ``[L]``: the pool id of each page, the (sequence, KV head) row
+    it belongs to (grouped by head, ascending) and its rank among that head's pages.
+    ``offsets`` maps segment names (``k_data``, ``k_meta``, ``v_data``, ``v_meta``, ``score``,
+    ``position``) to their byte offset inside a page; a token's entry of a segment follows at
+    ``offset + t * bytes_per_token``.
+    """
+
+    storage: torch.Tensor
+    page_id: torch.Tensor
+    head: torch.Tensor
+    rank: torch.Tensor
+    tokens: int
+    offsets: dict
+
+
 class Kernels:
-    """The loaded library, with argument checks in front of its two entry points."""
+    """The loaded library, with argument checks in front of its entry points."""
 
     def __init__(self, path: Path):
         self.path = path
         lib = ctypes.CDLL(str(path))
-        args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                ctypes.c_int]
-        for fn in (lib.lk_key_scores, lib.lk_value_accumulate):
-            fn.argtypes, fn.restype = args, ctypes.c_int
-        self._key, self._value = lib.lk_key_scores, lib.lk_value_accumulate
-        lib.lk_parallel.restype = ctypes.c_int
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.lk_list_pages.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+        lib.lk_list_pages.restype = i64
+        pages = [ptr, i64, i64, ptr, ptr]  # pool, page bytes, pool pages, page ids, heads
+        geometry = [i32, i32, i32, i32, i32]  # tokens, dim, rows, bits, group size
+        lib.lk_live_scores.argtypes = [*pages, ptr, i64, *geometry, i64, i64, i64, i64,
+                                       ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
+        lib.lk_live_values.argtypes = [*pages, i64, *geometry, i64, i64, ptr, ptr, ptr, ptr, i32]
+        lib.lk_update_scores.argtypes = [*pages, i64, i32, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
+        lib.lk_live_scores.restype = lib.lk_live_values.restype = lib.lk_update_scores.restype = i32
+        self._lib = lib
+        lib.lk_parallel.restype = i32
         self.parallel = bool(lib.lk_parallel())  # splits its pages over torch's threads
 
-    @staticmethod
-    def _args(per_head, per_page, head, codes, meta, bits, group_size):
-        """Check the operands of either kernel and return the arguments between its first and last
-        pointer. ``per_head`` is fp32 ``[BH, R, F]`` (queries or accumulator), ``per_page`` fp32
-        ``[L, R, T]`` (scores or probabilities)."""
-        n, tokens, nb = codes.shape
-        dim = nb * 8 // bits
-        tensors = (per_head, per_page, head, codes, meta)
-        ok = (per_head.dtype == per_page.dtype == meta.dtype == torch.float32 and head.dtype == torch.int64
-              and codes.dtype == torch.uint8 and all(t.device.type == "cpu" for t in tensors)
-              and all(t.is_contiguous() for t in (per_head, per_page, head, meta))
-              and codes.stride(2) == 1 and codes.stride(1) == nb and head.shape == (n,)
-              and dim % group_size == 0 and meta.shape == (n, tokens, dim // group_size * 2)
-              and per_head.dim() == 3 and per_head.shape[2] == dim
-              and per_page.shape == (n, per_head.shape[1], tokens))
-        if not ok:
-            raise ValueError("native live-page kernel: unexpected dtypes, devices, shapes or strides "
-                             "(want q/acc fp32 [BH, R, F], scores/p fp32 [L, R, T], head int64 [L], "
-                             "codes uint8 [L, T, F*bits/8] with contiguous rows, meta fp32 [L, T, 2G])")
-        return (head.data_ptr(), codes.data_ptr(), codes.stride(0), n, tokens, dim, per_head.shape[1], bits,
-                group_size, meta.data_ptr())
+    def list_pages(self, storage: torch.Tensor, n_pages: torch.Tensor, table: torch.Tensor, first_col: int,
+                   col_step: int, tokens: int, offsets: dict, out: tuple | None = None) -> PoolPages:
+        """The live pages of one tier of one layer, in head order then rank order.
 
-    def key_scores(self, q: torch.Tensor, head: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
-                   out: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-        """Scores ``out[l, r, t] = sum_g s_g (q[head[l], r]_g . Q_g) + m_g sum(q[head[l], r]_g)``.
-
-        ``q`` fp32 ``[BH, R, F]`` scaled queries; ``head`` int64 ``[L]``; ``codes`` uint8
-        ``[L, T, F * bits / 8]`` (rows contiguous, any page stride); ``meta`` fp32 ``[L, T, 2G]``
-        (scale, min per group); ``out`` fp32 ``[L, R, T]``, written.
+        ``n_pages`` int32 ``[BH]``: pages each (sequence, KV head) row holds in the tier;
+        ``table`` int32 ``[BH, row_len]``: the layer's page-table rows, where the tier's page of
+        rank ``j`` sits in column ``first_col + col_step * j``. ``out``: three int64 buffers of at
+        least ``BH * row_len`` entries to list into (default: new ones). ``tokens`` and
+        ``offsets`` describe the tier's pages (see :class:`PoolPages`).
         """
-        if self._key(q.data_ptr(), *self._args(q, out, head, codes, meta, bits, group_size), out.data_ptr(),
-                     torch.get_num_threads()):
-            raise MemoryError("native key_scores: no memory for the kernel's scratch")
+        heads, row_len = table.shape
+        ok = (n_pages.dtype == table.dtype == torch.int32 and n_pages.shape == (heads,)
+              and n_pages.is_contiguous() and table.is_contiguous() and storage.dtype == torch.uint8
+              and storage.dim() == 2 and storage.is_contiguous()
+              and all(t.device.type == "cpu" for t in (storage, n_pages, table)))
+        if not ok:
+            raise ValueError("native list_pages: want n_pages int32 [BH], table int32 [BH, row_len] and a "
+                             "contiguous uint8 [num_pages, page_bytes] pool, all contiguous on the CPU")
+        capacity = heads * row_len
+        if out is None:
+            out = tuple(torch.empty(capacity, dtype=torch.int64) for _ in range(3))
+        if any(b.dtype != torch.int64 or b.numel() < capacity or not b.is_contiguous() for b in out):
+            raise ValueError(f"native list_pages: out must be three contiguous int64 buffers of >= {capacity}")
+        head, rank, page_id = out
+        n = self._lib.lk_list_pages(n_pages.data_ptr(), heads, table.data_ptr(), row_len, first_col, col_step,
+                                    capacity, head.data_ptr(), rank.data_ptr(), page_id.data_ptr())
+        if n < 0:
+            raise ValueError("native list_pages: a page count or column lies outside the page-table row")
+        # Page ids are checked against the pool by each pass, before it writes anything.
+        return PoolPages(storage, page_id[:n], head[:n], rank[:n], tokens, offsets)
+
+    @staticmethod
+    def _pages(pages: PoolPages, segments: dict) -> list:
+        """Check the pool, the page index and that each of ``segments`` (name: bytes per token)
+        fits in a page; return the page arguments every pass takes first."""
+        storage, t = pages.storage, pages.tokens
+        ok = (storage.dtype == torch.uint8 and storage.dim() == 2 and storage.is_contiguous()
+              and storage.device.type == "cpu"
+              and all(x.dtype == torch.int64 and x.is_contiguous() and x.shape == pages.page_id.shape
+                      for x in (pages.page_id, pages.head, pages.rank))
+              and all(0 <= pages.offsets.get(name, -1) and pages.offsets[name] + t * nb <= storage.shape[1]
+                      for name, nb in segments.items()))
+        if not ok:
+            raise ValueError("native live-page kernel: pool, page index or segment geometry does not fit "
+                             "(want a contiguous uint8 pool, int64 [L] ids/heads/ranks, segments inside a page)")
+        return [storage.data_ptr(), storage.shape[1], storage.shape[0], pages.page_id.data_ptr(),
+                pages.head.data_ptr()]
+
+    @staticmethod
+    def _codes(side: str, bits: int, group_size: int, dim: int) -> dict:
+        """The segments of ``side``'s codes and metadata (name: bytes per token), after checking
+        that ``bits`` codes in groups of ``group_size`` fill whole bytes of a ``dim`` row."""
+        if not (bits in (1, 2, 4, 8) and dim > 0 and group_size > 0 and dim % group_size == 0
+                and group_size % (8 // bits) == 0):
+            raise ValueError(f"native live-page kernel: {bits}-bit codes in groups of {group_size} do not "
+                             f"fill whole bytes of a {dim}-wide row")
+        return {f"{side}_data": dim * bits // 8, f"{side}_meta": 4 * (dim // group_size)}
+
+    @staticmethod
+    def _check_result(code: int, name: str) -> None:
+        if code == -1:
+            raise MemoryError(f"native {name}: no memory for the kernel's scratch")
+        if code:
+            raise ValueError(f"native {name}: " + {-2: "a page id lies outside the pool",
+                                                   -3: "pages are not grouped by head in ascending order"}[code])
+
+    def live_scores(self, pages: PoolPages, q: torch.Tensor, q_pos: torch.Tensor, lens: torch.Tensor,
+                    bits: int, group_size: int, out: torch.Tensor, m: torch.Tensor,
+                    pos_out: torch.Tensor | None = None, valid_out: torch.Tensor | None = None,
+                    score_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Pass 1: ``out[l, r, t] = sum_g s_g (q[h, r]_g . Q_g) + m_g sum(q[h, r]_g)`` with
+        ``h = head[l]`` where slot ``t`` of page ``l`` is visible to row ``r``, else -inf; raises
+        ``m[h, r]`` to each row's maximum.
+
+        ``q`` fp32 ``[BH, R, F]`` scaled queries; ``q_pos`` int32 ``[BH, R]``; ``lens`` int32
+        ``[BH]`` tokens of the tier per head; ``out`` fp32 ``[L, R, T]``; ``m`` fp32 ``[BH, R]``.
+        Optional outputs ``[L, T]``: ``pos_out`` int32 positions (int32 max on dead slots),
+        ``valid_out`` bool, ``score_out`` fp32 stored significance. A refused call writes nothing.
+        """
+        n, t = pages.page_id.numel(), pages.tokens
+        dim = q.shape[-1] if q.dim() == 3 else -1
+        args = self._pages(pages, {**self._codes("k", bits, group_size, dim), "position": 4, "score": 2})
+        bh, rows = q.shape[:2]
+        extras = ((pos_out, torch.int32), (valid_out, torch.bool), (score_out, torch.float32))
+        ok = (q.dtype == out.dtype == m.dtype == torch.float32 and q_pos.dtype == lens.dtype == torch.int32
+              and all(x.is_contiguous() and x.device.type == "cpu" for x in (q, q_pos, lens, out, m))
+              and q_pos.shape == m.shape == (bh, rows) and lens.shape == (bh,) and out.shape == (n, rows, t)
+              and all(x is None or (x.dtype == dt and x.shape == (n, t) and x.is_contiguous())
+                      for x, dt in extras))
+        if not ok:
+            raise ValueError("native live_scores: want q fp32 [BH, R, F], q_pos int32 [BH, R], lens int32 [BH], "
+                             "out fp32 [L, R, T], m fp32 [BH, R], optional [L, T] outputs, all contiguous")
+        offs = pages.offsets
+        code = self._lib.lk_live_scores(*args, pages.rank.data_ptr(), n, t, dim, rows, bits, group_size,
+                                        offs["k_data"], offs["k_meta"], offs["position"], offs["score"],
+                                        q.data_ptr(), q_pos.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                                        m.data_ptr(), *(None if x is None else x.data_ptr() for x, _ in extras),
+                                        torch.get_num_threads())
+        self._check_result(code, "live_scores")
         return out
 
-    def value_accumulate(self, p: torch.Tensor, head: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
-                         acc: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-        """``acc[head[l], r] += sum_t p[l, r, t] (s_g Q_g + m_g)`` per group: the values' share of
-        the attention output, unnormalized. ``p`` fp32 ``[L, R, T]`` (0 on dead slots, whose
-        scale and min must be 0); ``acc`` fp32 ``[BH, R, F]``, added to."""
-        if self._value(p.data_ptr(), *self._args(acc, p, head, codes, meta, bits, group_size), acc.data_ptr(),
-                       torch.get_num_threads()):
-            raise MemoryError("native value_accumulate: no memory for the kernel's scratch")
+    def live_values(self, pages: PoolPages, p: torch.Tensor, shift: torch.Tensor, bits: int, group_size: int,
+                    l_sum: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        """Pass 2: ``p[l, r, t] <- exp(p[l, r, t] - shift[h, r])`` (pass 1's scores become the
+        softmax numerators), ``l_sum[h, r] += sum_t p``, and
+        ``acc[h, r] += sum_t p[l, r, t] (s_g Q_g + m_g)`` per group, ``h = head[l]``.
+
+        ``p`` fp32 ``[L, R, T]``; ``shift`` and ``l_sum`` fp32 ``[BH, R]``; ``acc`` fp32
+        ``[BH, R, F]``. A refused call writes nothing.
+        """
+        n, t = pages.page_id.numel(), pages.tokens
+        dim = acc.shape[-1] if acc.dim() == 3 else -1
+        args = self._pages(pages, self._codes("v", bits, group_size, dim))
+        bh, rows = acc.shape[:2]
+        ok = (p.dtype == shift.dtype == l_sum.dtype == acc.dtype == torch.float32
+              and all(x.is_contiguous() and x.device.type == "cpu" for x in (p, shift, l_sum, acc))
+              and shift.shape == l_sum.shape == (bh, rows) and p.shape == (n, rows, t))
+        if not ok:
+            raise ValueError("native live_values: want p fp32 [L, R, T], shift and l_sum fp32 [BH, R], "
+                             "acc fp32 [BH, R, F], all contiguous")
+        offs = pages.offsets
+        code = self._lib.lk_live_values(*args, n, t, dim, rows, bits, group_size, offs["v_data"], offs["v_meta"],
+                                        p.data_ptr(), shift.data_ptr(), l_sum.data_ptr(), acc.data_ptr(),
+                                        torch.get_num_threads())
+        self._check_result(code, "live_values")
         return acc
+
+    def update_scores(self, pages: PoolPages, p: torch.Tensor, row_weight: torch.Tensor, pos: torch.Tensor,
+                      valid: torch.Tensor, stored: torch.Tensor, q_first: torch.Tensor, q_last: torch.Tensor,
+                      has: torch.Tensor) -> None:
+        """LeanKV's running significance of the pages' live slots, written in place into their fp16
+        score segments (:func:`leankit.policy.update_significance` per slot).
+
+        ``p`` fp32 ``[L, R, T]`` softmax numerators; ``row_weight`` fp32 ``[BH, R]``: what a row's
+        numerator counts for (``exp(shift - lse) / group``, 0 for rows that do not count), so a
+        slot received ``sum_r p * row_weight``; ``pos`` int32, ``valid`` bool and ``stored`` fp32
+        ``[L, T]`` as pass 1 wrote them; ``q_first``, ``q_last`` (integers) and ``has`` (bool)
+        ``[B]`` per sequence. Slots not valid, and sequences without a query, keep their bytes.
+        """
+        n, t = pages.page_id.numel(), pages.tokens
+        args = self._pages(pages, {"score": 2})
+        bh, rows = row_weight.shape
+        b = has.numel()
+        ok = (p.dtype == row_weight.dtype == stored.dtype == torch.float32 and pos.dtype == torch.int32
+              and valid.dtype == has.dtype == torch.bool and b > 0 and bh % b == 0
+              and not q_first.is_floating_point() and not q_last.is_floating_point()
+              and q_first.numel() == q_last.numel() == b and p.shape == (n, rows, t)
+              and pos.shape == valid.shape == stored.shape == (n, t)
+              and all(x.is_contiguous() and x.device.type == "cpu" for x in (p, row_weight, pos, valid, stored, has)))
+        if not ok:
+            raise ValueError("native update_scores: want p fp32 [L, R, T], row_weight fp32 [BH, R], pos int32, "
+                             "valid bool and stored fp32 [L, T], integer q_first/q_last and bool has [B]")
+        q_first = q_first.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+        q_last = q_last.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+        code = self._lib.lk_update_scores(*args, n, t, rows, pages.offsets["score"], bh // b, p.data_ptr(),
+                                          row_weight.data_ptr(), pos.data_ptr(), valid.data_ptr(), stored.data_ptr(),
+                                          q_first.data_ptr(), q_last.data_ptr(), has.data_ptr(),
+                                          torch.get_num_threads())
+        self._check_result(code, "update_scores")
 
 
 def kernels() -> Kernels | None:
