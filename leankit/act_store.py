@@ -64,6 +64,7 @@ import torch
 
 from .attention import merge_attention
 from .config import act_kv_token_bytes
+from .hf import cache_argument
 from .page_table import ActPageTable
 from .pages import ActLayout
 from .recompute import _decoder_layers, act_to_kv, model_params, rope_tables
@@ -125,7 +126,7 @@ def assign_act(frac: float, order: str, rank: torch.Tensor, real: torch.Tensor, 
 def install_capture(model) -> None:
     """Install the ACT capture pre-hook on every decoder layer of ``model`` (idempotent).
 
-    The hook reads the layer's ``past_key_values``; it does nothing unless that is a LeanCache
+    The hook reads the layer's cache argument; it does nothing unless that is a LeanCache
     with ACT blocks, which then receives the layer's input hidden state (before the input norm).
     """
     _, layers = _decoder_layers(model)
@@ -137,7 +138,7 @@ def install_capture(model) -> None:
 
 def _capture_hook(layer_idx: int):
     def hook(module, args, kwargs):
-        store = getattr(kwargs.get("past_key_values"), "act_store", None)
+        store = getattr(cache_argument((), kwargs), "act_store", None)
         if store is not None:
             store.capture(layer_idx, args[0] if args else kwargs["hidden_states"])
 

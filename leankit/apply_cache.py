@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 from .config import KVConfig
+from .hf import CACHE_KWARGS
 
 _STATE = "_leankit_apply"
 
@@ -57,7 +58,8 @@ def apply(model, kv: str | KVConfig | None, **overrides):
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if kwargs.get("past_key_values") is None and kwargs.get("use_cache", True) is not False:
+        given = any(kwargs.get(name) is not None for name in CACHE_KWARGS)  # either name a transformers takes
+        if not given and kwargs.get("use_cache", True) is not False:
             kwargs["past_key_values"] = _fresh_cache(model, cfg, cache_kw, kwargs)
         return original(*args, **kwargs)
 

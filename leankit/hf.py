@@ -42,7 +42,7 @@ def leankit_attention(module, query, key, value, attention_mask, dropout: float 
 
 
 def _decoder(model):
-    """The decoder stack whose forward takes ``input_ids, attention_mask, position_ids, past_key_values``."""
+    """The decoder stack whose forward takes ``input_ids, attention_mask, position_ids`` and the cache."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
     return base
 
@@ -57,11 +57,25 @@ def _arg(name, args, kwargs, params):
     return None
 
 
+# Names the decoder stack and its layers take the cache under: transformers 5.24 renamed
+# ``past_key_values`` to ``cache`` (the old name is still accepted by the model's own forward).
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def cache_argument(args, kwargs, params=()):
+    """The cache a decoder stack or layer was called with, under either of :data:`CACHE_KWARGS`."""
+    for name in CACHE_KWARGS:
+        found = _arg(name, args, kwargs, params)
+        if found is not None:
+            return found
+    return None
+
+
 def _pre_hook(module, args, kwargs):
     from .cache import LeanCache
 
     params = module._leankit_params
-    cache = _arg("past_key_values", args, kwargs, params)
+    cache = cache_argument(args, kwargs, params)
     if not isinstance(cache, LeanCache):
         return None
     cache.check_model(module.config)  # a cache built for another model fails here, before any step work
@@ -84,7 +98,7 @@ def _pre_hook(module, args, kwargs):
 def _post_hook(module, args, kwargs, output):
     from .cache import LeanCache
 
-    cache = _arg("past_key_values", args, kwargs, module._leankit_params)
+    cache = cache_argument(args, kwargs, module._leankit_params)
     if isinstance(cache, LeanCache):
         cache.end_step()
     return None
