@@ -291,16 +291,16 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     """
     from .attention import Workspace
 
-    ws = kv.workspace or Workspace()
-    compiled = compiled_kernels(q.device) if use_native else None
-    if compiled is not None:
-        return _live_attention_native(compiled, q, kv, q_pos, scale, ws, return_logits, live_slots)
     b, hq, nq, f = q.shape
     hkv = kv.table.shape[2]
     g = hq // hkv
     bh, rows = b * hkv, g * nq
+    ws = kv.workspace or Workspace()
     qs = (q.float().reshape(bh, rows, f) * scale).contiguous()  # scaled; row g*Q + i of KV head h: query head h*G + g, query i
-    qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows)
+    qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows).contiguous()
+    compiled = compiled_kernels(q.device) if use_native else None
+    if compiled is not None:
+        return _live_attention_native(compiled, q, qs, qp, kv, ws, return_logits, live_slots)
     maxima = tier_page_maxima(kv) if page_maxima is None else page_maxima
     tiers = [_LiveTier(kv, t, pmax, ws) for t, pmax in enumerate(maxima)]
 
@@ -361,18 +361,17 @@ def _normalize(q, acc, l_sum, m_safe, b: int, hkv: int, g: int, nq: int):
     return out, lse.view(b, hkv, rows)
 
 
-def _live_attention_native(k: native.Kernels, q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, ws,
+def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor, qp: torch.Tensor, kv, ws,
                            return_logits: bool, live_slots: bool):
     """:func:`live_page_attention` on the compiled CPU kernels: each tier's live pages are listed
     from the page table and read in place in the pool (no gathered copy, no fp32 copy of the
-    metadata); masks, maxima, numerators and their sums are computed inside the two passes."""
+    metadata); masks, maxima, numerators and their sums are computed inside the two passes.
+    ``qs`` ``[BH, R, F]`` and ``qp`` ``[BH, R]`` are the scaled query rows and their positions."""
     b, hq, nq, f = q.shape
     table, layer, pool = kv.table, kv.layer, kv.pool
     hkv = table.shape[2]
     g = hq // hkv
-    bh, rows = b * hkv, g * nq
-    qs = (q.float().reshape(bh, rows, f) * scale).contiguous()  # scaled; row g*Q + i of KV head h: query head h*G + g, query i
-    qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows).contiguous()
+    bh, rows = qp.shape
     rows_of_table = table.tables[layer].view(bh, table.row_len)
     m = torch.full((bh, rows), float("-inf"))
     tiers, scores, slots = [], [], []
