@@ -95,13 +95,28 @@ def _scores_ref(pages, lens, q_pos, q, bits, group_size):
 
 
 SHAPES = [(8, 64, 64, 3), (8, 40, 8, 1), (4, 64, 32, 6), (4, 18, 2, 2), (2, 24, 4, 5), (2, 64, 16, 3),
-          (1, 32, 8, 2), (1, 72, 24, 4),
-          (4, 64, 2, 40), (8, 256, 8, 64)]  # more (row, group) sums than head_dim: the scratch must fit them
+          (1, 32, 8, 2), (1, 72, 24, 4), (2, 128, 64, 4),
+          (4, 64, 2, 40), (8, 256, 8, 64)]  # more rows x head_dim than the stack scratch: allocated
+# The geometries the C file compiles its own copies of the page loops for (head_dim, bits, group).
+SPECIALIZED = [(d, b, g) for d in (64, 128) for b in (8, 4, 2) for g in (32, 64, 128) if g <= d]
 
 
-@needs_kernels
-@pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES, ids=lambda v: str(v))
-def test_live_scores_match_dequantized_dot_products(bits, dim, group_size, rows):
+@pytest.fixture(scope="module", params=["native", "portable"])
+def build(request, tmp_path_factory):
+    """The kernels as leankit builds them here (``-march=native``), and a build for the baseline
+    of the architecture (no ``-march``: no F16C, FMA or AVX), whose portable code paths a CPU
+    without those features runs."""
+    if kernels is None:
+        pytest.skip("no C compiler for leankit.native")
+    if request.param == "native":
+        return kernels
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LEANKIT_CACHE_DIR", str(tmp_path_factory.mktemp("portable")))
+        mp.setattr(native, "ARCH_FLAGS", [])
+        return native.Kernels(native._build(native._compiler()))
+
+
+def _check_scores(k, bits, dim, group_size, rows):
     gen, seed = testing.fresh_generator()
     n_heads, tokens = 5, 7
     pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens)
@@ -112,7 +127,7 @@ def test_live_scores_match_dequantized_dot_products(bits, dim, group_size, rows)
     pos_out = torch.zeros(n, tokens, dtype=torch.int32)
     valid_out = torch.zeros(n, tokens, dtype=torch.bool)
     score_out = torch.zeros(n, tokens)
-    kernels.live_scores(pages, q, q_pos, lens, bits, group_size, out, m, pos_out, valid_out, score_out)
+    k.live_scores(pages, q, q_pos, lens, bits, group_size, out, m, pos_out, valid_out, score_out)
     want, live, pos = _scores_ref(pages, lens, q_pos, q, bits, group_size)
     testing.assert_close_normwise(out, want.float(), torch.float32, f"scores (seed {seed})")
     want_m = torch.full((n_heads, rows), float("-inf"), dtype=torch.float64).scatter_reduce(
@@ -124,9 +139,7 @@ def test_live_scores_match_dequantized_dot_products(bits, dim, group_size, rows)
     assert torch.equal(score_out, stored)
 
 
-@needs_kernels
-@pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES, ids=lambda v: str(v))
-def test_live_values_match_softmax_weighted_dequantized_sum(bits, dim, group_size, rows):
+def _check_values(k, bits, dim, group_size, rows):
     gen, seed = testing.fresh_generator()
     n_heads, tokens = 4, 9
     pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="v")
@@ -136,7 +149,7 @@ def test_live_values_match_softmax_weighted_dequantized_sum(bits, dim, group_siz
     shift = torch.randn(n_heads, rows, generator=gen).abs() + 3.0
     l0, acc0 = torch.rand(n_heads, rows, generator=gen), torch.randn(n_heads, rows, dim, generator=gen)
     p, l_sum, acc = scores.clone(), l0.clone(), acc0.clone()
-    kernels.live_values(pages, p, shift, bits, group_size, l_sum, acc)
+    k.live_values(pages, p, shift, bits, group_size, l_sum, acc)
     want_p = torch.exp(scores.double() - shift.double()[pages.head].unsqueeze(-1))
     testing.assert_close_normwise(p, want_p.float(), torch.float32, f"numerators (seed {seed})")
     assert torch.equal(p == 0, ~visible | (want_p.float() == 0))
@@ -146,6 +159,26 @@ def test_live_values_match_softmax_weighted_dequantized_sum(bits, dim, group_siz
                                   f"acc (seed {seed})")
     testing.assert_close_normwise(l_sum, l0.double().index_add(0, pages.head, want_p.sum(-1)).float(),
                                   torch.float32, f"l_sum (seed {seed})")
+
+
+@pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES, ids=lambda v: str(v))
+def test_live_scores_match_dequantized_dot_products(build, bits, dim, group_size, rows):
+    _check_scores(build, bits, dim, group_size, rows)
+
+
+@pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES, ids=lambda v: str(v))
+def test_live_values_match_softmax_weighted_dequantized_sum(build, bits, dim, group_size, rows):
+    _check_values(build, bits, dim, group_size, rows)
+
+
+@pytest.mark.parametrize("dim,bits,group_size", SPECIALIZED, ids=lambda v: str(v))
+def test_common_geometries_run_their_compiled_copies_and_match(build, dim, bits, group_size):
+    """Every head_dim / bit width / group size that has its own compiled copy of the page loops
+    runs it (the generic loop would be several times slower) and matches the reference."""
+    assert build.specialized(dim, bits, group_size)
+    assert not build.specialized(dim, bits, 16) and not build.specialized(96, bits, 32)
+    _check_scores(build, bits, dim, group_size, 3)
+    _check_values(build, bits, dim, group_size, 3)
 
 
 @needs_kernels

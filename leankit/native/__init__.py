@@ -153,7 +153,14 @@ class Kernels:
         lib.lk_live_scores.restype = lib.lk_live_values.restype = lib.lk_update_scores.restype = i32
         self._lib = lib
         lib.lk_parallel.restype = i32
+        lib.lk_specialized.argtypes = [i32, i32, i32]
+        lib.lk_specialized.restype = i32
         self.parallel = bool(lib.lk_parallel())  # splits its pages over torch's threads
+
+    def specialized(self, dim: int, bits: int, group_size: int) -> bool:
+        """Whether pages of this geometry run a copy of the page loops compiled for it (the common
+        head_dims, bit widths and group sizes), rather than the generic one."""
+        return bool(self._lib.lk_specialized(dim, bits, group_size))
 
     def list_pages(self, storage: torch.Tensor, n_pages: torch.Tensor, table: torch.Tensor, first_col: int,
                    col_step: int, tokens: int, offsets: dict, out: tuple | None = None) -> PoolPages:

@@ -4,26 +4,31 @@
  * code and every fp16 scale to fp32 in memory before a matmul can read them (4x the bytes the page
  * holds), multiplies one small page at a time, and runs the masks, the softmax and the per-head
  * reductions as a dozen separate tensor ops per tier. These kernels read each page in place in the
- * pool, through its id, once per pass, unpack a token's codes into registers and use them at once:
+ * pool, through its id, once per pass, dequantize a token into a small scratch row and use it at
+ * once:
  *
  *   lk_list_pages   the live pages of one tier: (head, rank, pool id) per page, from the page table;
  *   lk_live_scores  pass 1: masked scaled scores of every live slot and the per-head row maxima;
  *   lk_live_values  pass 2: softmax numerators, their per-head sums and the values' weighted sum;
  *   lk_update_scores  the running significance of the live slots, written back into their pages.
  *
- * Their contract is the torch path's, term for term (LeanKV Eq. 2, factored):
+ * Their contract is the torch path's (LeanKV Eq. 2, x = s Q + m per group):
  *
- *   score(r, t) = sum_g s_g(t) (q_rg . Q_g(t)) + m_g(t) sum(q_rg)     if slot t is visible to row r
- *               = -inf                                                otherwise
+ *   score(r, t) = q_r . x_k(t)                      if slot t is visible to row r, else -inf
  *   p(r, t)     = exp(score(r, t) - shift(r))
- *   acc(h, r, :) += sum_t p(r, t) (s_g(t) Q_g(t) + m_g(t))
+ *   acc(h, r, :) += sum_t p(r, t) x_v(t)
  *
- * Q are the integer codes of one token, natural column order (code i of byte j is column
- * j * (8 / bits) + i, as leankit.quant.pack lays them out); s and m are the group's fp16 scale and
- * min, converted here. A slot is visible when it holds a stored token (slot index < the tier's
- * length minus the slots of the head's earlier pages) whose position is not after the row's query.
- * Dead slots are never read beyond their position, so stale bytes (NaN patterns included) in them
+ * x(t) is one token's key or value dequantized from its integer codes Q and its groups' fp16 scale
+ * s and min m. A slot is visible when it holds a stored token (slot index < the tier's length
+ * minus the slots of the head's earlier pages) whose position is not after the row's query. Dead
+ * slots are never read beyond their position, so stale bytes (NaN patterns included) in them
  * cannot reach any result.
+ *
+ * Where the time goes, and what each piece here is for (SmolLM2-135M, K8V4 + K4V2 tiers, 1k
+ * context, one thread; see leankit/bench): pages lie anywhere in the pool, so each pass prefetches
+ * the next page's segments while it computes this one (the misses were about half the time);
+ * codes unpack into plane order (below) so every unpack loop vectorizes; and the common
+ * geometries get copies of the page loops with head_dim, bits and group size fixed at compile time.
  *
  * Plain C99 with no dependencies, compiled on first use by leankit/native/__init__.py. Where torch
  * runs on GNU OpenMP, it is built with -fopenmp and binds to the libgomp torch has already loaded,
@@ -35,6 +40,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #define THREAD_ID omp_get_thread_num()
@@ -78,8 +86,12 @@ static int check_pages(const int64_t *page_id, const int64_t *head, int64_t n_pa
     return 0;
 }
 
-/* IEEE half to float, exact for every input (subnormals, infinities and NaN included). */
+/* IEEE half to float, exact for every input (subnormals, infinities and NaN included): one
+ * vcvtph2ps where the CPU has F16C, else by its bit fields. */
 static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
     uint32_t bits;
     if (exp == 0x1f)
@@ -94,6 +106,7 @@ static inline float half_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+#endif
 }
 
 /* float to IEEE half, rounding to nearest even as a float-to-half cast does (overflow to
@@ -116,13 +129,13 @@ static inline uint16_t float_to_half(float f) {
     return sign | (uint16_t)h;
 }
 
-/* One token's scale and min per group, fp16 pairs at src, into fp32 out[2 * groups]. */
-static inline void load_meta(const uint8_t *src, int groups, float *out) {
-    for (int i = 0; i < 2 * groups; ++i) {
-        uint16_t h;
-        memcpy(&h, src + 2 * i, sizeof h);
-        out[i] = half_to_float(h);
-    }
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* The fp16 at src (any alignment), as float. */
+ALWAYS_INLINE float half_at(const uint8_t *src) {
+    uint16_t h;
+    memcpy(&h, src, sizeof h);
+    return half_to_float(h);
 }
 
 /* e^x for the softmax numerators (x <= 0 there), branch-free so a page's numerators vectorize:
@@ -153,33 +166,51 @@ static inline float exp_numerator(float x) {
     return x < lowest ? 0.0f : er * two_n;
 }
 
-/* One token's codes, nb bytes, into fp32 columns out[nb * 8 / bits]. */
-static inline void unpack_token(const uint8_t *restrict src, int nb, int bits, float *restrict out) {
-    switch (bits) {
-    case 8:
-        for (int j = 0; j < nb; ++j) out[j] = (float)src[j];
-        break;
-    case 4:
-        for (int j = 0; j < nb; ++j) {
-            out[2 * j] = (float)(src[j] & 15);
-            out[2 * j + 1] = (float)(src[j] >> 4);
+/* Codes in plane order: within each group, the codes of bit slot i of every byte come before
+ * those of slot i + 1 (column j * P + i of the group, P = 8 / bits codes per byte, sits at
+ * i * (group_size / P) + j). Unpacking into this order is a shift and a mask over consecutive
+ * bytes, which vectorizes whole; the natural order would interleave the slots of each byte. The
+ * queries are put into the same order once per head (a dot product does not care about the
+ * order), and value sums are kept in it and put back once per head. */
+/* rows x dim floats from natural column order into plane order. */
+ALWAYS_INLINE void to_planes(const float *restrict src, float *restrict dst, int rows, int dim, int bits, int group_size) {
+    const int per_byte = 8 / bits, group_bytes = group_size / per_byte;
+    for (int r = 0; r < rows; ++r)
+        for (int g = 0; g < dim; g += group_size)
+            for (int i = 0; i < per_byte; ++i)
+                for (int j = 0; j < group_bytes; ++j)
+                    dst[r * dim + g + i * group_bytes + j] = src[r * dim + g + j * per_byte + i];
+}
+
+/* dst (natural order) += src (plane order), rows x dim; src is cleared for the next head. */
+ALWAYS_INLINE void add_from_planes(float *restrict src, float *restrict dst, int rows, int dim, int bits, int group_size) {
+    const int per_byte = 8 / bits, group_bytes = group_size / per_byte;
+    for (int r = 0; r < rows; ++r)
+        for (int g = 0; g < dim; g += group_size)
+            for (int i = 0; i < per_byte; ++i)
+                for (int j = 0; j < group_bytes; ++j)
+                    dst[r * dim + g + j * per_byte + i] += src[r * dim + g + i * group_bytes + j];
+    memset(src, 0, sizeof(float) * (size_t)rows * dim);
+}
+
+/* One token of one side, dequantized (LeanKV Eq. 2: x = s Q + m, s and m its group's fp16 scale
+ * and min) into out[dim] in plane order: codes dim * bits / 8 bytes, meta (s, m) fp16 pairs per
+ * group. Inlined with constant dim, bits and group_size in the specialized page loops, where each
+ * plane is one fixed-length loop over consecutive bytes that compiles to straight vector code. */
+ALWAYS_INLINE void dequantize_token(const uint8_t *restrict codes, const uint8_t *restrict meta, int dim, int bits,
+                                    int group_size, float *restrict out) {
+    const int per_byte = 8 / bits, group_bytes = group_size / per_byte, mask = (1 << bits) - 1;
+    for (int g = 0; g < dim / group_size; ++g) {
+        const float s = half_at(meta + 4 * g), m = half_at(meta + 4 * g + 2);
+        const uint8_t *restrict src = codes + g * group_bytes;
+        for (int i = 0; i < per_byte; ++i) {
+            float *restrict o = out + g * group_size + i * group_bytes;
+            for (int j = 0; j < group_bytes; ++j) o[j] = fmaf(s, (float)((src[j] >> (i * bits)) & mask), m);
         }
-        break;
-    case 2:
-        for (int j = 0; j < nb; ++j) {
-            out[4 * j] = (float)(src[j] & 3);
-            out[4 * j + 1] = (float)((src[j] >> 2) & 3);
-            out[4 * j + 2] = (float)((src[j] >> 4) & 3);
-            out[4 * j + 3] = (float)(src[j] >> 6);
-        }
-        break;
-    default: /* 1 bit */
-        for (int j = 0; j < nb; ++j)
-            for (int i = 0; i < 8; ++i) out[8 * j + i] = (float)((src[j] >> i) & 1);
     }
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int n) {
+ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int n) {
     float s = 0.0f;
     for (int c = 0; c < n; ++c) s += a[c] * b[c];
     return s;
@@ -208,6 +239,118 @@ int64_t lk_list_pages(const int32_t *restrict n_pages, int64_t heads, const int3
     return n;
 }
 
+/* Ask for `bytes` bytes at p ahead of their use: the next page's segments are fetched while this
+ * page is computed (pages lie anywhere in the pool, so the hardware cannot guess the next one). */
+static inline void prefetch_span(const uint8_t *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* One tier's page geometry: tokens per page, head_dim, query rows per head, code width and group
+ * size, and the byte offsets of the segments a pass reads. */
+struct tier_pages {
+    const uint8_t *pool;
+    int64_t page_bytes;
+    int tokens, dim, rows, bits, group_size;
+    int64_t data_off, meta_off, pos_off, score_off;
+};
+
+/* Pass 1 over one page (l) of head h: see lk_live_scores. D, B and G are the tier's head_dim, code
+ * width and group size, passed as constants by the specialized copies below. */
+ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B, int G, const uint8_t *restrict page,
+                              int64_t left, const float *restrict qh, const int32_t *restrict qp,
+                              float *restrict mh, float *restrict ol, int32_t *restrict pos_l,
+                              uint8_t *restrict valid_l, float *restrict score_l, float *restrict key) {
+    const int tokens = tp->tokens, rows = tp->rows, nb = D * B / 8, mb = 4 * (D / G);
+    for (int t = 0; t < tokens; ++t) {
+        const int live = t < left;
+        int32_t pos = INT32_MAX;
+        if (live) memcpy(&pos, page + tp->pos_off + 4 * (int64_t)t, sizeof pos);
+        if (pos_l) pos_l[t] = pos;
+        if (valid_l) valid_l[t] = (uint8_t)live;
+        if (score_l) score_l[t] = half_at(page + tp->score_off + 2 * (int64_t)t);
+        int seen = 0; /* rows whose query sees this slot */
+        for (int r = 0; r < rows; ++r) seen += pos <= qp[r];
+        if (!live || !seen) {
+            for (int r = 0; r < rows; ++r) ol[r * tokens + t] = -INFINITY;
+            continue;
+        }
+        dequantize_token(page + tp->data_off + (int64_t)t * nb, page + tp->meta_off + (int64_t)t * mb, D, B, G, key);
+        for (int r = 0; r < rows; ++r) ol[r * tokens + t] = pos <= qp[r] ? dot(qh + r * D, key, D) : -INFINITY;
+    }
+    for (int r = 0; r < rows; ++r) { /* the rows' maxima after the page, off the dot products' path */
+        float most = mh[r];
+        for (int t = 0; t < tokens; ++t) most = ol[r * tokens + t] > most ? ol[r * tokens + t] : most;
+        mh[r] = most;
+    }
+}
+
+/* Pass 2 over one page's live tokens: acc[r] += p[r, t] * value(t) for the slots some row weighs. */
+ALWAYS_INLINE void value_page(const struct tier_pages *restrict tp, int D, int B, int G, const uint8_t *restrict page,
+                              const float *restrict pl, float *restrict ah, float *restrict value) {
+    const int tokens = tp->tokens, rows = tp->rows, nb = D * B / 8, mb = 4 * (D / G);
+    for (int t = 0; t < tokens; ++t) {
+        int any = 0;
+        for (int r = 0; r < rows; ++r) any |= pl[r * tokens + t] != 0.0f;
+        if (!any) continue; /* dead, after every query, or underflowed: adds nothing */
+        dequantize_token(page + tp->data_off + (int64_t)t * nb, page + tp->meta_off + (int64_t)t * mb, D, B, G, value);
+        for (int r = 0; r < rows; ++r) {
+            const float pr = pl[r * tokens + t];
+            if (pr == 0.0f) continue;
+            float *restrict ar = ah + r * D;
+            for (int c = 0; c < D; ++c) ar[c] = fmaf(pr, value[c], ar[c]);
+        }
+    }
+}
+
+#define SCORE_PAGE_ARGS                                                                                     \
+    const struct tier_pages *restrict tp, const uint8_t *restrict page, int64_t left, const float *restrict qh, \
+        const int32_t *restrict qp, float *restrict mh, float *restrict ol, int32_t *restrict pos_l,            \
+        uint8_t *restrict valid_l, float *restrict score_l, float *restrict key
+#define VALUE_PAGE_ARGS \
+    const struct tier_pages *restrict tp, const uint8_t *restrict page, const float *restrict pl, float *restrict ah, \
+        float *restrict value
+typedef void (*score_page_fn)(SCORE_PAGE_ARGS);
+typedef void (*value_page_fn)(VALUE_PAGE_ARGS);
+
+/* Any geometry, read at run time. */
+static void score_page_any(SCORE_PAGE_ARGS) {
+    score_page(tp, tp->dim, tp->bits, tp->group_size, page, left, qh, qp, mh, ol, pos_l, valid_l, score_l, key);
+}
+static void value_page_any(VALUE_PAGE_ARGS) { value_page(tp, tp->dim, tp->bits, tp->group_size, page, pl, ah, value); }
+
+/* Copies with the common geometries fixed at compile time (head_dim 64 and 128; 8-, 4- and 2-bit
+ * codes; groups of 32, 64 or the whole head): every per-token loop then has a constant trip count,
+ * so a token's dequantization and each row's dot product compile to straight vector code. */
+#define SPECIALIZED(X) \
+    X(64, 8, 32) X(64, 4, 32) X(64, 2, 32) X(64, 8, 64) X(64, 4, 64) X(64, 2, 64) \
+    X(128, 8, 32) X(128, 4, 32) X(128, 2, 32) X(128, 8, 64) X(128, 4, 64) X(128, 2, 64) \
+    X(128, 8, 128) X(128, 4, 128) X(128, 2, 128)
+#define DEFINE_PAGE_FNS(D, B, G)                                                                            \
+    static void score_page_##D##_##B##_##G(SCORE_PAGE_ARGS) {                                              \
+        score_page(tp, D, B, G, page, left, qh, qp, mh, ol, pos_l, valid_l, score_l, key);                   \
+    }                                                                                                      \
+    static void value_page_##D##_##B##_##G(VALUE_PAGE_ARGS) { value_page(tp, D, B, G, page, pl, ah, value); }
+SPECIALIZED(DEFINE_PAGE_FNS)
+
+static score_page_fn pick_score_page(int dim, int bits, int group_size) {
+#define PICK_SCORE(D, B, G) \
+    if (dim == D && bits == B && group_size == G) return score_page_##D##_##B##_##G;
+    SPECIALIZED(PICK_SCORE)
+    return score_page_any;
+}
+
+static value_page_fn pick_value_page(int dim, int bits, int group_size) {
+#define PICK_VALUE(D, B, G) \
+    if (dim == D && bits == B && group_size == G) return value_page_##D##_##B##_##G;
+    SPECIALIZED(PICK_VALUE)
+    return value_page_any;
+}
+
+/* 1 if (dim, bits, group_size) runs a specialized copy of the page loops, else 0 (the generic one). */
+int lk_specialized(int dim, int bits, int group_size) {
+    return pick_score_page(dim, bits, group_size) != score_page_any;
+}
+
 /* Pass 1. Pages: page l is pool + page_id[l] * page_bytes, rank rank[l] of head head[l] (grouped
  * by head); its segments start at the given byte offsets (codes nb = dim * bits / 8 bytes per
  * token, meta 2 * groups fp16 per token, positions int32, scores fp16). q: [BH, R, F] scaled
@@ -222,75 +365,42 @@ int lk_live_scores(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
                    const int32_t *restrict q_pos, const int32_t *restrict lens, float *restrict out,
                    float *restrict m, int32_t *restrict pos_out, uint8_t *restrict valid_out,
                    float *restrict score_out, int threads) {
-    const int groups = dim / group_size, nb = dim * bits / 8;
     const int bad = check_pages(page_id, head, n_pages, pool_pages);
     if (bad) return bad;
-    /* Scratch per thread: one token's codes, its scale and min, and sum(q_rg) of one head's rows.
-     * On the stack when it fits (measured ~5% faster than the heap), else allocated, so no
-     * head_dim, rows or groups limit. */
-    const size_t need = (size_t)dim + 2 * (size_t)groups + (size_t)rows * groups;
+    const struct tier_pages tp = {pool, page_bytes, tokens, dim, rows, bits, group_size,
+                                  data_off, meta_off, pos_off, score_off};
+    const score_page_fn score = pick_score_page(dim, bits, group_size);
     int failed = 0;
     threads = team_size(n_pages, threads);
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
+        /* Per thread, one dequantized key and the current head's query rows in plane order: on the
+         * stack when they fit (measured ~5% faster than the heap), else allocated, so no head_dim
+         * or rows limit. */
+        const size_t need = (size_t)dim * (1 + (size_t)rows);
         float stack[STACK_FLOATS];
-        float *restrict codes = need <= STACK_FLOATS ? stack : malloc(sizeof(float) * need);
+        float *restrict key = need <= STACK_FLOATS ? stack : malloc(sizeof(float) * need);
         const int tid = THREAD_ID, nth = THREAD_COUNT;
         const int64_t l0 = run_start(head, n_pages, tid, nth), l1 = run_start(head, n_pages, tid + 1, nth);
-        failed = codes == NULL;
-        float *restrict meta = failed ? NULL : codes + dim;
-        float *restrict qsum = failed ? NULL : meta + 2 * groups;
+        failed = key == NULL;
+        float *restrict q_planes = failed ? NULL : key + dim;
         int64_t prev = -1;
         for (int64_t l = failed ? l1 : l0; l < l1; ++l) {
-            const int64_t h = head[l];
-            const float *qh = q + h * rows * dim;
-            const int32_t *qp = q_pos + h * rows;
-            float *mh = m + h * rows;
-            if (h != prev) { /* sum(q_rg) of this head's rows, once per head */
-                prev = h;
-                for (int r = 0; r < rows; ++r)
-                    for (int g = 0; g < groups; ++g) {
-                        float s = 0.0f;
-                        for (int c = 0; c < group_size; ++c) s += qh[r * dim + g * group_size + c];
-                        qsum[r * groups + g] = s;
-                    }
+            const int64_t h = head[l], slot0 = l * tokens;
+            if (l + 1 < l1) {
+                const uint8_t *next = pool + page_id[l + 1] * page_bytes;
+                prefetch_span(next + data_off, (int64_t)tokens * dim * bits / 8);
+                prefetch_span(next + meta_off, (int64_t)tokens * 4 * (dim / group_size));
+                prefetch_span(next + pos_off, (int64_t)tokens * 4);
+                if (score_out) prefetch_span(next + score_off, (int64_t)tokens * 2);
             }
-            const uint8_t *page = pool + page_id[l] * page_bytes;
-            const int64_t left = (int64_t)lens[h] - rank[l] * tokens; /* stored tokens in this page */
-            float *ol = out + l * rows * tokens;
-            for (int t = 0; t < tokens; ++t) {
-                const int live = t < left;
-                int32_t pos = INT32_MAX;
-                if (live) memcpy(&pos, page + pos_off + 4 * (int64_t)t, sizeof pos);
-                if (pos_out) pos_out[l * tokens + t] = pos;
-                if (valid_out) valid_out[l * tokens + t] = (uint8_t)live;
-                if (score_out) {
-                    uint16_t sh;
-                    memcpy(&sh, page + score_off + 2 * (int64_t)t, sizeof sh);
-                    score_out[l * tokens + t] = half_to_float(sh);
-                }
-                int seen = 0; /* rows whose query sees this slot */
-                for (int r = 0; r < rows; ++r) seen += pos <= qp[r];
-                if (!live || !seen) {
-                    for (int r = 0; r < rows; ++r) ol[r * tokens + t] = -INFINITY;
-                    continue;
-                }
-                unpack_token(page + data_off + (int64_t)t * nb, nb, bits, codes);
-                load_meta(page + meta_off + (int64_t)t * 4 * groups, groups, meta);
-                for (int r = 0; r < rows; ++r) {
-                    float s = -INFINITY;
-                    if (pos <= qp[r]) {
-                        s = 0.0f;
-                        for (int g = 0; g < groups; ++g)
-                            s += meta[2 * g] * dot(qh + r * dim + g * group_size, codes + g * group_size, group_size)
-                                 + meta[2 * g + 1] * qsum[r * groups + g];
-                        if (s > mh[r]) mh[r] = s;
-                    }
-                    ol[r * tokens + t] = s;
-                }
-            }
+            if (h != prev) to_planes(q + h * rows * dim, q_planes, rows, dim, bits, group_size);
+            prev = h;
+            score(&tp, pool + page_id[l] * page_bytes, (int64_t)lens[h] - rank[l] * tokens, q_planes,
+                  q_pos + h * rows, m + h * rows, out + l * rows * tokens, pos_out ? pos_out + slot0 : NULL,
+                  valid_out ? valid_out + slot0 : NULL, score_out ? score_out + slot0 : NULL, key);
         }
-        if (codes != stack) free(codes);
+        if (key != stack) free(key);
     }
     return failed ? LK_NO_MEMORY : 0;
 }
@@ -305,22 +415,33 @@ int lk_live_values(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
                    int dim, int rows, int bits, int group_size, int64_t data_off, int64_t meta_off,
                    float *restrict p, const float *restrict shift, float *restrict l_sum, float *restrict acc,
                    int threads) {
-    const int groups = dim / group_size, nb = dim * bits / 8;
     const int bad = check_pages(page_id, head, n_pages, pool_pages);
     if (bad) return bad;
-    const size_t need = (size_t)dim + 2 * (size_t)groups;
+    const struct tier_pages tp = {pool, page_bytes, tokens, dim, rows, bits, group_size, data_off, meta_off, 0, 0};
+    const value_page_fn values = pick_value_page(dim, bits, group_size);
     int failed = 0;
     threads = team_size(n_pages, threads);
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float stack[STACK_FLOATS];
-        float *restrict codes = need <= STACK_FLOATS ? stack : malloc(sizeof(float) * need);
+        /* Per thread, one dequantized value and the current head's value sums in plane order. */
+        const size_t need = (size_t)dim * (1 + (size_t)rows);
+        float *restrict value = need <= STACK_FLOATS ? stack : malloc(sizeof(float) * need);
         const int tid = THREAD_ID, nth = THREAD_COUNT;
         const int64_t l0 = run_start(head, n_pages, tid, nth), l1 = run_start(head, n_pages, tid + 1, nth);
-        failed = codes == NULL;
-        float *restrict meta = failed ? NULL : codes + dim;
+        failed = value == NULL;
+        float *restrict sums = failed ? NULL : value + dim;
+        if (sums) memset(sums, 0, sizeof(float) * (size_t)rows * dim);
+        int64_t prev = -1;
         for (int64_t l = failed ? l1 : l0; l < l1; ++l) {
             const int64_t h = head[l];
+            if (h != prev && prev >= 0) add_from_planes(sums, acc + prev * rows * dim, rows, dim, bits, group_size);
+            prev = h;
+            if (l + 1 < l1) {
+                const uint8_t *next = pool + page_id[l + 1] * page_bytes;
+                prefetch_span(next + data_off, (int64_t)tokens * dim * bits / 8);
+                prefetch_span(next + meta_off, (int64_t)tokens * 4 * (dim / group_size));
+            }
             float *pl = p + l * rows * tokens;
             /* The page's numerators first, a row at a time: one branch-free loop that vectorizes. */
             for (int r = 0; r < rows; ++r) {
@@ -332,28 +453,10 @@ int lk_live_values(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
                 }
                 l_sum[h * rows + r] += total;
             }
-            const uint8_t *page = pool + page_id[l] * page_bytes;
-            float *ah = acc + h * rows * dim;
-            for (int t = 0; t < tokens; ++t) {
-                int any = 0;
-                for (int r = 0; r < rows; ++r) any |= pl[r * tokens + t] != 0.0f;
-                if (!any) continue; /* dead, after every query, or underflowed: adds nothing */
-                unpack_token(page + data_off + (int64_t)t * nb, nb, bits, codes);
-                load_meta(page + meta_off + (int64_t)t * 4 * groups, groups, meta);
-                for (int r = 0; r < rows; ++r) {
-                    const float pr = pl[r * tokens + t];
-                    if (pr == 0.0f) continue;
-                    float *ar = ah + r * dim;
-                    for (int g = 0; g < groups; ++g) {
-                        const float w = pr * meta[2 * g], b = pr * meta[2 * g + 1];
-                        float *ag = ar + g * group_size;
-                        const float *cg = codes + g * group_size;
-                        for (int c = 0; c < group_size; ++c) ag[c] += w * cg[c] + b;
-                    }
-                }
-            }
+            values(&tp, pool + page_id[l] * page_bytes, pl, sums, value);
         }
-        if (codes != stack) free(codes);
+        if (prev >= 0) add_from_planes(sums, acc + prev * rows * dim, rows, dim, bits, group_size);
+        if (value != stack) free(value);
     }
     return failed ? LK_NO_MEMORY : 0;
 }
