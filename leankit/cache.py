@@ -574,10 +574,7 @@ class LeanCache(Cache):
             err = self._kv_err[flag: flag + 1] if in_step else None  # outside a step: raise now
             quantize_into_pages(self.pool.storage, layout, page, off, k, v, pos, score, err=err)
         else:
-            if keep is not None:
-                idx = keep.nonzero().squeeze(1)
-                page, off, k, v, pos, score = (t[idx] for t in (page, off, k, v, pos, score))
-            self.pool.write_rows(layout, page, off, layout.encode(k, v, score, pos))
+            self.pool.write_tokens(layout, page, off, k, v, score, pos, keep=keep)
 
     def paged_kv(self, layer: int) -> PagedKV:
         """The page view attention reads for ``layer``."""

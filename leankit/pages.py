@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import PAGE_ALIGN, ActGeometry, KVConfig, Precision, _align, act_geometry
+from . import native
 from .quant import META_DTYPE, check_finite, dequantize, quantize
 
 SEGMENTS = ("k_data", "k_meta", "v_data", "v_meta", "score", "position")
@@ -341,6 +342,34 @@ class PagePool:
         for name, nb, row in zip(SEGMENTS, layout.seg_bytes, rows):
             if nb:
                 self.segment_view(layout, name)[p, s] = row.reshape(-1, nb)
+
+    def write_tokens(self, layout: PageLayout, page_ids: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, score: torch.Tensor, position: torch.Tensor,
+                     keep: torch.Tensor | None = None) -> None:
+        """Quantize ``n`` tokens (``k``/``v`` ``[n, head_dim]``) into slot ``slots[i]`` of page
+        ``page_ids[i]``: :meth:`PageLayout.encode` then :meth:`write_rows`. ``keep`` bool ``[n]``:
+        write only these tokens. NaN/Inf K/V raise :class:`~leankit.quant.NonFiniteKVError` and
+        write nothing.
+
+        On a CPU with :mod:`leankit.native` kernels, both sides quantized, one compiled call does
+        it all with the same bytes (the torch path runs about twenty small ops per call, which
+        dominate a decode step's store).
+        """
+        kernels = native.kernels() if self.device.type == "cpu" else None
+        if kernels is not None and layout.precision.k_bits < 16 and layout.precision.v_bits < 16:
+            page = page_ids.long()
+            if keep is not None:  # a negative page id: the kernel skips the token
+                page = torch.where(keep, page, torch.full_like(page, -1))
+            kernels.store_tokens(self.storage, layout.tokens, layout.seg_offsets, page.contiguous(),
+                                 slots.long().contiguous(), k.float().contiguous(), v.float().contiguous(),
+                                 position.to(torch.int32).reshape(-1).contiguous(),
+                                 score.float().reshape(-1).contiguous(), layout.precision.k_bits,
+                                 layout.precision.v_bits, layout.group_size)
+            return
+        if keep is not None:
+            idx = keep.nonzero().squeeze(1)
+            page_ids, slots, k, v, score, position = (t[idx] for t in (page_ids, slots, k, v, score, position))
+        self.write_rows(layout, page_ids, slots, layout.encode(k, v, score, position))
 
     def read_rows(self, layout: PageLayout, page_ids: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
         """Bytes ``[n, bytes]`` of segment ``name`` of the slots ``slots`` of pages ``page_ids``."""

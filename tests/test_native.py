@@ -397,7 +397,11 @@ def test_build_is_cached_and_keyed_by_source(monkeypatch, tmp_path):
     cc = native._compiler()
     first = native._build(cc)
     assert first.parent == tmp_path and native._build(cc) == first  # reused, not rebuilt
-    src = tmp_path / "live_attention.c"
-    src.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(native, "SOURCE", src)
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in native.SOURCE_DIR.glob("*.[ch]"):
+        (src / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(native, "SOURCE_DIR", src)
+    assert native._build(cc) == first  # the same sources elsewhere: the same library
+    (src / "fp16.h").write_text((src / "fp16.h").read_text() + "\n/* changed */\n")  # a header counts too
     assert native._build(cc) != first

@@ -37,7 +37,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("live_attention.c")
+from ..quant import NonFiniteKVError
+
+SOURCE_DIR = Path(__file__).parent  # the C files (compiled together into one library) and their header
 # Reassociation lets the compiler vectorize the dot products' sums (their order then differs from
 # a sequential sum by fp32 rounding, as a BLAS's does); NaN and Inf semantics are kept, because
 # the key side may read stale bytes in dead slots, which the caller masks afterwards.
@@ -90,19 +92,20 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     """Compile (or find in the cache) the library with the most of ``-march=native`` and OpenMP
     that the compiler accepts."""
-    src = SOURCE.read_bytes()
+    sources = sorted(SOURCE_DIR.glob("*.c"))
+    src = b"".join(path.name.encode() + path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.[ch]")))
     omp = OPENMP_FLAGS if _torch_libgomp() else []
     last_error = ""
     for extra in dict.fromkeys(tuple(v) for v in (ARCH_FLAGS + omp, omp, ARCH_FLAGS, [])):  # unique, in order
         key = hashlib.sha256(src + " ".join([cc, *FLAGS, *extra, _cpu_features()]).encode()).hexdigest()[:16]
-        out = _cache_dir() / f"live_attention-{key}.so"
+        out = _cache_dir() / f"leankit_native-{key}.so"
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            run = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+            run = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, *map(str, sources)], capture_output=True, text=True,
                                  check=False)
             if run.returncode == 0:
                 os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
@@ -111,7 +114,7 @@ def _build(cc: str) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise RuntimeError(f"{cc} could not build {SOURCE.name}: {last_error}")
+    raise RuntimeError(f"{cc} could not build the kernels in {SOURCE_DIR.name}: {last_error}")
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,9 @@ class Kernels:
         lib.lk_update_scores.argtypes = [*pages, i64, i32, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
         lib.lk_live_scores.restype = lib.lk_live_values.restype = lib.lk_update_scores.restype = i32
         self._lib = lib
+        lib.lk_store_tokens.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr,
+                                        i32]
+        lib.lk_store_tokens.restype = i32
         lib.lk_parallel.restype = i32
         lib.lk_specialized.argtypes = [i32, i32, i32]
         lib.lk_specialized.restype = i32
@@ -288,6 +294,43 @@ class Kernels:
                                         torch.get_num_threads())
         self._check_result(code, "live_values")
         return acc
+
+    def store_tokens(self, storage: torch.Tensor, tokens: int, offsets: tuple, page_id: torch.Tensor,
+                     slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
+                     score: torch.Tensor, k_bits: int, v_bits: int, group_size: int) -> None:
+        """Quantize ``n`` tokens into their page slots, byte for byte as
+        :meth:`leankit.pages.PageLayout.encode` then :meth:`leankit.pages.PagePool.write_rows`.
+
+        ``storage`` uint8 ``[num_pages, page_bytes]``; ``tokens`` slots per page; ``offsets`` the
+        six segments' byte offsets in :data:`leankit.pages.SEGMENTS` order. ``page_id`` and
+        ``slot`` (int64 ``[n]``): where each token goes (a negative page id skips the token);
+        ``k``, ``v`` fp32 ``[n, F]``; ``position`` int32 and ``score`` fp32 ``[n]``. Raises
+        :class:`leankit.quant.NonFiniteKVError` for NaN/Inf K/V or metadata beyond fp16, and
+        ``ValueError`` for a page id or slot outside the pool; a refused call writes nothing.
+        """
+        n, dim = k.shape if k.dim() == 2 else (-1, -1)
+        self._codes("k", k_bits, group_size, dim)
+        self._codes("v", v_bits, group_size, dim)
+        ok = (storage.dtype == torch.uint8 and storage.dim() == 2 and storage.is_contiguous()
+              and k.dtype == v.dtype == score.dtype == torch.float32 and position.dtype == torch.int32
+              and page_id.dtype == slot.dtype == torch.int64 and v.shape == (n, dim)
+              and page_id.shape == slot.shape == position.shape == score.shape == (n,) and len(offsets) == 6
+              and all(x.is_contiguous() and x.device.type == "cpu" for x in (storage, k, v, position, score,
+                                                                             page_id, slot)))
+        if not ok:
+            raise ValueError("native store_tokens: want a contiguous uint8 [num_pages, page_bytes] pool, fp32 "
+                             "[n, F] k and v, int64 [n] page ids and slots, int32 [n] positions, fp32 [n] scores")
+        offs = torch.tensor(offsets, dtype=torch.int64)
+        code = self._lib.lk_store_tokens(storage.data_ptr(), storage.shape[1], storage.shape[0], page_id.data_ptr(),
+                                         slot.data_ptr(), n, tokens, dim, k_bits, v_bits, group_size, offs.data_ptr(),
+                                         k.data_ptr(), v.data_ptr(), position.data_ptr(), score.data_ptr(),
+                                         torch.get_num_threads())
+        if code in (-5, -6):
+            raise NonFiniteKVError("KV states contain NaN or Inf; refusing to store them in the cache" if code == -5
+                                   else "KV values exceed the fp16 range of the quantization metadata")
+        if code == -2:
+            raise ValueError("native store_tokens: a page id lies outside the pool or a slot outside its page")
+        self._check_result(code, "store_tokens")
 
     def update_scores(self, pages: PoolPages, p: torch.Tensor, row_weight: torch.Tensor, pos: torch.Tensor,
                       valid: torch.Tensor, stored: torch.Tensor, q_first: torch.Tensor, q_last: torch.Tensor,

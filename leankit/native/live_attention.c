@@ -40,9 +40,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
+
+#include "fp16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #define THREAD_ID omp_get_thread_num()
@@ -84,49 +83,6 @@ static int check_pages(const int64_t *page_id, const int64_t *head, int64_t n_pa
         if (l && head[l] < head[l - 1]) return LK_UNSORTED;
     }
     return 0;
-}
-
-/* IEEE half to float, exact for every input (subnormals, infinities and NaN included): one
- * vcvtph2ps where the CPU has F16C, else by its bit fields. */
-static inline float half_to_float(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    uint32_t bits;
-    if (exp == 0x1f)
-        bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp)
-        bits = sign | ((exp + 112u) << 23) | (mant << 13);
-    else if (mant) {
-        const float f = (float)mant * 5.9604644775390625e-8f; /* mant * 2^-24, exact */
-        return sign ? -f : f;
-    } else
-        bits = sign;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-#endif
-}
-
-/* float to IEEE half, rounding to nearest even as a float-to-half cast does (overflow to
- * infinity, subnormal halves included); NaN stays NaN. */
-static inline uint16_t float_to_half(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
-    const uint32_t ax = x & 0x7fffffffu;
-    if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u); /* inf, NaN */
-    if (ax >= 0x477ff000u) return sign | 0x7c00u;  /* 65520 and above round to infinity */
-    if (ax < 0x38800000u) {                        /* below 2^-14: a subnormal half (or 0) */
-        float a;
-        memcpy(&a, &ax, sizeof a);
-        return sign | (uint16_t)rintf(a * 16777216.0f); /* units of 2^-24, exact scaling, nearest even */
-    }
-    uint32_t h = ((ax >> 23) - 112u) << 10 | ((ax >> 13) & 0x3ffu);
-    const uint32_t rest = ax & 0x1fffu; /* the 13 dropped bits: round half to even (a carry bumps the exponent) */
-    h += rest > 0x1000u || (rest == 0x1000u && (h & 1u));
-    return sign | (uint16_t)h;
 }
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -478,32 +434,44 @@ int lk_update_scores(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pa
                      int threads) {
     const int bad = check_pages(page_id, head, n_pages, pool_pages);
     if (bad) return bad;
+    int failed = 0;
     threads = team_size(n_pages, threads);
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const int tid = THREAD_ID, nth = THREAD_COUNT;
         const int64_t l0 = run_start(head, n_pages, tid, nth), l1 = run_start(head, n_pages, tid + 1, nth);
-        for (int64_t l = l0; l < l1; ++l) {
+        float stack[STACK_FLOATS];
+        float *restrict updated = tokens <= STACK_FLOATS ? stack : malloc(sizeof(float) * (size_t)tokens);
+        for (int64_t l = updated ? l0 : l1; l < l1; ++l) {
             const int64_t h = head[l], seq = h / heads_per_seq;
             if (!has[seq]) continue;
             const float first = (float)q_first[seq], last = (float)q_last[seq];
-            const float *w = row_weight + h * rows, *pl = p + l * rows * tokens;
+            const float *w = row_weight + h * rows, *pl = p + l * rows * tokens, *sl = stored + l * tokens;
+            const int32_t *posl = pos + l * tokens;
+            const uint8_t *vl = valid + l * tokens;
             uint8_t *seg = pool + page_id[l] * page_bytes + score_off;
+            /* The page's new scores first, over all its slots at once (one loop per row that
+             * vectorizes; dead slots compute junk that is never written), then their fp16 bytes. */
+            for (int t = 0; t < tokens; ++t) updated[t] = 0.0f;
+            for (int r = 0; r < rows; ++r)
+                for (int t = 0; t < tokens; ++t) updated[t] += pl[r * tokens + t] * w[r];
             for (int t = 0; t < tokens; ++t) {
-                const int64_t i = l * tokens + t;
-                if (!valid[i]) continue;
-                float received = 0.0f;
-                for (int r = 0; r < rows; ++r) received += pl[r * tokens + t] * w[r];
-                const float ps = (float)pos[i], s = stored[i];
-                float n = last - ps + 1.0f, before = first - ps;
+                const float ps = (float)posl[t], s = sl[t], before = first - ps;
+                float n = last - ps + 1.0f;
                 n = n < 1.0f ? 1.0f : n;
                 const float m = n - (before < 0.0f ? 0.0f : before);
-                const uint16_t out = float_to_half(s + (received - s * m) / n);
+                updated[t] = s + (updated[t] - s * m) / n;
+            }
+            for (int t = 0; t < tokens; ++t) {
+                if (!vl[t]) continue;
+                const uint16_t out = float_to_half(updated[t]);
                 memcpy(seg + 2 * (int64_t)t, &out, sizeof out);
             }
         }
+        failed = updated == NULL;
+        if (updated != stack) free(updated);
     }
-    return 0;
+    return failed ? LK_NO_MEMORY : 0;
 }
 
 /* 1 if this build splits its loops over threads (built with OpenMP), else 0. */

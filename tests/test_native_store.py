@@ -1,0 +1,124 @@
+"""The compiled quantize-and-store kernel (``leankit.native``, ``lk_store_tokens``) against the torch
+path it replaces on a CPU: :meth:`PageLayout.encode` then :meth:`PagePool.write_rows`, byte for byte.
+
+Each case writes fresh random tokens into random slots of a pool full of random bytes, once per
+path, and compares the whole pools: codes, fp16 metadata, scores and positions must be identical
+and every byte not written must be untouched.
+"""
+
+import pytest
+import torch
+from leankit_kernels import testing
+
+from leankit import native
+from leankit.config import KVConfig
+from leankit.pages import SEGMENTS, PageLayout, PagePool
+from leankit.quant import NonFiniteKVError
+
+kernels = native.kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler for leankit.native")
+
+
+def _case(gen, spec, dim, n, tier=0, num_pages=13):
+    cfg = KVConfig.parse(spec)
+    lay = PageLayout.build(cfg, tier, dim, torch.float32)
+    pool = PagePool(num_pages, cfg.page_size, torch.device("cpu"))
+    pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, dtype=torch.uint8, generator=gen))
+    flat = torch.randperm(num_pages * lay.tokens, generator=gen)[:n]  # distinct (page, slot) pairs
+    page, slot = flat // lay.tokens, flat % lay.tokens
+    scale = torch.exp(3 * torch.randn(n, 1, generator=gen))  # magnitudes from ~1e-4 to ~1e4 per token
+    k = torch.randn(n, dim, generator=gen) * scale + torch.randn(n, 1, generator=gen)
+    v = torch.randn(n, dim, generator=gen) * scale
+    k[0, : lay.group_size] = 0.75  # a constant group: scale 0, codes 0
+    score = torch.rand(n, generator=gen) * 3
+    pos = torch.randint(0, 1 << 20, (n,), generator=gen, dtype=torch.int32)
+    return lay, pool, page, slot, k, v, score, pos
+
+
+def _torch_write(pool, lay, page, slot, k, v, score, pos, keep=None):
+    if keep is not None:
+        page, slot, k, v, score, pos = (t[keep] for t in (page, slot, k, v, score, pos))
+    pool.write_rows(lay, page, slot, lay.encode(k, v, score, pos))
+
+
+def _native_write(pool, lay, page, slot, k, v, score, pos, keep=None):
+    if keep is not None:
+        page = torch.where(keep, page, torch.full_like(page, -1))
+    kernels.store_tokens(pool.storage, lay.tokens, lay.seg_offsets, page, slot, k, v, pos, score,
+                         lay.precision.k_bits, lay.precision.v_bits, lay.group_size)
+
+
+CASES = [("K8V4", 64, None, 0), ("K4V2", 64, 32, 0), ("K8V4-K4V2", 128, 64, 1), ("K2V1", 40, 8, 0),
+         ("K8V8", 24, None, 0), ("K4V4", 72, 24, 0), ("K1V2", 16, 8, 0)]
+
+
+@pytest.mark.parametrize("spec,dim,group_size,tier", CASES, ids=lambda v: str(v))
+def test_store_writes_the_bytes_encode_and_write_rows_write(spec, dim, group_size, tier):
+    gen, seed = testing.fresh_generator()
+    spec = spec if group_size is None else f"{spec}:group_size={group_size}"
+    lay, pool, page, slot, k, v, score, pos = _case(gen, spec, dim, 29, tier)
+    want = PagePool(pool.num_pages, pool.page_size, pool.device)
+    want.storage.copy_(pool.storage)
+    _torch_write(want, lay, page, slot, k, v, score, pos)
+    _native_write(pool, lay, page, slot, k, v, score, pos)
+    for name in SEGMENTS:
+        got, ref = pool.segment_view(lay, name), want.segment_view(lay, name)
+        assert torch.equal(got, ref), f"segment {name} differs (seed {seed}, {spec}, dim {dim})"
+    assert torch.equal(pool.storage, want.storage), f"bytes outside the written slots differ (seed {seed})"
+
+
+def test_keep_skips_tokens_and_many_tokens_split_over_threads():
+    """A token with ``keep`` false (negative page id) writes nothing; enough tokens for a team of
+    threads give the one-thread bytes."""
+    gen, seed = testing.fresh_generator()
+    lay, pool, page, slot, k, v, score, pos = _case(gen, "K4V2:group_size=32", 64, 600, num_pages=40)
+    keep = torch.rand(600, generator=gen) < 0.7
+    want = PagePool(pool.num_pages, pool.page_size, pool.device)
+    want.storage.copy_(pool.storage)
+    _torch_write(want, lay, page, slot, k, v, score, pos, keep)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        _native_write(pool, lay, page, slot, k, v, score, pos, keep)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(pool.storage, want.storage), f"seed {seed}"
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "beyond_fp16", "page", "slot"])
+def test_refused_store_raises_and_writes_nothing(bad):
+    gen, _ = testing.fresh_generator()
+    lay, pool, page, slot, k, v, score, pos = _case(gen, "K8V4", 64, 9)
+    before = pool.storage.clone()
+    if bad == "nan":
+        v[7, 3] = float("nan")
+    elif bad == "inf":
+        k[8, 60] = float("-inf")
+    elif bad == "beyond_fp16":  # finite, but (max - min) / 15 does not fit the fp16 scale
+        v[5, :2] = torch.tensor([-6e5, 6e5])
+    elif bad == "page":
+        page[4] = pool.num_pages
+    else:
+        slot[4] = lay.tokens
+    with pytest.raises(NonFiniteKVError if bad in ("nan", "inf", "beyond_fp16") else ValueError):
+        _native_write(pool, lay, page, slot, k, v, score, pos)
+    assert torch.equal(pool.storage, before)
+    with pytest.raises(ValueError):  # wrong dtypes or shapes are refused before the kernel runs
+        kernels.store_tokens(pool.storage, lay.tokens, lay.seg_offsets, page, slot, k.double(), v, pos, score,
+                             8, 4, 64)
+    with pytest.raises(ValueError):
+        kernels.store_tokens(pool.storage, lay.tokens, lay.seg_offsets, page, slot, k, v, pos, score, 3, 4, 64)
+
+
+def test_pool_write_tokens_takes_the_same_path_on_both_sides_of_the_switch(monkeypatch):
+    """``PagePool.write_tokens`` gives the same pool with the compiled kernel and with the torch
+    path (``LEANKIT_NATIVE=0``), including the ``keep`` mask and a refused call."""
+    gen, seed = testing.fresh_generator()
+    lay, pool, page, slot, k, v, score, pos = _case(gen, "K8V4-K4V2:group_size=32", 64, 31, 1)
+    keep = torch.rand(31, generator=gen) < 0.5
+    torch_pool = PagePool(pool.num_pages, pool.page_size, pool.device)
+    torch_pool.storage.copy_(pool.storage)
+    pool.write_tokens(lay, page, slot, k, v, score, pos, keep=keep)
+    monkeypatch.setattr(native, "_state", {"kernels": None})
+    torch_pool.write_tokens(lay, page, slot, k, v, score, pos, keep=keep)
+    assert torch.equal(pool.storage, torch_pool.storage), f"seed {seed}"
