@@ -98,7 +98,7 @@ SHAPES = [(8, 64, 64, 3), (8, 40, 8, 1), (4, 64, 32, 6), (4, 18, 2, 2), (2, 24, 
           (1, 32, 8, 2), (1, 72, 24, 4), (2, 128, 64, 4),
           (4, 64, 2, 40), (8, 256, 8, 64)]  # more rows x head_dim than the stack scratch: allocated
 # The geometries the C file compiles its own copies of the page loops for (head_dim, bits, group).
-SPECIALIZED = [(d, b, g) for d in (64, 128) for b in (8, 4, 2) for g in (32, 64, 128) if g <= d]
+SPECIALIZED = [(d, b, g) for d in (64, 128, 256) for b in (8, 4, 2) for g in (32, 64, 128, 256) if g <= d]
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])

@@ -274,13 +274,16 @@ static void score_page_any(SCORE_PAGE_ARGS) {
 }
 static void value_page_any(VALUE_PAGE_ARGS) { value_page(tp, tp->dim, tp->bits, tp->group_size, page, pl, ah, value); }
 
-/* Copies with the common geometries fixed at compile time (head_dim 64 and 128; 8-, 4- and 2-bit
- * codes; groups of 32, 64 or the whole head): every per-token loop then has a constant trip count,
- * so a token's dequantization and each row's dot product compile to straight vector code. */
+/* Copies with the common geometries fixed at compile time (head_dim 64, 128 and 256; 8-, 4- and
+ * 2-bit codes; groups of 32 channels up to the whole head): every per-token loop then has a
+ * constant trip count, so a token's dequantization and each row's dot product compile to straight
+ * vector code. */
 #define SPECIALIZED(X) \
     X(64, 8, 32) X(64, 4, 32) X(64, 2, 32) X(64, 8, 64) X(64, 4, 64) X(64, 2, 64) \
     X(128, 8, 32) X(128, 4, 32) X(128, 2, 32) X(128, 8, 64) X(128, 4, 64) X(128, 2, 64) \
-    X(128, 8, 128) X(128, 4, 128) X(128, 2, 128)
+    X(128, 8, 128) X(128, 4, 128) X(128, 2, 128) \
+    X(256, 8, 32) X(256, 4, 32) X(256, 2, 32) X(256, 8, 64) X(256, 4, 64) X(256, 2, 64) \
+    X(256, 8, 128) X(256, 4, 128) X(256, 2, 128) X(256, 8, 256) X(256, 4, 256) X(256, 2, 256)
 #define DEFINE_PAGE_FNS(D, B, G)                                                                            \
     static void score_page_##D##_##B##_##G(SCORE_PAGE_ARGS) {                                              \
         score_page(tp, D, B, G, page, left, qh, qp, mh, ol, pos_l, valid_l, score_l, key);                   \
