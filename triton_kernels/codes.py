@@ -5,12 +5,16 @@ attention kernels never form ``x_hat``: ``q . k_hat = s (q . Q) + min sum(q)`` a
 ``p @ v_hat = (p s) @ Q + p @ min``, so the ``[N, F]`` tile is the integer codes ``Q`` only, and
 ``s``/``min`` are applied to ``[N]`` vectors after the matmuls.
 
-Codes reach the fp16 MMA operand a 32-bit word at a time: the fp16 bits ``0x6400 | c`` are the
-number ``1024 + c`` (exact for ``c < 1024``), so a shift, a mask and an or turn two codes of a
-word into one fp16 pair, with no per-code conversion. Keys may come out in a permuted column
-order inside each word (:func:`key_order`, one shift and one mask-or per pair); the caller
-loads the query in the same order (``q . k`` is a sum over columns), and values in that order
-fill accumulator columns the caller permutes back once per program.
+Codes reach the fp16 MMA operand a 32-bit word at a time: the fp16 bits ``0x6400 | x`` are the
+number ``1024 + x`` (exact for ``x < 1024``), so a mask and an or turn two codes of a word (one
+per 16-bit half) into one fp16 pair, with no per-code conversion. A code inside the 10 mantissa
+bits of its half is masked where it lies and arrives as ``1024 + 2^e c`` (``e`` its bit
+position, :func:`code_scale`); the codes above bit 10 get one shift per word. Tiles come out in a
+permuted column order inside each word (:func:`key_order`): the caller loads the query in that
+order divided by ``2^e`` (``q . k`` is a sum over columns), and values in that order fill
+accumulator rows the caller divides by ``2^e`` and permutes back once per program. The offset
+1024 stays on both sides and leaves after the matmuls (``1024 sum(q')`` for keys, ``1024 sum(p s)``
+of the rounded ``p s`` for values).
 """
 
 import triton
@@ -27,12 +31,35 @@ def _pair(w, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _kpair(w, k: tl.constexpr, BITS: tl.constexpr):
+def _mpair(w, ws, magic, k: tl.constexpr, BITS: tl.constexpr):
     """Codes ``k`` and ``k + 16 / BITS`` of each 32-bit word ``w`` (one per 16-bit half) as the bits of an
-    fp16 pair ``(1024 + c)``: one shift and one mask-or per pair. The key tile comes out in the
-    order :func:`key_order` gives, and the query is loaded in that order to match."""
-    MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
-    return ((w >> (k * BITS)) & MASK) | 0x64006400
+    fp16 pair ``1024 + 2^e c``, with no shift of their own: a code that lies inside the 10 mantissa
+    bits of its half is masked in place (one mask-or per pair), its position ``e`` scaling it by a
+    power of two (:func:`code_scale`); the codes above bit 10 come from ``ws``, the word shifted once
+    by ``10 // BITS`` codes, where they lie inside the mantissa again. ``1024 + 2^e c < 2048`` is exact."""
+    DIRECT: tl.constexpr = 10 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if k < DIRECT:
+        x = w & ((MASK << (k * BITS)) * 0x10001)
+    else:
+        x = ws & ((MASK << ((k - DIRECT) * BITS)) * 0x10001)
+    return x | magic
+
+
+@triton.jit
+def code_scale(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
+    """Power of two ``2^e`` each column of a tile from :func:`codes` carries on its codes (fp32 ``[F]``, in
+    the column order of :func:`key_order`): the permuted word-level unpack (``PERM``) leaves code
+    ``c`` as ``1024 + 2^e c`` (:func:`_mpair`); every other path leaves 1. Key columns meet a query divided by it, value
+    columns fill accumulator rows divided by it once per program (exact: powers of two)."""
+    f = tl.arange(0, F)
+    if word_unpack(F, BITS, DOT):
+        PER: tl.constexpr = 32 // BITS  # codes per word
+        DIRECT: tl.constexpr = 10 // BITS
+        k = (f % PER) // 2  # the column's code inside its 16-bit half
+        e = tl.where(k < DIRECT, k, k - DIRECT) * BITS
+        return (1 << e).to(tl.float32)
+    return tl.full([F], 1.0, tl.float32)
 
 
 @triton.jit
@@ -60,26 +87,30 @@ def codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.c
     codes < 256 are exact in fp16, bf16 and fp32)."""
     KB: tl.constexpr = F * BITS // 8
     if word_unpack(F, BITS, DOT):
-        # Word-level unpack: each 32-bit word of codes becomes fp16 pairs of adjacent codes, a
-        # shift, a mask and an or per pair with constant shifts (fp16 bits 0x6400 | c are the
-        # number 1024 + c, c < 1024), so no code ever sits alone in a register. Keys keep the
-        # offset (folded into their min, code_bias: q is an exact operand and the MMA accumulates
-        # in fp32). Values drop it here, exactly in fp16: their other operand, p * scale, is
-        # rounded to fp16, and its rounding error times 1024 would swamp the output.
+        # Word-level unpack: each 32-bit word of codes becomes fp16 pairs, one mask-or per pair
+        # (plus one shift per word), so no code ever sits alone in a register. With BIASED the
+        # offset stays (the caller removes it after the matmul, exactly: the MMA multiplies exact
+        # fp16 operands and accumulates in fp32); without it, it is subtracted here in fp16.
         w32 = pool.to(tl.pointer_type(tl.uint32))
         base = (page * PAGE_SIZE + OFF + row * KB) // 4
         w = tl.load(w32 + base[:, None] + tl.arange(0, KB // 4)[None, :], mask=valid[:, None], other=0)
         if PERM:  # any order inside a word will do: keys meet a query permuted to match, values fill
-            # output columns the store puts back in feature order (key_order gives both)
+            # output columns the store puts back in feature order (key_order, code_scale give both)
+            ws = w >> ((10 // BITS) * BITS)
+            # The fp16 exponent bits 0x6400 of both halves as a runtime value (row < 2^24, so it is
+            # always 0x64006400): ptxas then holds it in one register, where a constant would be
+            # rematerialized before every mask-or (a LOP3 takes one immediate, the mask).
+            magic = (tl.max(row, 0) >> 24).to(tl.uint32) | 0x64006400
             if BITS == 8:
-                pairs = tl.join(_kpair(w, 0, 8), _kpair(w, 1, 8))
+                pairs = tl.join(_mpair(w, ws, magic, 0, 8), _mpair(w, ws, magic, 1, 8))
             elif BITS == 4:
-                pairs = tl.join(tl.join(_kpair(w, 0, 4), _kpair(w, 2, 4)), tl.join(_kpair(w, 1, 4), _kpair(w, 3, 4)))
+                pairs = tl.join(tl.join(_mpair(w, ws, magic, 0, 4), _mpair(w, ws, magic, 2, 4)),
+                                tl.join(_mpair(w, ws, magic, 1, 4), _mpair(w, ws, magic, 3, 4)))
             else:
-                pairs = tl.join(tl.join(tl.join(_kpair(w, 0, 2), _kpair(w, 4, 2)),
-                                        tl.join(_kpair(w, 2, 2), _kpair(w, 6, 2))),
-                                tl.join(tl.join(_kpair(w, 1, 2), _kpair(w, 5, 2)),
-                                        tl.join(_kpair(w, 3, 2), _kpair(w, 7, 2))))
+                pairs = tl.join(tl.join(tl.join(_mpair(w, ws, magic, 0, 2), _mpair(w, ws, magic, 4, 2)),
+                                        tl.join(_mpair(w, ws, magic, 2, 2), _mpair(w, ws, magic, 6, 2))),
+                                tl.join(tl.join(_mpair(w, ws, magic, 1, 2), _mpair(w, ws, magic, 5, 2)),
+                                        tl.join(_mpair(w, ws, magic, 3, 2), _mpair(w, ws, magic, 7, 2))))
         elif BITS == 8:
             pairs = tl.join(_pair(w, 0, 8), _pair(w, 1, 8))
         elif BITS == 4:
@@ -128,15 +159,14 @@ def side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BIT
 
     A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
     element path (LeanKV Eq. (2) applied after the matmul): ``x`` is the raw codes (plus the fp16
-    bias of :func:`codes` when ``BIASED``) and the caller applies ``s`` and ``m`` per key. Any
+    bias of :func:`codes` when ``BIASED``, and the power-of-two column scale of :func:`code_scale`)
+    and the caller applies ``s`` and ``m`` per key, and removes bias and scale. Any
     other side (dense, or several groups per token) is dequantized in registers and returned
     with ``s = 1``, ``m = 0``.
     """
     if BITS < 16 and TIER.NG == 1:
         x = codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED, PERM)
         sc, mn = scale_min(pool, page, row, valid, MOFF, PAGE_SIZE)
-        if BIASED:
-            mn = mn - code_bias(DOT) * sc  # codes arrive as c + bias
     else:
         x = load_side(pool, page, row, valid, OFF, MOFF, BITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK).to(DOT)
         sc = tl.full([BLOCK], 1.0, tl.float32)

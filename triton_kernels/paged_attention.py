@@ -55,7 +55,7 @@ import triton.language as tl
 from leankit.attention import PagedKV, received_attention_ref
 
 from . import tiles
-from .codes import key_order, side_tile, word_unpack
+from .codes import code_bias, code_scale, key_order, side_tile, word_unpack
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
@@ -88,7 +88,7 @@ SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
-def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+def _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row, valid, sm_scale,
                  TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  VPERM: tl.constexpr):
@@ -99,14 +99,17 @@ def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_sca
     ``[W, F, G_PAD]``; a batched ``tl.dot`` per lane): the softmax never reduces across lanes
     inside the loop, and the lanes are merged once per program (:func:`_merge_lanes`).
     Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)`` and
-    ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`).
+    ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`). With one-group quantized values the
+    ``p @ m`` term and the code offset have their own sums ``am``, ``ab`` ``[W, G_PAD]``
+    (:func:`_fold_values`), so no per-tile term is broadcast over the accumulator's F rows.
     """
     BLOCK: tl.constexpr = W * NB
     kx, ks, km = side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
                             PAGE_SIZE, BLOCK, DOT, True, True)
     ks = tl.reshape(ks * sm_scale, (W, NB))
     km = tl.reshape(km * sm_scale, (W, NB))
-    raw = tl.dot(q3, tl.permute(tl.reshape(kx, (W, NB, F)), (0, 2, 1)), input_precision=PREC)
+    # the MMA starts from -1024 sum(q') (qoff, :func:`_tier_query`), so raw = q . Q with Q the codes
+    raw = tl.dot(q3, tl.permute(tl.reshape(kx, (W, NB, F)), (0, 2, 1)), acc=qoff, input_precision=PREC)
     s = raw * ks[:, None, :] + qsum[None, :, None] * km[:, None, :]
     s = tl.where(tl.reshape(kpos, (W, NB))[:, None, :] <= qpos, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 2))
@@ -114,20 +117,54 @@ def _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_sca
     p = tl.exp2(s - m_safe[:, :, None])
     alpha = tl.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 2)
+    VQ: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1
+    VB: tl.constexpr = _value_bias(TIER, DOT)
+    # one-group value codes keep the fp16 offset of codes() (1024 + 2^e c: no per-element subtraction)
     vx, vs, vm = side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK, DOT, False, VPERM)
+                            PAGE_SIZE, BLOCK, DOT, VB != 0, VPERM)
     vs = tl.reshape(vs, (W, NB))
     vm = tl.reshape(vm, (W, NB))
+    ps = (p * vs[:, None, :]).to(DOT)
     # Transposed (v^T p^T): the F output columns fill the MMA's M dimension and the few query rows
     # its N, so no padded query rows are copied into the operand registers each tile.
-    pv = tl.dot(tl.permute(tl.reshape(vx, (W, NB, F)), (0, 2, 1)), tl.permute((p * vs[:, None, :]).to(DOT), (0, 2, 1)),
+    pv = tl.dot(tl.permute(tl.reshape(vx, (W, NB, F)), (0, 2, 1)), tl.permute(ps, (0, 2, 1)),
                 input_precision=PREC)
-    acc = acc * alpha[:, None, :] + pv + tl.sum(p * vm[:, None, :], 2)[:, None, :]
-    return s, m_new, l, acc
+    if VQ:
+        acc = acc * alpha[:, None, :] + pv
+        am = am * alpha + tl.sum(p * vm[:, None, :], 2)
+        if VB != 0:
+            # the offset leaves through the operand the MMA saw, ps = fp16(p s): sum_n ps_n, not
+            # sum_n p_n s_n (1024 times the fp16 rounding of p s would swamp the output)
+            ab = ab * alpha + tl.sum(ps.to(tl.float32), 2)
+    else:
+        acc = acc * alpha[:, None, :] + pv + tl.sum(p * vm[:, None, :], 2)[:, None, :]
+    return s, m_new, l, acc, am, ab
 
 
 @triton.jit
-def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, lg_ptr, LG_N,
+def _fold_values(acc, am, ab, TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr, VPERM: tl.constexpr):
+    """A tier's accumulator ``[W, F, G_PAD]`` in value units: row ``f`` summed ``ps (1024 + 2^e_f c)``
+    (:func:`code_scale`; word order when ``VPERM``), ``ab`` the sum of ``ps`` and ``am`` the
+    ``p @ m`` term, so ``p @ v_hat = (acc - 1024 ab) / 2^e_f + am`` (exact power-of-two divide)."""
+    if TIER.VBITS < 16 and TIER.NG == 1:
+        acc = acc - _value_bias(TIER, DOT) * ab[:, None, :]
+        if VPERM:
+            acc = acc / code_scale(F, TIER.VBITS, DOT)[None, :, None]
+        acc = acc + am[:, None, :]
+    return acc
+
+
+@triton.jit
+def _value_bias(TIER: tl.constexpr, DOT: tl.constexpr):
+    """Offset the value codes of ``TIER`` keep in the decode loop: :func:`code_bias` for one-group
+    quantized values, 0 for any other value side (dequantized in registers)."""
+    if TIER.VBITS < 16 and TIER.NG == 1:
+        return code_bias(DOT)
+    return 0.0
+
+
+@triton.jit
+def _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, lg_ptr, LG_N,
                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
@@ -146,7 +183,10 @@ def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, 
     # accumulator into that order for the loop and back after it (once per program, not per tile).
     VPERM: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1 and word_unpack(F, TIER.VBITS, DOT)
     if VPERM:
-        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, True)
+        # value column j accumulates 2^e_j times its codes (code_scale): scale the rows to match
+        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, True) * code_scale(F, TIER.VBITS, DOT)[None, :, None]
+    am = tl.zeros([W, G_PAD], tl.float32)
+    ab = tl.zeros([W, G_PAD], tl.float32)
     if BLOCK >= TIER.T:
         PPT: tl.constexpr = BLOCK // TIER.T
         j = t // TIER.T
@@ -162,17 +202,18 @@ def _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, 
                 col = pcol
             page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
             kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
-            s, m, l, acc = _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
-                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
+            s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
+                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
     else:
         for start in range(pg0 * TIER.T, s1, BLOCK):
             slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
-            s, m, l, acc = _decode_step(m, l, acc, q3, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
-                                        TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
+            s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
+                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
+    acc = _fold_values(acc, am, ab, TIER, F, DOT, VPERM)
     if VPERM:
         acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, False)
     return m, l, acc
@@ -193,11 +234,25 @@ def _word_order(acc, W: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, BITS
 
 
 @triton.jit
-def _key_cols(TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
-    """Query columns matching the key tile of ``TIER`` (:func:`key_order` on its quantized one-group keys)."""
+def _tier_query(q_row, g, TIER: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
+                W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr):
+    """The query rows ``[G_PAD, F]`` as ``DOT`` operand for the key tile of ``TIER``, and their fp32 sums.
+
+    One-group quantized keys arrive in the column order of :func:`key_order`, column ``j`` holding
+    ``1024 + 2^e_j c`` (:func:`code_scale`): the query is loaded in that order and divided by
+    ``2^e_j`` (exact: a power of two), so ``q' . k = 1024 sum(q') + q . c``. Returns ``q'``, the
+    sum of ``q`` as rounded (the ``m sum(q)`` term of ``q . k_hat``) and ``-1024 sum(q')``
+    broadcast to the logits tile ``[W, G_PAD, NB]``, the MMA's starting value.
+    """
     if TIER.KBITS < 16 and TIER.NG == 1:
-        return key_order(F, TIER.KBITS, DOT)
-    return tl.arange(0, F)
+        q = tl.load(q_row + key_order(F, TIER.KBITS, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
+        qs = (q.to(tl.float32) / code_scale(F, TIER.KBITS, DOT)[None, :]).to(DOT)
+        off = -code_bias(DOT) * tl.sum(qs.to(tl.float32), 1)
+    else:
+        q = tl.load(q_row + tl.arange(0, F)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
+        qs = q
+        off = tl.zeros([G_PAD], tl.float32)
+    return qs, tl.sum(q.to(tl.float32), 1), tl.broadcast_to(off[None, :, None], (W, G_PAD, NB))
 
 
 @triton.jit
@@ -248,8 +303,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     qpos = tl.load(qpos_ptr + b * stride_pb)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh
     # Each tier's keys arrive in that tier's column order (key_order): load q in the same order.
-    q_hi = tl.load(q_row + _key_cols(HI, F, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
-    qsum = tl.sum(q_hi.to(tl.float32), 1)  # the m * sum(q) term of q . k_hat (one-group quantized keys)
+    q_hi, qsum, qoff = _tier_query(q_row, g, HI, G, G_PAD, F, W, NB_HI, DOT)
     q3 = tl.broadcast_to(q_hi[None, :, :], (W, G_PAD, F))
     tab_row = tab_ptr + bh.to(tl.int64) * R
     m = tl.full([W, G_PAD], float("-inf"), tl.float32)
@@ -259,16 +313,17 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     v1 = v0 + PPS
     nh = tl.load(np_ptr + bh)
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
-    m, l, acc = _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, tl.minimum(v0, nh), tl.minimum(v1, nh),
+    m, l, acc = _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, tl.minimum(v0, nh), tl.minimum(v1, nh),
                              tl.load(len_ptr + bh), R, sm_scale, lg_row, LG_N,
                              False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, W, NB_HI, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
         nl = tl.load(np_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
-        q_lo = tl.load(q_row + _key_cols(LO, F, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
+        q_lo, qsum, qoff = _tier_query(q_row, g, LO, G, G_PAD, F, W, NB_LO, DOT)
         q3 = tl.broadcast_to(q_lo[None, :, :], (W, G_PAD, F))
-        m, l, acc = _decode_tier(m, l, acc, q3, qsum, qpos, pool, tab_row, l0, l1, tl.load(len_ptr + stride_tier + bh),
+        m, l, acc = _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, l0, l1,
+                                 tl.load(len_ptr + stride_tier + bh),
                                  R, sm_scale, lg_row + G * LG_N, LG_N,
                                  True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, W, NB_LO, DOT, PREC, SAVE_LOGITS)
     m, l, acc = _merge_lanes(m, l, acc)
