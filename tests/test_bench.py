@@ -153,8 +153,11 @@ def test_throughput_run_counts_only_requested_tokens():
     for c in res["caches"]:
         assert c["tokens"] == res["requested_tokens"] and c["time_s"] > 0
         assert c["batches"] == -(-5 // c["batch"])
+        assert 0 < c["prefill_s"] < c["time_s"]  # every batch generates 2+ tokens after its prefill
     assert res["caches"][0]["tokens_per_s_ratio"] == 1.0
     assert "budget" in throughput.notes(res) and "| LeanCache K8V4 |" in throughput.table(res)
+    share = res["caches"][0]["prefill_s"] / res["caches"][0]["time_s"]
+    assert f"would reach {1 / share:.2f}x" in throughput.notes(res)
 
 
 def test_throughput_ceiling_runs_dynamic_cache_at_the_largest_lean_batch():

@@ -78,7 +78,9 @@ The budget (--budget-bytes; default: the fp16 bytes of 8 rows of the mix's longe
                         batch is verified to run and one row more to exhaust (--no-verify skips)
 Each batch generates exactly its longest requested output (EOS ignored, the same for every
 cache); only each request's own requested tokens count. Time: the generate calls, first
-prefill to last token. Default LeanCache configs: {', '.join(DEFAULT_KVS)}.
+prefill to last token. The prefill share (time to each batch's first token) bounds the gain
+of any cache on the mix: prefill work does not shrink with a bigger batch. Default LeanCache
+configs: {', '.join(DEFAULT_KVS)}.
 """
 
 

@@ -25,7 +25,9 @@ How each cache is held to the budget:
 Every batch generates exactly the batch's longest requested output (``min_new_tokens =
 max_new_tokens``, so EOS never stops a row early, the same for every cache); only each request's
 own requested tokens are counted. Time is the sum of the ``generate`` calls, from the first
-prefill of a batch to its last token (building the cache and padding the batch excluded).
+prefill of a batch to its last token (building the cache and padding the batch excluded); the
+time to each batch's first token is reported as the prefill share, which bounds what any cache
+can gain on the mix (prefill work does not shrink with a bigger batch).
 """
 
 from __future__ import annotations
@@ -93,19 +95,38 @@ class _PeakBytes:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def generate(model, cache, prompts: list[torch.Tensor], new_tokens: int, pad: int, stopping=None) -> float:
-    """Greedy ``generate`` of exactly ``new_tokens`` tokens per row into ``cache``; returns its wall time."""
+class _FirstToken:
+    """A stopping criterion that never stops: it notes when the first token is chosen, i.e. when
+    the prefill forward is done."""
+
+    def __init__(self):
+        self.at = None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.at is None:
+            self.at = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def generate(model, cache, prompts: list[torch.Tensor], new_tokens: int, pad: int, stopping=None,
+             timed: dict | None = None) -> float:
+    """Greedy ``generate`` of exactly ``new_tokens`` tokens per row into ``cache``; returns its wall time.
+
+    ``timed``: a dict whose ``"prefill_s"`` grows by the time to the first token (the prefill).
+    """
     from transformers import StoppingCriteriaList
 
     ids, mask = left_padded(prompts, pad)
+    first = _FirstToken()
     kwargs = dict(past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  pad_token_id=pad)
-    if stopping is not None:
-        kwargs["stopping_criteria"] = StoppingCriteriaList([stopping])
+                  pad_token_id=pad, stopping_criteria=StoppingCriteriaList([first] + ([stopping] if stopping else [])))
     with torch.no_grad():
         t0 = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+    if timed is not None:
+        timed["prefill_s"] = timed.get("prefill_s", 0.0) + (first.at - t0 if first.at is not None else elapsed)
+    return elapsed
 
 
 # ---------------------------------------------------------------------------- caches
@@ -250,12 +271,13 @@ def serve(model, kind, requests: list[Request], batch: int, budget: int, pad: in
     max_len = max(len(r.prompt) for r in requests) + max(r.output for r in requests)
     notes = []
     while batch > 0:
-        elapsed, tokens, done = 0.0, 0, 0
+        elapsed, tokens, done, timed = 0.0, 0, 0, {"prefill_s": 0.0}
         try:
             for i in range(0, len(requests), batch):
                 chunk = requests[i: i + batch]
                 cache = kind.make(model, budget, max_len)
-                elapsed += generate(model, cache, [r.prompt for r in chunk], max(r.output for r in chunk), pad)
+                elapsed += generate(model, cache, [r.prompt for r in chunk], max(r.output for r in chunk), pad,
+                                    timed=timed)
                 tokens += sum(r.output for r in chunk)
                 done += len(chunk)
                 bar.update(len(chunk))
@@ -264,7 +286,8 @@ def serve(model, kind, requests: list[Request], batch: int, budget: int, pad: in
             bar.update(len(requests) - done)
             batch -= 1
             continue
-        return dict(batch=batch, time_s=elapsed, tokens=tokens, batches=-(-len(requests) // batch), notes=notes)
+        return dict(batch=batch, time_s=elapsed, prefill_s=timed["prefill_s"], tokens=tokens,
+                    batches=-(-len(requests) // batch), notes=notes)
     raise ValueError(f"{kind.name} cannot run one row of these requests in a budget of {budget} bytes")
 
 
@@ -327,7 +350,7 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
                    disable=not progress)
         out = serve(model, kinds[0], reqs, batch, budget, pad, bar)
         bar.close()
-        top = dict(batch=out["batch"], time_s=out["time_s"], tokens=out["tokens"],
+        top = dict(batch=out["batch"], time_s=out["time_s"], prefill_s=out["prefill_s"], tokens=out["tokens"],
                    tokens_per_s=out["tokens"] / out["time_s"])
     for c in caches + ([top] if top else []):
         c["tokens_per_s_ratio"] = c["tokens_per_s"] / base["tokens_per_s"]
@@ -348,12 +371,13 @@ def summary(res: dict) -> str:
 def table(res: dict) -> str:
     """Markdown table of :func:`run`'s result."""
     head = ("| cache | batch | generate calls | bytes per row | tokens/s | tokens/s vs DynamicCache | "
-            "batch vs DynamicCache |")
-    lines = [head, "|---|---|---|---|---|---|---|"]
+            "batch vs DynamicCache | prefill share of the time |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for c in res["caches"]:
         lines.append(f"| {c['name']} | {c['batch']} | {c['batches']} | {_fmt_bytes(c['bytes_per_row'])} | "
                      f"{c['tokens_per_s']:.2f} | "
-                     f"{c['tokens_per_s_ratio']:.2f}x | {c['batch_ratio']:.2f}x |")
+                     f"{c['tokens_per_s_ratio']:.2f}x | {c['batch_ratio']:.2f}x | "
+                     f"{c['prefill_s'] / c['time_s']:.0%} |")
     return "\n".join(lines)
 
 
@@ -369,6 +393,14 @@ def notes(res: dict) -> str:
         out.append(f"Ceiling: DynamicCache over the budget at batch {top['batch']} makes {top['tokens_per_s']:.2f} "
                    f"tokens/s, {top['tokens_per_s_ratio']:.2f}x its in-budget rate: what a compressor with no time "
                    "overhead could reach at that batch on this machine")
+    base = res["caches"][0]
+    if base["time_s"] > 0:
+        # Prefill work grows with the prompt tokens, not the batch, so a bigger batch cannot shrink it:
+        # with prefill share f of the baseline's time, no cache whose prefill is as fast gains more
+        # than 1 / f, however fast its decode.
+        share = base["prefill_s"] / base["time_s"]
+        out.append(f"Prefill (time to each batch's first token) is {share:.0%} of DynamicCache's time: a cache "
+                   f"with DynamicCache's prefill speed and a free decode would reach {1 / max(share, 1e-9):.2f}x")
     for c in res["caches"]:
         extra = "; ".join(c["notes"])
         out.append(f"{c['name']}: bytes per row = {c['bytes_note']}; batch = {c['fit']}"
