@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PAGE_ALIGN, ActGeometry, KVConfig, Precision, _align, act_geometry
 from . import native
+from .config import PAGE_ALIGN, ActGeometry, KVConfig, Precision, _align, act_geometry
 from .quant import META_DTYPE, check_finite, dequantize, quantize
 
 SEGMENTS = ("k_data", "k_meta", "v_data", "v_meta", "score", "position")
