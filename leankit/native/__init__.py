@@ -39,7 +39,16 @@ import torch
 
 from ..quant import NonFiniteKVError
 
-SOURCE_DIR = Path(__file__).parent  # the C files (compiled together into one library) and their header
+SOURCE_DIR = Path(__file__).parent  # the C files (compiled together into one library) and their headers
+# The kernels' error codes (errors.h): the exception each raises here, and what it means.
+ERRORS = {
+    -1: (MemoryError, "no memory for the kernel's scratch"),
+    -2: (ValueError, "a page id lies outside the pool"),
+    -3: (ValueError, "pages are not grouped by head in ascending order"),
+    -4: (ValueError, "more live pages than the output holds"),
+    -5: (NonFiniteKVError, "KV states contain NaN or Inf; refusing to store them in the cache"),
+    -6: (NonFiniteKVError, "KV values exceed the fp16 range of the quantization metadata"),
+}
 # Reassociation lets the compiler vectorize the dot products' sums (their order then differs from
 # a sequential sum by fp32 rounding, as a BLAS's does); NaN and Inf semantics are kept, because
 # the key side may read stale bytes in dead slots, which the caller masks afterwards.
@@ -227,12 +236,15 @@ class Kernels:
         return {f"{side}_data": dim * bits // 8, f"{side}_meta": 4 * (dim // group_size)}
 
     @staticmethod
-    def _check_result(code: int, name: str) -> None:
-        if code == -1:
-            raise MemoryError(f"native {name}: no memory for the kernel's scratch")
-        if code:
-            raise ValueError(f"native {name}: " + {-2: "a page id lies outside the pool",
-                                                   -3: "pages are not grouped by head in ascending order"}[code])
+    def _check_result(code: int, name: str, bad_page: str | None = None) -> None:
+        """Raise what a kernel's error ``code`` (``errors.h``) means; ``bad_page``: the caller's own
+        words for LK_BAD_PAGE."""
+        if code == 0:
+            return
+        kind, message = ERRORS[code]
+        if code == -2 and bad_page:
+            message = bad_page
+        raise kind(message if kind is NonFiniteKVError else f"native {name}: {message}")
 
     def live_scores(self, pages: PoolPages, q: torch.Tensor, q_pos: torch.Tensor, lens: torch.Tensor,
                     bits: int, group_size: int, out: torch.Tensor, m: torch.Tensor,
@@ -325,12 +337,7 @@ class Kernels:
                                          slot.data_ptr(), n, tokens, dim, k_bits, v_bits, group_size, offs.data_ptr(),
                                          k.data_ptr(), v.data_ptr(), position.data_ptr(), score.data_ptr(),
                                          torch.get_num_threads())
-        if code in (-5, -6):
-            raise NonFiniteKVError("KV states contain NaN or Inf; refusing to store them in the cache" if code == -5
-                                   else "KV values exceed the fp16 range of the quantization metadata")
-        if code == -2:
-            raise ValueError("native store_tokens: a page id lies outside the pool or a slot outside its page")
-        self._check_result(code, "store_tokens")
+        self._check_result(code, "store_tokens", bad_page="a page id lies outside the pool or a slot outside its page")
 
     def update_scores(self, pages: PoolPages, p: torch.Tensor, row_weight: torch.Tensor, pos: torch.Tensor,
                       valid: torch.Tensor, stored: torch.Tensor, q_first: torch.Tensor, q_last: torch.Tensor,

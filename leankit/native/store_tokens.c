@@ -23,13 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "errors.h"
 #include "fp16.h"
-
-/* Error codes shared with leankit/native/__init__.py. */
-#define LK_NO_MEMORY (-1)
-#define LK_BAD_PAGE (-2)   /* a page id outside the pool, or a slot outside a page */
-#define LK_NON_FINITE (-5) /* a key or value holds NaN or Inf */
-#define LK_META_RANGE (-6) /* a group's scale does not fit fp16 */
 
 #define MIN_TOKENS_PER_THREAD 64 /* fewer tokens cost more to hand to a thread than they save */
 

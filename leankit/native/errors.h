@@ -1,0 +1,12 @@
+/* Error codes of leankit's compiled CPU kernels, shared with leankit/native/__init__.py (ERRORS). */
+#ifndef LEANKIT_ERRORS_H
+#define LEANKIT_ERRORS_H
+
+#define LK_NO_MEMORY (-1)  /* no memory for a kernel's scratch */
+#define LK_BAD_PAGE (-2)   /* a page id outside the pool (or, for a store, a slot outside its page) */
+#define LK_UNSORTED (-3)   /* pages not grouped by head */
+#define LK_OVERFLOW (-4)   /* more live pages than the output holds */
+#define LK_NON_FINITE (-5) /* a key or value to store holds NaN or Inf */
+#define LK_META_RANGE (-6) /* a group's scale to store does not fit fp16 */
+
+#endif
