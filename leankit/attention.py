@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import decode_attention
+from . import decode_attention, native
 from .page_table import BidirectionalPageTable
 from .pages import SEGMENTS, PageLayout, PagePool
 from .quant import META_DTYPE, codes_per_byte
@@ -254,7 +254,7 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
     if chunk_pages is None:
         maxima = decode_attention.tier_page_maxima(kv)
         if decode_attention.supports(kv.layouts, g * nq, [m > 0 for m in maxima],
-                                     compiled=decode_attention.compiled_kernels(q.device) is not None):
+                                     compiled=native.kernels_for(q.device) is not None):
             # A few query rows over quantized pages: read live pages only, codes never dequantized.
             return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits, maxima, live_slots)
     outs, lses = [], []

@@ -54,7 +54,7 @@ def supports(layouts, rows: int, occupied=None, compiled: bool = False) -> bool:
 
     ``occupied``: per tier, whether any head holds pages of it (default: all). Only occupied
     tiers count: a two-tier config whose low tier is still empty reads like a single tier.
-    ``compiled``: the call will run on the compiled CPU kernels (:func:`compiled_kernels`).
+    ``compiled``: the call will run on the compiled CPU kernels (:func:`leankit.native.kernels_for`).
 
     Every side of every tier must be quantized (dense sides may hold stale NaN bytes in dead
     slots, which only the padded path masks) with groups that span whole bytes. On the torch
@@ -75,12 +75,6 @@ def supports(layouts, rows: int, occupied=None, compiled: bool = False) -> bool:
             if lay.group_size % codes_per_byte(bits):
                 return False
     return True
-
-
-def compiled_kernels(device) -> native.Kernels | None:
-    """The kernels of :mod:`leankit.native` that run a step's per-page loops on ``device``:
-    on a CPU where they could be built, else None (the torch path)."""
-    return native.kernels() if torch.device(device).type == "cpu" else None
 
 
 def _plane_query(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -298,7 +292,7 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     ws = kv.workspace or Workspace()
     qs = (q.float().reshape(bh, rows, f) * scale).contiguous()  # scaled; row g*Q + i of KV head h: query head h*G + g, query i
     qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows).contiguous()
-    compiled = compiled_kernels(q.device) if use_native else None
+    compiled = native.kernels_for(q.device) if use_native else None
     if compiled is not None:
         return _live_attention_native(compiled, q, qs, qp, kv, ws, return_logits, live_slots)
     maxima = tier_page_maxima(kv) if page_maxima is None else page_maxima

@@ -355,7 +355,7 @@ class PagePool:
         it all with the same bytes (the torch path runs about twenty small ops per call, which
         dominate a decode step's store).
         """
-        kernels = native.kernels() if self.device.type == "cpu" else None
+        kernels = native.kernels_for(self.device)
         if kernels is not None and layout.precision.k_bits < 16 and layout.precision.v_bits < 16:
             page = page_ids.long()
             if keep is not None:  # a negative page id: the kernel skips the token

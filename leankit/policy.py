@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .allocator import exclusive_cumsum
 from .backend import use_triton
-from .decode_attention import LiveSlots, compiled_kernels
+from .decode_attention import LiveSlots
 from .page_table import HIGH, LOW
 
 KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
@@ -483,7 +484,7 @@ class _Base:
             if not t.page_ids.numel():
                 continue
             if t.pages is not None:  # the compiled kernels' pages: the same rule, per slot, in place
-                compiled_kernels(cache.device).update_scores(t.pages, t.probs, t.row_weight, t.pos, t.valid, t.score,
+                native.kernels_for(cache.device).update_scores(t.pages, t.probs, t.row_weight, t.pos, t.valid, t.score,
                                                              q_first, q_last, has)
                 continue
             row = (t.head // heads).unsqueeze(1)  # [L, 1] sequence of each page

@@ -393,3 +393,9 @@ def kernels() -> Kernels | None:
                               RuntimeWarning, stacklevel=2)
             _state["kernels"] = found
     return _state["kernels"]
+
+
+def kernels_for(device) -> Kernels | None:
+    """The kernels that run a step's per-page work on ``device``: :func:`kernels` on a CPU, else
+    None (the torch path, or the Triton kernels on a GPU)."""
+    return kernels() if torch.device(device).type == "cpu" else None
