@@ -18,9 +18,10 @@ the work is all in that per-key pass, so this module reads *live pages only*:
    the groups ride in the matmul's rows as a block-diagonal query.
    On a CPU the whole step runs instead in the compiled kernels of :mod:`leankit.native` when
    they could be built: pages are listed from the page table and read in place in the pool (no
-   gathered copy), with the masks, maxima, numerators and sums inside two passes (same
-   factoring, natural column order, codes unpacked in registers). The torch steps here are the
-   fallback and their reference.
+   gathered copy), with the masks, maxima, numerators and sums inside two passes (each token
+   dequantized once into a small scratch row, its codes unpacked plane by plane within each
+   group).
+   The torch steps here are the fallback and their reference.
 3. The softmax is exact and two-pass per layer (scores of every live page are small: rows x
    tokens), with per-head maxima and sums reduced over the pages of each head by
    ``scatter_reduce`` / ``index_add``. Codes are converted a chunk of pages at a time

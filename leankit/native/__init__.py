@@ -4,15 +4,17 @@ The torch path of decode attention over live pages (:mod:`leankit.decode_attenti
 of its time outside arithmetic: every code becomes an fp32 element in memory before a matmul can
 read it (4x the bytes the page holds, 16x for 2-bit codes), and each 2 KB page is one small GEMM
 that MKL runs far below its peak. ``live_attention.c`` reads each page in place in the pool, through
-its id, and uses its codes while they sit in registers, the way the Triton kernels do on a GPU;
-the masks, the softmax's maxima and sums, and the running-significance update of the live slots
-run inside the same loops instead of as a dozen tensor ops per tier.
+its id, and dequantizes each token into a small scratch row that it uses at once, the way the
+Triton kernels use codes in registers on a GPU; the masks, the softmax's maxima and sums, and the
+running-significance update of the live slots run inside the same loops instead of as a dozen
+tensor ops per tier. ``store_tokens.c`` quantizes a step's new tokens straight into their slots.
 
-The C file has no dependencies. It is compiled with the system's C compiler (``$CC``, else
-``cc``/``gcc``/``clang``) into ``$LEANKIT_CACHE_DIR`` (default ``~/.cache/leankit``), keyed by the
-source, the flags and the CPU's feature flags, and loaded with :mod:`ctypes`. Without a compiler,
-or with ``LEANKIT_NATIVE=0``, :func:`kernels` returns ``None`` and leankit runs the torch path,
-which computes the same thing (``tests/test_native.py`` checks one against the other).
+The C files have no dependencies. They are compiled together, with the system's C compiler
+(``$CC``, else ``cc``/``gcc``/``clang``), into one library in ``$LEANKIT_CACHE_DIR`` (default
+``~/.cache/leankit``), keyed by the sources and headers, the flags and the CPU's feature flags,
+and loaded with :mod:`ctypes`. Without a compiler, or with ``LEANKIT_NATIVE=0``, :func:`kernels`
+returns ``None`` and leankit runs the torch path, which computes the same thing
+(``tests/test_native.py`` checks one against the other).
 
 Threads: where torch runs on GNU OpenMP (its Linux wheels ship ``libgomp.so.1``), the library is
 built with ``-fopenmp``. Loaded after torch, its ``libgomp.so.1`` dependency resolves to the copy
