@@ -24,13 +24,6 @@ from .tiles import code_ptrs, load_side, meta_index, unpack_codes
 
 
 @triton.jit
-def _pair(w, j: tl.constexpr, BITS: tl.constexpr):
-    """Codes ``2j`` and ``2j + 1`` of each 32-bit word ``w`` as the bits of an fp16 pair ``(1024 + c)``."""
-    MASK: tl.constexpr = (1 << BITS) - 1
-    return ((w >> (2 * j * BITS)) & MASK) | (((w >> ((2 * j + 1) * BITS)) & MASK) << 16) | 0x64006400
-
-
-@triton.jit
 def _mpair(w, ws, magic, k: tl.constexpr, BITS: tl.constexpr):
     """Codes ``k`` and ``k + 16 / BITS`` of each 32-bit word ``w`` (one per 16-bit half) as the bits of an
     fp16 pair ``1024 + 2^e c``, with no shift of their own: a code that lies inside the 10 mantissa
@@ -49,7 +42,7 @@ def _mpair(w, ws, magic, k: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def code_scale(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
     """Power of two ``2^e`` each column of a tile from :func:`codes` carries on its codes (fp32 ``[F]``, in
-    the column order of :func:`key_order`): the permuted word-level unpack (``PERM``) leaves code
+    the column order of :func:`key_order`): the word-level unpack leaves code
     ``c`` as ``1024 + 2^e c`` (:func:`_mpair`); every other path leaves 1. Key columns meet a query divided by it, value
     columns fill accumulator rows divided by it once per program (exact: powers of two)."""
     f = tl.arange(0, F)
@@ -82,9 +75,10 @@ def word_unpack(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, PERM: tl.constexpr):
+           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
     """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
-    codes < 256 are exact in fp16, bf16 and fp32)."""
+    codes < 256 are exact in fp16, bf16 and fp32). Where :func:`word_unpack` holds, the columns come
+    in the order of :func:`key_order`, each scaled by :func:`code_scale`; elsewhere in feature order."""
     KB: tl.constexpr = F * BITS // 8
     if word_unpack(F, BITS, DOT):
         # Word-level unpack: each 32-bit word of codes becomes fp16 pairs, one mask-or per pair
@@ -94,30 +88,23 @@ def codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.c
         w32 = pool.to(tl.pointer_type(tl.uint32))
         base = (page * PAGE_SIZE + OFF + row * KB) // 4
         w = tl.load(w32 + base[:, None] + tl.arange(0, KB // 4)[None, :], mask=valid[:, None], other=0)
-        if PERM:  # any order inside a word will do: keys meet a query permuted to match, values fill
-            # output columns the store puts back in feature order (key_order, code_scale give both)
-            ws = w >> ((10 // BITS) * BITS)
-            # The fp16 exponent bits 0x6400 of both halves as a runtime value (row < 2^24, so it is
-            # always 0x64006400): ptxas then holds it in one register, where a constant would be
-            # rematerialized before every mask-or (a LOP3 takes one immediate, the mask).
-            magic = (tl.max(row, 0) >> 24).to(tl.uint32) | 0x64006400
-            if BITS == 8:
-                pairs = tl.join(_mpair(w, ws, magic, 0, 8), _mpair(w, ws, magic, 1, 8))
-            elif BITS == 4:
-                pairs = tl.join(tl.join(_mpair(w, ws, magic, 0, 4), _mpair(w, ws, magic, 2, 4)),
-                                tl.join(_mpair(w, ws, magic, 1, 4), _mpair(w, ws, magic, 3, 4)))
-            else:
-                pairs = tl.join(tl.join(tl.join(_mpair(w, ws, magic, 0, 2), _mpair(w, ws, magic, 4, 2)),
-                                        tl.join(_mpair(w, ws, magic, 2, 2), _mpair(w, ws, magic, 6, 2))),
-                                tl.join(tl.join(_mpair(w, ws, magic, 1, 2), _mpair(w, ws, magic, 5, 2)),
-                                        tl.join(_mpair(w, ws, magic, 3, 2), _mpair(w, ws, magic, 7, 2))))
-        elif BITS == 8:
-            pairs = tl.join(_pair(w, 0, 8), _pair(w, 1, 8))
+        # Any order inside a word will do: keys meet a query permuted to match, values fill output
+        # columns the store puts back in feature order (key_order, code_scale give both).
+        ws = w >> ((10 // BITS) * BITS)
+        # The fp16 exponent bits 0x6400 of both halves as a runtime value (row < 2^24, so it is
+        # always 0x64006400): ptxas then holds it in one register, where a constant would be
+        # rematerialized before every mask-or (a LOP3 takes one immediate, the mask).
+        magic = (tl.max(row, 0) >> 24).to(tl.uint32) | 0x64006400
+        if BITS == 8:
+            pairs = tl.join(_mpair(w, ws, magic, 0, 8), _mpair(w, ws, magic, 1, 8))
         elif BITS == 4:
-            pairs = tl.join(tl.join(_pair(w, 0, 4), _pair(w, 2, 4)), tl.join(_pair(w, 1, 4), _pair(w, 3, 4)))
+            pairs = tl.join(tl.join(_mpair(w, ws, magic, 0, 4), _mpair(w, ws, magic, 2, 4)),
+                            tl.join(_mpair(w, ws, magic, 1, 4), _mpair(w, ws, magic, 3, 4)))
         else:
-            pairs = tl.join(tl.join(tl.join(_pair(w, 0, 2), _pair(w, 4, 2)), tl.join(_pair(w, 2, 2), _pair(w, 6, 2))),
-                            tl.join(tl.join(_pair(w, 1, 2), _pair(w, 5, 2)), tl.join(_pair(w, 3, 2), _pair(w, 7, 2))))
+            pairs = tl.join(tl.join(tl.join(_mpair(w, ws, magic, 0, 2), _mpair(w, ws, magic, 4, 2)),
+                                    tl.join(_mpair(w, ws, magic, 2, 2), _mpair(w, ws, magic, 6, 2))),
+                            tl.join(tl.join(_mpair(w, ws, magic, 1, 2), _mpair(w, ws, magic, 5, 2)),
+                                    tl.join(_mpair(w, ws, magic, 3, 2), _mpair(w, ws, magic, 7, 2))))
         lo = pairs.to(tl.uint16).to(tl.float16, bitcast=True)
         hi = (pairs >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         x = tl.reshape(tl.join(lo, hi), (valid.shape[0], F))  # (pair, half) flattens to code order
@@ -154,7 +141,7 @@ def scale_min(pool, page, row, valid, MOFF: tl.constexpr, PAGE_SIZE: tl.constexp
 @triton.jit
 def side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BITS: tl.constexpr,
                TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               BLOCK: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, PERM: tl.constexpr):
+               BLOCK: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
     """One side (K or V) of a slot tile as ``(x [BLOCK, F] DOT, scale [BLOCK], min [BLOCK])``.
 
     A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
@@ -165,7 +152,7 @@ def side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BIT
     with ``s = 1``, ``m = 0``.
     """
     if BITS < 16 and TIER.NG == 1:
-        x = codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED, PERM)
+        x = codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED)
         sc, mn = scale_min(pool, page, row, valid, MOFF, PAGE_SIZE)
     else:
         x = load_side(pool, page, row, valid, OFF, MOFF, BITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK).to(DOT)

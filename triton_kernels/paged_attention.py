@@ -90,8 +90,7 @@ SPLIT_BYTES_RATIO = 16
 @triton.jit
 def _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row, valid, sm_scale,
                  TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                 VPERM: tl.constexpr):
+                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """Base-2 logits ``[W, G_PAD, NB]`` of one slot tile and the online-softmax step over it.
 
     The ``BLOCK = W * NB`` slots are split into ``W`` independent lanes of ``NB`` slots, each with
@@ -105,7 +104,7 @@ def _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
     """
     BLOCK: tl.constexpr = W * NB
     kx, ks, km = side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK, DOT, True, True)
+                            PAGE_SIZE, BLOCK, DOT, True)
     ks = tl.reshape(ks * sm_scale, (W, NB))
     km = tl.reshape(km * sm_scale, (W, NB))
     # the MMA starts from -1024 sum(q') (qoff, :func:`_tier_query`), so raw = q . Q with Q the codes
@@ -121,7 +120,7 @@ def _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
     VB: tl.constexpr = _value_bias(TIER, DOT)
     # one-group value codes keep the fp16 offset of codes() (1024 + 2^e c: no per-element subtraction)
     vx, vs, vm = side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK, DOT, VB != 0, VPERM)
+                            PAGE_SIZE, BLOCK, DOT, VB != 0)
     vs = tl.reshape(vs, (W, NB))
     vm = tl.reshape(vm, (W, NB))
     ps = (p * vs[:, None, :]).to(DOT)
@@ -203,14 +202,14 @@ def _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_liv
             page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
             kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
             s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
-                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
+                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
     else:
         for start in range(pg0 * TIER.T, s1, BLOCK):
             slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
             s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
-                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC, VPERM)
+                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
     acc = _fold_values(acc, am, ab, TIER, F, DOT, VPERM)
