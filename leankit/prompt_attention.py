@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -69,40 +70,76 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, memo: dict | None) ->
     return out
 
 
+# The capture swaps ``F.scaled_dot_product_attention`` (which transformers' SDPA path looks up at each
+# call) for :func:`_capturing_sdpa` while any thread is inside :func:`_lse_capture`. What a call
+# records, and where, is the calling thread's own state: another thread's SDPA calls (a second
+# model, a DynamicCache run beside a LeanCache one) pass through untouched and never land in this
+# thread's box. The swap is counted under a lock, so overlapping captures install it once and the
+# last one out restores the function it found.
+_capture = threading.local()
+_swap_lock = threading.Lock()
+_swap = {"users": 0, "original": None}
+
+
+def _original_sdpa():
+    """The SDPA function the capture wraps (the current one when no capture is installed)."""
+    return _swap["original"] or F.scaled_dot_product_attention
+
+
+def _capturing_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """``F.scaled_dot_product_attention`` that, inside this thread's :func:`_lse_capture`, also records
+    the CPU flash kernel's lse of the first call it serves (every other call goes to the original)."""
+    active = getattr(_capture, "active", None)
+    if active is not None and query.device.type == "cpu" and dropout_p == 0.0 and query.dim() == 4 \
+            and "lse" not in active[0]:
+        box, mask_memo = active
+        try:  # a private dispatcher query: a torch without it (or with another signature) just falls back
+            choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                             enable_gqa=enable_gqa)
+        except (AttributeError, TypeError, RuntimeError):
+            choice = None
+        if choice == SDPBackend.FLASH_ATTENTION.value:
+            if enable_gqa and key.shape[1] != query.shape[1]:  # what SDPA does before its flash kernel
+                rep = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                attn_mask = _additive_mask(attn_mask, query.dtype, mask_memo)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+            box["lse"] = lse
+            return out
+    return _original_sdpa()(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+
+
 @contextlib.contextmanager
 def _lse_capture(box: dict, mask_memo: dict | None = None):
-    """Run the body with ``F.scaled_dot_product_attention`` also recording the CPU flash kernel's lse.
+    """Run the body with this thread's ``F.scaled_dot_product_attention`` calls also recording the CPU
+    flash kernel's lse into ``box`` (the first call the flash kernel serves).
 
     Calls that the flash kernel would not serve (another device or backend, dropout) go to the
-    original function unchanged, and ``box`` gets no lse. ``mask_memo``: see :func:`_additive_mask`.
+    original function unchanged, and ``box`` gets no lse; so do other threads' calls. Captures nest
+    and overlap across threads. ``mask_memo``: see :func:`_additive_mask`.
     """
-    original = F.scaled_dot_product_attention
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if query.device.type == "cpu" and dropout_p == 0.0 and query.dim() == 4 and "lse" not in box:
-            try:  # a private dispatcher query: a torch without it (or with another signature) just falls back
-                choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                                 enable_gqa=enable_gqa)
-            except (AttributeError, TypeError, RuntimeError):
-                choice = None
-            if choice == SDPBackend.FLASH_ATTENTION.value:
-                if enable_gqa and key.shape[1] != query.shape[1]:  # what SDPA does before its flash kernel
-                    rep = query.shape[1] // key.shape[1]
-                    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-                if attn_mask is not None and attn_mask.dtype == torch.bool:
-                    attn_mask = _additive_mask(attn_mask, query.dtype, mask_memo)
-                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-                box["lse"] = lse
-                return out
-        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa)
-
-    F.scaled_dot_product_attention = sdpa
+    with _swap_lock:
+        if _swap["users"] == 0 and F.scaled_dot_product_attention is not _capturing_sdpa:
+            _swap["original"] = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = _capturing_sdpa
+        _swap["users"] += 1
+    outer = getattr(_capture, "active", None)
+    _capture.active = (box, mask_memo)
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original
+        _capture.active = outer
+        with _swap_lock:
+            _swap["users"] -= 1
+            # Restored unless someone wrapped it since (their wrapper may still call this one, so
+            # the original stays known to it).
+            if _swap["users"] == 0 and F.scaled_dot_product_attention is _capturing_sdpa:
+                F.scaled_dot_product_attention = _swap["original"]
+                _swap["original"] = None
 
 
 def received_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, k_real: torch.Tensor,

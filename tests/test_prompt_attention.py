@@ -164,3 +164,86 @@ def test_cache_converts_the_prompt_mask_once_and_drops_it_with_the_step(monkeypa
     made.clear()
     gc.collect()
     assert converted() is None  # the memo went with the step: nothing holds the mask after it
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a new thread; re-raise what it raised."""
+    import threading
+
+    err = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test's thread
+            err.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, err
+
+
+def test_capture_records_only_its_own_threads_calls():
+    # Thread A is inside a capture while thread B runs SDPA on other data: B's call must pass
+    # through unrecorded (B gets plain SDPA), and A's box must get A's own lse.
+    import threading
+
+    qa, ka, va, _r, _p, mask = _prompt(4, 2, 3, 3, 21, [0, 4])
+    qb, kb, vb = qa.flip(2).contiguous(), ka.flip(2).contiguous(), va.flip(2).contiguous()
+    entered, b_done = threading.Event(), threading.Event()
+    box = {}
+
+    def a():
+        with _lse_capture(box):
+            entered.set()
+            assert b_done.wait(30)
+            assert "lse" not in box, "thread B's SDPA call was recorded into thread A's box"
+            F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask, scale=0.2, enable_gqa=True)
+
+    ta, err = _in_thread(a)
+    assert entered.wait(30)
+    got_b = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=0.2, enable_gqa=True)
+    b_done.set()
+    ta.join(30)
+    if err:
+        raise err[0]
+    s = torch.einsum("bhqf,bhkf->bhqk", qa, ka.repeat_interleave(3, 1)) * 0.2
+    torch.testing.assert_close(box["lse"][1, :, 4:], torch.logsumexp(s.masked_fill(~mask, float("-inf")), -1)[1, :, 4:])
+    assert torch.equal(got_b, torch.ops.aten.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=0.2,
+                                                                          enable_gqa=True))
+
+
+def test_overlapping_captures_restore_sdpa():
+    # A enters, B enters, A leaves, B leaves: SDPA is the original afterwards (restoring in the order
+    # each capture saw it would leave A's wrapper installed for good).
+    import threading
+
+    original = F.scaled_dot_product_attention
+    q, k, v, _r, _p, mask = _prompt(5, 1, 2, 2, 13, [0])
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    boxes = {"a": {}, "b": {}}
+
+    def a():
+        with _lse_capture(boxes["a"]):
+            a_in.set()
+            assert b_in.wait(30)
+            F.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=True)
+        a_out.set()
+
+    def b():
+        assert a_in.wait(30)
+        with _lse_capture(boxes["b"]):
+            b_in.set()
+            assert a_out.wait(30)
+            F.scaled_dot_product_attention(q * 2, k, v, scale=0.3, enable_gqa=True)
+
+    (ta, ea), (tb, eb) = _in_thread(a), _in_thread(b)
+    ta.join(30)
+    tb.join(30)
+    for e in ea + eb:
+        raise e
+    assert F.scaled_dot_product_attention is original
+    s = torch.einsum("bhqf,bhkf->bhqk", q, k.repeat_interleave(2, 1)) * 0.3
+    for name, scale in (("a", 1), ("b", 2)):
+        causal_free = torch.logsumexp(s * scale, -1)  # no mask, not causal
+        torch.testing.assert_close(boxes[name]["lse"], causal_free)
