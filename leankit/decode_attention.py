@@ -57,23 +57,24 @@ def supports(layouts, rows: int, occupied=None, compiled: bool = False) -> bool:
     tiers count: a two-tier config whose low tier is still empty reads like a single tier.
     ``compiled``: the call will run on the compiled CPU kernels (:func:`leankit.native.kernels_for`).
 
-    Every side of every tier must be quantized (dense sides may hold stale NaN bytes in dead
-    slots, which only the padded path masks) with groups that span whole bytes. On the torch
-    path, one tier with one group per token stays on the padded path: every head has the same
-    page count there (no dead pages to skip) and that path already factors scale and min out,
-    with one matmul per (sequence, head) instead of one per page (measured faster at 1k context).
-    The compiled kernels read each page once with no fp32 copy of its codes, which beats the
-    padded path there too.
+    On the torch path every side of every tier must be quantized (dense sides may hold stale NaN
+    bytes in dead slots, which only the padded path masks) with groups that span whole bytes, and
+    one tier with one group per token stays on the padded path: every head has the same page
+    count there (no dead pages to skip) and that path already factors scale and min out, with one
+    matmul per (sequence, head) instead of one per page (measured faster at 1k context). The
+    compiled kernels read each page once with no fp32 copy of its codes, which beats the padded
+    path there too; they also read dense sides (fp32, fp16, bf16) in place, and never read a dead
+    slot's bytes.
     """
     live = [lay for t, lay in enumerate(layouts) if occupied is None or occupied[t]]
     if rows > DECODE_ROWS or (not compiled and len(live) <= 1 and all(lay.groups == 1 for lay in live)):
         return False
     for lay in layouts:
-        prec = lay.precision
-        if not (prec.k_quantized and prec.v_quantized):
-            return False
-        for bits in (prec.k_bits, prec.v_bits):
-            if lay.group_size % codes_per_byte(bits):
+        for bits in (lay.precision.k_bits, lay.precision.v_bits):
+            if bits >= 16:  # dense: only the compiled kernels, and only dtypes they read
+                if not compiled or native.side_format(bits, lay.dense_dtype) is None:
+                    return False
+            elif lay.group_size % codes_per_byte(bits):
                 return False
     return True
 
@@ -383,8 +384,8 @@ def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor,
             extra = {"pos_out": ws.get(f"live_pos{tier}", (n, t), torch.int32, "cpu"),
                      "valid_out": ws.get(f"live_valid{tier}", (n, t), torch.bool, "cpu"),
                      "score_out": ws.get(f"live_score{tier}", (n, t), torch.float32, "cpu")}
-        k.live_scores(pages, qs, qp, table.lens[tier, layer].view(bh), lay.precision.k_bits, lay.group_size,
-                      s_tier, m, **extra)
+        k.live_scores(pages, qs, qp, table.lens[tier, layer].view(bh),
+                      native.side_format(lay.precision.k_bits, lay.dense_dtype), lay.group_size, s_tier, m, **extra)
         tiers.append(pages)
         scores.append(s_tier)
         slots.append(extra)
@@ -397,7 +398,8 @@ def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor,
     l_sum = torch.zeros((bh, rows))
     acc = torch.zeros((bh, rows, f))
     for lay, pages, s_tier in zip(kv.layouts, tiers, scores):
-        k.live_values(pages, s_tier, shift, lay.precision.v_bits, lay.group_size, l_sum, acc)
+        k.live_values(pages, s_tier, shift, native.side_format(lay.precision.v_bits, lay.dense_dtype),
+                      lay.group_size, l_sum, acc)
     out, lse = _normalize(q, acc, l_sum, shift, b, hkv, g, nq)
     if not return_logits:
         return out, lse

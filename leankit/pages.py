@@ -351,20 +351,21 @@ class PagePool:
         write only these tokens. NaN/Inf K/V raise :class:`~leankit.quant.NonFiniteKVError` and
         write nothing.
 
-        On a CPU with :mod:`leankit.native` kernels, both sides quantized, one compiled call does
-        it all with the same bytes (the torch path runs about twenty small ops per call, which
-        dominate a decode step's store).
+        On a CPU with :mod:`leankit.native` kernels, one compiled call does it all with the same
+        bytes (the torch path runs about twenty small ops per call, which dominate a decode step's
+        store, and its indexed row stores of a prompt's dense rows cost more than their copy).
         """
         kernels = native.kernels_for(self.device)
-        if kernels is not None and layout.precision.k_bits < 16 and layout.precision.v_bits < 16:
+        k_fmt = native.side_format(layout.precision.k_bits, layout.dense_dtype)
+        v_fmt = native.side_format(layout.precision.v_bits, layout.dense_dtype)
+        if kernels is not None and k_fmt is not None and v_fmt is not None:
             page = page_ids.long()
             if keep is not None:  # a negative page id: the kernel skips the token
                 page = torch.where(keep, page, torch.full_like(page, -1))
             kernels.store_tokens(self.storage, layout.tokens, layout.seg_offsets, page.contiguous(),
                                  slots.long().contiguous(), k.float().contiguous(), v.float().contiguous(),
                                  position.to(torch.int32).reshape(-1).contiguous(),
-                                 score.float().reshape(-1).contiguous(), layout.precision.k_bits,
-                                 layout.precision.v_bits, layout.group_size)
+                                 score.float().reshape(-1).contiguous(), k_fmt, v_fmt, layout.group_size)
             return
         if keep is not None:
             idx = keep.nonzero().squeeze(1)

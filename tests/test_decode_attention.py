@@ -12,7 +12,7 @@ import pytest
 import torch
 from leankit_kernels import testing
 
-from leankit import decode_attention
+from leankit import decode_attention, native
 from leankit.attention import Workspace, paged_attention_ref
 
 # spec, kv heads, GQA ratio, contexts, queries, group size, prune fraction, pool fill
@@ -44,6 +44,38 @@ def test_live_pages_match_padded_tiles(case, use_native):
         testing.assert_close_normwise(out, ref_out, torch.float32, f"out (seed {seed})")
         testing.assert_close_normwise(lse, ref_lse, torch.float32, f"lse (seed {seed})")
         testing.assert_all_close_normwise(logits, ref_logits, torch.float32, f"logits (seed {seed})")
+
+
+# Dense sides (the model dtype stored as it is) run on the compiled kernels only: spec, model dtype,
+# kv heads, GQA ratio, contexts, queries, group size. The pool is poisoned (0xFF bytes: NaN in
+# every dense format), so a dead slot read by mistake shows up.
+DENSE_CASES = [
+    ("FP16", torch.float32, 3, 3, [65, 7], 1, None),
+    ("FP16", torch.float16, 2, 4, [130, 1, 33], 2, None),
+    ("FP16", torch.bfloat16, 1, 7, [257], 1, None),
+    ("K16V4-K4V1", torch.float32, 3, 2, [41, 77], 1, 32),
+    ("K8V16-K4V2", torch.float16, 2, 3, [90, 12], 1, 16),
+]
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler for leankit.native")
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-h{c[2]}g{c[3]}-q{c[5]}")
+def test_dense_sides_on_the_compiled_kernels_match_padded_tiles(case):
+    spec, dtype, hkv, g, ctx, nq, gs = case
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, nq, dtype=dtype, group_size=gs, fill=0xFF,
+                                          low_frac=0.6)
+    assert decode_attention.supports(fc.kv.layouts, g * nq, compiled=True)
+    assert not decode_attention.supports(fc.kv.layouts, g * nq)  # the torch live path reads codes only
+    fc.kv.workspace = Workspace()
+    if len(ctx) > 1:
+        q_pos[1] -= 3
+    ref_out, ref_lse, ref_logits = paged_attention_ref(q, fc.kv, q_pos, 0.125, chunk_pages=5, return_logits=True)
+    out, lse, logits = decode_attention.live_page_attention(q, fc.kv, q_pos, 0.125, return_logits=True)
+    # both compute in fp32; the output is rounded to the model dtype
+    testing.assert_close_normwise(out, ref_out, dtype, f"out (seed {seed})")
+    testing.assert_close_normwise(lse, ref_lse, torch.float32, f"lse (seed {seed})")
+    testing.assert_all_close_normwise(logits, ref_logits, torch.float32, f"logits (seed {seed})")
 
 
 def test_query_that_sees_nothing_and_empty_tier():
@@ -79,6 +111,13 @@ def test_supports(spec, gs, rows, expected):
     cfg = KVConfig.parse(spec, group_size=gs)
     layouts = [PageLayout.build(cfg, t, 64, torch.float32) for t in range(len(cfg.tiers))]
     assert decode_attention.supports(layouts, rows) is expected
+    # The compiled kernels also read dense sides of the dtypes they know, and every query count
+    # up to DECODE_ROWS.
+    assert decode_attention.supports(layouts, rows, compiled=True) is (rows <= decode_attention.DECODE_ROWS)
+    wide = [PageLayout.build(cfg, t, 64, torch.float64) for t in range(len(cfg.tiers))]
+    dense = any(b == 16 for t in cfg.tiers for b in (t.k_bits, t.v_bits))
+    assert decode_attention.supports(wide, rows, compiled=True) is (rows <= decode_attention.DECODE_ROWS
+                                                                    and not dense)
     if len(layouts) == 2 and layouts[0].groups == 1:  # an empty low tier leaves one one-group tier
         assert decode_attention.supports(layouts, rows, occupied=[True, False]) is False
 

@@ -22,6 +22,8 @@ needs_kernels = pytest.mark.skipif(kernels is None, reason="no C compiler for le
 
 
 SEGMENT_BYTES = {"position": 4, "score": 2}
+# Dense side formats (the kernels' ``bits`` for an unquantized side) and the dtype each holds.
+DENSE = {fmt: dtype for dtype, fmt in native.DENSE_FORMATS.items()}
 
 
 def _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="k"):
@@ -30,13 +32,16 @@ def _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="k"):
     Returns ``(pages, lens, q_pos)``: a :class:`~leankit.native.PoolPages` over a random pool with
     a ragged, sorted head index (some heads own no page), the tier's token count per head (a
     head's last page partly dead) and each row's query position. Dead slots hold NaN scale and
-    min and arbitrary positions: stale bytes the kernels must never let through."""
+    min and arbitrary positions: stale bytes the kernels must never let through. A dense format
+    (:data:`DENSE`) has random finite values on live slots, NaN on dead ones, and no metadata."""
+    dense = DENSE.get(bits)
     counts = torch.randint(0, 4, (n_heads,), generator=gen)
     counts[int(torch.randint(0, n_heads, (1,), generator=gen))] += 1  # at least one page
-    n, nb, groups = int(counts.sum()), dim * bits // 8, dim // group_size
+    n, groups = int(counts.sum()), dim // group_size
+    nb = dim * bits // 8 if dense is None else dim * dense.itemsize
     head = torch.repeat_interleave(torch.arange(n_heads), counts)
     rank = torch.arange(n) - (torch.cumsum(counts, 0) - counts)[head]
-    sizes = {f"{side}_data": nb, f"{side}_meta": 4 * groups, **SEGMENT_BYTES}
+    sizes = {f"{side}_data": nb, f"{side}_meta": 0 if dense else 4 * groups, **SEGMENT_BYTES}
     offsets, end = {}, 5
     for name, size in sizes.items():
         offsets[name], end = end, end + tokens * size + 3
@@ -57,7 +62,12 @@ def _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="k"):
         view = storage[:, off: off + tokens * sizes[name]]
         view[page_id] = values.contiguous().view(torch.uint8).reshape(n, -1)
 
-    write(f"{side}_meta", meta)
+    if dense is None:
+        write(f"{side}_meta", meta)
+    else:
+        values = torch.randn(n, tokens, dim, generator=gen).to(dense)
+        values[~live] = float("nan")
+        write(f"{side}_data", values)
     write("position", pos)
     write("score", torch.randn(n, tokens, generator=gen).half())
     q_pos = torch.randint(0, 3 * tokens * 4, (n_heads, rows), generator=gen, dtype=torch.int32)
@@ -72,7 +82,10 @@ def _segment(pages, name, nbytes):
 
 
 def _dequant(pages, side, bits, group_size, dim):
-    """fp64 ``[L, T, F]`` values of the pages' ``side`` (Eq. 2), NaN on dead slots."""
+    """fp64 ``[L, T, F]`` values of the pages' ``side`` (Eq. 2, or as stored when dense), NaN on dead slots."""
+    if bits in DENSE:
+        dtype = DENSE[bits]
+        return _segment(pages, f"{side}_data", dim * dtype.itemsize).contiguous().view(dtype).double()
     groups = dim // group_size
     q = unpack(_segment(pages, f"{side}_data", dim * bits // 8), bits).double()  # natural column order
     m = _segment(pages, f"{side}_meta", 4 * groups).contiguous().view(torch.float16).double()
@@ -98,7 +111,11 @@ SHAPES = [(8, 64, 64, 3), (8, 40, 8, 1), (4, 64, 32, 6), (4, 18, 2, 2), (2, 24, 
           (1, 32, 8, 2), (1, 72, 24, 4), (2, 128, 64, 4),
           (4, 64, 2, 40), (8, 256, 8, 64)]  # more rows x head_dim than the stack scratch: allocated
 # The geometries the C file compiles its own copies of the page loops for (head_dim, bits, group).
-SPECIALIZED = [(d, b, g) for d in (64, 128, 256) for b in (8, 4, 2) for g in (32, 64, 128, 256) if g <= d]
+SPECIALIZED = [(d, b, g) for d in (64, 128, 256) for b in (8, 4, 2) for g in (32, 64, 128, 256) if g <= d] + [
+    (d, fmt, d) for d in (64, 128, 256) for fmt in sorted(DENSE)]
+# Dense sides (fp16, bf16, fp32; one "group" of the whole head): odd head_dims and row counts.
+DENSE_SHAPES = [(32, 64, 64, 3), (16, 40, 40, 1), (17, 24, 24, 5), (32, 72, 72, 2), (16, 128, 128, 4),
+                (17, 256, 256, 7), (32, 64, 64, 40)]
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
@@ -161,12 +178,12 @@ def _check_values(k, bits, dim, group_size, rows):
                                   torch.float32, f"l_sum (seed {seed})")
 
 
-@pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES + DENSE_SHAPES, ids=lambda v: str(v))
 def test_live_scores_match_dequantized_dot_products(build, bits, dim, group_size, rows):
     _check_scores(build, bits, dim, group_size, rows)
 
 
-@pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES + DENSE_SHAPES, ids=lambda v: str(v))
 def test_live_values_match_softmax_weighted_dequantized_sum(build, bits, dim, group_size, rows):
     _check_values(build, bits, dim, group_size, rows)
 

@@ -19,9 +19,9 @@ kernels = native.kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler for leankit.native")
 
 
-def _case(gen, spec, dim, n, tier=0, num_pages=13):
+def _case(gen, spec, dim, n, tier=0, num_pages=13, dense_dtype=torch.float32):
     cfg = KVConfig.parse(spec)
-    lay = PageLayout.build(cfg, tier, dim, torch.float32)
+    lay = PageLayout.build(cfg, tier, dim, dense_dtype)
     pool = PagePool(num_pages, cfg.page_size, torch.device("cpu"))
     pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, dtype=torch.uint8, generator=gen))
     flat = torch.randperm(num_pages * lay.tokens, generator=gen)[:n]  # distinct (page, slot) pairs
@@ -45,18 +45,24 @@ def _native_write(pool, lay, page, slot, k, v, score, pos, keep=None):
     if keep is not None:
         page = torch.where(keep, page, torch.full_like(page, -1))
     kernels.store_tokens(pool.storage, lay.tokens, lay.seg_offsets, page, slot, k, v, pos, score,
-                         lay.precision.k_bits, lay.precision.v_bits, lay.group_size)
+                         native.side_format(lay.precision.k_bits, lay.dense_dtype),
+                         native.side_format(lay.precision.v_bits, lay.dense_dtype), lay.group_size)
 
 
-CASES = [("K8V4", 64, None, 0), ("K4V2", 64, 32, 0), ("K8V4-K4V2", 128, 64, 1), ("K2V1", 40, 8, 0),
-         ("K8V8", 24, None, 0), ("K4V4", 72, 24, 0), ("K1V2", 16, 8, 0)]
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# spec, head_dim, group size, tier, model dtype (what a dense side stores: fp32 copied, fp16 and
+# bf16 rounded from the fp32 input to nearest even)
+CASES = [("K8V4", 64, None, 0, F32), ("K4V2", 64, 32, 0, F32), ("K8V4-K4V2", 128, 64, 1, F32), ("K2V1", 40, 8, 0, F32),
+         ("K8V8", 24, None, 0, F32), ("K4V4", 72, 24, 0, F32), ("K1V2", 16, 8, 0, F32),
+         ("FP16", 64, None, 0, F32), ("FP16", 40, None, 0, F16), ("FP16", 24, None, 0, BF16),
+         ("K16V4", 64, 32, 0, F16), ("K8V16-K4V2", 72, 24, 0, BF16)]
 
 
-@pytest.mark.parametrize("spec,dim,group_size,tier", CASES, ids=lambda v: str(v))
-def test_store_writes_the_bytes_encode_and_write_rows_write(spec, dim, group_size, tier):
+@pytest.mark.parametrize("spec,dim,group_size,tier,dtype", CASES, ids=lambda v: str(v))
+def test_store_writes_the_bytes_encode_and_write_rows_write(spec, dim, group_size, tier, dtype):
     gen, seed = testing.fresh_generator()
     spec = spec if group_size is None else f"{spec}:group_size={group_size}"
-    lay, pool, page, slot, k, v, score, pos = _case(gen, spec, dim, 29, tier)
+    lay, pool, page, slot, k, v, score, pos = _case(gen, spec, dim, 29, tier, dense_dtype=dtype)
     want = PagePool(pool.num_pages, pool.page_size, pool.device)
     want.storage.copy_(pool.storage)
     _torch_write(want, lay, page, slot, k, v, score, pos)
@@ -85,10 +91,13 @@ def test_keep_skips_tokens_and_many_tokens_split_over_threads():
     assert torch.equal(pool.storage, want.storage), f"seed {seed}"
 
 
-@pytest.mark.parametrize("bad", ["nan", "inf", "beyond_fp16", "page", "slot"])
-def test_refused_store_raises_and_writes_nothing(bad):
+# (a dense fp32 side has no fp16 metadata: any finite value fits, so "beyond_fp16" needs a quantized V)
+@pytest.mark.parametrize("bad,spec", [(bad, spec) for spec in ("K8V4", "FP16", "K16V4")
+                                      for bad in ("nan", "inf", "beyond_fp16", "page", "slot")
+                                      if not (spec == "FP16" and bad == "beyond_fp16")])
+def test_refused_store_raises_and_writes_nothing(bad, spec):
     gen, _ = testing.fresh_generator()
-    lay, pool, page, slot, k, v, score, pos = _case(gen, "K8V4", 64, 9)
+    lay, pool, page, slot, k, v, score, pos = _case(gen, spec, 64, 9)
     before = pool.storage.clone()
     if bad == "nan":
         v[7, 3] = float("nan")

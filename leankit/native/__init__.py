@@ -8,6 +8,8 @@ its id, and dequantizes each token into a small scratch row that it uses at once
 Triton kernels use codes in registers on a GPU; the masks, the softmax's maxima and sums, and the
 running-significance update of the live slots run inside the same loops instead of as a dozen
 tensor ops per tier. ``store_tokens.c`` quantizes a step's new tokens straight into their slots.
+Dense (unquantized) sides are read and stored in place too, in the model's dtype
+(:data:`DENSE_FORMATS`), so the lossless ``FP16`` config takes the same path.
 
 The C files have no dependencies. They are compiled together, with the system's C compiler
 (``$CC``, else ``cc``/``gcc``/``clang``), into one library in ``$LEANKIT_CACHE_DIR`` (default
@@ -51,6 +53,18 @@ ERRORS = {
     -5: (NonFiniteKVError, "KV states contain NaN or Inf; refusing to store them in the cache"),
     -6: (NonFiniteKVError, "KV values exceed the fp16 range of the quantization metadata"),
 }
+# Element formats of a dense (unquantized) page side, as the kernels' ``bits`` argument (formats.h):
+# the model's own values, read as they are. Quantized sides pass their code width (1, 2, 4 or 8).
+DENSE_FORMATS = {torch.float16: 16, torch.bfloat16: 17, torch.float32: 32}
+_DENSE_SIZE = {16: 2, 17: 2, 32: 4}
+
+
+def side_format(bits: int, dense_dtype: torch.dtype) -> int | None:
+    """The kernels' ``bits`` argument for a page side stored at ``bits`` (16 = unquantized, held in
+    ``dense_dtype``), or ``None`` when the kernels cannot read that dtype."""
+    return bits if bits < 16 else DENSE_FORMATS.get(dense_dtype)
+
+
 # Reassociation lets the compiler vectorize the dot products' sums (their order then differs from
 # a sequential sum by fp32 rounding, as a BLAS's does); NaN and Inf semantics are kept, because
 # the key side may read stale bytes in dead slots, which the caller masks afterwards.
@@ -230,7 +244,10 @@ class Kernels:
     @staticmethod
     def _codes(side: str, bits: int, group_size: int, dim: int) -> dict:
         """The segments of ``side``'s codes and metadata (name: bytes per token), after checking
-        that ``bits`` codes in groups of ``group_size`` fill whole bytes of a ``dim`` row."""
+        that ``bits`` codes in groups of ``group_size`` fill whole bytes of a ``dim`` row; a dense
+        format (:data:`DENSE_FORMATS`) has ``dim`` values and no metadata."""
+        if bits in _DENSE_SIZE and dim > 0:
+            return {f"{side}_data": dim * _DENSE_SIZE[bits], f"{side}_meta": 0}
         if not (bits in (1, 2, 4, 8) and dim > 0 and group_size > 0 and dim % group_size == 0
                 and group_size % (8 // bits) == 0):
             raise ValueError(f"native live-page kernel: {bits}-bit codes in groups of {group_size} do not "
@@ -318,7 +335,8 @@ class Kernels:
         ``storage`` uint8 ``[num_pages, page_bytes]``; ``tokens`` slots per page; ``offsets`` the
         six segments' byte offsets in :data:`leankit.pages.SEGMENTS` order. ``page_id`` and
         ``slot`` (int64 ``[n]``): where each token goes (a negative page id skips the token);
-        ``k``, ``v`` fp32 ``[n, F]``; ``position`` int32 and ``score`` fp32 ``[n]``. Raises
+        ``k``, ``v`` fp32 ``[n, F]``; ``k_bits`` / ``v_bits`` a code width or a dense format
+        (:func:`side_format`); ``position`` int32 and ``score`` fp32 ``[n]``. Raises
         :class:`leankit.quant.NonFiniteKVError` for NaN/Inf K/V or metadata beyond fp16, and
         ``ValueError`` for a page id or slot outside the pool; a refused call writes nothing.
         """

@@ -19,7 +19,8 @@
  *   acc(h, r, :) += sum_t p(r, t) x_v(t)
  *
  * x(t) is one token's key or value dequantized from its integer codes Q and its groups' fp16 scale
- * s and min m. A slot is visible when it holds a stored token (slot index < the tier's length
+ * s and min m, or, on a dense side (formats.h: the FP16 config, or a K16/V16 side), the stored
+ * fp32, fp16 or bf16 value itself. A slot is visible when it holds a stored token (slot index < the tier's length
  * minus the slots of the head's earlier pages) whose position is not after the row's query. Dead
  * slots are never read beyond their position, so stale bytes (NaN patterns included) in them
  * cannot reach any result.
@@ -43,6 +44,7 @@
 
 #include "errors.h"
 #include "fp16.h"
+#include "formats.h"
 #ifdef _OPENMP
 #include <omp.h>
 #define THREAD_ID omp_get_thread_num()
@@ -118,6 +120,11 @@ static inline float exp_numerator(float x) {
     return x < lowest ? 0.0f : er * two_n;
 }
 
+/* Bytes of one token's row of a side (codes, or the dense values) and of its metadata (an fp16
+ * scale and min per group; none for a dense side). */
+ALWAYS_INLINE int row_bytes(int dim, int bits) { return bits <= 8 ? dim * bits / 8 : dim * lk_dense_size(bits); }
+ALWAYS_INLINE int meta_bytes(int dim, int bits, int group_size) { return bits <= 8 ? 4 * (dim / group_size) : 0; }
+
 /* Codes in plane order: within each group, the codes of bit slot i of every byte come before
  * those of slot i + 1 (column j * P + i of the group, P = 8 / bits codes per byte, sits at
  * i * (group_size / P) + j). Unpacking into this order is a shift and a mask over consecutive
@@ -127,6 +134,10 @@ static inline float exp_numerator(float x) {
  *
  * to_planes: rows x dim floats from natural column order into plane order. */
 ALWAYS_INLINE void to_planes(const float *restrict src, float *restrict dst, int rows, int dim, int bits, int group_size) {
+    if (bits > 8) { /* a dense side keeps the natural order */
+        memcpy(dst, src, sizeof(float) * (size_t)rows * dim);
+        return;
+    }
     const int per_byte = 8 / bits, group_bytes = group_size / per_byte;
     for (int r = 0; r < rows; ++r)
         for (int g = 0; g < dim; g += group_size)
@@ -137,6 +148,11 @@ ALWAYS_INLINE void to_planes(const float *restrict src, float *restrict dst, int
 
 /* dst (natural order) += src (plane order), rows x dim; src is cleared for the next head. */
 ALWAYS_INLINE void add_from_planes(float *restrict src, float *restrict dst, int rows, int dim, int bits, int group_size) {
+    if (bits > 8) {
+        for (int64_t i = 0; i < (int64_t)rows * dim; ++i) dst[i] += src[i];
+        memset(src, 0, sizeof(float) * (size_t)rows * dim);
+        return;
+    }
     const int per_byte = 8 / bits, group_bytes = group_size / per_byte;
     for (int r = 0; r < rows; ++r)
         for (int g = 0; g < dim; g += group_size)
@@ -152,6 +168,25 @@ ALWAYS_INLINE void add_from_planes(float *restrict src, float *restrict dst, int
  * plane is one fixed-length loop over consecutive bytes that compiles to straight vector code. */
 ALWAYS_INLINE void dequantize_token(const uint8_t *restrict codes, const uint8_t *restrict meta, int dim, int bits,
                                     int group_size, float *restrict out) {
+    if (bits > 8) { /* a dense side: the model's values as they are, widened to float */
+        if (bits == LK_DENSE_F32) {
+            memcpy(out, codes, sizeof(float) * (size_t)dim);
+        } else if (bits == LK_DENSE_F16) {
+            for (int c = 0; c < dim; ++c) {
+                uint16_t h;
+                memcpy(&h, codes + 2 * c, sizeof h);
+                out[c] = half_to_float(h);
+            }
+        } else { /* bf16: the high half of a float */
+            for (int c = 0; c < dim; ++c) {
+                uint16_t h;
+                memcpy(&h, codes + 2 * c, sizeof h);
+                const uint32_t w = (uint32_t)h << 16;
+                memcpy(out + c, &w, sizeof w);
+            }
+        }
+        return;
+    }
     const int per_byte = 8 / bits, group_bytes = group_size / per_byte, mask = (1 << bits) - 1;
     for (int g = 0; g < dim / group_size; ++g) {
         const float s = half_at(meta + 4 * g), m = half_at(meta + 4 * g + 2);
@@ -208,8 +243,8 @@ struct tier_pages {
 /* What a pass reads of a page: the codes and metadata of its side, and (when asked) the positions
  * and the stored scores. Forced inline: as a call it measured 40% slower passes. */
 ALWAYS_INLINE void prefetch_page(const uint8_t *page, const struct tier_pages *tp, int positions, int scores) {
-    prefetch_span(page + tp->data_off, (int64_t)tp->tokens * tp->dim * tp->bits / 8);
-    prefetch_span(page + tp->meta_off, (int64_t)tp->tokens * 4 * (tp->dim / tp->group_size));
+    prefetch_span(page + tp->data_off, (int64_t)tp->tokens * row_bytes(tp->dim, tp->bits));
+    prefetch_span(page + tp->meta_off, (int64_t)tp->tokens * meta_bytes(tp->dim, tp->bits, tp->group_size));
     if (positions) prefetch_span(page + tp->pos_off, (int64_t)tp->tokens * 4);
     if (scores) prefetch_span(page + tp->score_off, (int64_t)tp->tokens * 2);
 }
@@ -220,7 +255,7 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
                               int64_t left, const float *restrict qh, const int32_t *restrict qp,
                               float *restrict mh, float *restrict ol, int32_t *restrict pos_l,
                               uint8_t *restrict valid_l, float *restrict score_l, float *restrict key) {
-    const int tokens = tp->tokens, rows = tp->rows, nb = D * B / 8, mb = 4 * (D / G);
+    const int tokens = tp->tokens, rows = tp->rows, nb = row_bytes(D, B), mb = meta_bytes(D, B, G);
     for (int t = 0; t < tokens; ++t) {
         const int live = t < left;
         int32_t pos = INT32_MAX;
@@ -247,7 +282,7 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
 /* Pass 2 over one page's live tokens: acc[r] += p[r, t] * value(t) for the slots some row weighs. */
 ALWAYS_INLINE void value_page(const struct tier_pages *restrict tp, int D, int B, int G, const uint8_t *restrict page,
                               const float *restrict pl, float *restrict ah, float *restrict value) {
-    const int tokens = tp->tokens, rows = tp->rows, nb = D * B / 8, mb = 4 * (D / G);
+    const int tokens = tp->tokens, rows = tp->rows, nb = row_bytes(D, B), mb = meta_bytes(D, B, G);
     for (int t = 0; t < tokens; ++t) {
         int any = 0;
         for (int r = 0; r < rows; ++r) any |= pl[r * tokens + t] != 0.0f;
@@ -279,15 +314,17 @@ static void score_page_any(SCORE_PAGE_ARGS) {
 static void value_page_any(VALUE_PAGE_ARGS) { value_page(tp, tp->dim, tp->bits, tp->group_size, page, pl, ah, value); }
 
 /* Copies with the common geometries fixed at compile time (head_dim 64, 128 and 256; 8-, 4- and
- * 2-bit codes; groups of 32 channels up to the whole head): every per-token loop then has a
- * constant trip count, so a token's dequantization and each row's dot product compile to straight
- * vector code. */
+ * 2-bit codes in groups of 32 channels up to the whole head; dense fp32, fp16 and bf16 sides):
+ * every per-token loop then has a constant trip count, so a token's dequantization and each row's
+ * dot product compile to straight vector code. */
 #define SPECIALIZED(X) \
     X(64, 8, 32) X(64, 4, 32) X(64, 2, 32) X(64, 8, 64) X(64, 4, 64) X(64, 2, 64) \
     X(128, 8, 32) X(128, 4, 32) X(128, 2, 32) X(128, 8, 64) X(128, 4, 64) X(128, 2, 64) \
     X(128, 8, 128) X(128, 4, 128) X(128, 2, 128) \
     X(256, 8, 32) X(256, 4, 32) X(256, 2, 32) X(256, 8, 64) X(256, 4, 64) X(256, 2, 64) \
-    X(256, 8, 128) X(256, 4, 128) X(256, 2, 128) X(256, 8, 256) X(256, 4, 256) X(256, 2, 256)
+    X(256, 8, 128) X(256, 4, 128) X(256, 2, 128) X(256, 8, 256) X(256, 4, 256) X(256, 2, 256) \
+    X(64, 32, 64) X(64, 16, 64) X(64, 17, 64) X(128, 32, 128) X(128, 16, 128) X(128, 17, 128) \
+    X(256, 32, 256) X(256, 16, 256) X(256, 17, 256)
 #define DEFINE_PAGE_FNS(D, B, G)                                                                            \
     static void score_page_##D##_##B##_##G(SCORE_PAGE_ARGS) {                                              \
         score_page(tp, D, B, G, page, left, qh, qp, mh, ol, pos_l, valid_l, score_l, key);                   \

@@ -11,8 +11,9 @@
  *   Q    = clamp(rint((x - mn16) / sc16), 0, qmax)     0 where sc16 <= 0 (a constant group)
  *
  * codes packed little-endian (code i of byte j is column j * (8 / bits) + i), and per token per
- * group the fp16 pair (sc16, mn16). The token's score is stored as fp16 (nearest even) and its
- * position as int32.
+ * group the fp16 pair (sc16, mn16). A dense side (formats.h) stores the values themselves in its
+ * format, rounded to nearest even as torch's cast does, with no metadata. The token's score is
+ * stored as fp16 (nearest even) and its position as int32.
  *
  * A call first checks every token (page ids, slots, and that each group's stored scale is finite,
  * which fails for NaN/Inf inputs and for values beyond the fp16 range of the metadata) and writes
@@ -24,6 +25,7 @@
 #include <string.h>
 
 #include "errors.h"
+#include "formats.h"
 #include "fp16.h"
 
 #define MIN_TOKENS_PER_THREAD 64 /* fewer tokens cost more to hand to a thread than they save */
@@ -46,6 +48,32 @@ static inline int group_meta(const float *restrict x, int n, int qmax, uint16_t 
     return 0;
 }
 
+/* 0 if the n values are all finite, else LK_NON_FINITE (a dense side has no metadata to catch them). */
+static inline int all_finite(const float *restrict x, int n) {
+    int bad = 0;
+    for (int c = 0; c < n; ++c) bad |= !isfinite(x[c]);
+    return bad ? LK_NON_FINITE : 0;
+}
+
+/* A dense side's n values in its format (fp32 as is; fp16 and bf16 rounded to nearest even). */
+static inline void dense_row(const float *restrict x, int n, int bits, uint8_t *restrict out) {
+    if (bits == LK_DENSE_F32) {
+        memcpy(out, x, sizeof(float) * (size_t)n);
+        return;
+    }
+    for (int c = 0; c < n; ++c) {
+        uint16_t h;
+        if (bits == LK_DENSE_F16) {
+            h = float_to_half(x[c]);
+        } else { /* bf16: the top half of the float, rounded to nearest even (x is finite) */
+            uint32_t w;
+            memcpy(&w, x + c, sizeof w);
+            h = (uint16_t)((w + 0x7fffu + ((w >> 16) & 1u)) >> 16);
+        }
+        memcpy(out + 2 * c, &h, sizeof h);
+    }
+}
+
 /* One group's codes from its values and stored (sc16, mn16), packed into out[n * bits / 8]. */
 static inline void group_codes(const float *restrict x, int n, int bits, const uint16_t *restrict meta,
                                uint8_t *restrict out) {
@@ -66,7 +94,8 @@ static inline void group_codes(const float *restrict x, int n, int bits, const u
  * when page_id[i] < 0); a page is pool + id * page_bytes, whose segments start at seg_off[0..5]
  * (k data, k meta, v data, v meta, score, position: leankit.pages.SEGMENTS). k, v: [n, dim] fp32;
  * pos: [n] int32; score: [n] fp32. Codes are k_bits / v_bits wide (1, 2, 4 or 8) in groups of
- * group_size channels. Returns 0, or an error code with nothing written. */
+ * group_size channels, or the side is dense (k_bits / v_bits a format of formats.h). Returns 0, or
+ * an error code with nothing written. */
 int lk_store_tokens(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pages, const int64_t *restrict page_id,
                     const int64_t *restrict slot, int64_t n, int tokens, int dim, int k_bits, int v_bits,
                     int group_size, const int64_t *restrict seg_off, const float *restrict k,
@@ -81,10 +110,15 @@ int lk_store_tokens(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pag
     int err = 0;
     for (int64_t i = 0; i < n && !err; ++i) {
         if (page_id[i] < 0) continue;
-        for (int s = 0; s < 2 && !err; ++s)
+        for (int s = 0; s < 2 && !err; ++s) {
+            if (bits[s] > 8) {
+                err = all_finite(side[s] + i * dim, dim);
+                continue;
+            }
             for (int g = 0; g < groups && !err; ++g)
                 err = group_meta(side[s] + i * dim + g * group_size, group_size, (1 << bits[s]) - 1,
                                  meta + ((i * 2 + s) * groups + g) * 2);
+        }
     }
     if (!err) {
         if (n < (int64_t)MIN_TOKENS_PER_THREAD * threads) threads = (int)(n / MIN_TOKENS_PER_THREAD);
@@ -95,6 +129,10 @@ int lk_store_tokens(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pag
             uint8_t *page = pool + page_id[i] * page_bytes;
             const int64_t t = slot[i];
             for (int s = 0; s < 2; ++s) {
+                if (bits[s] > 8) {
+                    dense_row(side[s] + i * dim, dim, bits[s], page + seg_off[2 * s] + t * dim * lk_dense_size(bits[s]));
+                    continue;
+                }
                 const int nb = dim * bits[s] / 8, gb = group_size * bits[s] / 8;
                 const uint16_t *m = meta + (i * 2 + s) * groups * 2;
                 uint8_t *codes = page + seg_off[2 * s] + t * nb;
