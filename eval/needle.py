@@ -33,6 +33,7 @@ import torch
 from leankit.cache import LeanCache, attention_head_dim
 from leankit.config import KVConfig
 from leankit.data import paul_graham_essays
+from leankit.hf import cache_kwargs, output_cache
 
 from .common import Timer, add_run_options, label, parse_config, start_run, write_json
 
@@ -68,20 +69,20 @@ def run(model, prompt: torch.Tensor, answer: torch.Tensor, spec: str | None, kw:
     n = prompt.numel()
     cache = None if spec is None else LeanCache(model, spec, max_seq_len=n + answer.numel() + 8, **kw)
     x = prompt.view(1, -1)
-    out = model(input_ids=x, position_ids=torch.arange(n).view(1, -1), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
+    out = model(input_ids=x, position_ids=torch.arange(n).view(1, -1), **cache_kwargs(model, cache),
+                use_cache=True, logits_to_keep=1)
     report = cache.memory_report() if cache is not None else None
     survival = None
     if cache is not None and positions:
         survival = int((needle_survival(cache, positions) == len(positions)).sum())
-    past = out.past_key_values if cache is None else cache
+    past = output_cache(out) if cache is None else cache
     logp, hit = 0.0, True
     for i, tok_id in enumerate(answer.tolist()):
         lp = torch.log_softmax(out.logits[0, -1].float(), -1)
         logp += float(lp[tok_id])
         hit &= int(lp.argmax()) == tok_id
-        out = model(input_ids=torch.tensor([[tok_id]]), position_ids=torch.tensor([[n + i]]), past_key_values=past,
-                    use_cache=True)
+        out = model(input_ids=torch.tensor([[tok_id]]), position_ids=torch.tensor([[n + i]]),
+                    **cache_kwargs(model, past), use_cache=True)
     return {"hit": bool(hit), "logp": logp, "prompt_report": report, "heads_with_needle": survival,
             "final_report": cache.memory_report() if cache is not None else None}
 

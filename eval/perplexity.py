@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from leankit.cache import LeanCache
 from leankit.data import wiki_articles
+from leankit.hf import cache_kwargs
 
 from .common import Timer, add_run_options, label, parse_config, start_run, write_json
 
@@ -69,11 +70,12 @@ def score_document(model, ids: torch.Tensor, spec: str, kw: dict, context: int, 
     cache = LeanCache(model, spec, max_seq_len=context + chunk * chunks + 8, **kw)
     x = ids.view(1, -1)
     pos = torch.arange(x.shape[1]).view(1, -1)
-    out = model(input_ids=x[:, :context], position_ids=pos[:, :context], past_key_values=cache, logits_to_keep=1)
+    out = model(input_ids=x[:, :context], position_ids=pos[:, :context], **cache_kwargs(model, cache),
+                logits_to_keep=1)
     logits = [out.logits[:, -1:]]
     for i in range(chunks):
         a, b = context + i * chunk, context + (i + 1) * chunk
-        out = model(input_ids=x[:, a:b], position_ids=pos[:, a:b], past_key_values=cache)
+        out = model(input_ids=x[:, a:b], position_ids=pos[:, a:b], **cache_kwargs(model, cache))
         logits.append(out.logits if i < chunks - 1 else out.logits[:, :-1])
     logits = torch.cat(logits, 1)[0].float()
     target = x[0, context: context + chunk * chunks]

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from leankit.config import KVConfig
 from leankit.data import wiki_articles
+from leankit.hf import cache_kwargs
 from leankit.policy import stored_token_reference
 
 from .common import add_run_options, start_run, write_json
@@ -31,7 +32,7 @@ CASES = (("K", 8, None), ("K", 4, None), ("K", 4, 32), ("V", 4, None), ("V", 4, 
 def layer_states(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Post-RoPE ``(keys, values)`` ``[Hkv, N, F]`` of every layer for one prompt."""
     cache = DynamicCache()
-    model(input_ids=ids.view(1, -1), past_key_values=cache)
+    model(input_ids=ids.view(1, -1), **cache_kwargs(model, cache))
     return [(layer.keys[0].float(), layer.values[0].float()) for layer in cache.layers]
 
 

@@ -3,7 +3,7 @@
 A LeanCache holds one batch of requests, so one object cannot serve several ``generate`` calls
 (``pipeline("text-generation")`` over a list makes one call per prompt or batch). ``apply``
 therefore wraps the generate method of this one model instance: each call that brings no
-``past_key_values`` gets a new ``LeanCache(model, kv, **overrides)``, built with the end-of-sequence
+cache gets a new ``LeanCache(model, kv, **overrides)``, built with the end-of-sequence
 ids that call stops on, so finished rows free their pages at once.
 
 Why an instance wrapper and not a transformers hook: ``generate``'s keyword arguments are its
@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from .config import KVConfig
-from .hf import CACHE_KWARGS
+from .hf import CACHE_KWARGS, cache_kwargs
 
 _STATE = "_leankit_apply"
 
@@ -35,8 +35,9 @@ def apply(model, kv: str | KVConfig | None, **overrides):
         **overrides: :class:`KVConfig` overrides, and ``num_pages`` / ``max_seq_len`` for the cache.
 
     Returns the model. Calling ``apply`` again replaces the config. A call that passes its own
-    ``past_key_values`` or ``use_cache=False`` is left alone. Raises ``ValueError`` for a bad
-    config or an architecture LeanCache cannot serve, leaving the model unchanged.
+    cache (``cache=`` or ``past_key_values=``) or ``use_cache=False`` is left alone. Raises
+    ``ValueError`` for a bad config or an architecture LeanCache cannot serve, leaving the model
+    unchanged.
     """
     if kv is None:
         if overrides:
@@ -60,7 +61,7 @@ def apply(model, kv: str | KVConfig | None, **overrides):
     def generate(*args, **kwargs):
         given = any(kwargs.get(name) is not None for name in CACHE_KWARGS)  # either name a transformers takes
         if not given and kwargs.get("use_cache", True) is not False:
-            kwargs["past_key_values"] = _fresh_cache(model, cfg, cache_kw, kwargs)
+            kwargs.update(cache_kwargs(model, _fresh_cache(model, cfg, cache_kw, kwargs)))
         return original(*args, **kwargs)
 
     generate.leankit_config = cfg

@@ -129,6 +129,8 @@ def cmd_generate(args) -> int:
             raise ValueError("--window does not apply with --plan auto (the plan picks the format); put it in "
                              "--kv, e.g. --kv 'K8V4-K4V2:window=32'")
         hardware = get_hardware(args.hardware or "detect")
+    from .hf import cache_kwargs
+
     model, tok = leankit.load_model(args.model)
     prompts = args.prompt or [DEFAULT_PROMPT]
     if args.chat:
@@ -143,7 +145,7 @@ def cmd_generate(args) -> int:
         cache = planned_cache(model, hardware, enc.attention_mask.sum(1).tolist(), args, eos)
     else:
         cache = leankit.LeanCache(model, cfg, eos_token_id=eos)
-    gen_kwargs = dict(max_new_tokens=args.max_new_tokens, past_key_values=cache, pad_token_id=tok.pad_token_id,
+    gen_kwargs = dict(max_new_tokens=args.max_new_tokens, **cache_kwargs(model, cache), pad_token_id=tok.pad_token_id,
                       streamer=make_streamer(tok, args, args.max_new_tokens), **sampling_kwargs(args))
     if gen_kwargs["do_sample"]:
         torch.manual_seed(args.seed)

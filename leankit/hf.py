@@ -16,6 +16,7 @@ position table then adds its offset of 2 itself).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from transformers import AttentionInterface
@@ -60,6 +61,42 @@ def _arg(name, args, kwargs, params):
 # Names the decoder stack and its layers take the cache under: transformers 5.24 renamed
 # ``past_key_values`` to ``cache`` (the old name is still accepted by the model's own forward).
 CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward and ``generate`` take the cache by in this transformers.
+
+    ``"cache"`` from transformers 5.24 on (``past_key_values`` is deprecated there and leaves the
+    model's forward in 5.40), ``"past_key_values"`` before (5.23 and older know no other name).
+    Both renames landed in the same release, so the forward's signature answers for ``generate``.
+    """
+    forward = getattr(model, "forward", None)
+    return _cache_keyword_of(getattr(forward, "__func__", forward))  # a bound method is new per access
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_keyword_of(forward) -> str:
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):  # a C-level or wrapped forward with no readable signature
+        params = {}
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{keyword: cache}`` to splat into ``model(...)`` or ``model.generate(...)``.
+
+    Example: ``model.generate(**inputs, **cache_kwargs(model, LeanCache(model, "K8V4")))``.
+    """
+    return {cache_keyword(model): cache}
+
+
+def output_cache(out):
+    """The cache a model output carries: ``out.cache`` (transformers >= 5.24) or ``out.past_key_values``."""
+    for name in CACHE_KWARGS:
+        if name in out:  # ModelOutput keys are its non-None fields
+            return out[name]
+    return None
 
 
 def cache_argument(args, kwargs, params=()):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..hf import cache_kwargs
 from .malloc import minor_faults
 from .text import corpus_ids, left_padded, pad_id, step_batch
 from .timing import CATEGORIES, ExclusiveTimer, breakdown, lean_targets, patched
@@ -33,8 +34,8 @@ def prefill(model, cache, input_ids: torch.Tensor, mask: torch.Tensor):
     """
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                **keep)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache),
+                use_cache=True, **keep)
     return out.logits[:, -1].argmax(-1, keepdim=True), mask, pos[:, -1:]
 
 
@@ -54,7 +55,7 @@ def decode(model, cache, state):
     tok, mask, pos = state
     mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
     pos = pos + 1
-    out = model(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    out = model(input_ids=tok, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache), use_cache=True)
     return out.logits[:, -1].argmax(-1, keepdim=True), mask, pos
 
 

@@ -116,9 +116,11 @@ def generate(model, cache, prompts: list[torch.Tensor], new_tokens: int, pad: in
     """
     from transformers import StoppingCriteriaList
 
+    from ..hf import cache_kwargs
+
     ids, mask = left_padded(prompts, pad)
     first = _FirstToken()
-    kwargs = dict(past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+    kwargs = dict(**cache_kwargs(model, cache), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=pad, stopping_criteria=StoppingCriteriaList([first] + ([stopping] if stopping else [])))
     with torch.no_grad():
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ from tqdm import tqdm  # noqa: E402
 
 from ..cache import LeanCache  # noqa: E402
 from ..config import KVConfig, split_overrides  # noqa: E402
-from ..hf import enable  # noqa: E402
+from ..hf import cache_kwargs, enable  # noqa: E402
 from ..models import load_model  # noqa: E402
 from ..presets import resolve  # noqa: E402
 
@@ -147,14 +147,14 @@ class LeanKitLM(HFLM):
         cache = self._new_cache()
         if n_ctx > 1:
             self.model(input_ids=ids[:, : n_ctx - 1], position_ids=torch.arange(n_ctx - 1, device=ids.device)[None],
-                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+                       **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
         logprob, greedy = 0.0, True
         start = n_ctx - 1
         end = ids.shape[1] - 1  # the last token is only ever a target
         while start < end:
             stop = min(start + self.chunk, end)
             out = self.model(input_ids=ids[:, start:stop], position_ids=torch.arange(start, stop, device=ids.device)[None],
-                             past_key_values=cache, use_cache=True)
+                             **cache_kwargs(self.model, cache), use_cache=True)
             logp = F.log_softmax(out.logits[0].float(), dim=-1)
             target = ids[0, start + 1: stop + 1]
             logprob += float(logp.gather(-1, target[:, None]).sum())
@@ -173,5 +173,5 @@ class LeanKitLM(HFLM):
         return results
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        generation_kwargs["past_key_values"] = self._new_cache()
+        generation_kwargs.update(cache_kwargs(self.model, self._new_cache()))
         return super()._model_generate(context, max_length, stop, **generation_kwargs)

@@ -1,0 +1,62 @@
+"""``leankit.hf``: the keyword a transformers release takes the cache by, and the cache a model output carries."""
+
+import inspect
+import warnings
+
+import torch
+from transformers import DynamicCache
+
+import leankit
+from leankit.hf import cache_keyword, cache_kwargs, output_cache
+from leankit.testing import tiny_model
+
+
+class _NewForward(torch.nn.Module):  # transformers >= 5.24
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs):
+        return cache
+
+
+class _OldForward(torch.nn.Module):  # transformers <= 5.23
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
+        return past_key_values
+
+
+def test_the_keyword_follows_the_forward_signature():
+    assert cache_keyword(_NewForward()) == "cache"
+    assert cache_keyword(_OldForward()) == "past_key_values"
+    marker = object()
+    for module in (_NewForward(), _OldForward()):
+        assert module(**cache_kwargs(module, marker)) is marker  # the forward receives it under its own name
+
+
+def test_an_unreadable_forward_falls_back_to_the_old_name():
+    class NoSignature:
+        forward = print  # a builtin: inspect.signature raises ValueError
+
+    assert cache_keyword(NoSignature()) == "past_key_values"
+    assert cache_keyword(object()) == "past_key_values"
+
+
+def test_the_installed_transformers_gets_its_own_name():
+    model = tiny_model("llama-gqa")
+    takes_cache = "cache" in inspect.signature(model.forward).parameters
+    assert cache_keyword(model) == ("cache" if takes_cache else "past_key_values")
+
+
+def test_generate_uses_the_leancache_without_a_deprecation_warning():
+    model = tiny_model("llama-gqa")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    cache = leankit.LeanCache(model, "K8V4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the old keyword warns from transformers 5.24 on
+        out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, **cache_kwargs(model, cache))
+    assert out.shape == (1, 9)
+    assert cache.get_seq_length() == 8  # the prompt and three fed-back tokens went through the LeanCache
+
+
+def test_output_cache_returns_the_cache_of_a_forward():
+    model = tiny_model("llama-gqa")
+    dyn = DynamicCache()
+    out = model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=True, **cache_kwargs(model, dyn))
+    assert output_cache(out) is dyn
+    assert output_cache({"logits": out.logits}) is None
