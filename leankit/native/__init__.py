@@ -56,7 +56,7 @@ ERRORS = {
 # Element formats of a dense (unquantized) page side, as the kernels' ``bits`` argument (formats.h):
 # the model's own values, read as they are. Quantized sides pass their code width (1, 2, 4 or 8).
 DENSE_FORMATS = {torch.float16: 16, torch.bfloat16: 17, torch.float32: 32}
-_DENSE_SIZE = {16: 2, 17: 2, 32: 4}
+_DENSE_SIZE = {fmt: torch.empty((), dtype=dtype).element_size() for dtype, fmt in DENSE_FORMATS.items()}
 
 
 def side_format(bits: int, dense_dtype: torch.dtype) -> int | None:

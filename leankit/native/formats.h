@@ -12,4 +12,7 @@
 /* Bytes of one value of a dense format. */
 static inline int lk_dense_size(int bits) { return bits == LK_DENSE_F32 ? 4 : 2; }
 
+/* Bytes of one token's row of a side of dim channels: its packed codes, or its dense values. */
+static inline __attribute__((always_inline)) int lk_row_bytes(int dim, int bits) { return bits <= 8 ? dim * bits / 8 : dim * lk_dense_size(bits); }
+
 #endif

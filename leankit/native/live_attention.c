@@ -120,9 +120,7 @@ static inline float exp_numerator(float x) {
     return x < lowest ? 0.0f : er * two_n;
 }
 
-/* Bytes of one token's row of a side (codes, or the dense values) and of its metadata (an fp16
- * scale and min per group; none for a dense side). */
-ALWAYS_INLINE int row_bytes(int dim, int bits) { return bits <= 8 ? dim * bits / 8 : dim * lk_dense_size(bits); }
+/* Bytes of one token's metadata on a side (an fp16 scale and min per group; none for a dense side). */
 ALWAYS_INLINE int meta_bytes(int dim, int bits, int group_size) { return bits <= 8 ? 4 * (dim / group_size) : 0; }
 
 /* Codes in plane order: within each group, the codes of bit slot i of every byte come before
@@ -172,11 +170,7 @@ ALWAYS_INLINE void dequantize_token(const uint8_t *restrict codes, const uint8_t
         if (bits == LK_DENSE_F32) {
             memcpy(out, codes, sizeof(float) * (size_t)dim);
         } else if (bits == LK_DENSE_F16) {
-            for (int c = 0; c < dim; ++c) {
-                uint16_t h;
-                memcpy(&h, codes + 2 * c, sizeof h);
-                out[c] = half_to_float(h);
-            }
+            for (int c = 0; c < dim; ++c) out[c] = half_at(codes + 2 * c);
         } else { /* bf16: the high half of a float */
             for (int c = 0; c < dim; ++c) {
                 uint16_t h;
@@ -243,7 +237,7 @@ struct tier_pages {
 /* What a pass reads of a page: the codes and metadata of its side, and (when asked) the positions
  * and the stored scores. Forced inline: as a call it measured 40% slower passes. */
 ALWAYS_INLINE void prefetch_page(const uint8_t *page, const struct tier_pages *tp, int positions, int scores) {
-    prefetch_span(page + tp->data_off, (int64_t)tp->tokens * row_bytes(tp->dim, tp->bits));
+    prefetch_span(page + tp->data_off, (int64_t)tp->tokens * lk_row_bytes(tp->dim, tp->bits));
     prefetch_span(page + tp->meta_off, (int64_t)tp->tokens * meta_bytes(tp->dim, tp->bits, tp->group_size));
     if (positions) prefetch_span(page + tp->pos_off, (int64_t)tp->tokens * 4);
     if (scores) prefetch_span(page + tp->score_off, (int64_t)tp->tokens * 2);
@@ -255,7 +249,7 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
                               int64_t left, const float *restrict qh, const int32_t *restrict qp,
                               float *restrict mh, float *restrict ol, int32_t *restrict pos_l,
                               uint8_t *restrict valid_l, float *restrict score_l, float *restrict key) {
-    const int tokens = tp->tokens, rows = tp->rows, nb = row_bytes(D, B), mb = meta_bytes(D, B, G);
+    const int tokens = tp->tokens, rows = tp->rows, nb = lk_row_bytes(D, B), mb = meta_bytes(D, B, G);
     for (int t = 0; t < tokens; ++t) {
         const int live = t < left;
         int32_t pos = INT32_MAX;
@@ -282,7 +276,7 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
 /* Pass 2 over one page's live tokens: acc[r] += p[r, t] * value(t) for the slots some row weighs. */
 ALWAYS_INLINE void value_page(const struct tier_pages *restrict tp, int D, int B, int G, const uint8_t *restrict page,
                               const float *restrict pl, float *restrict ah, float *restrict value) {
-    const int tokens = tp->tokens, rows = tp->rows, nb = row_bytes(D, B), mb = meta_bytes(D, B, G);
+    const int tokens = tp->tokens, rows = tp->rows, nb = lk_row_bytes(D, B), mb = meta_bytes(D, B, G);
     for (int t = 0; t < tokens; ++t) {
         int any = 0;
         for (int r = 0; r < rows; ++r) any |= pl[r * tokens + t] != 0.0f;

@@ -130,10 +130,10 @@ int lk_store_tokens(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pag
             const int64_t t = slot[i];
             for (int s = 0; s < 2; ++s) {
                 if (bits[s] > 8) {
-                    dense_row(side[s] + i * dim, dim, bits[s], page + seg_off[2 * s] + t * dim * lk_dense_size(bits[s]));
+                    dense_row(side[s] + i * dim, dim, bits[s], page + seg_off[2 * s] + t * lk_row_bytes(dim, bits[s]));
                     continue;
                 }
-                const int nb = dim * bits[s] / 8, gb = group_size * bits[s] / 8;
+                const int nb = lk_row_bytes(dim, bits[s]), gb = group_size * bits[s] / 8;
                 const uint16_t *m = meta + (i * 2 + s) * groups * 2;
                 uint8_t *codes = page + seg_off[2 * s] + t * nb;
                 for (int g = 0; g < groups; ++g)
