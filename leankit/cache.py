@@ -611,7 +611,8 @@ class LeanCache(Cache):
                 out, received_new = prompt_attention(module, query, k_new, v_new, attention_mask, scaling,
                                                      significance=sig, q_pos=st.q_pos, k_real=st.real,
                                                      ordered=st.ordered, ws=self.workspace,
-                                                     mask_memo=st.derived.setdefault("prompt_masks", {}))
+                                                     mask_memo=st.derived.setdefault("prompt_masks", {}),
+                                                     exact=self.cfg.lossless)
             else:
                 out, _, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
                                                       received=sig)

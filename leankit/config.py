@@ -360,6 +360,14 @@ class KVConfig:
         if self.act_order not in ACT_ORDERS:
             raise ValueError(f"act_order must be one of {ACT_ORDERS}, got {self.act_order!r}")
 
+    @property
+    def lossless(self) -> bool:
+        """Every token is kept unquantized and unrotated (``FP16`` with the ``full`` policy, any ACT
+        fraction, whose recompute gives the same K/V), so attention over the cache computes what an
+        uncompressed cache does."""
+        return (self.low is None and not self.high.k_quantized and not self.high.v_quantized
+                and self.policy == "full" and not self.rotate)
+
     # ------------------------------------------------------------------ bytes
     @property
     def tiers(self) -> tuple[Precision, ...]:

@@ -19,6 +19,18 @@ queries is one matrix-vector product. Scores are floored at
 :data:`leankit.attention.EXP_FLOOR` before the ``exp`` (see there why). The pass runs per
 (sequence, KV head) in query chunks of about 1 MB of scores, which the ``exp`` and the sum reread
 from L2 (short prompts put several pairs in one chunk).
+
+**Padded batches.** Given a mask, SDPA's CPU flash kernel computes every (query, key) block and
+adds the mask to it: a left-padded batch of prompts pays for the full square of every row, the
+blocks above the diagonal and the padding included, where ``is_causal`` would skip them. A
+compressed (lossy) cache has no need to reproduce that computation bit for bit, so when the mask
+is exactly causal attention within each row's one contiguous span of real tokens (checked once per
+step, :func:`causal_spans`), each row's span runs through the flash kernel on its own with
+``is_causal=True``: the same softmax over the same keys, summed in other blocks, so it agrees with
+the masked call to fp32 rounding and costs about two thirds of it (8 x 1024 tokens, 9 heads).
+Padding positions get a zero output: nothing reads it, as no real query attends to a padding key.
+The lossless ``FP16`` config keeps transformers' masked call, so its tokens stay identical to
+``DynamicCache``'s.
 """
 
 from __future__ import annotations
@@ -45,9 +57,27 @@ _EXP_CEIL = 80.0
 # about 25% slower at 4k tokens), and a floor on the chunk's rows for the matmul's efficiency.
 _CHUNK_ELEMS = 1 << 18
 _MIN_ROWS = 16
-# Additive masks kept per step (:func:`_additive_mask`): models whose sliding-window and full
-# layers alternate pass two masks.
-_MASK_MEMO_ENTRIES = 2
+# Entries kept per step in the mask memo: per mask, its additive form (:func:`_additive_mask`) and
+# its row spans (:func:`causal_spans`); models whose sliding-window and full layers alternate pass
+# two masks.
+_MASK_MEMO_ENTRIES = 4
+
+
+def _memo_get(memo: dict | None, mask: torch.Tensor, kind):
+    """The memo's entry ``kind`` of ``mask``: only for the same tensor object, unmodified since."""
+    hit = memo.get((id(mask), kind)) if memo is not None else None
+    if hit is not None and hit[0] is mask and hit[1] == mask._version:
+        return hit[2]
+    return None
+
+
+def _memo_put(memo: dict | None, mask: torch.Tensor, kind, value):
+    """Keep ``value`` as the memo's entry ``kind`` of ``mask`` (the oldest entry makes room); returns it."""
+    if memo is not None:
+        if len(memo) >= _MASK_MEMO_ENTRIES:
+            memo.pop(next(iter(memo)))
+        memo[(id(mask), kind)] = (mask, mask._version, value)
+    return value
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, memo: dict | None) -> torch.Tensor:
@@ -58,16 +88,98 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype, memo: dict | None) ->
     (about 0.3 s a layer on one core). An entry matches only the same tensor object, unmodified
     since (its version counter), converted to the same dtype.
     """
-    key = (id(mask), dtype)
-    hit = memo.get(key) if memo is not None else None
-    if hit is not None and hit[0] is mask and hit[1] == mask._version:
-        return hit[2]
-    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    if memo is not None:
-        if len(memo) >= _MASK_MEMO_ENTRIES:
-            memo.pop(next(iter(memo)))
-        memo[key] = (mask, mask._version, out)
-    return out
+    hit = _memo_get(memo, mask, dtype)
+    if hit is not None:
+        return hit
+    return _memo_put(memo, mask, dtype,
+                     torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf")))
+
+
+def causal_spans(mask: torch.Tensor | None, k_real: torch.Tensor, memo: dict | None = None) -> list | None:
+    """Each row's real tokens as one span ``(start, end)``, if ``mask`` is exactly causal attention
+    within those spans; else ``None``.
+
+    ``mask``: transformers' bool mask ``[B or 1, 1, Q, Q]`` of a prompt (True = attend); ``k_real``:
+    bool ``[B, Q]``, the real (non-padding) tokens. The answer is a list of ``B`` spans when every
+    row's real tokens are contiguous (left or right padding, or none) and every real query ``i`` of
+    row ``b`` may attend exactly the keys ``start_b <= j <= i``: then the row's attention is
+    ``is_causal`` attention over its span alone. Padding queries' rows are not looked at (their
+    output is not used). A sliding-window mask narrower than the prompt, or any other pattern,
+    answers ``None``. ``memo``: the step's mask memo (see :func:`_additive_mask`); the check reads
+    the mask once per step.
+    """
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        return None
+    b, q = k_real.shape
+    if tuple(mask.shape) not in ((b, 1, q, q), (1, 1, q, q)):
+        return None
+    hit = _memo_get(memo, mask, "spans")
+    if hit is not None:
+        return hit or None
+    real = k_real.to(device="cpu", dtype=torch.bool)
+    counts = real.sum(1).tolist()
+    starts = real.to(torch.uint8).argmax(1).tolist()  # first real token (0 for a row with none)
+    cols = torch.arange(q, device=mask.device)
+    spans = []
+    for row in range(b):
+        s, n = starts[row], counts[row]
+        e = s + n
+        if n and not bool(real[row, s:e].all()):  # real tokens with padding between them
+            return _memo_put(memo, mask, "spans", []) or None
+        want = (cols >= s) & (cols <= torch.arange(s, e, device=mask.device).view(-1, 1))  # [n, Q]: keys s..i
+        if n and not torch.equal(mask[row if mask.shape[0] > 1 else 0, 0, s:e], want):
+            return _memo_put(memo, mask, "spans", []) or None
+        spans.append((s, e))
+    return _memo_put(memo, mask, "spans", spans)
+
+
+def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """``is_causal`` attention of one span, ``(out [1, Hq, n, F], lse [1, Hq, n] or None)``.
+
+    PyTorch's CPU flash kernel returns its log-sum-exp, which the significance pass reuses; where
+    it is missing (another torch) or refuses the inputs, public SDPA computes the output and the
+    lse is ``None``.
+    """
+    g = q.shape[1] // k.shape[1]
+    if g > 1:  # the flash kernel takes as many KV heads as query heads
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if flash is not None and q.device.type == "cpu":
+        try:
+            out, lse = flash(q, k, v, 0.0, True, scale=scale)
+            return out, lse
+        except (RuntimeError, TypeError):  # a dtype or layout the kernel refuses
+            pass
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), None
+
+
+def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list, scaling: float, *,
+                   significance: bool, ws: Workspace | None = None):
+    """Prompt attention of each row over its real span only (see the module docstring).
+
+    ``spans`` from :func:`causal_spans`. Returns ``(out [B, Q, Hq, F], received [B, Hkv, Q] or
+    None)`` as :func:`prompt_attention` does; padding positions get zero output and zero
+    significance.
+    """
+    b, hq, nq, _ = query.shape
+    hkv = key.shape[1]
+    out = query.new_zeros((b, nq, hq, value.shape[-1]))
+    received = torch.zeros((b, hkv, nq), device=query.device) if significance else None
+    for row, (s, e) in enumerate(spans):
+        if e <= s:
+            continue
+        q, k, v = query[row: row + 1, :, s:e], key[row: row + 1, :, s:e], value[row: row + 1, :, s:e]
+        o, lse = _causal_flash(q, k, v, scaling)
+        out[row, s:e] = o[0].transpose(0, 1)
+        if significance:
+            real = torch.ones((1, e - s), dtype=torch.bool, device=query.device)
+            if lse is not None:
+                r = received_from_lse(q, k, lse, real, scaling, ws)
+            else:
+                pos = torch.arange(e - s, device=query.device).view(1, -1)
+                r = step_received(q, k, pos, real, scaling, True)
+            received[row, :, s:e] = r[0]
+    return out, received
 
 
 # The capture swaps ``F.scaled_dot_product_attention`` (which transformers' SDPA path looks up at each
@@ -206,16 +318,27 @@ def received_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, k_rea
 
 def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                      scaling: float, *, significance: bool, q_pos: torch.Tensor, k_real: torch.Tensor,
-                     ordered: bool, ws: Workspace | None = None, mask_memo: dict | None = None):
+                     ordered: bool, ws: Workspace | None = None, mask_memo: dict | None = None,
+                     exact: bool = True):
     """The prompt's attention through transformers' SDPA, and (if asked) its tokens' significance.
 
     Returns ``(out [B, Q, Hq, F], received [B, Hkv, Q] or None)``. The significance reuses the
     SDPA kernel's log-sum-exp where it ran PyTorch's CPU flash kernel on a prompt whose positions
     increase; otherwise it is :func:`leankit.attention.step_received`'s own pass. ``ws``: the
     cache's scratch (:class:`~leankit.attention.Workspace`) for that pass. ``mask_memo``: the
-    step's additive masks (:func:`_additive_mask`), shared by its layers.
+    step's mask memo (:func:`_additive_mask`, :func:`causal_spans`), shared by its layers.
+
+    ``exact``: return bitwise what transformers' SDPA returns. With ``exact=False`` (a lossy
+    cache), a padded CPU batch whose mask is causal within each row's real span runs
+    :func:`span_attention` instead, which skips the masked blocks and agrees to fp32 rounding.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not exact and query.device.type == "cpu" and (ordered or not significance) \
+            and key.shape[2] == query.shape[2]:
+        spans = causal_spans(attention_mask, k_real, mask_memo)
+        if spans is not None:
+            return span_attention(query, key, value, spans, scaling, significance=significance, ws=ws)
 
     box: dict = {}
     capture = significance and ordered and query.device.type == "cpu"

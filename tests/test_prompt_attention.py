@@ -2,7 +2,8 @@
 
 ``prompt_attention`` must return exactly (bitwise) what transformers' ``sdpa_attention_forward``
 returns, and its significance must equal :func:`leankit.attention.step_received` (which runs its
-own softmax) on left-padded, GQA and MHA prompts of odd lengths.
+own softmax) on left-padded, GQA and MHA prompts of odd lengths. With ``exact=False`` (lossy
+caches) a padded batch runs each row's span alone: equal to fp32 rounding, zero at padding.
 """
 
 import gc
@@ -152,6 +153,8 @@ def test_cache_converts_the_prompt_mask_once_and_drops_it_with_the_step(monkeypa
         return out
 
     monkeypatch.setattr(pa, "_additive_mask", spied)
+    # The masked path, as for a mask the span path does not take (a sliding window narrower than the prompt).
+    monkeypatch.setattr(pa, "causal_spans", lambda *a: None)
     model = tiny_model("llama-gqa", num_hidden_layers=2)
     cache = LeanCache(model, "K8V4-K4V2", th=0.25, tl=0.0)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
@@ -247,3 +250,99 @@ def test_overlapping_captures_restore_sdpa():
     for name, scale in (("a", 1), ("b", 2)):
         causal_free = torch.logsumexp(s * scale, -1)  # no mask, not causal
         torch.testing.assert_close(boxes[name]["lse"], causal_free)
+
+
+# --------------------------------------------------------------------------- span path (lossy caches)
+@pytest.mark.parametrize("b,hkv,g,n,pads,right", [(3, 3, 3, 37, [0, 5, 36], False), (4, 2, 2, 300, [0, 1, 2, 299], False),
+                                                  (2, 1, 7, 9, [0, 8], False), (3, 3, 1, 41, [0, 7, 40], True),
+                                                  (1, 2, 3, 17, [4], False)])
+def test_span_attention_agrees_with_the_masked_call(b, hkv, g, n, pads, right):
+    # exact=False on a padded prompt: each row's span alone, with is_causal. Real positions agree with
+    # transformers' masked SDPA to fp32 rounding, padding positions are zero, significance as before.
+    seed = int(torch.randint(0, 1 << 30, ()))
+    q, k, v, real, pos, mask = _prompt(seed, b, hkv, g, n, pads)
+    if right:  # the same rows right-padded: real tokens first
+        real = real.flip(1)
+        pos = (real.cumsum(1) - 1).clamp_min(0).to(torch.int32)
+        mask = torch.ones(n, n, dtype=torch.bool).tril().view(1, 1, n, n) & real.view(b, 1, 1, n)
+    module = _Module(g)
+    want = sdpa_attention_forward(module, q, k, v, mask, scaling=0.125)[0]
+    memo = {}
+    out, recv = prompt_attention(module, q, k, v, mask, 0.125, significance=True, q_pos=pos, k_real=real,
+                                 ordered=True, exact=False, mask_memo=memo)
+    assert memo, "the span path did not run"
+    live = real.view(b, n, 1, 1).expand_as(out)
+    torch.testing.assert_close(out[live], want[live], rtol=2e-6, atol=2e-6, msg=f"seed {seed}")
+    assert torch.equal(out[~live], torch.zeros(int((~live).sum())))
+    ref = step_received(q, k, pos, real, 0.125, ordered=True)
+    torch.testing.assert_close(recv, ref, rtol=2e-5, atol=2e-6, msg=f"seed {seed}")
+    out2, none = prompt_attention(module, q, k, v, mask, 0.125, significance=False, q_pos=pos, k_real=real,
+                                  ordered=True, exact=False, mask_memo=memo)
+    assert none is None and torch.equal(out2, out)
+
+
+def test_causal_spans_accepts_only_causal_masks_within_one_span():
+    from leankit.prompt_attention import causal_spans
+
+    _q, _k, _v, real, _pos, mask = _prompt(0, 3, 1, 1, 12, [0, 3, 11])
+    assert causal_spans(mask, real) == [(0, 12), (3, 12), (11, 12)]
+    causal = torch.ones(12, 12, dtype=torch.bool).tril().view(1, 1, 12, 12)
+    assert causal_spans(causal, torch.ones(1, 12, dtype=torch.bool)) == [(0, 12)]  # a mask shared by the batch
+    assert causal_spans(None, real) is None
+    window = mask & ~torch.ones(12, 12, dtype=torch.bool).tril(-5)  # sliding window of 5 < 12 tokens
+    assert causal_spans(window, real) is None
+    wide = mask & ~torch.ones(12, 12, dtype=torch.bool).tril(-12)  # a window wider than the prompt is causal
+    assert causal_spans(wide, real) == [(0, 12), (3, 12), (11, 12)]
+    holed = real.clone()
+    holed[0, 4] = False  # a padding token inside a row's real tokens
+    assert causal_spans(mask & holed.view(3, 1, 1, 12), holed) is None
+    peek = mask.clone()
+    peek[1, 0, 5, 6] = True  # a real query sees a later key
+    assert causal_spans(peek, real) is None
+    blind = mask.clone()
+    blind[2, 0, 11, 11] = False  # a real query misses itself
+    assert causal_spans(blind, real) is None
+    pad_rows = mask.clone()
+    pad_rows[1, 0, :3] = True  # what padding queries see is not looked at
+    assert causal_spans(pad_rows, real) == [(0, 12), (3, 12), (11, 12)]
+    assert causal_spans(mask.float(), real) is None and causal_spans(mask[:, :, :5], real) is None
+
+
+def test_causal_spans_reads_the_mask_once_per_step_and_follows_changes(monkeypatch):
+    import leankit.prompt_attention as pa
+
+    _q, _k, _v, real, _pos, mask = _prompt(0, 2, 1, 1, 10, [0, 4])
+    memo, calls = {}, []
+    equal = torch.equal
+    monkeypatch.setattr(pa.torch, "equal", lambda a, b: calls.append(1) or equal(a, b))
+    first = pa.causal_spans(mask, real, memo)
+    n = len(calls)
+    assert pa.causal_spans(mask, real, memo) is first and len(calls) == n  # memo hit: no second read
+    mask[1, 0, 6, 7] = True  # changed in place: checked again, and no longer causal
+    assert pa.causal_spans(mask, real, memo) is None and len(calls) > n
+    assert len(memo) <= pa._MASK_MEMO_ENTRIES
+
+
+@pytest.mark.parametrize("kv,spans", [("K8V4-K4V2:th=0.25,tl=0", True), ("K8V4", True), ("FP16", False)])
+def test_cache_runs_lossy_padded_prompts_through_the_span_path(monkeypatch, kv, spans):
+    # Lossy caches take the span path on a padded batch; the lossless FP16 keeps transformers' masked
+    # SDPA (its tokens must equal DynamicCache's bit for bit).
+    import leankit.prompt_attention as pa
+    from leankit import LeanCache
+    from leankit.hf import cache_kwargs
+    from leankit.testing import tiny_model
+
+    ran = []
+    span = pa.span_attention
+    monkeypatch.setattr(pa, "span_attention", lambda *a, **kw: ran.append(1) or span(*a, **kw))
+    model = tiny_model("llama-gqa", num_hidden_layers=2)
+    ids = torch.randint(0, model.config.vocab_size, (3, 11))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[2, :10] = 0
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, LeanCache(model, kv)), use_cache=True)
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert len(ran) == (2 if spans else 0)
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], ref.logits[real], rtol=1e-5, atol=1e-5)
