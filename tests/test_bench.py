@@ -231,7 +231,10 @@ def test_bench_step_cli_writes_json_and_readme(tiny, tmp_path, capsys):
             "--default-malloc"]  # the pinned allocator is checked in a process of its own below
     assert main(argv) == 0
     data = json.loads(js.read_text())
-    assert data["mode"] == "step" and data["command"] == ["leankit", *argv] and len(data["results"]) == 1
+    # The command as the README shows it: without the output-only options and their (local) paths.
+    assert data["command"] == ["leankit", "bench", "step", "--model", "tiny", "--batch", "2", "--context", "17",
+                               "--steps", "2", "--warmup", "1", "--kv", "K8V4", "--default-malloc"]
+    assert data["mode"] == "step" and len(data["results"]) == 1
     assert data["allocator"] is None
     row = data["results"][0]
     assert len(row["prefill_faults_dynamic"]) == len(row["prefill_faults_lean"]) == step.PREFILL_RUNS

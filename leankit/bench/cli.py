@@ -188,12 +188,13 @@ def _allocator_note(args) -> str:
 def _finish(args, mode: str, body: str, results) -> None:
     import torch
 
-    from .readme import cpu_model, provenance, write_block
+    from .readme import cpu_model, provenance, reproducible_args, write_block
 
     argv = list(getattr(args, "argv", None) or [])
     threads = torch.get_num_threads()
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(mode=mode, command=["leankit", "bench", *argv], model=args.model,
+    if args.json:  # the command without its output paths, as the README shows it (no local path)
+        command = ["leankit", "bench", *reproducible_args(argv)]
+        Path(args.json).write_text(json.dumps(dict(mode=mode, command=command, model=args.model,
                                                    threads=threads, torch=torch.__version__, cpu=cpu_model(),
                                                    allocator=getattr(args, "allocator", None), results=results),
                                               indent=1) + "\n")
