@@ -19,6 +19,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from leankit import KVConfig, LeanCache
 from leankit.act_store import act_blocks, assign_act, next_block_is_act
+from leankit.hf import cache_kwargs
 from leankit.testing import tiny_model
 
 KINDS = ["llama-mha", "llama-gqa", "qwen2", "qwen3", "opt"]
@@ -42,7 +43,7 @@ def lean(model, spec, **kw):
 
 def _generate(model, ids, mask, cache, new=15, **kw):
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+        return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
                               max_new_tokens=new, pad_token_id=0, eos_token_id=None, **kw)
 
 
@@ -276,7 +277,7 @@ def test_smollm2_fp16_act_half_identical_tokens(smollm2):
     runs = {}
     for spec in ("FP16", "FP16:act=0.5"):
         with torch.no_grad():
-            runs[spec] = model.generate(**enc, past_key_values=lean(model, spec), do_sample=False, max_new_tokens=32,
+            runs[spec] = model.generate(**enc, **cache_kwargs(model, lean(model, spec)), do_sample=False, max_new_tokens=32,
                                         pad_token_id=tok.pad_token_id, eos_token_id=None, output_logits=True,
                                         return_dict_in_generate=True)
     a, b = runs["FP16"], runs["FP16:act=0.5"]

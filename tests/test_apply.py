@@ -7,6 +7,7 @@ from transformers import pipeline
 import leankit
 from leankit import LeanCache
 from leankit import cache as cache_module
+from leankit.hf import cache_kwargs
 from leankit.testing import tiny_model, tiny_tokenizer
 
 PROMPTS = ["w5 w6 w7 w8", "w9", "w10 w11 w12", "w13 w14"]
@@ -57,7 +58,7 @@ def test_plain_generate_and_eos_from_the_call(built):
         assert built[1].eos_ids.tolist() == [2, 7]
         # a call that brings its own cache, or none at all, is left alone
         own = LeanCache(model, "K8V4")
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, past_key_values=own, eos_token_id=None)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, **cache_kwargs(model, own), eos_token_id=None)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, use_cache=False, eos_token_id=None)
     assert built[2:] == [own]
 

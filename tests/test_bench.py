@@ -13,6 +13,7 @@ from leankit.bench.text import left_padded
 from leankit.bench.timing import CATEGORIES, ExclusiveTimer, lean_targets, patched
 from leankit.cache import LeanCache
 from leankit.cli import main
+from leankit.hf import cache_kwargs
 from leankit.testing import tiny_model, tiny_tokenizer
 
 TINY_NEUTRAL = "K8V4-K4V2:th=0.25,tl=0,group_size=8,rotate=1,window=5"
@@ -122,7 +123,7 @@ def test_throughput_batch_fits_the_budget_and_one_more_row_does_not(kv):
     def generate(rows):
         cache = LeanCache(model, kv, num_pages=budget // kind.cfg.page_size)
         ids, mask = left_padded([prompt] * rows, 0)
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=new,
                        min_new_tokens=new, do_sample=False, pad_token_id=0)
 
     generate(fit.batch)

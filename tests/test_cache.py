@@ -7,6 +7,7 @@ from transformers import DynamicCache
 import leankit
 from leankit import LeanCache, PoolExhausted
 from leankit.cache import check_model_supported
+from leankit.hf import cache_kwargs
 from leankit.quant import NonFiniteKVError
 from leankit.testing import left_padded_batch, tiny_config, tiny_model
 
@@ -17,7 +18,7 @@ def _batch(seed=0, rows=3, width=13):
 
 def _generate(model, ids, mask, cache, **kw):
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+        return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
                               max_new_tokens=kw.pop("max_new_tokens", 24), pad_token_id=0, eos_token_id=None, **kw)
 
 
@@ -40,8 +41,8 @@ def test_logits_match_dynamic_cache_closely():
     ids, mask = _batch(rows=2)
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
-        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=DynamicCache(config=model.config)).logits
-        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=LeanCache(model, "FP16")).logits
+        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, DynamicCache(config=model.config))).logits
+        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, LeanCache(model, "FP16"))).logits
     real = mask.bool()
     torch.testing.assert_close(b[real], a[real], rtol=1e-5, atol=1e-5)
 
@@ -66,8 +67,8 @@ def test_quantized_attention_close_to_fp16():
     ids, mask = _batch(rows=2)
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
-        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=LeanCache(model, "FP16")).logits
-        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=LeanCache(model, "K8V8")).logits
+        a = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, LeanCache(model, "FP16"))).logits
+        b = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, LeanCache(model, "K8V8"))).logits
     real = mask.bool()
     rel = (b[real] - a[real]).norm() / a[real].norm()
     assert rel < 2e-2
@@ -80,7 +81,7 @@ def test_sampling_runs_and_is_seeded():
     for _ in range(2):
         torch.manual_seed(7)
         with torch.no_grad():
-            outs.append(model.generate(input_ids=ids, attention_mask=mask, past_key_values=LeanCache(model, "K8V4"),
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, LeanCache(model, "K8V4")),
                                        do_sample=True, top_k=20, max_new_tokens=12, pad_token_id=0))
     assert torch.equal(outs[0], outs[1])
 
@@ -138,7 +139,7 @@ def test_eos_frees_pages_during_generate():
     eos = int(first[0, ids.shape[1] + 1])  # row 0 emits this token at its second step
     cache = LeanCache(model, "K8V4", eos_token_id=eos)
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False, max_new_tokens=8,
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False, max_new_tokens=8,
                        pad_token_id=0, eos_token_id=eos)
     assert bool(cache.finished[0])
     assert int(cache.table.n_pages[:, :, 0].sum()) == 0
@@ -171,9 +172,7 @@ def test_memory_report_keys_and_ratio():
 
 
 def test_unsupported_models_raise():
-    from transformers import AutoModelForCausalLM
-
-    from transformers import GPT2Config
+    from transformers import AutoModelForCausalLM, GPT2Config
 
     with pytest.raises(ValueError, match="model types"):  # OPT is served (tests/test_opt.py); GPT-2 is not
         LeanCache(AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2)), "K8V4")

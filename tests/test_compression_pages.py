@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from leankit.cache import LeanCache
+from leankit.hf import cache_kwargs
 from leankit.page_table import HIGH, LOW
 
 PAGE = 256
@@ -56,7 +57,7 @@ def forward_steps(model, cache, ids, mask, decode=6, chunk=None):
     """Prefill, then greedy one-token steps (and optionally one chunk), checking the table each step."""
     pos = (mask.cumsum(1) - 1).clamp_min(0)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache))
         check_table(cache)
         nxt = out.logits[:, -1:].argmax(-1)
         last = pos[:, -1:]
@@ -64,7 +65,7 @@ def forward_steps(model, cache, ids, mask, decode=6, chunk=None):
             before = cache.table.n_pages.clone()
             mask = torch.cat([mask, torch.ones_like(nxt)], 1)
             last = last + 1
-            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, past_key_values=cache)
+            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, **cache_kwargs(model, cache))
             check_table(cache)
             growth = (cache.table.n_pages - before).clamp_min(0).sum(0)
             assert int(growth.max()) <= 1, "a head took more than one page in a decode step"
@@ -73,7 +74,7 @@ def forward_steps(model, cache, ids, mask, decode=6, chunk=None):
             ext = torch.randint(3, 96, (ids.shape[0], chunk))
             mask = torch.cat([mask, torch.ones_like(ext)], 1)
             p = last + torch.arange(1, chunk + 1)
-            model(input_ids=ext, attention_mask=mask, position_ids=p, past_key_values=cache)
+            model(input_ids=ext, attention_mask=mask, position_ids=p, **cache_kwargs(model, cache))
             check_table(cache)
     return cache
 
@@ -126,8 +127,8 @@ def test_prompt_recycles_pages_right_after_each_layer(model):
     full = make_cache(model, "K8V4")
     lean = make_cache(model, "K8V4-K4V2", th=0.5, tl=0.05, window=16)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=full)
-        model(input_ids=ids, attention_mask=mask, past_key_values=lean)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, full))
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, lean))
     check_table(lean)  # exactly the pages the classified tokens need are left
     assert lean.memory_report()["pages_used"] < full.memory_report()["pages_used"]
     # Low-tier tokens live in their own pages, taken from the right end of each row.
@@ -162,14 +163,14 @@ def test_page_calls_are_batched(model, monkeypatch):
     with torch.no_grad():
         # Prefill: one grow for all layers at begin_step, then per layer at most one grow (low pages
         # the relabelled high pages cannot cover) and one recycle.
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache))
         assert calls["grow"] <= 1 + layers and 1 <= calls["shrink"] <= layers
         nxt, last = out.logits[:, -1:].argmax(-1), pos[:, -1:]
         for _ in range(20):
             calls.update(grow=0, shrink=0)
             mask = torch.cat([mask, torch.ones_like(nxt)], 1)
             last = last + 1
-            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, past_key_values=cache)
+            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, **cache_kwargs(model, cache))
             nxt = out.logits[:, -1:].argmax(-1)
             assert calls["grow"] <= 1 and calls["shrink"] <= 1, "a decode step makes one batched call"
 
@@ -181,7 +182,7 @@ def test_leankv_without_compression_is_uniform_high_precision(model):
     for spec, kw in (("K8V4", {}), ("K8V4-K4V2", {"th": 0.0, "tl": 0.0, "window": 8})):
         cache = make_cache(model, spec, **kw)
         with torch.no_grad():
-            g = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+            g = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=8,
                                do_sample=False, output_logits=True, return_dict_in_generate=True)
         outs.append(torch.stack(g.logits))
         assert cache.memory_report()["tokens_per_tier"]["low"] == 0
@@ -213,7 +214,7 @@ def test_beam_search_with_leankv(model):
     ids, mask = prompt(batch=1, n=60)
     cache = make_cache(model, "K8V4-K4V2", th=0.3, tl=0.05, window=8)
     with torch.no_grad():
-        out = model.generate(input_ids=ids.expand(2, -1), attention_mask=mask.expand(2, -1), past_key_values=cache,
+        out = model.generate(input_ids=ids.expand(2, -1), attention_mask=mask.expand(2, -1), **cache_kwargs(model, cache),
                              max_new_tokens=5, do_sample=False, num_beams=2, num_return_sequences=1)
     assert out.shape[1] == 65
     check_table(cache)

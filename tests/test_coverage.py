@@ -10,6 +10,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from leankit import LeanCache
 from leankit.cache import LeanLayer
+from leankit.hf import cache_kwargs
 from leankit.testing import left_padded_batch, tiny_model
 
 
@@ -19,7 +20,7 @@ def _batch(rows=3, width=11):
 
 def _generate(model, ids, mask, cache, new=14):
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+        return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
                               max_new_tokens=new, pad_token_id=0, eos_token_id=None)
 
 
@@ -60,9 +61,9 @@ def test_gemma3_beam_search_and_reset():
     ids, mask = _batch(rows=2)
     cache = LeanCache(model, "FP16")
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+        out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
                              num_beams=3, max_new_tokens=6, pad_token_id=0, eos_token_id=None)
-        ref = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+        ref = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)),
                              do_sample=False, num_beams=3, max_new_tokens=6, pad_token_id=0, eos_token_id=None)
     assert torch.equal(out, ref)
     cache.reset()
@@ -88,7 +89,7 @@ def test_real_gemma3_270m_fp16_lossless():
 
     def gen(ids, mask, cache):
         with torch.no_grad():
-            return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+            return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
                                   max_new_tokens=16, pad_token_id=tok.pad_token_id, eos_token_id=None)
 
     out = gen(enc.input_ids, enc.attention_mask, LeanCache(model, "FP16", page_size=8192))

@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from leankit.hf import cache_kwargs
+
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="Triton interpreter is on")]
@@ -80,7 +82,7 @@ def _greedy(model, spec, backend, monkeypatch, new=24):
     ids[1, :40] = 0
     cache = LeanCache(model, spec)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=(ids != 0).long(), past_key_values=cache,
+        out = model.generate(input_ids=ids, attention_mask=(ids != 0).long(), **cache_kwargs(model, cache),
                              max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[:, ids.shape[1]:]
 
@@ -105,12 +107,12 @@ def test_decode_step_without_host_sync(monkeypatch):
     ids = torch.randint(3, 500, (2, 64)).cuda()
     cache = LeanCache(model, "K8V4")
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         pos = torch.full((2, 1), ids.shape[1], device="cuda")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            model(input_ids=nxt, past_key_values=cache, position_ids=pos, use_cache=True)
+            model(input_ids=nxt, **cache_kwargs(model, cache), position_ids=pos, use_cache=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from leankit.cache import LeanCache
+from leankit.hf import cache_kwargs
 from leankit.pages import PagePool
 
 
@@ -38,7 +39,7 @@ def _generate(model, spec, backend, monkeypatch, **overrides):
     mask = (ids != 0).long()
     cache = LeanCache(model, spec, **overrides)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+        out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=8,
                              do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[:, ids.shape[1]:], cache
 
@@ -168,7 +169,7 @@ def test_one_generation_compiles_at_most_two_decode_variants(spec, overrides, mo
     ids = torch.tensor([[5, 17, 33, 8, 91, 44, 23, 9, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22, 24]])
     cache = LeanCache(model, spec, **overrides)
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                        max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert len(launches) >= 23 * 2, f"decode ran {len(launches)} times"
     assert len(dyn) > 2, f"the page counts per launch hardly moved ({dyn}): the test is too short"

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from leankit import LeanCache
+from leankit.hf import cache_kwargs
 from leankit.offload import DeviceBudgetExceeded, OffloadConfig
 from leankit.page_table import HIGH
 from leankit.testing import left_padded_batch, tiny_model
@@ -61,7 +62,7 @@ def scribble(cache):
 
 def generate(model, cache, ids, mask, new=11, eos=None, scores=False):
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+        out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
                              max_new_tokens=new, pad_token_id=0, eos_token_id=eos, output_logits=scores,
                              return_dict_in_generate=scores)
     return (out.sequences, torch.stack(out.logits)) if scores else out
@@ -136,7 +137,7 @@ def test_decode_step_moves_the_filled_rows_in_and_the_new_rows_out():
     ids, mask = left_padded_batch(2, 8, seed=1)
     cache = cache_of(model, "K8V4", offload=True)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
         lens = cache.table.lens[HIGH].clone()
         layout = cache.layouts[HIGH]
         # full pages cross whole, a partly filled page as its filled rows
@@ -145,7 +146,7 @@ def test_decode_step_moves_the_filled_rows_in_and_the_new_rows_out():
         nxt = out.logits[:, -1:].argmax(-1)
         mask2 = torch.cat([mask, torch.ones_like(nxt)], 1)
         pos = (mask2.cumsum(1) - 1)[:, -1:]
-        model(input_ids=nxt, attention_mask=mask2, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(input_ids=nxt, attention_mask=mask2, position_ids=pos, **cache_kwargs(model, cache), use_cache=True)
     rep = cache.memory_report()["offload"]
     assert int(rows.sum()) > 0 and rep["h2d_bytes_step"] == expected_in
     new_rows = 2 * cache.num_layers * cache.num_kv_heads  # one token per row, layer and head
@@ -218,7 +219,7 @@ def test_beam_search_reorders_host_pages():
 
     def beams(cache):
         with torch.no_grad():
-            return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, num_beams=3,
+            return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), num_beams=3,
                                   max_new_tokens=6, do_sample=False, pad_token_id=0)
 
     for spec in ("K8V4", "FP16:act=0.5"):
@@ -283,7 +284,7 @@ def test_beam_search_with_offload_on_cuda_is_refused_clearly():
     ids, mask = left_padded_batch(2, 9)
     cache = cache_of(model, "K8V4", offload=True)
     with pytest.raises(ValueError, match="beam search .* not supported with offload on CUDA"), torch.no_grad():
-        model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache, num_beams=3,
+        model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **cache_kwargs(model, cache), num_beams=3,
                        max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 

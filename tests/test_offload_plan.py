@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from leankit import LeanCache
+from leankit.hf import cache_kwargs
 from leankit.offload import plan_for_model, predicted_link_bytes
 from leankit.offload.plan import cache_settings, relative_gap
 from leankit.planner import Limits, get_hardware
@@ -61,7 +62,7 @@ def test_counted_link_bytes_match_the_plan_within_one_percent(kv, mode, gpu_shar
         mask[r, width - p:] = 1
         ids[r, : width - p] = 0
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=gen + 1,
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=gen + 1,
                        do_sample=False, pad_token_id=0)
     history = cache.memory_report()["offload"]["bytes_per_step"]
     assert (cache.offload.resident.pages > 0) == (gpu_share > 0)
@@ -104,7 +105,7 @@ def test_from_plan_with_activations_is_exact():
 
     def run(cache):
         with torch.no_grad():
-            return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+            return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=6,
                                   do_sample=False, pad_token_id=0)
 
     ref = run(LeanCache(model, kv))

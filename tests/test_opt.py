@@ -14,6 +14,7 @@ from test_oracle import Driver
 from transformers import DynamicCache, OPTConfig, OPTForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from leankit import LeanCache
+from leankit.hf import cache_kwargs
 
 
 def opt_model(seed: int, **kw) -> OPTForCausalLM:
@@ -52,7 +53,7 @@ def _batch(seed: int, rows: int = 3, width: int = 11, vocab: int = 97):
 
 def _generate(model, ids, mask, cache, new=17):
     with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+        return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
                               max_new_tokens=new, pad_token_id=0, eos_token_id=None)
 
 
@@ -89,16 +90,16 @@ def test_opt_forward_without_positions_matches_dynamic_cache():
     model = opt_model(4)
     ids, mask = _batch(4)
     with torch.no_grad():
-        a = model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits
+        a = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config))).logits
         cache = LeanCache(model, "FP16")
-        b = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+        b = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache)).logits
         # a decode step after the prompt, again without positions
         nxt = torch.full((ids.shape[0], 1), 5)
         mask2 = torch.cat([mask, torch.ones_like(nxt)], 1)
         dyn = DynamicCache(config=model.config)
-        model(input_ids=ids, attention_mask=mask, past_key_values=dyn)
-        a2 = model(input_ids=nxt, attention_mask=mask2, past_key_values=dyn).logits
-        b2 = model(input_ids=nxt, attention_mask=mask2, past_key_values=cache).logits
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, dyn))
+        a2 = model(input_ids=nxt, attention_mask=mask2, **cache_kwargs(model, dyn)).logits
+        b2 = model(input_ids=nxt, attention_mask=mask2, **cache_kwargs(model, cache)).logits
     real = mask.bool()
     torch.testing.assert_close(b[real], a[real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(b2, a2, rtol=1e-5, atol=1e-5)

@@ -3,8 +3,8 @@ import copy
 import pytest
 import torch
 
-from leankit.config import KVConfig
 import leankit.pages as pages_mod
+from leankit.config import KVConfig
 from leankit.pages import SEGMENTS, PageLayout, PagePool
 from leankit.quant import dequantize, quantize
 

@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from leankit.cache import LeanCache
+from leankit.hf import cache_kwargs
 from leankit.page_table import HIGH
 from leankit.policy import read_tier_meta, significance_cutoffs
 
@@ -131,7 +132,7 @@ def test_live_page_score_update_equals_the_padded_one(monkeypatch):
         monkeypatch.setattr(cache_mod, "paged_attention_ref", ref)
         cache = LeanCache(model, "K8V4-K4V2", th=0.3, tl=0.05, low_group_size=8, window=4, compress_every=1,
                           page_size=256, max_seq_len=128)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=8, do_sample=False)
         tiers = []
         for tier in (HIGH, LOW):
             m = read_tier_meta(cache, tier, torch.tensor([0, 1]))

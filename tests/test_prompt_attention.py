@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from leankit.attention import step_received
+from leankit.hf import cache_kwargs
 from leankit.prompt_attention import _lse_capture, prompt_attention, received_from_lse
 
 
@@ -161,7 +162,7 @@ def test_cache_converts_the_prompt_mask_once_and_drops_it_with_the_step(monkeypa
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :3] = 0
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
     assert len(made) == 2 and made[0] is made[1]  # one conversion, used by both layers
     converted = weakref.ref(made[0])
     made.clear()
@@ -329,7 +330,6 @@ def test_cache_runs_lossy_padded_prompts_through_the_span_path(monkeypatch, kv, 
     # SDPA (its tokens must equal DynamicCache's bit for bit).
     import leankit.prompt_attention as pa
     from leankit import LeanCache
-    from leankit.hf import cache_kwargs
     from leankit.testing import tiny_model
 
     ran = []

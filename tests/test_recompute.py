@@ -22,6 +22,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from leankit.hf import cache_kwargs
 from leankit.recompute import ActToKVParams, act_to_kv, act_to_kv_ref, layer_params, model_params, rope_tables
 
 COMMON = {"vocab_size": 97, "num_hidden_layers": 2, "max_position_embeddings": 256, "pad_token_id": 0,
@@ -85,7 +86,7 @@ def capture(model, ids, mask, pos, cache):
     try:
         cache.seen.clear()
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache))
     finally:
         for h in handles:
             h.remove()

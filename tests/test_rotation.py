@@ -6,6 +6,7 @@ from transformers import DynamicCache
 
 from leankit.cache import LeanCache
 from leankit.config import KVConfig
+from leankit.hf import cache_kwargs
 from leankit.policy import stored_token_reference
 from leankit.rotation import hadamard, rotate, unrotate
 from leankit.testing import tiny_model
@@ -58,9 +59,9 @@ def test_lossless_config_with_rotation_generates_like_dynamic_cache():
     mask = (ids != 0).long()
     kw = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
-        ref = model.generate(past_key_values=DynamicCache(), **kw)
+        ref = model.generate(**cache_kwargs(model, DynamicCache()), **kw)
         cache = LeanCache(model, "FP16", rotate=True)
-        got = model.generate(past_key_values=cache, **kw)
+        got = model.generate(**cache_kwargs(model, cache), **kw)
     assert len(set(ref[:, 7:].flatten().tolist())) > 2, "degenerate generation"
     assert torch.equal(got, ref)
 

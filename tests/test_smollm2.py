@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from leankit import LeanCache
+from leankit.hf import cache_kwargs
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def _gen(model, tok, prompts, cache_factory, max_new_tokens=64):
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
-        out = model.generate(**enc, past_key_values=cache_factory(), do_sample=False, max_new_tokens=max_new_tokens,
+        out = model.generate(**enc, **cache_kwargs(model, cache_factory()), do_sample=False, max_new_tokens=max_new_tokens,
                              pad_token_id=tok.pad_token_id, eos_token_id=None)
     return out[:, enc.input_ids.shape[1]:]
 
@@ -49,7 +50,7 @@ def test_compression_ratio_at_1k_context(smollm2, spec, bound):
     assert ids.shape[1] == 1024
     cache = LeanCache(model, spec)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                              do_sample=False, max_new_tokens=16, pad_token_id=tok.pad_token_id, eos_token_id=None)
     rep = cache.memory_report()
     assert rep["kv_bytes"] == rep["pages_used"] * 2048

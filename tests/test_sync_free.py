@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from leankit.cache import LeanCache
+from leankit.hf import cache_kwargs
 from leankit.policy import HIGH, read_tier_meta
 from leankit.testing import left_padded_batch, tiny_model
 
@@ -174,7 +175,7 @@ def _mark_steps(cache, counters: list, patch):
 def _prompt(model, cache):
     """Prefill a left-padded 3-row batch; returns (logits, attention mask, last positions)."""
     ids, mask = left_padded_batch(rows=3, width=11, pad_step=3)
-    logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    logits = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True).logits
     pos = mask.sum(1, keepdim=True) - 1 + (mask.shape[1] - mask.sum(1, keepdim=True))
     return logits, mask, pos
 
@@ -209,7 +210,7 @@ def count_decode_syncs(spec: str, overrides: dict, steps: int = 5, layers: int =
                 capacity = cache.free_list.capacity
                 try:
                     with counter:
-                        logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                        logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache),
                                        use_cache=True).logits
                 finally:
                     for h in handles:
@@ -287,7 +288,7 @@ def _decode_run(backend: str, overrides: dict, steps: int, num_pages: int, spec:
             for _ in range(steps):
                 nxt, mask, pos = _next_inputs(logits, mask, pos)
                 toks.append(nxt)
-                logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache),
                                use_cache=True).logits
         return torch.cat(toks, 1), cache.table.lens.clone(), cache.table.n_pages.clone(), cache.free_list, cache
 
@@ -354,7 +355,7 @@ def _kernel_cache(monkeypatch, spec="K8V4", **kw):
     ids, mask = left_padded_batch(rows=3, width=9, pad_step=3)
     cache = LeanCache(model, spec, **kw)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
     return model, cache, mask
 
 
@@ -365,7 +366,7 @@ def _step(model, cache, mask, seed):
     mask = torch.cat([mask, torch.ones_like(nxt)], 1)
     pos = torch.full_like(nxt, mask.shape[1] - 1)
     with torch.no_grad():
-        return model(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=cache,
+        return model(input_ids=nxt, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache),
                      use_cache=True).logits, mask
 
 
