@@ -122,35 +122,39 @@ def causal_spans(mask: torch.Tensor | None, k_real: torch.Tensor, memo: dict | N
     cols = torch.arange(q, device=mask.device)
     spans = []
     for row in range(b):
-        s, n = starts[row], counts[row]
-        e = s + n
-        if n and not bool(real[row, s:e].all()):  # real tokens with padding between them
-            return _memo_put(memo, mask, "spans", []) or None
-        want = (cols >= s) & (cols <= torch.arange(s, e, device=mask.device).view(-1, 1))  # [n, Q]: keys s..i
-        if n and not torch.equal(mask[row if mask.shape[0] > 1 else 0, 0, s:e], want):
-            return _memo_put(memo, mask, "spans", []) or None
+        s, e = starts[row], starts[row] + counts[row]
+        if e > s:  # a row with real tokens: contiguous, and each query i sees exactly keys s..i
+            want = (cols >= s) & (cols <= torch.arange(s, e, device=mask.device).view(-1, 1))  # [n, Q]
+            given = mask[row if mask.shape[0] > 1 else 0, 0, s:e]
+            if not bool(real[row, s:e].all()) or not torch.equal(given, want):
+                return _memo_put(memo, mask, "spans", []) or None
         spans.append((s, e))
     return _memo_put(memo, mask, "spans", spans)
 
 
-def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """``is_causal`` attention of one span, ``(out [1, Hq, n, F], lse [1, Hq, n] or None)``.
+def _cpu_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool,
+               scale: float | None, attn_mask: torch.Tensor | None = None):
+    """PyTorch's CPU flash kernel, ``(out, lse)``: the kernel SDPA dispatches to, called directly to keep
+    its log-sum-exp. It takes as many KV heads as query heads, so GQA heads are repeated first, as
+    SDPA does before calling it."""
+    if key.shape[1] != query.shape[1]:
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal,
+                                                                      attn_mask=attn_mask, scale=scale)
 
-    PyTorch's CPU flash kernel returns its log-sum-exp, which the significance pass reuses; where
-    it is missing (another torch) or refuses the inputs, public SDPA computes the output and the
-    lse is ``None``.
+
+def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """``is_causal`` attention of one span on a CPU, ``(out [1, Hq, n, F], lse [1, Hq, n] or None)``.
+
+    The flash kernel's log-sum-exp is reused by the significance pass; where the kernel is missing
+    (another torch) or refuses the inputs, public SDPA computes the output and the lse is ``None``.
     """
-    g = q.shape[1] // k.shape[1]
-    if g > 1:  # the flash kernel takes as many KV heads as query heads
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if flash is not None and q.device.type == "cpu":
-        try:
-            out, lse = flash(q, k, v, 0.0, True, scale=scale)
-            return out, lse
-        except (RuntimeError, TypeError):  # a dtype or layout the kernel refuses
-            pass
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), None
+    try:
+        return _cpu_flash(q, k, v, is_causal=True, scale=scale)
+    except (AttributeError, RuntimeError, TypeError):  # no such op, or a dtype or layout it refuses
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1]), None
 
 
 def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list, scaling: float, *,
@@ -211,15 +215,10 @@ def _capturing_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                                              enable_gqa=enable_gqa)
         except (AttributeError, TypeError, RuntimeError):
             choice = None
-        if choice == SDPBackend.FLASH_ATTENTION.value:
-            if enable_gqa and key.shape[1] != query.shape[1]:  # what SDPA does before its flash kernel
-                rep = query.shape[1] // key.shape[1]
-                key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+        if choice == SDPBackend.FLASH_ATTENTION.value and (enable_gqa or key.shape[1] == query.shape[1]):
             if attn_mask is not None and attn_mask.dtype == torch.bool:
                 attn_mask = _additive_mask(attn_mask, query.dtype, mask_memo)
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-            box["lse"] = lse
+            out, box["lse"] = _cpu_flash(query, key, value, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
             return out
     return _original_sdpa()(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
