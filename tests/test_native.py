@@ -133,9 +133,9 @@ def build(request, tmp_path_factory):
         return native.Kernels(native._build(native._compiler()))
 
 
-def _check_scores(k, bits, dim, group_size, rows):
+def _check_scores(k, bits, dim, group_size, rows, tokens=7):
     gen, seed = testing.fresh_generator()
-    n_heads, tokens = 5, 7
+    n_heads = 5
     pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens)
     n = pages.page_id.numel()
     q = torch.randn(n_heads, rows, dim, generator=gen)
@@ -156,9 +156,9 @@ def _check_scores(k, bits, dim, group_size, rows):
     assert torch.equal(score_out, stored)
 
 
-def _check_values(k, bits, dim, group_size, rows):
+def _check_values(k, bits, dim, group_size, rows, tokens=9):
     gen, seed = testing.fresh_generator()
-    n_heads, tokens = 4, 9
+    n_heads = 4
     pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="v")
     n = pages.page_id.numel()
     visible, live, _ = _visible(pages, lens, q_pos)
@@ -186,6 +186,16 @@ def test_live_scores_match_dequantized_dot_products(build, bits, dim, group_size
 @pytest.mark.parametrize("bits,dim,group_size,rows", SHAPES + DENSE_SHAPES, ids=lambda v: str(v))
 def test_live_values_match_softmax_weighted_dequantized_sum(build, bits, dim, group_size, rows):
     _check_values(build, bits, dim, group_size, rows)
+
+
+# Pages of more slots than the kernels dequantize at once (TOKEN_BLOCK = 16 in live_attention.c):
+# a full block, and two blocks and a part, with the odd head_dims and row counts above.
+@pytest.mark.parametrize("tokens", [16, 37])
+@pytest.mark.parametrize("bits,dim,group_size,rows", [SHAPES[0], SHAPES[3], SHAPES[8], DENSE_SHAPES[2]],
+                         ids=lambda v: str(v))
+def test_pages_longer_than_a_token_block(build, bits, dim, group_size, rows, tokens):
+    _check_scores(build, bits, dim, group_size, rows, tokens)
+    _check_values(build, bits, dim, group_size, rows, tokens)
 
 
 @pytest.mark.parametrize("dim,bits,group_size", SPECIALIZED, ids=lambda v: str(v))

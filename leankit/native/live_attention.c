@@ -28,8 +28,11 @@
  * Where the time goes, and what each piece here is for (SmolLM2-135M, K8V4 + K4V2 tiers, 1k
  * context, one thread; see leankit/bench): pages lie anywhere in the pool, so each pass prefetches
  * the next page's segments while it computes this one (the misses were about half the time);
- * codes unpack into plane order (below) so every unpack loop vectorizes; and the common
- * geometries get copies of the page loops with head_dim, bits and group size fixed at compile time.
+ * codes unpack into plane order (below) so every unpack loop vectorizes; pass 1 dequantizes a block
+ * of keys before it dots the query rows with them (score_page); and the common geometries get
+ * copies of the page loops with head_dim, bits and group size fixed at compile time. In a real
+ * decode step a layer's pages come from DRAM, where both passes run 2-4x slower than on pages in
+ * cache (bench/native_passes.py, --cold against the default).
  *
  * Plain C99 with no dependencies, compiled on first use by leankit/native/__init__.py. Where torch
  * runs on GNU OpenMP, it is built with -fopenmp and binds to the libgomp torch has already loaded,
@@ -54,7 +57,8 @@
 #define THREAD_COUNT 1
 #endif
 
-#define STACK_FLOATS 2048 /* scratch kept on the stack up to this size */
+#define STACK_FLOATS 4096 /* scratch kept on the stack up to this size */
+#define TOKEN_BLOCK 16 /* keys pass 1 dequantizes before it multiplies: 4 KB of fp32 at head_dim 64 */
 #define MIN_PAGES_PER_THREAD 8 /* fewer pages cost more to hand to a thread than they save */
 
 
@@ -244,31 +248,54 @@ ALWAYS_INLINE void prefetch_page(const uint8_t *page, const struct tier_pages *t
 }
 
 /* Pass 1 over one page (l) of head h: see lk_live_scores. D, B and G are the tier's head_dim, code
- * width and group size, passed as constants by the specialized copies below. */
+ * width and group size, passed as constants by the specialized copies below.
+ *
+ * A block of up to TOKEN_BLOCK live tokens is dequantized first, then each query row is dotted
+ * with the whole block, then the masks and maxima run over the page. Per token and row, a dot is
+ * then straight vector code over D with nothing else in the loop: interleaving the dequantization,
+ * a visibility test per row (a loop over a run-time row count) and the dot, token by token, kept
+ * the compiler to scalar bookkeeping between short vector bursts (measured 1.5-2x slower). Slots
+ * at or past `left` hold no token and are never read; a live slot no row sees is still dotted
+ * (its codes are finite) and masked afterwards, which costs less than testing it. */
 ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B, int G, const uint8_t *restrict page,
                               int64_t left, const float *restrict qh, const int32_t *restrict qp,
                               float *restrict mh, float *restrict ol, int32_t *restrict pos_l,
-                              uint8_t *restrict valid_l, float *restrict score_l, float *restrict key) {
+                              uint8_t *restrict valid_l, float *restrict score_l, float *restrict keys) {
     const int tokens = tp->tokens, rows = tp->rows, nb = lk_row_bytes(D, B), mb = meta_bytes(D, B, G);
-    for (int t = 0; t < tokens; ++t) {
-        const int live = t < left;
-        int32_t pos = INT32_MAX;
-        if (live) memcpy(&pos, page + tp->pos_off + 4 * (int64_t)t, sizeof pos);
-        if (pos_l) pos_l[t] = pos;
-        if (valid_l) valid_l[t] = (uint8_t)live;
-        if (score_l) score_l[t] = half_at(page + tp->score_off + 2 * (int64_t)t);
-        int seen = 0; /* rows whose query sees this slot */
-        for (int r = 0; r < rows; ++r) seen += pos <= qp[r];
-        if (!live || !seen) {
-            for (int r = 0; r < rows; ++r) ol[r * tokens + t] = -INFINITY;
-            continue;
+    const int live = left <= 0 ? 0 : (left < tokens ? (int)left : tokens);
+    const uint8_t *restrict pos_seg = page + tp->pos_off;
+    if (pos_l)
+        for (int t = 0; t < tokens; ++t) {
+            int32_t pos = INT32_MAX;
+            if (t < live) memcpy(&pos, pos_seg + 4 * (int64_t)t, sizeof pos);
+            pos_l[t] = pos;
         }
-        dequantize_token(page + tp->data_off + (int64_t)t * nb, page + tp->meta_off + (int64_t)t * mb, D, B, G, key);
-        for (int r = 0; r < rows; ++r) ol[r * tokens + t] = pos <= qp[r] ? dot(qh + r * D, key, D) : -INFINITY;
+    if (valid_l)
+        for (int t = 0; t < tokens; ++t) valid_l[t] = (uint8_t)(t < live);
+    if (score_l)
+        for (int t = 0; t < tokens; ++t) score_l[t] = half_at(page + tp->score_off + 2 * (int64_t)t);
+    for (int t0 = 0; t0 < live; t0 += TOKEN_BLOCK) {
+        const int n = live - t0 < TOKEN_BLOCK ? live - t0 : TOKEN_BLOCK;
+        for (int t = 0; t < n; ++t)
+            dequantize_token(page + tp->data_off + (int64_t)(t0 + t) * nb, page + tp->meta_off + (int64_t)(t0 + t) * mb,
+                             D, B, G, keys + t * D);
+        for (int r = 0; r < rows; ++r) {
+            const float *restrict q = qh + r * D;
+            float *restrict o = ol + r * tokens + t0;
+            for (int t = 0; t < n; ++t) o[t] = dot(q, keys + t * D, D);
+        }
     }
-    for (int r = 0; r < rows; ++r) { /* the rows' maxima after the page, off the dot products' path */
+    for (int r = 0; r < rows; ++r) { /* masks, then the rows' maxima after the page */
+        float *restrict o = ol + r * tokens;
+        const int32_t qr = qp[r];
         float most = mh[r];
-        for (int t = 0; t < tokens; ++t) most = ol[r * tokens + t] > most ? ol[r * tokens + t] : most;
+        for (int t = 0; t < tokens; ++t) {
+            int32_t pos = INT32_MAX;
+            if (t < live) memcpy(&pos, pos_seg + 4 * (int64_t)t, sizeof pos);
+            const float s = pos <= qr ? o[t] : -INFINITY;
+            o[t] = s;
+            most = s > most ? s : most;
+        }
         mh[r] = most;
     }
 }
@@ -367,16 +394,16 @@ int lk_live_scores(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
     threads = team_size(n_pages, threads);
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        /* Per thread, one dequantized key and the current head's query rows in plane order: on the
-         * stack when they fit (measured ~5% faster than the heap), else allocated, so no head_dim
+        /* Per thread, a block of dequantized keys and the current head's query rows in plane order:
+         * on the stack when they fit (measured ~5% faster than the heap), else allocated, so no head_dim
          * or rows limit. */
-        const size_t need = (size_t)dim * (1 + (size_t)rows);
+        const size_t need = (size_t)dim * (TOKEN_BLOCK + (size_t)rows);
         float stack[STACK_FLOATS];
         float *restrict key = need <= STACK_FLOATS ? stack : malloc(sizeof(float) * need);
         const int tid = THREAD_ID, nth = THREAD_COUNT;
         const int64_t l0 = run_start(head, n_pages, tid, nth), l1 = run_start(head, n_pages, tid + 1, nth);
         failed = key == NULL;
-        float *restrict q_planes = failed ? NULL : key + dim;
+        float *restrict q_planes = failed ? NULL : key + (size_t)dim * TOKEN_BLOCK;
         int64_t prev = -1;
         for (int64_t l = failed ? l1 : l0; l < l1; ++l) {
             const int64_t h = head[l], slot0 = l * tokens;
