@@ -168,6 +168,7 @@ class Kernels:
 
     def __init__(self, path: Path):
         self.path = path
+        self._offsets: dict = {}  # segment offsets (a tuple) -> the int64 tensor store_tokens passes
         lib = ctypes.CDLL(str(path))
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.lk_list_pages.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
@@ -352,7 +353,9 @@ class Kernels:
         if not ok:
             raise ValueError("native store_tokens: want a contiguous uint8 [num_pages, page_bytes] pool, fp32 "
                              "[n, F] k and v, int64 [n] page ids and slots, int32 [n] positions, fp32 [n] scores")
-        offs = torch.tensor(offsets, dtype=torch.int64)
+        offs = self._offsets.get(tuple(offsets))
+        if offs is None:  # one small tensor per page geometry, not one per call (a decode step stores per layer)
+            offs = self._offsets[tuple(offsets)] = torch.tensor(offsets, dtype=torch.int64)
         code = self._lib.lk_store_tokens(storage.data_ptr(), storage.shape[1], storage.shape[0], page_id.data_ptr(),
                                          slot.data_ptr(), n, tokens, dim, k_bits, v_bits, group_size, offs.data_ptr(),
                                          k.data_ptr(), v.data_ptr(), position.data_ptr(), score.data_ptr(),
