@@ -28,27 +28,23 @@ from leankit import native
 from leankit.bench.malloc import pin_glibc_malloc
 from leankit.bench.step import decode, prefill
 from leankit.bench.text import corpus_ids, left_padded, pad_id, step_batch
-from leankit.cache import LeanCache
+from leankit.cache import LeanCache, _text_config, attention_head_dim, attention_kv_heads
 from leankit.config import KVConfig
+from leankit.decode_attention import tier_pages
 from leankit.models import load_model
-from leankit.pages import SEGMENTS
 
 
 def tier_passes(kernels, cache: LeanCache, layer: int, group: int, head_dim: int, gen: torch.Generator):
     """For each occupied tier of ``layer``: ``(name, tokens, pass 1 fn, pass 2 fn)`` over its live
     pages, with random scaled queries that see every stored token."""
     kv = cache.paged_kv(layer)
-    table, pool = kv.table, kv.pool
+    table = kv.table
     bh = table.shape[1] * table.shape[2]
     q = torch.randn(bh, group, head_dim, generator=gen) * head_dim ** -0.5
     q_pos = torch.full((bh, group), torch.iinfo(torch.int32).max - 1, dtype=torch.int32)
-    rows_of_table = table.tables[layer].view(bh, table.row_len)
     out = []
     for tier, lay in enumerate(kv.layouts):
-        first = int(table.column(tier, 0, table.row_len))
-        step = int(table.column(tier, 1, table.row_len)) - first
-        pages = kernels.list_pages(pool.storage, table.n_pages[tier, layer].view(bh), rows_of_table, first, step,
-                                   lay.tokens, dict(zip(SEGMENTS, lay.seg_offsets)))
+        pages = tier_pages(kernels, kv, tier)  # as a decode step lists them
         n, t = pages.page_id.numel(), lay.tokens
         if n == 0:
             continue
@@ -108,7 +104,7 @@ def main(argv=None) -> None:
     pin_glibc_malloc()
     torch.set_num_threads(args.threads)
     model, tok = load_model()
-    cfg = model.config
+    cfg = _text_config(model.config)
     ids, mask = left_padded(step_batch(corpus_ids(tok), args.batch, args.context), pad_id(tok))
     cache = LeanCache(model, KVConfig.parse(args.kv))
     state = prefill(model, cache, ids, mask)
@@ -116,8 +112,7 @@ def main(argv=None) -> None:
         state = decode(model, cache, state)
     n_layers = cfg.num_hidden_layers
     layers = args.layers or sorted({0, n_layers // 2, n_layers - 1})
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    group, head_dim = cfg.num_attention_heads // attention_kv_heads(cfg), attention_head_dim(cfg)
     evict = torch.zeros(64 << 20) if args.cold else torch.zeros(1)
     gen = torch.Generator().manual_seed(0)
     state_name = "cold" if args.cold else "hot"

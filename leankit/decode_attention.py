@@ -360,6 +360,19 @@ def _normalize(q, acc, l_sum, m_safe, b: int, hkv: int, g: int, nq: int):
     return out, lse.view(b, hkv, rows)
 
 
+def tier_pages(k: native.Kernels, kv, tier: int, out: tuple | None = None) -> native.PoolPages:
+    """The live pages of ``tier`` in ``kv``'s layer, listed from its page table by the compiled
+    kernels (head order, then rank order); ``out``: three int64 buffers to list into
+    (:meth:`leankit.native.Kernels.list_pages`)."""
+    table, layer, lay = kv.table, kv.layer, kv.layouts[tier]
+    bh = table.shape[1] * table.shape[2]
+    first = int(table.column(tier, 0, table.row_len))
+    step = int(table.column(tier, 1, table.row_len)) - first
+    rows_of_table = table.tables[layer].view(bh, table.row_len)
+    return k.list_pages(kv.pool.storage, table.n_pages[tier, layer].view(bh), rows_of_table, first, step,
+                        lay.tokens, dict(zip(SEGMENTS, lay.seg_offsets)), out=out)
+
+
 def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor, qp: torch.Tensor, kv, ws,
                            return_logits: bool, live_slots: bool):
     """:func:`live_page_attention` on the compiled CPU kernels: each tier's live pages are listed
@@ -367,19 +380,15 @@ def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor,
     metadata); masks, maxima, numerators and their sums are computed inside the two passes.
     ``qs`` ``[BH, R, F]`` and ``qp`` ``[BH, R]`` are the scaled query rows and their positions."""
     b, hq, nq, f = q.shape
-    table, layer, pool = kv.table, kv.layer, kv.pool
+    table, layer = kv.table, kv.layer
     hkv = table.shape[2]
     g = hq // hkv
     bh, rows = qp.shape
-    rows_of_table = table.tables[layer].view(bh, table.row_len)
     m = torch.full((bh, rows), float("-inf"))
     tiers, scores, slots = [], [], []
     for tier, lay in enumerate(kv.layouts):
-        first = int(table.column(tier, 0, table.row_len))
-        step = int(table.column(tier, 1, table.row_len)) - first
         listing = tuple(ws.get(f"live_list{tier}_{i}", (bh * table.row_len,), torch.int64, "cpu") for i in range(3))
-        pages = k.list_pages(pool.storage, table.n_pages[tier, layer].view(bh), rows_of_table, first, step,
-                             lay.tokens, dict(zip(SEGMENTS, lay.seg_offsets)), out=listing)
+        pages = tier_pages(k, kv, tier, out=listing)
         n, t = pages.page_id.numel(), lay.tokens
         s_tier = ws.get(f"live_scores{tier}", (n, rows, t), torch.float32, "cpu")
         extra = {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from leankit import native, testing
-from leankit.cache import LeanCache
+from leankit.cache import LeanCache, attention_head_dim, attention_kv_heads
 from leankit.config import KVConfig
 from leankit.hf import cache_kwargs
 
@@ -36,8 +36,7 @@ def test_passes_cover_every_stored_token(bench, kv):
     cache = LeanCache(model, KVConfig.parse(kv))
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    group, head_dim = cfg.num_attention_heads // attention_kv_heads(cfg), attention_head_dim(cfg)
     for layer in range(cfg.num_hidden_layers):
         passes = bench.tier_passes(kernels, cache, layer, group, head_dim, torch.Generator().manual_seed(1))
         assert passes, "no occupied tier"

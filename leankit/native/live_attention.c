@@ -247,6 +247,14 @@ ALWAYS_INLINE void prefetch_page(const uint8_t *page, const struct tier_pages *t
     if (scores) prefetch_span(page + tp->score_off, (int64_t)tp->tokens * 2);
 }
 
+/* The position of slot t of a page whose first `live` slots hold tokens (positions segment at
+ * pos_seg), or INT32_MAX for a slot past them, whose bytes are never read. */
+ALWAYS_INLINE int32_t slot_position(const uint8_t *restrict pos_seg, int t, int live) {
+    int32_t pos = INT32_MAX;
+    if (t < live) memcpy(&pos, pos_seg + 4 * (int64_t)t, sizeof pos);
+    return pos;
+}
+
 /* Pass 1 over one page (l) of head h: see lk_live_scores. D, B and G are the tier's head_dim, code
  * width and group size, passed as constants by the specialized copies below.
  *
@@ -265,11 +273,7 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
     const int live = left <= 0 ? 0 : (left < tokens ? (int)left : tokens);
     const uint8_t *restrict pos_seg = page + tp->pos_off;
     if (pos_l)
-        for (int t = 0; t < tokens; ++t) {
-            int32_t pos = INT32_MAX;
-            if (t < live) memcpy(&pos, pos_seg + 4 * (int64_t)t, sizeof pos);
-            pos_l[t] = pos;
-        }
+        for (int t = 0; t < tokens; ++t) pos_l[t] = slot_position(pos_seg, t, live);
     if (valid_l)
         for (int t = 0; t < tokens; ++t) valid_l[t] = (uint8_t)(t < live);
     if (score_l)
@@ -290,9 +294,7 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
         const int32_t qr = qp[r];
         float most = mh[r];
         for (int t = 0; t < tokens; ++t) {
-            int32_t pos = INT32_MAX;
-            if (t < live) memcpy(&pos, pos_seg + 4 * (int64_t)t, sizeof pos);
-            const float s = pos <= qr ? o[t] : -INFINITY;
+            const float s = slot_position(pos_seg, t, live) <= qr ? o[t] : -INFINITY;
             o[t] = s;
             most = s > most ? s : most;
         }
