@@ -53,15 +53,25 @@ class Workspace:
 
     def __init__(self):
         self._bufs: dict[tuple, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}  # the last view handed out per buffer
 
     def get(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
-        """A tensor of ``shape`` (uninitialized) backed by the buffer ``name``."""
+        """A tensor of ``shape`` (uninitialized) backed by the buffer ``name``.
+
+        The same request as the last one for ``name`` returns the same view: a decode step asks
+        for its small per-layer buffers with one shape in every layer, and slicing a fresh view
+        cost more than the rest of the lookup.
+        """
         key = (name, dtype, device if isinstance(device, torch.device) else torch.device(device))
+        view = self._views.get(key)
+        if view is not None and view.shape == shape:
+            return view
         n = math.prod(map(int, shape))
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < n:
             buf = self._bufs[key] = torch.empty(max(n, 1), dtype=dtype, device=device)
-        return buf[:n].view(shape)
+        view = self._views[key] = buf[:n].view(shape)
+        return view
 
 
 @dataclass

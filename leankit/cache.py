@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import decode_attention
 from .allocator import FreePageList, PoolExhausted
 from .attention import (PagedKV, Workspace, merge_attention, paged_attention_ref, received_attention_ref,
                         received_from_logits, step_attention)
@@ -605,7 +606,10 @@ class LeanCache(Cache):
         sig = policy.uses_significance
         nq = query.shape[2]
         group = query.shape[1] // self.num_kv_heads
-        received_old = received_new = None
+        received_new = None
+        k_store, v_store = k_new, v_new
+        if self.rotation is not None:  # the pages hold K/V in the Hadamard basis
+            k_store, v_store = rotate(k_new, self.rotation), rotate(v_new, self.rotation)
         if self._seen == 0:  # nothing stored yet: the whole step is one exact attention
             if module is not None:  # exactly what an uncompressed cache computes for a prompt
                 out, received_new = prompt_attention(module, query, k_new, v_new, attention_mask, scaling,
@@ -619,46 +623,19 @@ class LeanCache(Cache):
         else:
             kv = self.paged_kv(layer)
             q_pages = query if self.rotation is None else rotate(query, self.rotation)
-            logits = saved = None
-            if use_triton(query):
-                from leankit_kernels.paged_attention import paged_attention
-
-                if nq == 1:  # decode: grids from host bounds (no sync); logits kept for the fused score update
-                    res = paged_attention(q_pages, kv, st.q_pos, scaling, save_logits=sig,
-                                          page_bounds=self.page_bounds())
-                    out_old, lse_old, saved = res if sig else (*res, None)
-                else:
-                    out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
-            elif sig and nq <= LOGITS_QUERY_LIMIT:  # few queries: keep the logits for the significance update
-                out_old, lse_old, logits = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling,
-                                                               return_logits=True, live_slots=True)
+            if nq == 1 and not use_triton(query) and decode_attention.serves_decode_step(kv, group, query.device):
+                # A CPU decode step: both passes over the pages, then the step's own token, the
+                # log-sum-exp merge and the significance's row factors in one compiled call.
+                out, lse, live, received_new = decode_attention.decode_step_attention(
+                    q_pages, kv, st.q_pos, scaling, k_store, v_store, st.real, significance=sig)
+                if self.rotation is not None:
+                    out = unrotate(out, self.rotation)
+                if sig:
+                    policy.update_scores(layer, st, live)
             else:
-                out_old, lse_old = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling)
-            if self.rotation is not None:
-                out_old = unrotate(out_old.float(), self.rotation)
-            out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
-                                                            lse_other=lse_old, received=sig)
-            out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
-            if sig and saved is not None:
-                from leankit_kernels.paged_attention import apply_score_update
-
-                # LeanKV §4 running significance, updated in place from the decode kernel's own
-                # logits with the merged lse: no second pass over the keys.
-                apply_score_update(kv, saved, lse, st.q_pos, st.real)
-            elif sig:
-                if logits is not None:
-                    received_old = received_from_logits(logits, lse, group, st.real)
-                else:
-                    received_attention = received_attention_ref
-                    if use_triton(query):
-                        from leankit_kernels.prefill_attention import received_attention
-                    received_old = received_attention(q_pages, kv, st.q_pos, scaling, lse, q_valid=st.real)
-                policy.update_scores(layer, st, received_old)
+                out, lse, received_new = self._attend_pages(layer, kv, query, q_pages, k_new, v_new, scaling)
         if self.act_store is not None:  # ACT blocks: merge attention over recomputed K/V, store the step's
             out = self.act_store.attend(layer, query, scaling, st, out, None if self._seen == 0 else lse)
-        k_store, v_store = k_new, v_new
-        if self.rotation is not None:  # the pages hold K/V in the Hadamard basis
-            k_store, v_store = rotate(k_new, self.rotation), rotate(v_new, self.rotation)
         try:
             policy.store(layer, k_store, v_store, st, received_new)
         except NonFiniteKVError as e:  # NaN/Inf, or a value beyond the fp16 range of the metadata
@@ -666,6 +643,53 @@ class LeanCache(Cache):
             raise NonFiniteKVError(f"layer {layer}: {e}; the step was dropped and the cache is unchanged") from e
         policy.after_store(layer, st)
         return out.to(query.dtype)
+
+    def _attend_pages(self, layer: int, kv: PagedKV, query: torch.Tensor, q_pages: torch.Tensor,
+                      k_new: torch.Tensor, v_new: torch.Tensor, scaling: float):
+        """:meth:`_attend` of a step after a prompt, on the paged kernels (Triton) or the torch
+        path: paged attention over the earlier tokens, exact attention over the step's own, merged
+        by log-sum-exp; the running significance of the stored tokens is updated. Returns
+        ``(out [B, Q, Hq, F] fp32, lse [B, Hkv, G*Q], received_new)``."""
+        st, policy = self._step, self.policy
+        sig = policy.uses_significance
+        nq = query.shape[2]
+        group = query.shape[1] // self.num_kv_heads
+        logits = saved = None
+        if use_triton(query):
+            from leankit_kernels.paged_attention import paged_attention
+
+            if nq == 1:  # decode: grids from host bounds (no sync); logits kept for the fused score update
+                res = paged_attention(q_pages, kv, st.q_pos, scaling, save_logits=sig,
+                                      page_bounds=self.page_bounds())
+                out_old, lse_old, saved = res if sig else (*res, None)
+            else:
+                out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
+        elif sig and nq <= LOGITS_QUERY_LIMIT:  # few queries: keep the logits for the significance update
+            out_old, lse_old, logits = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling,
+                                                           return_logits=True, live_slots=True)
+        else:
+            out_old, lse_old = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling)
+        if self.rotation is not None:
+            out_old = unrotate(out_old.float(), self.rotation)
+        out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
+                                                        lse_other=lse_old, received=sig)
+        out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
+        if sig and saved is not None:
+            from leankit_kernels.paged_attention import apply_score_update
+
+            # LeanKV §4 running significance, updated in place from the decode kernel's own
+            # logits with the merged lse: no second pass over the keys.
+            apply_score_update(kv, saved, lse, st.q_pos, st.real)
+        elif sig:
+            if logits is not None:
+                received_old = received_from_logits(logits, lse, group, st.real)
+            else:
+                received_attention = received_attention_ref
+                if use_triton(query):
+                    from leankit_kernels.prefill_attention import received_attention
+                received_old = received_attention(q_pages, kv, st.q_pos, scaling, lse, q_valid=st.real)
+            policy.update_scores(layer, st, received_old)
+        return out, lse, received_new
 
     # ------------------------------------------------------------------ lifecycle
     def release(self, rows: torch.Tensor) -> int:

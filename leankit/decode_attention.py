@@ -21,6 +21,8 @@ the work is all in that per-key pass, so this module reads *live pages only*:
    gathered copy), with the masks, maxima, numerators and sums inside two passes (each token
    dequantized once into a small scratch row, its codes unpacked plane by plane within each
    group).
+   A decode step (one query per sequence) then adds its own token and merges in one more
+   compiled call (:func:`decode_step_attention`).
    The torch steps here are the fallback and their reference.
 3. The softmax is exact and two-pass per layer (scores of every live page are small: rows x
    tokens), with per-head maxima and sums reduced over the pages of each head by
@@ -373,16 +375,11 @@ def tier_pages(k: native.Kernels, kv, tier: int, out: tuple | None = None) -> na
                         lay.tokens, dict(zip(SEGMENTS, lay.seg_offsets)), out=out)
 
 
-def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor, qp: torch.Tensor, kv, ws,
-                           return_logits: bool, live_slots: bool):
-    """:func:`live_page_attention` on the compiled CPU kernels: each tier's live pages are listed
-    from the page table and read in place in the pool (no gathered copy, no fp32 copy of the
-    metadata); masks, maxima, numerators and their sums are computed inside the two passes.
-    ``qs`` ``[BH, R, F]`` and ``qp`` ``[BH, R]`` are the scaled query rows and their positions."""
-    b, hq, nq, f = q.shape
+def _native_scores(k: native.Kernels, qs: torch.Tensor, qp: torch.Tensor, kv, ws, keep_slots: bool):
+    """Pass 1 of the compiled kernels over every tier's live pages: ``(pages, scores, slots, m)``,
+    per tier the listed pages, their masked scaled scores ``[L, R, T]`` and (``keep_slots``) the
+    slots' positions, validity and stored significance; ``m`` ``[BH, R]`` each row's maximum."""
     table, layer = kv.table, kv.layer
-    hkv = table.shape[2]
-    g = hq // hkv
     bh, rows = qp.shape
     m = torch.full((bh, rows), float("-inf"))
     tiers, scores, slots = [], [], []
@@ -392,7 +389,7 @@ def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor,
         n, t = pages.page_id.numel(), lay.tokens
         s_tier = ws.get(f"live_scores{tier}", (n, rows, t), torch.float32, "cpu")
         extra = {}
-        if return_logits and live_slots:
+        if keep_slots:
             extra = {"pos_out": ws.get(f"live_pos{tier}", (n, t), torch.int32, "cpu"),
                      "valid_out": ws.get(f"live_valid{tier}", (n, t), torch.bool, "cpu"),
                      "score_out": ws.get(f"live_score{tier}", (n, t), torch.float32, "cpu")}
@@ -401,21 +398,102 @@ def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor,
         tiers.append(pages)
         scores.append(s_tier)
         slots.append(extra)
+    return tiers, scores, slots, m
+
+
+def _native_values(k: native.Kernels, kv, tiers, scores, m: torch.Tensor, dim: int):
+    """Pass 2 of the compiled kernels: ``(shift, l_sum, acc)``; pass 1's scores become the softmax
+    numerators in place."""
     shift = m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # a row that sees nothing: numerators 0 either way
+    l_sum = torch.zeros(m.shape)
+    acc = torch.zeros((*m.shape, dim))
+    for lay, pages, s_tier in zip(kv.layouts, tiers, scores):
+        k.live_values(pages, s_tier, shift, native.side_format(lay.precision.v_bits, lay.dense_dtype),
+                      lay.group_size, l_sum, acc)
+    return shift, l_sum, acc
+
+
+def _live_slots(tiers, scores, slots, shift, row_weight=None) -> list[LiveSlots]:
+    return [LiveSlots(pages.page_id, pages.head, probs, shift, extra["valid_out"], extra["pos_out"],
+                      extra["score_out"], row_weight=row_weight, pages=pages)
+            for pages, probs, extra in zip(tiers, scores, slots)]
+
+
+def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor, qp: torch.Tensor, kv, ws,
+                           return_logits: bool, live_slots: bool):
+    """:func:`live_page_attention` on the compiled CPU kernels: each tier's live pages are listed
+    from the page table and read in place in the pool (no gathered copy, no fp32 copy of the
+    metadata); masks, maxima, numerators and their sums are computed inside the two passes.
+    ``qs`` ``[BH, R, F]`` and ``qp`` ``[BH, R]`` are the scaled query rows and their positions."""
+    b, hq, nq, f = q.shape
+    hkv = kv.table.shape[2]
+    g = hq // hkv
+    tiers, scores, slots, m = _native_scores(k, qs, qp, kv, ws, keep_slots=return_logits and live_slots)
     padded = None
     if return_logits and not live_slots:  # the padded logits are the scores themselves, kept before pass 2
         maxima = tier_page_maxima(kv)
         padded = [_padded_logits(s_tier, pages.head * pmax + pages.rank, pmax, b, hkv)
                   for s_tier, pages, pmax in zip(scores, tiers, maxima)]
-    l_sum = torch.zeros((bh, rows))
-    acc = torch.zeros((bh, rows, f))
-    for lay, pages, s_tier in zip(kv.layouts, tiers, scores):
-        k.live_values(pages, s_tier, shift, native.side_format(lay.precision.v_bits, lay.dense_dtype),
-                      lay.group_size, l_sum, acc)
+    shift, l_sum, acc = _native_values(k, kv, tiers, scores, m, f)
     out, lse = _normalize(q, acc, l_sum, shift, b, hkv, g, nq)
     if not return_logits:
         return out, lse
     if padded is not None:
         return out, lse, padded
-    return out, lse, [LiveSlots(pages.page_id, pages.head, probs, shift, extra["valid_out"], extra["pos_out"],
-                                extra["score_out"], pages=pages) for pages, probs, extra in zip(tiers, scores, slots)]
+    return out, lse, _live_slots(tiers, scores, slots, shift)
+
+
+def serves_decode_step(kv, rows: int, device) -> bool:
+    """Whether :func:`decode_step_attention` serves a decode step of ``rows`` query rows per KV
+    head (the group size) over ``kv``'s pages on ``device``: the compiled CPU kernels are there and
+    read every side of every tier."""
+    return native.kernels_for(device) is not None and supports(kv.layouts, rows, compiled=True)
+
+
+def decode_step_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, k_new: torch.Tensor,
+                          v_new: torch.Tensor, real: torch.Tensor, significance: bool = False):
+    """A decode step's whole attention on the compiled CPU kernels: one query per sequence over
+    the layer's live pages and the step's own token, at its exact key and value.
+
+    Both passes over the pages (:func:`live_page_attention`), then one call
+    (:meth:`leankit.native.Kernels.finish_decode`) that adds the new token, merges the two softmaxes
+    by log-sum-exp and normalizes: what :func:`leankit.attention.step_attention` and
+    :func:`leankit.attention.merge_attention` compute after :func:`live_page_attention`, without
+    their twenty-odd small tensor ops per layer. Check :func:`serves_decode_step` first.
+
+    Args:
+        q: ``[B, Hq, 1, F]`` queries in the basis the pages hold (rotated if the cache rotates).
+        q_pos: int ``[B, 1]`` the step's positions; ``real`` bool ``[B, 1]``: the row's token is real.
+        k_new, v_new: ``[B, Hkv, 1, F]`` the step's keys and values, in the pages' basis.
+        significance: also return what LeanKV's running significance needs (§4).
+
+    Returns:
+        ``(out [B, 1, Hq, F] fp32 in the pages' basis, lse [B, Hkv, G], live, received)``: with
+        ``significance``, ``live`` is one :class:`LiveSlots` per tier with ``row_weight`` set and
+        ``received`` ``[B, Hkv, 1]`` the mass the new token received; else both ``None``.
+    """
+    from .attention import Workspace
+
+    b, hq, nq, f = q.shape
+    hkv = kv.table.shape[2]
+    g = hq // hkv
+    bh = b * hkv
+    if nq != 1:
+        raise ValueError(f"decode_step_attention: one query per sequence, got {nq}")
+    k = native.kernels_for(q.device)
+    ws = kv.workspace or Workspace()
+    qs = (q.float().reshape(bh, g, f) * scale).contiguous()
+    qp = q_pos.to(torch.int32).view(b, 1).expand(b, hkv * g).reshape(bh, g).contiguous()
+    tiers, scores, slots, m = _native_scores(k, qs, qp, kv, ws, keep_slots=significance)
+    shift, l_sum, acc = _native_values(k, kv, tiers, scores, m, f)
+    lse = torch.empty((bh, g))
+    row_weight = torch.empty((bh, g)) if significance else None
+    received = torch.empty(bh) if significance else None
+    k.finish_decode(acc, l_sum, shift, qs, k_new.float().reshape(bh, f).contiguous(),
+                    v_new.float().reshape(bh, f).contiguous(), real.reshape(b).contiguous(), acc, lse,
+                    row_weight, received)
+    out = acc.view(b, 1, hq, f)  # row g of KV head h is query head h*G + g
+    if not significance:
+        return out, lse.view(b, hkv, g), None, None
+    return (out, lse.view(b, hkv, g), _live_slots(tiers, scores, slots, shift, row_weight.view(bh, g)),
+            received.view(b, hkv, 1))

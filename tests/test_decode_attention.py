@@ -162,3 +162,88 @@ def test_live_slots_give_the_padded_received_mass(nq):
             pos = seg[lay.offset("position"): lay.offset("position") + 4 * t_tok].view(torch.int32)
             score = seg[lay.offset("score"): lay.offset("score") + 2 * t_tok].view(torch.float16).float()
             assert torch.equal(t.pos[i][ok], pos[ok]) and torch.equal(t.score[i][ok], score[ok])
+
+
+def _padded_rank(kv, tier: int, page_id: int, head: int) -> int:
+    """Rank of pool page ``page_id`` among the pages of flat head ``head`` in ``tier``."""
+    hkv = kv.table.shape[2]
+    pmax = int(kv.table.n_pages[tier, kv.layer].max())
+    ids, valid = kv.table.tier_pages(tier, kv.layer, 0, pmax)
+    b, h = divmod(head, hkv)
+    rank = ((ids[b, h] == page_id) & valid[b, h]).nonzero()
+    assert rank.numel() == 1
+    return int(rank)
+
+
+# spec, model dtype, kv heads, GQA ratio, contexts, group size
+STEP_CASES = [
+    ("K8V4-K4V2", torch.float32, 3, 3, [65, 7, 40], 32),
+    ("K4V2", torch.float32, 2, 5, [63, 130], 8),
+    ("FP16", torch.float32, 3, 3, [65, 7, 40], None),
+    ("K8V16-K4V2", torch.float16, 2, 3, [90, 12], 16),
+]
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler for leankit.native")
+@pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-h{c[2]}g{c[3]}")
+def test_decode_step_equals_paged_attention_merged_with_the_new_token(case):
+    """:func:`decode_step_attention` (both passes, then the step's own token, the merge and the
+    significance's row factors in one compiled call) against the torch composition it replaces:
+    padded-tile paged attention, :func:`step_attention` over the new token with the other lse,
+    :func:`merge_attention`, and :func:`received_from_logits` on the padded logits. One row sees
+    no stored key (its query lies before all of them), one row's token is not real."""
+    from leankit.attention import merge_attention, received_from_logits, step_attention
+
+    spec, dtype, hkv, g, ctx, gs = case
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, 1, prune_frac=0.1 if gs else 0.0, group_size=gs,
+                                          fill=0xFF, low_frac=0.6, dtype=dtype)
+    kv = fc.kv
+    kv.workspace = Workspace()
+    b, hq, _, f = q.shape
+    q_pos[1] = -1  # before every stored key: this row sees only its own token
+    real = torch.ones(b, 1, dtype=torch.bool)
+    real[-1] = False
+    k_new = torch.randn(b, hkv, 1, f, generator=gen, dtype=torch.float32) * 2
+    v_new = torch.randn(b, hkv, 1, f, generator=gen, dtype=torch.float32)
+    # Head 0's new key points away from its queries: its score lies some hundred below the stored
+    # keys', so exp(stored - new) overflows fp32 unless the merge shifts by the larger of the two.
+    k_new[0, 0, 0] = -100 * q[0, :g, 0].float().mean(0)
+    scale = f ** -0.5
+    assert decode_attention.serves_decode_step(kv, g, q.device)
+
+    out_old, lse_old, padded = paged_attention_ref(q.float(), kv, q_pos, scale, chunk_pages=3, return_logits=True)
+    out_new, lse_new, recv_new = step_attention(q.float(), k_new, v_new, q_pos, real, scale, lse_other=lse_old,
+                                                received=True)
+    want_out, want_lse = merge_attention(out_old, lse_old, out_new, lse_new)
+    want_recv = received_from_logits(padded, want_lse, g, real)
+
+    for _ in range(2):  # the second call reuses the workspace buffers
+        out, lse, live, recv = decode_attention.decode_step_attention(q, kv, q_pos, scale, k_new, v_new, real,
+                                                                      significance=True)
+        testing.assert_close_normwise(out, want_out, torch.float32, f"out (seed {seed})")
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, msg=f"lse (seed {seed})")
+        torch.testing.assert_close(recv, recv_new, rtol=1e-5, atol=1e-7, msg=f"new token's mass (seed {seed})")
+        assert torch.equal(recv[-1], torch.zeros_like(recv[-1]))  # not real: received nothing
+        for tier, t in enumerate(live):
+            t_tok = kv.layouts[tier].tokens
+            for i in range(t.page_ids.numel()):
+                head = int(t.head[i])
+                r = _padded_rank(kv, tier, int(t.page_ids[i]), head)
+                ok = t.valid[i]
+                got = t.received[i][ok]
+                expect = want_recv[tier][head // hkv, head % hkv, r * t_tok: (r + 1) * t_tok][ok]
+                torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-8,
+                                           msg=f"received, tier {tier} (seed {seed})")
+    # Without significance: the same attention, nothing else.
+    out2, lse2, live2, recv2 = decode_attention.decode_step_attention(q, kv, q_pos, scale, k_new, v_new, real)
+    assert live2 is None and recv2 is None
+    testing.assert_close_normwise(out2, want_out, torch.float32, f"out (seed {seed})")
+
+
+def test_decode_step_refuses_several_queries():
+    gen, _ = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, "K8V4", [20], 1, 2, 2)
+    k_new = torch.zeros(1, 1, 2, q.shape[-1])
+    with pytest.raises(ValueError, match="one query per sequence"):
+        decode_attention.decode_step_attention(q, fc.kv, q_pos, 0.1, k_new, k_new, torch.ones(1, 2, dtype=torch.bool))

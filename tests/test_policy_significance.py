@@ -114,9 +114,12 @@ def test_significance_from_kept_logits_equals_the_second_pass():
 
 def test_live_page_score_update_equals_the_padded_one(monkeypatch):
     """Decode on the CPU path takes its significance from the live-page attention
-    (:class:`~leankit.decode_attention.LiveSlots`); the stored scores, tiers and tokens must be
-    those of the padded path (``live_slots`` off) over prompt, decode and Algorithm 1 steps."""
+    (:class:`~leankit.decode_attention.LiveSlots`), on the compiled kernels with the new token and
+    the merge in one call (:func:`~leankit.decode_attention.decode_step_attention`), else through
+    the torch composition; the stored scores, tiers and tokens of both must be those of the padded
+    path (``live_slots`` off) over prompt, decode and Algorithm 1 steps."""
     import leankit.cache as cache_mod
+    from leankit import decode_attention, native
     from leankit.page_table import LOW
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=4 * F, intermediate_size=32, num_hidden_layers=2,
@@ -126,10 +129,18 @@ def test_live_page_score_update_equals_the_padded_one(monkeypatch):
     ids = torch.randint(0, 96, (2, 37))
     results = []
     real_ref = cache_mod.paged_attention_ref
-    for live in (True, False):
-        def ref(*a, live_slots=False, _live=live, **k):
+    real_serves = decode_attention.serves_decode_step
+    modes = (("fused", True), ("live", False), ("padded", False))
+    for mode, fused in modes:
+        def ref(*a, live_slots=False, _live=mode != "padded", **k):
             return real_ref(*a, live_slots=live_slots and _live, **k)
         monkeypatch.setattr(cache_mod, "paged_attention_ref", ref)
+        served = []
+
+        def serves(*a, _fused=fused, _served=served):
+            _served.append(_fused and real_serves(*a))
+            return _served[-1]
+        monkeypatch.setattr(decode_attention, "serves_decode_step", serves)
         cache = LeanCache(model, "K8V4-K4V2", th=0.3, tl=0.05, low_group_size=8, window=4, compress_every=1,
                           page_size=256, max_seq_len=128)
         out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=8, do_sample=False)
@@ -140,9 +151,11 @@ def test_live_page_score_update_equals_the_padded_one(monkeypatch):
             order = torch.argsort(key, -1)
             tiers.append((torch.gather(key, -1, order), torch.gather(m.score, -1, order)))
         results.append((out, tiers))
-    (out_a, tiers_a), (out_b, tiers_b) = results
-    assert torch.equal(out_a, out_b)
-    assert int((tiers_a[1][0] < (1 << 20)).sum()) > 0  # the low tier is in use
-    for (pos_a, score_a), (pos_b, score_b) in zip(tiers_a, tiers_b):
-        assert torch.equal(pos_a, pos_b)
-        torch.testing.assert_close(score_a, score_b, rtol=2e-3, atol=1e-6)  # fp16 score segment
+        assert any(served) is (fused and native.kernels() is not None), mode
+    out_b, tiers_b = results[-1]  # the padded path
+    assert int((tiers_b[1][0] < (1 << 20)).sum()) > 0  # the low tier is in use
+    for (mode, _), (out_a, tiers_a) in zip(modes, results[:-1]):
+        assert torch.equal(out_a, out_b), mode
+        for (pos_a, score_a), (pos_b, score_b) in zip(tiers_a, tiers_b):
+            assert torch.equal(pos_a, pos_b), mode
+            torch.testing.assert_close(score_a, score_b, rtol=2e-3, atol=1e-6, msg=mode)  # fp16 score segment

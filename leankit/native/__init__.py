@@ -7,7 +7,9 @@ that MKL runs far below its peak. ``live_attention.c`` reads each page in place 
 its id, and dequantizes each token into a small scratch row that it uses at once, the way the
 Triton kernels use codes in registers on a GPU; the masks, the softmax's maxima and sums, and the
 running-significance update of the live slots run inside the same loops instead of as a dozen
-tensor ops per tier. ``store_tokens.c`` quantizes a step's new tokens straight into their slots.
+tensor ops per tier. ``finish_decode.c`` adds a decode step's own token (exact key and value) to
+pass 2's sums, merges the two softmaxes and normalizes, in place of about twenty small tensor ops
+per layer. ``store_tokens.c`` quantizes a step's new tokens straight into their slots.
 Dense (unquantized) sides are read and stored in place too, in the model's dtype
 (:data:`DENSE_FORMATS`), so the lossless ``FP16`` config takes the same path.
 
@@ -184,6 +186,8 @@ class Kernels:
         lib.lk_store_tokens.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr,
                                         i32]
         lib.lk_store_tokens.restype = i32
+        lib.lk_finish_decode.argtypes = [i64, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+        lib.lk_finish_decode.restype = None
         lib.lk_parallel.restype = i32
         lib.lk_specialized.argtypes = [i32, i32, i32]
         lib.lk_specialized.restype = i32
@@ -361,6 +365,39 @@ class Kernels:
                                          k.data_ptr(), v.data_ptr(), position.data_ptr(), score.data_ptr(),
                                          torch.get_num_threads())
         self._check_result(code, "store_tokens", bad_page="a page id lies outside the pool or a slot outside its page")
+
+    def finish_decode(self, acc: torch.Tensor, l_sum: torch.Tensor, shift: torch.Tensor, q: torch.Tensor,
+                      k_new: torch.Tensor, v_new: torch.Tensor, real: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, row_weight: torch.Tensor | None = None,
+                      received: torch.Tensor | None = None) -> None:
+        """A decode step's attention from pass 2's sums and the step's own token
+        (``finish_decode.c``): the merged softmax over the stored keys and the new key, normalized.
+
+        ``acc`` fp32 ``[BH, G, F]``, ``l_sum`` and ``shift`` fp32 ``[BH, G]`` as pass 2 left them;
+        ``q`` fp32 ``[BH, G, F]`` the scaled query rows; ``k_new``, ``v_new`` fp32 ``[BH, F]`` the
+        step's token, in the basis the pages hold; ``real`` bool ``[B]`` (``BH = B * Hkv``).
+        Writes ``out`` fp32 ``[BH, G, F]`` (may be ``acc`` itself) and ``lse`` fp32 ``[BH, G]``;
+        with them, ``row_weight`` fp32 ``[BH, G]``: ``exp(shift - lse) / G`` for rows of real
+        tokens that saw a stored key, else 0, and ``received`` fp32 ``[BH]``: the mass the new
+        token received, averaged over the group (0 where not real).
+        """
+        bh, rows, dim = acc.shape if acc.dim() == 3 else (-1, -1, -1)
+        b = real.numel()
+        f32 = (acc, l_sum, shift, q, k_new, v_new, out, lse, row_weight, received)
+        ok = (bh > 0 and b > 0 and bh % b == 0 and real.dtype == torch.bool
+              and all(x is None or (x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu")
+                      for x in f32)
+              and real.is_contiguous() and real.device.type == "cpu"
+              and q.shape == out.shape == acc.shape and l_sum.shape == shift.shape == lse.shape == (bh, rows)
+              and k_new.shape == v_new.shape == (bh, dim)
+              and (row_weight is None or row_weight.shape == (bh, rows))
+              and (received is None or received.shape == (bh,)))
+        if not ok:
+            raise ValueError("native finish_decode: want acc, q and out fp32 [BH, G, F], l_sum, shift and lse fp32 "
+                             "[BH, G], k_new and v_new fp32 [BH, F], real bool [B] with B dividing BH, all "
+                             "contiguous on the CPU")
+        self._lib.lk_finish_decode(bh, rows, dim, bh // b, *(None if x is None else x.data_ptr() for x in f32[:6]),
+                                   real.data_ptr(), *(None if x is None else x.data_ptr() for x in f32[6:]))
 
     def update_scores(self, pages: PoolPages, p: torch.Tensor, row_weight: torch.Tensor, pos: torch.Tensor,
                       valid: torch.Tensor, stored: torch.Tensor, q_first: torch.Tensor, q_last: torch.Tensor,
