@@ -414,6 +414,7 @@ def _native_values(k: native.Kernels, kv, tiers, scores, m: torch.Tensor, dim: i
 
 
 def _live_slots(tiers, scores, slots, shift, row_weight=None) -> list[LiveSlots]:
+    """One :class:`LiveSlots` per tier from the passes' results (``slots`` kept by pass 1)."""
     return [LiveSlots(pages.page_id, pages.head, probs, shift, extra["valid_out"], extra["pos_out"],
                       extra["score_out"], row_weight=row_weight, pages=pages)
             for pages, probs, extra in zip(tiers, scores, slots)]
@@ -481,6 +482,9 @@ def decode_step_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float
     if nq != 1:
         raise ValueError(f"decode_step_attention: one query per sequence, got {nq}")
     k = native.kernels_for(q.device)
+    if k is None:
+        raise RuntimeError(f"decode_step_attention runs on the compiled CPU kernels, which {q.device} tensors "
+                           "cannot use here (see serves_decode_step)")
     ws = kv.workspace or Workspace()
     qs = (q.float().reshape(bh, g, f) * scale).contiguous()
     qp = q_pos.to(torch.int32).view(b, 1).expand(b, hkv * g).reshape(bh, g).contiguous()

@@ -286,3 +286,35 @@ def test_store_rows_are_derived_once_per_step_and_shared_by_its_layers(monkeypat
     steps = set(calls)
     assert len(steps) >= 3 and len(calls) == len(steps) * model.config.num_hidden_layers
     assert sorted(computed) == sorted(steps)  # each step derives its rows once, for all its layers
+
+
+@pytest.mark.skipif(leankit.native.kernels() is None, reason="no C compiler for leankit.native")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", ["K8V4:rotate=1", "K8V4-K4V2:th=0.3,tl=0.05,group_size=16,rotate=1", "FP16"])
+def test_compiled_decode_step_equals_the_torch_composition(monkeypatch, spec, dtype):
+    """A CPU decode step with the compiled kernels adds its own token and merges in one call
+    (:func:`leankit.decode_attention.decode_step_attention`); the logits of each step must be those
+    of the torch composition it replaces (paged attention, then the new token, then the merge),
+    within the model dtype's rounding, and the pages must hold the same tokens. A rotated
+    low-precision model rotates the step's own token in fp32 on both paths' terms (it stays exact)."""
+    from leankit import decode_attention
+
+    model = tiny_model().to(dtype)
+    ids, mask = left_padded_batch(rows=3, width=21)
+    real_serves = decode_attention.serves_decode_step
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(decode_attention, "serves_decode_step", lambda *a, _f=fused: _f and real_serves(*a))
+        cache = LeanCache(model, spec, page_size=256)
+        out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=6,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+        runs.append((out.sequences, torch.stack(out.logits).float(), cache.memory_report()["pages_used"]))
+    (seq_a, logits_a, pages_a), (seq_b, logits_b, pages_b) = runs
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    assert torch.equal(seq_a[:, :ids.shape[1] + 1], seq_b[:, :ids.shape[1] + 1])  # the prompt's token
+    steps = int((seq_a == seq_b).all(0).long().cumprod(0).sum()) - ids.shape[1]  # steps before any split
+    assert steps >= 2, "the two paths diverged at once"
+    err = (logits_a[:steps] - logits_b[:steps]).abs().max() / logits_b[:steps].abs().max()
+    assert err <= tol, f"logits differ by {float(err):.2e} (normwise) over the first {steps} steps"
+    if dtype == torch.float32:
+        assert torch.equal(seq_a, seq_b) and pages_a == pages_b

@@ -247,3 +247,13 @@ def test_decode_step_refuses_several_queries():
     k_new = torch.zeros(1, 1, 2, q.shape[-1])
     with pytest.raises(ValueError, match="one query per sequence"):
         decode_attention.decode_step_attention(q, fc.kv, q_pos, 0.1, k_new, k_new, torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_decode_step_without_compiled_kernels_says_so(monkeypatch):
+    gen, _ = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, "K8V4", [20], 1, 2, 1)
+    monkeypatch.setattr(native, "kernels_for", lambda device: None)
+    assert not decode_attention.serves_decode_step(fc.kv, 2, q.device)
+    k_new = torch.zeros(1, 1, 1, q.shape[-1])
+    with pytest.raises(RuntimeError, match="compiled CPU kernels"):
+        decode_attention.decode_step_attention(q, fc.kv, q_pos, 0.1, k_new, k_new, torch.ones(1, 1, dtype=torch.bool))
