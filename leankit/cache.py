@@ -622,16 +622,18 @@ class LeanCache(Cache):
                                                       received=sig)
         else:
             kv = self.paged_kv(layer)
-            q_pages = query if self.rotation is None else rotate(query, self.rotation)
-            if nq == 1 and not use_triton(query) and decode_attention.serves_decode_step(kv, group, query.device):
+            fused = nq == 1 and not use_triton(query) and decode_attention.serves_decode_step(kv, group, query.device)
+            if fused and self.rotation is not None and query.dtype != torch.float32:
+                # the step's own token stays exact: rotated in fp32, not rounded to the model dtype
+                q_pages, k_att, v_att = (rotate(x.float(), self.rotation) for x in (query, k_new, v_new))
+            else:
+                q_pages = query if self.rotation is None else rotate(query, self.rotation)
+                k_att, v_att = k_store, v_store
+            if fused:
                 # A CPU decode step: both passes over the pages, then the step's own token, the
                 # log-sum-exp merge and the significance's row factors in one compiled call.
-                q_att, k_att, v_att = q_pages, k_store, v_store
-                if self.rotation is not None and query.dtype != torch.float32:
-                    # the step's own token stays exact: rotated in fp32, not rounded to the model dtype
-                    q_att, k_att, v_att = (rotate(x.float(), self.rotation) for x in (query, k_new, v_new))
                 out, lse, live, received_new = decode_attention.decode_step_attention(
-                    q_att, kv, st.q_pos, scaling, k_att, v_att, st.real, significance=sig)
+                    q_pages, kv, st.q_pos, scaling, k_att, v_att, st.real, significance=sig)
                 if self.rotation is not None:
                     out = unrotate(out, self.rotation)
                 if sig:

@@ -294,8 +294,7 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
     g = hq // hkv
     bh, rows = b * hkv, g * nq
     ws = kv.workspace or Workspace()
-    qs = (q.float().reshape(bh, rows, f) * scale).contiguous()  # scaled; row g*Q + i of KV head h: query head h*G + g, query i
-    qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(bh, rows).contiguous()
+    qs, qp = _query_rows(q, q_pos, scale, hkv)
     compiled = native.kernels_for(q.device) if use_native else None
     if compiled is not None:
         return _live_attention_native(compiled, q, qs, qp, kv, ws, return_logits, live_slots)
@@ -335,6 +334,16 @@ def live_page_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, 
                                      lt._seg("score", torch.float16).squeeze(-1).float())
                           for lt, probs in zip(tiers, scores)]  # exp'd in place by pass 2
     return out, lse, [_padded_logits(s_tier, lt.flat, lt.pmax, b, hkv) for lt, s_tier in zip(tiers, scores)]
+
+
+def _query_rows(q: torch.Tensor, q_pos: torch.Tensor, scale: float, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scaled query rows ``[BH, R, F]`` fp32 and their positions ``[BH, R]`` int32 that both
+    passes take: row ``g*Q + i`` of KV head ``h`` is query head ``h*G + g``, query ``i``."""
+    b, hq, nq, f = q.shape
+    g = hq // hkv
+    qs = (q.float().reshape(b * hkv, g * nq, f) * scale).contiguous()
+    qp = q_pos.to(torch.int32).view(b, 1, 1, nq).expand(b, hkv, g, nq).reshape(b * hkv, g * nq).contiguous()
+    return qs, qp
 
 
 def _padded_logits(s_tier: torch.Tensor, flat: torch.Tensor, pmax: int, b: int, hkv: int) -> torch.Tensor:
@@ -486,8 +495,7 @@ def decode_step_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float
         raise RuntimeError(f"decode_step_attention runs on the compiled CPU kernels, which {q.device} tensors "
                            "cannot use here (see serves_decode_step)")
     ws = kv.workspace or Workspace()
-    qs = (q.float().reshape(bh, g, f) * scale).contiguous()
-    qp = q_pos.to(torch.int32).view(b, 1).expand(b, hkv * g).reshape(bh, g).contiguous()
+    qs, qp = _query_rows(q, q_pos, scale, hkv)
     tiers, scores, slots, m = _native_scores(k, qs, qp, kv, ws, keep_slots=significance)
     shift, l_sum, acc = _native_values(k, kv, tiers, scores, m, f)
     lse = torch.empty((bh, g))
