@@ -56,6 +56,13 @@ SCORE_BYTES = 2  # fp16 running significance per token
 POSITION_BYTES = 4  # int32 position per token
 META_BYTES_PER_GROUP = 4  # fp16 scale + fp16 minimum
 PAGE_ALIGN = 16  # every page segment starts on a 16-byte boundary (128-bit loads)
+# Default bytes per unified page. A quantized token of a 64- or 128-wide head is 40-200 bytes,
+# so 2 KB pages hold 10-50 of them. An unquantized token is 262-1030 bytes (fp16 or fp32, head_dim
+# 64 or 128), which a 2 KB page holds only 1-7 times over with up to a quarter of it left unused,
+# and every page costs a page-table entry, a lookup and a loop start in attention: configs with no
+# quantized side default to 8 KB pages (15-31 tokens, at most about a tenth unused).
+QUANTIZED_PAGE_SIZE = 2048
+DENSE_PAGE_SIZE = 8192
 
 _TIER_RE = re.compile(r"^K(\d+)V(\d+)$")
 def _parse_bool(text: str) -> bool:
@@ -72,7 +79,7 @@ _OVERRIDE_TYPES = {"window": int, "compress_every": int, "page_size": int, "grou
                    "th": float, "tl": float, "budget": float, "policy": str, "rotate": _parse_bool,
                    "act": float, "act_order": str}
 # Settings whose default is ``None`` ("not set"), so ``None`` is a legal keyword value for them.
-_NULLABLE = ("group_size", "low_group_size", "budget")
+_NULLABLE = ("group_size", "low_group_size", "budget", "page_size")
 # Settings only some policies read: giving one to a policy that ignores it is an error, not a no-op.
 _POLICY_SETTINGS = {"th": ("leankv",), "tl": ("leankv",), "compress_every": ("leankv",), "budget": ("h2o",),
                     "sink": ("streaming",)}
@@ -219,7 +226,8 @@ class KVConfig:
             every ``k`` steps costs ``1/k`` of the per-step planning while at most ``k - 1`` tokens
             per head wait at high precision. ``1`` runs it at every step, as the paper does.
         th, tl: LeanKV thresholds on cumulative significance (high / prune).
-        page_size: bytes per unified page.
+        page_size: bytes per unified page; ``None`` (the default) picks ``DENSE_PAGE_SIZE`` (8 KB)
+            when no tier quantizes keys or values, else ``QUANTIZED_PAGE_SIZE`` (2 KB).
         group_size: quantization group along head_dim (``None`` = whole head_dim).
         low_group_size: quantization group of the low tier (``None`` = ``group_size``). Fewer
             bits need smaller groups to keep the same error (a 4-bit key of head_dim 64 loses
@@ -245,7 +253,7 @@ class KVConfig:
     compress_every: int = 16
     th: float = 0.05
     tl: float = 0.0
-    page_size: int = 2048
+    page_size: int | None = None
     group_size: int | None = None
     low_group_size: int | None = None
     policy: str = "full"
@@ -255,6 +263,11 @@ class KVConfig:
     act: float = 0.0
     act_order: str = "ratio"
     spec: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.page_size is None:  # resolved once, so every reader sees a number
+            dense = all(not (t.k_quantized or t.v_quantized) for t in self.tiers)
+            object.__setattr__(self, "page_size", DENSE_PAGE_SIZE if dense else QUANTIZED_PAGE_SIZE)
 
     # ------------------------------------------------------------------ parsing
     @classmethod

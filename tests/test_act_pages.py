@@ -37,7 +37,7 @@ def test_geometry_fits_and_is_best(hidden, itemsize, page_size):
 
 def test_opt_mha_act_is_about_half_of_kv():
     """OPT-125m-like layer (hidden 768 = 12 heads x 64), fp16, 2048-byte pages."""
-    fp16 = act_kv_token_bytes(KVConfig.parse("FP16"), 768, 12, 64, 2)
+    fp16 = act_kv_token_bytes(KVConfig.parse("FP16:page_size=2048"), 768, 12, 64, 2)
     g = act_geometry(768, 2, 2048)
     assert (g.slices, g.channels, g.tokens) == (4, 192, 5)
     assert fp16["act"] == pytest.approx(2048 * 4 / 5)  # 1638.4 B per token and layer

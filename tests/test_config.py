@@ -99,6 +99,30 @@ def test_tokens_per_page_follow_precision():
         KVConfig.parse("FP16", page_size=256).tokens_per_page(128, dense_itemsize=4)
 
 
+def test_default_page_size_follows_quantization():
+    """Configs that quantize nothing default to 8 KB pages, the rest to 2 KB; a page size given
+    explicitly (or ``None``, the default) is kept."""
+    from leankit.config import DENSE_PAGE_SIZE, QUANTIZED_PAGE_SIZE
+
+    for spec in ("FP16", "K16V16", "FP16:policy=h2o,budget=0.5", "FP16:act=0.5"):
+        assert KVConfig.parse(spec).page_size == DENSE_PAGE_SIZE == 8192, spec
+    for spec in ("K8V4", "K16V4", "K4V16", "K8V4-K4V2", "K16V16-K8V4"):
+        assert KVConfig.parse(spec).page_size == QUANTIZED_PAGE_SIZE == 2048, spec
+    assert KVConfig.parse("FP16:page_size=2048").page_size == 2048
+    assert KVConfig.parse("K8V4", page_size=4096).page_size == 4096
+    assert KVConfig.parse("FP16", page_size=None).page_size == 8192
+    assert KVConfig.parse(KVConfig.parse("FP16"), policy="streaming").page_size == 8192  # kept by a re-parse
+    # The dense default wastes at most about a tenth of a page where 2 KB pages wasted a quarter:
+    # fp32 keys and values of head_dim 64 are 518 bytes a token (3 to a 2 KB page, 15 to 8 KB).
+    for dim, itemsize in ((64, 2), (64, 4), (128, 2), (128, 4)):
+        cfg = KVConfig.parse("FP16")
+        used = cfg.tokens_per_page(dim, dense_itemsize=itemsize) * cfg.token_bytes(dim, dense_itemsize=itemsize).total
+        assert used / cfg.page_size > 0.88, (dim, itemsize)
+    small = KVConfig.parse("FP16:page_size=2048")
+    assert small.tokens_per_page(64, dense_itemsize=4) == 3
+    assert KVConfig.parse("FP16").tokens_per_page(64, dense_itemsize=4) == 15
+
+
 def test_str_roundtrip():
     for s in ["FP16", "K8V4", "K8V4-K4V2", "K4V8"]:
         assert str(KVConfig.parse(s)) == s

@@ -38,8 +38,11 @@ def host_only_plan(model, kv: str, prompts, gen: int, **allowed):
 
 
 @pytest.mark.parametrize("gpu_share", [0.0, 0.15])
-@pytest.mark.parametrize("kv,mode", [("K8V4", "kv"), ("K4V4:group_size=16", "kv"), ("FP16", "hybrid"),
-                                     ("FP16", "kvpr")])
+# FP16 at 2 KB pages, not its 8 KB default: the resident share is fixed to within a page per row
+# (leankit.offload.resident), and at this test's 3.7k tokens one 8 KB page of this model's fp32
+# tokens (31 of them) moves the host bytes by more than 1%.
+@pytest.mark.parametrize("kv,mode", [("K8V4", "kv"), ("K4V4:group_size=16", "kv"), ("FP16:page_size=2048", "hybrid"),
+                                     ("FP16:page_size=2048", "kvpr")])
 def test_counted_link_bytes_match_the_plan_within_one_percent(kv, mode, gpu_share):
     model = long_model()
     prompts, gen = (1900, 1777), 3
