@@ -40,6 +40,12 @@ Mechanics (data flows one way, as for KV pages):
   the paged-plus-new partial by log-sum-exp (:func:`leankit.attention.merge_attention`); then it
   writes the step's ACT tokens into their pages.
 
+On the kernel backend a decode step reads nothing back inside it (one host read per step, at its
+end, as for KV pages): the ACT grant is deferred (a short fixed pool raises ``PoolExhausted`` from
+``end_step`` and the step is dropped), the captured state is kept whole and written under a keep
+flag instead of picked by the bool mask, and the bound on earlier ACT tokens that sizes the
+recompute rides on that end-of-step read.
+
 What does not compose: ACT needs policy ``full``. LeanKV's per-head pruning and tier moves,
 H2O and StreamingLLM decide per KV head from attention significance, while an ACT block is one
 vector per layer that serves every head, so a head cannot drop or downgrade its part of it; a
@@ -63,6 +69,7 @@ from fractions import Fraction
 import torch
 
 from .attention import merge_attention
+from .backend import use_triton
 from .config import act_kv_token_bytes
 from .hf import cache_argument
 from .page_table import ActPageTable
@@ -209,7 +216,11 @@ class ActStore:
         self.n_real: torch.Tensor | None = None  # long [B]: real tokens stored per row (KV + ACT)
         self.n_act: torch.Tensor | None = None  # long [B]: ACT tokens stored per row
         self._mask = self._rank = self._n_new = None  # this step's placement
-        self._n_max = 0  # most ACT tokens of any row before this step
+        self._n_max = 0  # most ACT tokens of any row before this step (a host bound)
+        # Kernel backend: the most ACT tokens of any row once the last step stored its tokens,
+        # read in the cache's one host read per step (HybridPolicy.step_status), not by a sync here.
+        self._n_max_read = 0
+        self._dense = False  # this step lists every (row, query) with a keep flag (no host read)
         self._stash: dict[int, torch.Tensor] = {}  # layer -> the step's captured ACT rows [n, D]
         self._rope = None  # (positions, tables) of this step's ACT keys, shared by all layers
         self._ahead: dict[int, tuple] = {}  # layer -> K/V recomputed before its attention (offload)
@@ -234,9 +245,22 @@ class ActStore:
                           self.block)
         n_act_new = mask.sum(1)
         extra = self.table.blocks_needed(n_act_new.view(1, -1).expand(cache.num_layers, -1))
-        cache.grow_pages(extra, table=self.table)
+        # The kernel backend reads nothing back inside a step (leankit.cache: one host read per step,
+        # at its end). The grant is deferred like the KV pages' (a short pool raises from end_step,
+        # the step dropped), and the ACT tokens of earlier steps are bounded by the count that read
+        # carried. Deferring needs a host proof that no row outgrows its ACT row: a row holds at most
+        # the tokens it was fed, ``ceil(n / T)`` blocks.
+        self._dense = use_triton(cache._kv_err)
+        blocks_bound = -(-cache._hw_tokens // self.block)
+        defer = self._dense and blocks_bound * self.layout.slices <= self.table.row_len
+        # A row's new ACT tokens (at most Q) fill what its last block has left, then ceil(Q / T) blocks.
+        pages_bound = extra.numel() * -(-step.q_len // self.block) * self.layout.slices
+        cache.grow_pages(extra, table=self.table, defer=defer, bound=pages_bound)
         self._mask, self._rank, self._n_new = mask, torch.cumsum(mask.int(), 1) - 1, n_act_new
-        self._n_max = int(self.n_act.max()) if self.n_act.numel() else 0
+        if self._dense:
+            self._n_max = self._n_max_read
+        else:
+            self._n_max = int(self.n_act.max()) if self.n_act.numel() else 0
         self._stash, self._rope, self._ahead = {}, None, {}
         kv = step.real & ~mask
         # Its own derived indices: the step's would list the ACT tokens too.
@@ -248,6 +272,16 @@ class ActStore:
         self.n_act += self._n_new
         self._stash, self._rope, self._ahead = {}, None, {}
 
+    def step_status(self) -> torch.Tensor:
+        """The most ACT tokens of any row once this step is stored (device ``[1]``), for the
+        cache's one host read at the end of a kernel-backend step; :meth:`take_status` receives it."""
+        after = self.n_act + self._n_new
+        return after.max().reshape(1) if after.numel() else torch.zeros(1, dtype=torch.long, device=after.device)
+
+    def take_status(self, n_max: int) -> None:
+        """Receive :meth:`step_status` as read on the host: the next step's bound on earlier ACT tokens."""
+        self._n_max_read = int(n_max)
+
     def recompute_ahead(self, layer: int) -> None:
         """Recompute ``layer``'s earlier ACT tokens' K/V now, as soon as their pages are on the device
         (the offload pipeline calls it before the layer's KV pages have landed, KVPR §3.3); its
@@ -256,9 +290,14 @@ class ActStore:
             self._ahead[layer] = self._keys(layer)
 
     def capture(self, layer: int, hidden: torch.Tensor) -> None:
-        """Keep ``layer``'s input hidden state ``[B, Q, D]`` of the step's ACT tokens (pre-hook)."""
+        """Keep ``layer``'s input hidden state ``[B, Q, D]`` of the step's ACT tokens (pre-hook).
+
+        The kernel backend keeps the whole ``[B, Q, D]`` state (a reference, no copy: the layer
+        computes its residual out of place): picking the ACT rows with the bool mask would read the
+        mask back to the host. :meth:`_store` gathers them with the step's dense index instead.
+        """
         if self._mask is not None and self.cache._step is not None:
-            self._stash[layer] = hidden.detach()[self._mask]
+            self._stash[layer] = hidden.detach() if self._dense else hidden.detach()[self._mask]
 
     # -------------------------------------------------------------- attention
     def _keys(self, layer: int):
@@ -276,10 +315,13 @@ class ActStore:
         params = self.params[layer]
         flat_pos = pos.reshape(-1)
         rope = None
-        if params.has_rope:  # one table per step: every layer holds the same tokens at the same positions
-            if self._rope is None or not torch.equal(self._rope[0], flat_pos):
-                self._rope = (flat_pos, rope_tables(params, flat_pos, act.dtype))
-            rope = self._rope[1]
+        if params.has_rope:
+            # One table per step: every layer holds the same earlier ACT tokens at the same positions
+            # (each layer reads them before it stores the step's own). Comparing the positions
+            # instead (torch.equal) would read the device back once per layer.
+            if self._rope is None:
+                self._rope = rope_tables(params, flat_pos, act.dtype)
+            rope = self._rope
         k, v = act_to_kv(act.reshape(b * n, -1), flat_pos, params, rope=rope)
         k = k.view(b, n, params.num_kv_heads, -1).transpose(1, 2)
         v = v.view(b, n, params.num_kv_heads, -1).transpose(1, 2)
@@ -301,18 +343,33 @@ class ActStore:
         return out
 
     def _store(self, layer: int, step) -> None:
-        """Write the step's captured ACT tokens of ``layer`` into their slots."""
-        b_idx, q_idx = self._mask.nonzero(as_tuple=True)
-        if b_idx.numel() == 0:
-            return
+        """Write the step's captured ACT tokens of ``layer`` into their slots.
+
+        The torch backend lists the ACT tokens (``nonzero``); the kernel backend lists every
+        (row, query) of the step with a keep flag, since listing would read the mask back to the host.
+        """
+        if self._dense:
+            b, q = self._mask.shape
+            b_idx = torch.arange(b, device=self._mask.device).repeat_interleave(q)
+            q_idx = torch.arange(q, device=self._mask.device).repeat(b)
+            keep = self._mask.reshape(-1)
+        else:
+            b_idx, q_idx = self._mask.nonzero(as_tuple=True)
+            if b_idx.numel() == 0:
+                return
+            keep = None
         act = self._stash.pop(layer, None)
         if act is None:
             raise RuntimeError(f"layer {layer}'s input activations were not captured: ACT blocks need the "
                                "decoder-layer hooks of leankit.enable(model) (run the model's own forward)")
+        if self._dense:
+            act = act.reshape(b * q, -1)
         lens = self.table.lens[layer]
-        slot = lens[b_idx].long() + self._rank[b_idx, q_idx]
+        slot = lens[b_idx].long() + self._rank[b_idx, q_idx].clamp_min(0)
+        if self._dense:  # a token not kept may name any slot, but one inside the row
+            slot = slot.clamp_max(self.table.row_len // self.layout.slices * self.layout.tokens - 1)
         ids, rows = self.table.locate(layer, b_idx, slot)
-        self.layout.write(self.cache.pool, ids, rows, act, step.q_pos[b_idx, q_idx])
+        self.layout.write(self.cache.pool, ids, rows, act, step.q_pos[b_idx, q_idx], keep=keep)
         lens += self._n_new.to(lens.dtype)
 
     # -------------------------------------------------------------- lifecycle
@@ -335,7 +392,7 @@ class ActStore:
         if self.table is not None:
             self.release(torch.ones(self.table.lens.shape[1], dtype=torch.bool, device=self.cache.device))
         self.table = self.n_real = self.n_act = self._mask = self._rank = self._n_new = None
-        self._stash, self._rope, self._n_max, self._ahead = {}, None, 0, {}
+        self._stash, self._rope, self._n_max, self._n_max_read, self._ahead = {}, None, 0, 0, {}
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]`` (fresh pages, bytes copied)."""
@@ -391,6 +448,7 @@ class HybridPolicy:
     def __init__(self, inner, store: ActStore):
         self.inner, self.act = inner, store
         self._full = self._kv = None  # the cache's step and its KV-only view
+        self._inner_values = 0  # how many values of the step's status are the inner policy's
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -412,9 +470,17 @@ class HybridPolicy:
         self.inner.after_store(layer, self._view(step))
 
     def step_status(self, step):
-        # The kernel backend's one host read per step carries the inner policy's status; the
-        # inner policy plans it over the step it was given, the KV-only view.
-        return self.inner.step_status(self._view(step))
+        # The kernel backend's one host read per step carries the inner policy's status (planned
+        # over the step it was given, the KV-only view), then the ACT store's own count.
+        inner = self.inner.step_status(self._view(step))
+        self._inner_values = 0 if inner is None else inner.numel()
+        act = self.act.step_status()
+        return act if inner is None else torch.cat([inner.long().reshape(-1), act.long()])
+
+    def take_status(self, values: list[int]) -> None:
+        if self._inner_values:
+            self.inner.take_status(values[: self._inner_values])
+        self.act.take_status(values[self._inner_values])
 
     def end_step(self, step) -> None:
         self.inner.end_step(self._view(step))

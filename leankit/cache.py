@@ -485,7 +485,9 @@ class LeanCache(Cache):
                    bound: int | None = None) -> torch.Tensor | None:
         """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool.
 
-        ``table`` defaults to the KV page table; the ACT page table (leankit.act_store) passes its own.
+        ``table`` defaults to the KV page table; the ACT page table (leankit.act_store) passes its own
+        (``extra`` then counts blocks per (layer, sequence); its rows fit whenever the KV rows do,
+        since a row holds no more ACT tokens than tokens).
         ``defer``: the caller can take a refusal at the end of the step. On the kernel backend
         the grant then runs without a host read: for a fixed pool, a short pool raises
         :class:`PoolExhausted` from :meth:`end_step` (the step is dropped, nothing was handed
@@ -494,12 +496,11 @@ class LeanCache(Cache):
         might be fewer. A deferred grant returns its device bool ``ok`` (false: refused whole,
         nothing handed out); an eager one returns None.
         """
-        if defer and table is None and use_triton(self._kv_err) and self._rows_fit() and (
-                self.fixed_pool or bound is not None):
+        table = self.table if table is None else table
+        if defer and use_triton(self._kv_err) and self._rows_fit() and (self.fixed_pool or bound is not None):
             if not self.fixed_pool and bound > self.free_list.free_floor:
                 self._ensure_free(bound)
-            return self.table.grow(extra, self.free_list, status=self._alloc_status, taken=bound)
-        table = self.table if table is None else table
+            return table.grow(extra, self.free_list, status=self._alloc_status, taken=bound)
         try:
             table.grow(extra, self.free_list)
         except PoolExhausted as e:

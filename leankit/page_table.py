@@ -194,43 +194,60 @@ class ActPageTable:
     Attributes:
         slices, tokens: ``S`` pages per block and ``T`` tokens per page (from the ACT layout).
         tables: int32 ``[L, B, R]`` page ids, ``-1`` where empty (``R`` = blocks x ``S``).
-        n_blocks: int32 ``[L, B]`` blocks owned; ``lens``: int32 ``[L, B]`` ACT tokens stored.
+        n_pages: int32 ``[L, B]`` pages owned (``S`` per block, filled from the left);
+        ``n_blocks`` (``n_pages / S``) the blocks owned; ``lens``: int32 ``[L, B]`` ACT tokens stored.
     """
 
     def __init__(self, num_layers: int, batch: int, max_tokens: int, slices: int, tokens: int, device):
         self.slices, self.tokens = slices, tokens
         self.row_len = -(-max_tokens // tokens) * slices
         self.tables = torch.full((num_layers, batch, self.row_len), -1, dtype=torch.int32, device=device)
-        self.n_blocks = torch.zeros((num_layers, batch), dtype=torch.int32, device=device)
+        # Pages, not blocks: the prefix-sum grant (leankit_kernels.page_alloc) counts pages per row.
+        self.n_pages = torch.zeros((num_layers, batch), dtype=torch.int32, device=device)
         self.lens = torch.zeros((num_layers, batch), dtype=torch.int32, device=device)
+
+    @property
+    def n_blocks(self) -> torch.Tensor:
+        """int32 ``[L, B]`` blocks owned per row."""
+        return self.n_pages // self.slices
 
     def nbytes(self) -> int:
         """Metadata bytes: the rows plus the counters."""
-        return sum(t.numel() * t.element_size() for t in (self.tables, self.n_blocks, self.lens))
+        return sum(t.numel() * t.element_size() for t in (self.tables, self.n_pages, self.lens))
 
     def blocks_needed(self, new_tokens: torch.Tensor) -> torch.Tensor:
         """Extra blocks ``[L, B]`` each row needs to append ``new_tokens[l, b]`` more ACT tokens."""
         total = self.lens + new_tokens.to(torch.int32)
         return (torch.div(total + self.tokens - 1, self.tokens, rounding_mode="floor") - self.n_blocks).clamp_min(0)
 
-    def grow(self, extra_blocks: torch.Tensor, free_list: FreePageList) -> None:
+    def grow(self, extra_blocks: torch.Tensor, free_list: FreePageList,
+             status: torch.Tensor | None = None, taken: int | None = None) -> torch.Tensor | None:
         """Give row ``(l, b)`` ``extra_blocks[l, b]`` more blocks (``S`` pages each) in one allocation.
 
         Raises :class:`~leankit.allocator.PoolExhausted` (nothing changed) if the pool is short,
         ``ValueError`` if a row would overflow.
+
+        ``status`` (kernel backend only): the deferred grant of
+        :meth:`BidirectionalPageTable.grow`: one prefix-sum launch that reads nothing back (a short
+        pool is recorded in ``status`` and the grant refused whole); returns its device bool ``ok``.
+        The caller guarantees that no row overflows; ``taken`` is a host bound on the pages granted.
         """
-        extra = extra_blocks.to(torch.int32)
+        extra = extra_blocks.to(torch.int32) * self.slices  # pages
+        if status is not None:
+            from leankit_kernels.page_alloc import grow_pages
+
+            return grow_pages(self, extra, free_list, status=status, taken=taken, tiers=1)
         if int(extra.sum()) == 0:
-            return
-        if bool(((self.n_blocks + extra) * self.slices > self.row_len).any()):
+            return None
+        if bool(((self.n_pages + extra) > self.row_len).any()):
             raise ValueError(f"a sequence outgrew its ACT row ({self.row_len // self.slices} blocks)")
-        pages = (extra * self.slices).reshape(-1)
+        pages = extra.reshape(-1)
         ids, offsets = free_list.allocate(pages)
         owner = torch.repeat_interleave(torch.arange(pages.numel(), device=ids.device), pages.long())
-        col = self.n_blocks.reshape(-1)[owner].long() * self.slices + torch.arange(ids.numel(), device=ids.device) \
-            - offsets[owner]
+        col = self.n_pages.reshape(-1)[owner].long() + torch.arange(ids.numel(), device=ids.device) - offsets[owner]
         self.tables.view(-1, self.row_len)[owner, col] = ids.to(torch.int32)
-        self.n_blocks += extra
+        self.n_pages += extra
+        return None
 
     def locate(self, layer: int, b: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page ids [n, S], row [n])`` of ACT slots ``slot`` of sequences ``b`` in ``layer``."""
@@ -245,6 +262,6 @@ class ActPageTable:
         if ids.numel():
             free_list.release(ids)
         self.tables[:, seq_mask.bool()] = -1
-        self.n_blocks[:, seq_mask.bool()] = 0
+        self.n_pages[:, seq_mask.bool()] = 0
         self.lens[:, seq_mask.bool()] = 0
         return int(ids.numel())

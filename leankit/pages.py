@@ -203,11 +203,15 @@ class ActLayout:
         return start[..., None] + torch.arange(nbytes, device=page_ids.device)
 
     def write(self, pool: PagePool, page_ids: torch.Tensor, rows: torch.Tensor, act: torch.Tensor,
-              positions: torch.Tensor) -> None:
+              positions: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Store ``n`` activations ``act`` ``[n, hidden]`` and their positions ``[n]``.
 
         Token ``i``'s slice ``s`` goes to row ``rows[i]`` of page ``page_ids[i, s]``. Checks
         everything before writing, so a bad call leaves the pool unchanged.
+
+        ``keep`` bool ``[n]``: write only these tokens, and of them only those whose pages all
+        exist (ids ``>= 0``); the others may name any slot, or none. Nothing is read back to the
+        host, so a kernel-backend step can list every (row, query) instead of its ACT tokens.
         """
         g = self.geometry
         page_ids, rows = self._check(pool, page_ids, rows)
@@ -216,14 +220,20 @@ class ActLayout:
             raise ValueError(f"act must be [n={n}, hidden={g.hidden}], got {tuple(act.shape)}")
         if positions.reshape(-1).shape[0] != n:
             raise ValueError(f"positions must hold one entry per token ({n}), got {tuple(positions.shape)}")
+        if keep is not None and keep.numel() != n:
+            raise ValueError(f"keep must hold one flag per token ({n}), got {tuple(keep.shape)}")
         if n == 0:
             return
         flat = pool.storage.view(-1)
+        ok = None
+        if keep is not None:
+            ok = keep.reshape(-1, 1).bool() & (page_ids >= 0).all(1, keepdim=True)  # [n, 1]
+            page_ids = torch.where(ok, page_ids, torch.zeros_like(page_ids))  # a real page, left unchanged
         data = act.to(self.dtype).contiguous().view(torch.uint8).reshape(n, g.slices, g.row_bytes)
-        flat[self._byte_index(page_ids, rows, g.data_offset, g.row_bytes).reshape(-1)] = data.reshape(-1)
+        _put_bytes(flat, self._byte_index(page_ids, rows, g.data_offset, g.row_bytes), data, ok)
         pos = positions.reshape(-1, 1).to(device=flat.device, dtype=torch.int32).view(torch.uint8)
         pos = pos[:, None, :].expand(n, g.slices, 4)
-        flat[self._byte_index(page_ids, rows, g.position_offset, 4).reshape(-1)] = pos.reshape(-1)
+        _put_bytes(flat, self._byte_index(page_ids, rows, g.position_offset, 4), pos, ok)
 
     def read(self, pool: PagePool, page_ids: torch.Tensor, rows: torch.Tensor):
         """Read ``n`` tokens back: ``(act [n, hidden] in the model dtype, positions [n] int32)``."""
@@ -255,6 +265,23 @@ class ActLayout:
         act = data.view(*lead, g.slices, g.tokens, g.channels).movedim(-3, -2).reshape(*lead, g.tokens, g.hidden)
         pos = pages.view(*lead, g.slices, self.page_size)[..., 0, g.position_offset: g.position_offset + 4 * g.tokens]
         return act, pos.contiguous().view(torch.int32)
+
+
+def _put_bytes(flat: torch.Tensor, index: torch.Tensor, data: torch.Tensor, ok: torch.Tensor | None) -> None:
+    """``flat[index] = data`` (uint8 ``[n, ...]`` each), only for tokens ``i`` with ``ok[i]`` (``None``: all).
+
+    A skipped token's index may coincide with a written token's (it names a page it does not own),
+    so its byte cannot simply be written back unchanged: which of two writes to one index lands is
+    unspecified. Instead every token adds ``ok * (new - old)`` (uint8 arithmetic wraps mod 256):
+    a written byte becomes ``new``, a skipped one adds 0, whatever their order.
+    """
+    index, data = index.reshape(-1), data.reshape(-1)
+    if ok is None:
+        flat[index] = data
+        return
+    n = ok.shape[0]
+    delta = (data.view(n, -1) - flat[index].view(n, -1)) * ok.to(torch.uint8)
+    flat.index_put_((index,), delta.reshape(-1), accumulate=True)
 
 
 # A CPU pool that must grow reserves this many times the pages asked for. Memory a process has

@@ -159,7 +159,8 @@ def test_beam_search_with_act_matches_dynamic_cache():
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("spec", ["FP16:act=1", "FP16:act=0.5,page_size=512"])
+@pytest.mark.parametrize("spec", ["FP16:act=1", "FP16:act=0.5,page_size=512",
+                                  "FP16:act=0.4,act_order=prefix,page_size=1024"])
 def test_triton_backend_act_path_matches_dynamic_cache(spec, monkeypatch):
     """The fused act_to_kv kernel (interpreter on CPU) serves the recompute: same tokens."""
     monkeypatch.setenv("LEANKIT_BACKEND", "triton")
@@ -267,6 +268,58 @@ def test_pool_exhausted_leaves_cache_usable():
         cache.act_store.table.n_blocks.sum()) * cache.act_store.layout.slices == cache.free_list.capacity
 
 
+def test_triton_backend_refused_act_grant_leaves_cache_usable(monkeypatch):
+    """Kernel backend, fixed pool: a decode step whose ACT blocks do not fit is refused whole at the
+    step's end (PoolExhausted), writes nothing into pages it was not granted (the ACT tokens already
+    stored read back unchanged), and the cache serves the next step once pages are free again."""
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    from leankit import PoolExhausted
+
+    model = model_of("qwen2", 4, hidden_size=128)
+    ids, mask = _batch(4, rows=2, width=9)
+    cache = lean(model, "FP16:act=1,page_size=1024")
+    store = cache.act_store
+    layout = store.layout
+    with torch.no_grad():  # size a fixed pool to the prompt's blocks plus one spare block
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+    need = int(store.table.n_pages.sum())
+    cache = lean(model, "FP16:act=1,page_size=1024", num_pages=need + layout.slices)
+    store = cache.act_store
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+
+    def stored():  # every stored ACT token of every (layer, row): (activation bytes, position)
+        out = []
+        for layer in range(cache.num_layers):
+            for row in range(ids.shape[0]):
+                slot = torch.arange(int(store.table.lens[layer, row]))
+                pid, r = store.table.locate(layer, torch.full_like(slot, row), slot)
+                out.append(layout.read(cache.pool, pid, r))
+        return out
+
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache),
+                       use_cache=True).logits
+        for _ in range(2 * layout.tokens + 1):  # the spare block runs out within this many steps
+            before, lens = stored(), store.table.lens.clone()
+            nxt, mask, pos = logits[:, -1:].argmax(-1), torch.cat([mask, mask[:, -1:]], 1), pos[:, -1:] + 1
+            try:
+                logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache),
+                               use_cache=True).logits
+            except PoolExhausted:
+                break
+        else:
+            pytest.fail("the pool never ran out")
+        assert torch.equal(store.table.lens, lens)
+        for (a0, p0), (a1, p1) in zip(before, stored()):
+            assert torch.equal(a0.view(torch.uint8), a1.view(torch.uint8)) and torch.equal(p0, p1)
+        owned = int(store.table.n_pages.sum()) + int(cache.table.n_pages.sum())
+        cache.free_list.sync()
+        assert cache.free_list.num_free + owned == cache.free_list.capacity
+        cache.release(torch.tensor([True, False]))  # frees row 0's blocks: row 1 goes on
+        model(input_ids=nxt, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache), use_cache=True)
+        assert int(store.table.lens[:, 1].min()) == int(lens[:, 1].min()) + 1
+
+
 # ---------------------------------------------------------------------------- real model
 @pytest.mark.slow
 def test_smollm2_fp16_act_half_identical_tokens(smollm2):
@@ -303,15 +356,29 @@ def test_hybrid_policy_hands_its_inner_policy_the_kv_view_for_step_status():
             self.seen.append(("status", step))
             return torch.tensor([7])
 
+        def take_status(self, values):
+            self.seen.append(("take", values))
+
     class Store:
+        taken = None
+
         def plan(self, step):
             return ("kv view of", step)
 
-    inner = Inner()
-    policy = HybridPolicy(inner, Store())
+        def step_status(self):
+            return torch.tensor([3])
+
+        def take_status(self, n_max):
+            self.taken = n_max
+
+    inner, store = Inner(), Store()
+    policy = HybridPolicy(inner, store)
     full = object()
     policy.begin_step(full)
-    assert policy.step_status(full).tolist() == [7]
+    # The same read carries the ACT store's count after the inner policy's values, and each gets its own.
+    assert policy.step_status(full).tolist() == [7, 3]
     assert inner.seen == [("begin", ("kv view of", full)), ("status", ("kv view of", full))]
+    policy.take_status([7, 3])
+    assert inner.seen[-1] == ("take", [7]) and store.taken == 3
     with pytest.raises(RuntimeError, match="begin_step did not plan"):
         policy.step_status(object())

@@ -89,6 +89,34 @@ def test_layout_round_trip_touches_only_its_rows(hidden, dtype, page_size):
     assert set(changed.tolist()) <= set(page_ids.flatten().tolist())
 
 
+@pytest.mark.parametrize("hidden,dtype,page_size", [(72, torch.float32, 512), (40, torch.bfloat16, 2048)])
+def test_layout_write_with_keep_writes_only_kept_tokens(hidden, dtype, page_size):
+    """``keep`` (the kernel backend's dense listing): kept tokens land as without it; a token not
+    kept, or naming a missing page (-1), changes nothing, even where it names a kept token's slot."""
+    gen = torch.Generator().manual_seed(hidden + 1)
+    lay = ActLayout.build(hidden, dtype, page_size)
+    n = 11
+    pages = n * lay.slices + 3
+    pool = _pool(pages, page_size, gen)
+    before = pool.storage.clone()
+    rows = torch.randint(0, lay.tokens, (n,), generator=gen)
+    page_ids = torch.randperm(pages, generator=gen)[: n * lay.slices].view(n, lay.slices)
+    keep = torch.rand(n, generator=gen) < 0.5
+    keep[0], keep[1], keep[2] = True, False, True
+    page_ids[1], rows[1] = page_ids[0], rows[0]  # a dropped token on a kept token's slot
+    page_ids[2, -1] = -1  # a kept token whose last slice page was never granted
+    act = torch.randn(n, hidden, generator=gen).to(dtype)
+    pos = torch.randint(0, 10_000, (n,), generator=gen)
+    lay.write(pool, page_ids, rows, act, pos, keep=keep)
+    written = keep & (page_ids >= 0).all(1)
+    got, got_pos = lay.read(pool, page_ids[written], rows[written])
+    assert torch.equal(got, act[written]) and torch.equal(got_pos, pos[written].to(torch.int32))
+    changed = set((pool.storage != before).any(1).nonzero().flatten().tolist())
+    assert changed and changed <= set(page_ids[written].flatten().tolist())
+    with pytest.raises(ValueError, match="keep"):
+        lay.write(pool, page_ids, rows, act, pos, keep=keep[:-1])
+
+
 def test_layout_bad_calls_leave_pool_unchanged():
     gen = torch.Generator().manual_seed(1)
     lay = ActLayout.build(64, torch.float32, 512)

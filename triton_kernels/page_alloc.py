@@ -107,10 +107,11 @@ def _check_tables(table) -> None:
 
 def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK,
                status: torch.Tensor | None = None, taken: int | None = None,
-               total: int | None = None) -> int | torch.Tensor:
+               total: int | None = None, tiers: int = 2) -> int | torch.Tensor:
     """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.grow` (one launch).
 
-    ``extra`` int ``[2, L, B, H]``. Raises :class:`~leankit.allocator.PoolExhausted` (changing
+    ``extra`` int ``[2, L, B, H]``, or with ``tiers=1`` one page count per row of a single-sided
+    table (every row filled from the left: the ACT rows of :class:`leankit.page_table.ActPageTable`). Raises :class:`~leankit.allocator.PoolExhausted` (changing
     nothing) when the ring holds too few free ids. Returns the number of pages handed out.
 
     With ``status`` (int64 ``[3]`` on the device, zero while no allocation has failed) nothing is
@@ -137,7 +138,7 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
         status.copy_(torch.where(first, torch.stack([torch.ones_like(total), total, free]), status))
         extra = extra * ok.to(torch.int32)  # a refused grant hands out nothing
         kernel_for(_grow_kernel, extra.device)[grid](extra, table.n_pages, table.tables, free_list.ring, cnt, cap, n,
-                                                     n // 2, table.row_len, BLOCK=block, num_warps=4)
+                                                     n // tiers, table.row_len, BLOCK=block, num_warps=4)
         cnt[0:1].add_(total * ok)
         free_list.mark_stale(taken)
         return ok
@@ -148,7 +149,7 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
         raise PoolExhausted(total, free_list.num_free, free_list.capacity)
     free_list.sync()  # the kernel reads the device counters: they must be current
     kernel_for(_grow_kernel, extra.device)[grid](extra, table.n_pages, table.tables, free_list.ring, cnt, cap, n,
-                                                 n // 2, table.row_len, BLOCK=block, num_warps=4)
+                                                 n // tiers, table.row_len, BLOCK=block, num_warps=4)
     free_list.free_head += total
     return total
 
