@@ -1220,6 +1220,14 @@ def make_policy(cache):
             raise ValueError("policy 'full' keeps every token in the high tier; "
                              "a low tier needs policy 'leankv'")
         return FullPolicy(cache)
+    if name not in ("leankv", "h2o", "streaming"):
+        raise ValueError(f"unknown placement policy {name!r}")
+    if cache.num_layers == 0:
+        # Every layer keeps transformers' own sliding-window cache (Mistral with a window, say):
+        # no page holds a token, so there is nothing to score, move or evict, and the significance
+        # policies' reductions over layers would have nothing to reduce. The full policy's
+        # bookkeeping over zero layers is the whole of their work.
+        return FullPolicy(cache)
     if name == "leankv":
         return LeanKVPolicy(cache)
     if name == "h2o":

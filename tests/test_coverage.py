@@ -38,6 +38,23 @@ def test_fp16_lossless_batched_and_alone(kind):
         assert torch.equal(alone, _generate(model, one, one_mask, DynamicCache(config=model.config)))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("spec", ["K8V4-K4V2:th=0.3,tl=0.1,window=3,compress_every=1",
+                                  "K4V2:policy=streaming,sink=2,window=5", "K8V4:policy=h2o,budget=0.5"])
+def test_every_policy_serves_a_model_with_no_compressed_layer(spec, backend, monkeypatch):
+    """Every layer of a sliding-window Mistral keeps transformers' own layer, so no page holds a
+    token: the significance policies have nothing to score or evict and must not reduce over the
+    empty layer axis (they crashed there); the tokens are DynamicCache's, with a fixed pool too."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("mistral-sliding")
+    ids, mask = _batch()
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config), new=6)
+    for pages in (None, 64):
+        cache = LeanCache(model, spec, num_pages=pages)
+        assert torch.equal(_generate(model, ids, mask, cache, new=6), ref)
+        assert cache.memory_report()["compressed_layers"] == 0
+
+
 def test_gemma3_compresses_only_its_full_layers():
     model = tiny_model("gemma3")  # layers: sliding, full, sliding; window 8
     ids, mask = _batch(rows=2)
