@@ -239,7 +239,7 @@ class KVConfig:
         sink: number of attention-sink tokens kept by ``streaming``.
         rotate: quantize keys and values in an orthonormal Hadamard basis along head_dim (see
             :mod:`leankit.rotation`; not part of LeanKV). Same bytes, lower quantization error;
-            needs a power-of-two head_dim.
+            a head_dim that is not a power of two rotates in blocks (an odd one raises).
         act: fraction in [0, 1] of each sequence's context stored as ACT blocks (layer input
             activations, recomputed into K/V at attention; HybridServe §3.3/§4.3, KVPR §3). ``0``
             keeps every token as KV, ``1`` is ACT-only. See :mod:`leankit.act_store`.

@@ -25,24 +25,35 @@ import functools
 import torch
 
 
-def _check_power_of_two(n: int) -> None:
-    if n <= 0 or n & (n - 1):
-        raise ValueError(f"rotate=1 needs a power-of-two head_dim (Sylvester-Hadamard matrix), got {n}")
+def block_size(n: int) -> int:
+    """Size of the Hadamard blocks that rotate a head of ``n`` channels: the largest power of two
+    dividing ``n`` (``n`` itself when it is a power of two; 32 for 96, 16 for 80).
+
+    Raises ``ValueError`` where that is 1 (an odd ``n``: the rotation would be the identity).
+    """
+    b = n & -n if n > 0 else 0
+    if b < 2:
+        raise ValueError(f"rotate=1 needs an even head_dim (Hadamard blocks of a power of two), got {n}")
+    return b
 
 
 @functools.lru_cache(maxsize=16)
 def _hadamard_cpu(n: int) -> torch.Tensor:
-    _check_power_of_two(n)
+    b = block_size(n)
     h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:  # Sylvester: H_2n = [[H, H], [H, -H]]
+    while h.shape[0] < b:  # Sylvester: H_2n = [[H, H], [H, -H]]
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / n ** 0.5
+    # A head_dim that is not a power of two (80, 96 ...) is rotated block by block: a block-diagonal
+    # matrix of orthonormal blocks is orthonormal and symmetric too, and each block spreads an
+    # outlier over its own b channels (which is what a quantization group of b channels sees).
+    return torch.block_diag(*[h / b ** 0.5] * (n // b))
 
 
 def hadamard(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The orthonormal ``n x n`` Walsh-Hadamard matrix (symmetric, ``H @ H = I``).
+    """The orthonormal ``n x n`` Walsh-Hadamard rotation (symmetric, ``H @ H = I``).
 
-    Raises ``ValueError`` unless ``n`` is a power of two.
+    For a power-of-two ``n`` the Sylvester-Hadamard matrix; otherwise block-diagonal, with
+    Sylvester blocks of :func:`block_size` channels. Raises ``ValueError`` for an odd ``n``.
     """
     return _hadamard_cpu(n).to(device=device, dtype=dtype)
 
@@ -57,4 +68,4 @@ def unrotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, h.to(x.dtype).transpose(-1, -2))
 
 
-__all__ = ["hadamard", "rotate", "unrotate"]
+__all__ = ["block_size", "hadamard", "rotate", "unrotate"]

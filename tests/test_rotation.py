@@ -8,23 +8,27 @@ from leankit.cache import LeanCache
 from leankit.config import KVConfig
 from leankit.hf import cache_kwargs
 from leankit.policy import stored_token_reference
-from leankit.rotation import hadamard, rotate, unrotate
+from leankit.rotation import block_size, hadamard, rotate, unrotate
 from leankit.testing import tiny_model
 
 
-@pytest.mark.parametrize("n", [1, 2, 16, 64, 128])
+@pytest.mark.parametrize("n", [2, 16, 64, 128, 20, 80, 96])
 def test_hadamard_is_orthonormal_and_symmetric(n):
     h = hadamard(n, dtype=torch.float64)
     torch.testing.assert_close(h @ h.T, torch.eye(n, dtype=torch.float64))
     torch.testing.assert_close(h, h.T)
-    torch.testing.assert_close(h.abs(), torch.full_like(h, n ** -0.5))  # each channel spreads evenly
+    # each channel spreads evenly over its block: a power of two is one block, 96 three of 32
+    b = block_size(n)
+    assert b == {20: 4, 80: 16, 96: 32}.get(n, n)
+    blocks = torch.block_diag(*[torch.ones(b, b, dtype=torch.float64)] * (n // b))
+    torch.testing.assert_close(h.abs(), blocks * b ** -0.5)
     x = torch.randn(5, 3, n, dtype=torch.float64)
     torch.testing.assert_close(unrotate(rotate(x, h), h), x)
 
 
-@pytest.mark.parametrize("n", [0, 3, 48, 80])
-def test_hadamard_needs_a_power_of_two(n):
-    with pytest.raises(ValueError, match="power-of-two head_dim"):
+@pytest.mark.parametrize("n", [0, 1, 3, 45])
+def test_hadamard_needs_an_even_head_dim(n):
+    with pytest.raises(ValueError, match="even head_dim"):
         hadamard(n)
 
 
@@ -66,8 +70,22 @@ def test_lossless_config_with_rotation_generates_like_dynamic_cache():
     assert torch.equal(got, ref)
 
 
-def test_rotation_needs_a_power_of_two_head_dim():
+def test_rotation_of_a_head_dim_that_is_not_a_power_of_two():
+    """head_dim 20 rotates in blocks of 4: the lossless config still gives DynamicCache's tokens
+    (the rotation is exact up to rounding), a quantized one runs; an odd head_dim raises."""
     model = tiny_model("llama-mha", hidden_size=80, head_dim=20)  # 4 heads of 20 channels
-    LeanCache(model, "K8V4")  # fine without rotation
-    with pytest.raises(ValueError, match="power-of-two head_dim"):
-        LeanCache(model, "K8V4", rotate=True)
+    ids = torch.tensor([[5, 17, 33, 8, 91, 44, 23], [0, 0, 12, 64, 7, 70, 3]])
+    kw = {"input_ids": ids, "attention_mask": (ids != 0).long(), "max_new_tokens": 10, "do_sample": False,
+          "pad_token_id": 0}
+    with torch.no_grad():
+        ref = model.generate(**cache_kwargs(model, DynamicCache()), **kw)
+        assert torch.equal(model.generate(**cache_kwargs(model, LeanCache(model, "FP16", rotate=True)), **kw), ref)
+        quantized = model.generate(**cache_kwargs(model, LeanCache(model, "K8V4", rotate=True)), **kw)
+    assert quantized.shape == ref.shape
+    from transformers import OPTConfig, OPTForCausalLM  # no RoPE, so an odd head_dim is a legal model
+
+    odd = OPTForCausalLM(OPTConfig(vocab_size=97, hidden_size=60, ffn_dim=64, num_hidden_layers=1,
+                                   num_attention_heads=4, max_position_embeddings=64))  # 4 heads of 15
+    LeanCache(odd, "FP16")  # fine without rotation
+    with pytest.raises(ValueError, match="even head_dim"):
+        LeanCache(odd, "FP16", rotate=True)
