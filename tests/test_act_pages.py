@@ -68,20 +68,25 @@ def _pool(pages, page_size, gen):
     return pool
 
 
-@pytest.mark.parametrize("hidden,dtype,page_size", [(72, torch.float32, 512), (96, torch.float16, 256),
-                                                    (40, torch.bfloat16, 2048)])
-def test_layout_round_trip_touches_only_its_rows(hidden, dtype, page_size):
-    gen = torch.Generator().manual_seed(hidden)
+def _scattered_write(hidden, dtype, page_size, n, seed):
+    """A layout, a pool of random bytes (and a copy of it) and ``n`` tokens to write to scattered
+    targets: every (token, slice) on its own page, at a random row; ``(lay, pool, before, page_ids,
+    rows, act, pos, gen)``."""
+    gen = torch.Generator().manual_seed(seed)
     lay = ActLayout.build(hidden, dtype, page_size)
-    n = 13
-    pages = n * lay.slices + 5
+    pages = n * lay.slices + 4
     pool = _pool(pages, page_size, gen)
-    before = pool.storage.clone()
-    # scattered targets: every (token, slice) on its own page, at a random row
     rows = torch.randint(0, lay.tokens, (n,), generator=gen)
     page_ids = torch.randperm(pages, generator=gen)[: n * lay.slices].view(n, lay.slices)
     act = torch.randn(n, hidden, generator=gen).to(dtype)
     pos = torch.randint(0, 10_000, (n,), generator=gen)
+    return lay, pool, pool.storage.clone(), page_ids, rows, act, pos, gen
+
+
+@pytest.mark.parametrize("hidden,dtype,page_size", [(72, torch.float32, 512), (96, torch.float16, 256),
+                                                    (40, torch.bfloat16, 2048)])
+def test_layout_round_trip_touches_only_its_rows(hidden, dtype, page_size):
+    lay, pool, before, page_ids, rows, act, pos, _ = _scattered_write(hidden, dtype, page_size, 13, hidden)
     lay.write(pool, page_ids, rows, act, pos)
     got, got_pos = lay.read(pool, page_ids, rows)
     assert torch.equal(got, act) and torch.equal(got_pos, pos.to(torch.int32))
@@ -93,20 +98,11 @@ def test_layout_round_trip_touches_only_its_rows(hidden, dtype, page_size):
 def test_layout_write_with_keep_writes_only_kept_tokens(hidden, dtype, page_size):
     """``keep`` (the kernel backend's dense listing): kept tokens land as without it; a token not
     kept, or naming a missing page (-1), changes nothing, even where it names a kept token's slot."""
-    gen = torch.Generator().manual_seed(hidden + 1)
-    lay = ActLayout.build(hidden, dtype, page_size)
-    n = 11
-    pages = n * lay.slices + 3
-    pool = _pool(pages, page_size, gen)
-    before = pool.storage.clone()
-    rows = torch.randint(0, lay.tokens, (n,), generator=gen)
-    page_ids = torch.randperm(pages, generator=gen)[: n * lay.slices].view(n, lay.slices)
-    keep = torch.rand(n, generator=gen) < 0.5
+    lay, pool, before, page_ids, rows, act, pos, gen = _scattered_write(hidden, dtype, page_size, 11, hidden + 1)
+    keep = torch.rand(11, generator=gen) < 0.5
     keep[0], keep[1], keep[2] = True, False, True
     page_ids[1], rows[1] = page_ids[0], rows[0]  # a dropped token on a kept token's slot
     page_ids[2, -1] = -1  # a kept token whose last slice page was never granted
-    act = torch.randn(n, hidden, generator=gen).to(dtype)
-    pos = torch.randint(0, 10_000, (n,), generator=gen)
     lay.write(pool, page_ids, rows, act, pos, keep=keep)
     written = keep & (page_ids >= 0).all(1)
     got, got_pos = lay.read(pool, page_ids[written], rows[written])
