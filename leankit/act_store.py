@@ -221,8 +221,9 @@ class ActStore:
         # read in the cache's one host read per step (HybridPolicy.step_status), not by a sync here.
         self._n_max_read = 0
         self._dense = False  # this step lists every (row, query) with a keep flag (no host read)
-        self._stash: dict[int, torch.Tensor] = {}  # layer -> the step's captured ACT rows [n, D]
-        self._rope = None  # (positions, tables) of this step's ACT keys, shared by all layers
+        # layer -> the step's captured input: its ACT rows [n, D], or the whole [B, Q, D] when _dense
+        self._stash: dict[int, torch.Tensor] = {}
+        self._rope = None  # RoPE tables of this step's earlier ACT keys, shared by all layers
         self._ahead: dict[int, tuple] = {}  # layer -> K/V recomputed before its attention (offload)
 
     # -------------------------------------------------------------- bytes

@@ -486,8 +486,8 @@ class LeanCache(Cache):
         """Allocate ``extra[t, l, b, h]`` pages in one batched call, growing an elastic pool.
 
         ``table`` defaults to the KV page table; the ACT page table (leankit.act_store) passes its own
-        (``extra`` then counts blocks per (layer, sequence); its rows fit whenever the KV rows do,
-        since a row holds no more ACT tokens than tokens).
+        (``extra`` then counts blocks per (layer, sequence)). A deferred grant checks only that the KV
+        rows fit: a caller passing another table defers only once it has proved its own rows fit.
         ``defer``: the caller can take a refusal at the end of the step. On the kernel backend
         the grant then runs without a host read: for a fixed pool, a short pool raises
         :class:`PoolExhausted` from :meth:`end_step` (the step is dropped, nothing was handed

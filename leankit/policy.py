@@ -1220,7 +1220,8 @@ def make_policy(cache):
             raise ValueError("policy 'full' keeps every token in the high tier; "
                              "a low tier needs policy 'leankv'")
         return FullPolicy(cache)
-    if name not in ("leankv", "h2o", "streaming"):
+    significance = {"leankv": LeanKVPolicy, "h2o": H2OPolicy, "streaming": StreamingPolicy}
+    if name not in significance:
         raise ValueError(f"unknown placement policy {name!r}")
     if cache.num_layers == 0:
         # Every layer keeps transformers' own sliding-window cache (Mistral with a window, say):
@@ -1228,13 +1229,7 @@ def make_policy(cache):
         # policies' reductions over layers would have nothing to reduce. The full policy's
         # bookkeeping over zero layers is the whole of their work.
         return FullPolicy(cache)
-    if name == "leankv":
-        return LeanKVPolicy(cache)
-    if name == "h2o":
-        return H2OPolicy(cache)
-    if name == "streaming":
-        return StreamingPolicy(cache)
-    raise ValueError(f"unknown placement policy {name!r}")
+    return significance[name](cache)
 
 
 __all__ = ["HIGH", "KEEP_HIGH", "KEEP_LOW", "LOW", "PRUNED", "FullPolicy", "H2OPolicy", "LeanKVPolicy",

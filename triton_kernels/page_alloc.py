@@ -111,8 +111,9 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
     """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.grow` (one launch).
 
     ``extra`` int ``[2, L, B, H]``, or with ``tiers=1`` one page count per row of a single-sided
-    table (every row filled from the left: the ACT rows of :class:`leankit.page_table.ActPageTable`). Raises :class:`~leankit.allocator.PoolExhausted` (changing
-    nothing) when the ring holds too few free ids. Returns the number of pages handed out.
+    table (every row filled from the left: the ACT rows of :class:`leankit.page_table.ActPageTable`).
+    Raises :class:`~leankit.allocator.PoolExhausted` (changing nothing) when the ring holds too few
+    free ids. Returns the number of pages handed out.
 
     With ``status`` (int64 ``[3]`` on the device, zero while no allocation has failed) nothing is
     read back to the host: the total and the check run on the device, a grant that does not fit
