@@ -16,6 +16,7 @@ Per forward step (one call of the decoder):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -51,6 +52,25 @@ def attention_head_dim(config) -> int:
 def attention_kv_heads(config) -> int:
     """KV heads of a model config (``num_key_value_heads``; OPT has none and is MHA)."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def padded_group_sizes(cfg: KVConfig, head_dim: int, page_head_dim: int) -> KVConfig:
+    """``cfg`` with its quantization groups restated for heads padded from ``head_dim`` to
+    ``page_head_dim`` channels (:meth:`LeanCache.to_page_basis`): a group of the whole head stays
+    whole (the padding repeats a channel of it), a smaller group must divide the padded width too."""
+    if page_head_dim == head_dim:
+        return cfg
+    sizes = {}
+    for name in ("group_size", "low_group_size"):
+        gs = getattr(cfg, name)
+        if gs == head_dim:
+            gs = None if name == "group_size" else page_head_dim
+        elif gs is not None and page_head_dim % gs:
+            raise ValueError(f"{name}={gs}: the Triton kernels pad heads of head_dim {head_dim} to {page_head_dim}, "
+                             f"which {gs} does not divide; choose a group size dividing both, or use "
+                             "LEANKIT_BACKEND=torch")
+        sizes[name] = gs
+    return dataclasses.replace(cfg, **sizes)
 
 
 def _text_config(config):
@@ -249,7 +269,16 @@ class LeanCache(Cache):
         # rotate=1: pages hold K/V in a Hadamard basis; queries are rotated to match and the
         # attention output is rotated back (leankit.rotation).
         self.rotation = hadamard(self.head_dim, self.device, self.dtype) if self.cfg.rotate else None
-        self.layouts = tuple(PageLayout.build(self.cfg, t, self.head_dim, self.dtype)
+        # Channels per head in the pages: the Triton kernels tile a power-of-two head_dim >= 16, so
+        # on that backend another width (24, 80, 96 ...) is padded at this boundary
+        # (:meth:`to_page_basis`); the torch backend stores heads as they are.
+        self.page_head_dim = self.head_dim
+        if use_triton(torch.empty(0, device=self.device)):
+            from leankit_kernels.tiles import kernel_head_dim
+
+            self.page_head_dim = kernel_head_dim(self.head_dim)
+        layout_cfg = padded_group_sizes(self.cfg, self.head_dim, self.page_head_dim)
+        self.layouts = tuple(PageLayout.build(layout_cfg, t, self.page_head_dim, self.dtype)
                              for t in range(len(self.cfg.tiers)))
         self.max_seq_len = int(max_seq_len or getattr(cfg, "max_position_embeddings", 8192))
         self.row_len = math.ceil(self.max_seq_len / self.layouts[HIGH].tokens) + 1
@@ -608,9 +637,7 @@ class LeanCache(Cache):
         nq = query.shape[2]
         group = query.shape[1] // self.num_kv_heads
         received_new = None
-        k_store, v_store = k_new, v_new
-        if self.rotation is not None:  # the pages hold K/V in the Hadamard basis
-            k_store, v_store = rotate(k_new, self.rotation), rotate(v_new, self.rotation)
+        k_store, v_store = self.to_page_basis(k_new), self.to_page_basis(v_new)
         if self._seen == 0:  # nothing stored yet: the whole step is one exact attention
             if module is not None:  # exactly what an uncompressed cache computes for a prompt
                 out, received_new = prompt_attention(module, query, k_new, v_new, attention_mask, scaling,
@@ -626,17 +653,17 @@ class LeanCache(Cache):
             fused = nq == 1 and not use_triton(query) and decode_attention.serves_decode_step(kv, group, query.device)
             if fused and self.rotation is not None and query.dtype != torch.float32:
                 # the step's own token stays exact: rotated in fp32, not rounded to the model dtype
-                q_pages, k_att, v_att = (rotate(x.float(), self.rotation) for x in (query, k_new, v_new))
+                q_pages = self.to_page_basis(query.float(), query=True)
+                k_att, v_att = self.to_page_basis(k_new.float()), self.to_page_basis(v_new.float())
             else:
-                q_pages = query if self.rotation is None else rotate(query, self.rotation)
+                q_pages = self.to_page_basis(query, query=True)
                 k_att, v_att = k_store, v_store
             if fused:
                 # A CPU decode step: both passes over the pages, then the step's own token, the
                 # log-sum-exp merge and the significance's row factors in one compiled call.
                 out, lse, live, received_new = decode_attention.decode_step_attention(
                     q_pages, kv, st.q_pos, scaling, k_att, v_att, st.real, significance=sig)
-                if self.rotation is not None:
-                    out = unrotate(out, self.rotation)
+                out = self.from_page_basis(out)
                 if sig:
                     policy.update_scores(layer, st, live)
             else:
@@ -650,6 +677,34 @@ class LeanCache(Cache):
             raise NonFiniteKVError(f"layer {layer}: {e}; the step was dropped and the cache is unchanged") from e
         policy.after_store(layer, st)
         return out.to(query.dtype)
+
+    def to_page_basis(self, x: torch.Tensor, query: bool = False) -> torch.Tensor:
+        """Keys or values ``[..., head_dim]`` (queries with ``query=True``) in the basis the pages
+        hold, ``[..., page_head_dim]``.
+
+        With ``rotate=1`` they are rotated (:mod:`leankit.rotation`). A head the kernels cannot tile
+        is padded to ``page_head_dim`` channels: keys and values repeat channel 0, so a quantization
+        group that spans the whole head keeps its min and max and the real channels get the codes the
+        torch backend gives them (padding that fills groups of its own is quantized on its own);
+        queries are padded with zeros, so the padded channels add exactly nothing to ``q . k``.
+        """
+        if self.rotation is not None:
+            x = rotate(x, self.rotation)
+        pad = self.page_head_dim - self.head_dim
+        if pad:
+            fill = x.new_zeros(*x.shape[:-1], pad) if query else x[..., :1].expand(*x.shape[:-1], pad)
+            x = torch.cat([x, fill], -1)
+        return x
+
+    def from_page_basis(self, out: torch.Tensor) -> torch.Tensor:
+        """An attention output over the pages ``[..., page_head_dim]`` back in the model's basis
+        ``[..., head_dim]``: the padded channels cut off (the padded values' weighted sum), then
+        rotated back (fp32) with ``rotate=1``."""
+        if self.page_head_dim != self.head_dim:
+            out = out[..., : self.head_dim]
+        if self.rotation is not None:
+            out = unrotate(out.float(), self.rotation)
+        return out
 
     def _attend_pages(self, layer: int, kv: PagedKV, query: torch.Tensor, q_pages: torch.Tensor,
                       k_new: torch.Tensor, v_new: torch.Tensor, scaling: float):
@@ -676,8 +731,7 @@ class LeanCache(Cache):
                                                            return_logits=True, live_slots=True)
         else:
             out_old, lse_old = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling)
-        if self.rotation is not None:
-            out_old = unrotate(out_old.float(), self.rotation)
+        out_old = self.from_page_basis(out_old)
         out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
                                                         lse_other=lse_old, received=sig)
         out, lse = merge_attention(out_old, lse_old, out_new, lse_new)

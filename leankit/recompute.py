@@ -229,13 +229,17 @@ def act_to_kv_ref(act: torch.Tensor, positions: torch.Tensor | None, params: Act
 
 def act_to_kv(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKVParams,
               rope: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """``act_to_kv_ref`` on CPU, the fused Triton kernel where :func:`leankit.backend.use_triton` says so."""
+    """``act_to_kv_ref`` on CPU, the fused Triton kernel where :func:`leankit.backend.use_triton` says so
+    and the kernel tiles the head (a power-of-two head_dim >= 32; other heads take the reference on
+    any device, a host-side choice that reads nothing back)."""
     from .backend import use_triton
 
     if use_triton(act):
+        from leankit_kernels.act_to_kv import act_kernel_tiles
         from leankit_kernels.act_to_kv import act_to_kv as kernel
 
-        return kernel(act, positions, params, rope=rope)
+        if act_kernel_tiles(params.head_dim):
+            return kernel(act, positions, params, rope=rope)
     return act_to_kv_ref(act, positions, params, rope=rope)
 
 

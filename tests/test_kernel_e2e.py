@@ -174,3 +174,68 @@ def test_one_generation_compiles_at_most_two_decode_variants(spec, overrides, mo
     assert len(launches) >= 23 * 2, f"decode ran {len(launches)} times"
     assert len(dyn) > 2, f"the page counts per launch hardly moved ({dyn}): the test is too short"
     assert 1 <= len(keys) <= 2, f"{len(keys)} decode variants: {keys}"
+
+
+def _tiny_llama_heads(hidden: int, heads: int, kv_heads: int):
+    """:func:`_tiny_llama` with other head shapes (head_dim = hidden / heads)."""
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=hidden, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)
+    return model
+
+
+@pytest.mark.parametrize("hidden,heads,kv_heads,spec,overrides,page_head_dim", [
+    (72, 6, 2, "K8V4", {}, 16),                                                  # head_dim 12
+    (80, 4, 4, "FP16", {}, 32),                                                  # 20: dense pages
+    (96, 4, 2, "K8V4-K4V2", {"window": 3, "compress_every": 1, "rotate": True}, 32),  # 24, rotated in blocks of 8
+    (144, 6, 3, "K4V2", {"group_size": 8}, 32),                                  # 24, groups of 8: padding fills its own
+])
+def test_head_dim_the_kernels_do_not_tile_is_padded(hidden, heads, kv_heads, spec, overrides, page_head_dim,
+                                                    monkeypatch):
+    """A head_dim that is not a power of two >= 16 runs on the kernels with padded pages and gives the
+    torch backend's tokens: keys/values repeat channel 0 (a whole-head group keeps its range, so the
+    real channels get the same codes), queries are padded with zeros, the output is cut back."""
+    import leankit_kernels.paged_attention as pa_attn
+    import leankit_kernels.quant as qu
+
+    _garbage_pool(monkeypatch)
+    model = _tiny_llama_heads(hidden, heads, kv_heads)
+    ref, ref_cache = _generate(model, spec, "torch", monkeypatch, **overrides)
+    calls = {}
+    for mod, name in ((qu, "quantize_into_pages"), (pa_attn, "paged_attention")):
+        _spy(monkeypatch, mod, name, calls)
+    got, cache = _generate(model, spec, "triton", monkeypatch, **overrides)
+    assert calls.get("quantize_into_pages", 0) > 0 and calls.get("paged_attention", 0) > 0, calls
+    assert ref_cache.page_head_dim == hidden // heads and cache.page_head_dim == page_head_dim
+    assert all(lay.head_dim == page_head_dim for lay in cache.layouts)
+    assert len(set(ref.flatten().tolist())) > 2, "degenerate generation"
+    assert torch.equal(got, ref), f"{spec}: triton {got.tolist()} != torch {ref.tolist()}"
+    if overrides.get("window"):
+        assert cache.memory_report()["tokens_per_tier"]["low"] > 0
+
+
+def test_padded_pages_keep_the_group_sizes_they_can(monkeypatch):
+    """A group of the whole head stays whole when the head is padded; a smaller group must divide
+    the padded width too (clear error otherwise); the torch backend keeps the model's width."""
+    from leankit.cache import padded_group_sizes
+    from leankit.config import KVConfig
+
+    whole = padded_group_sizes(KVConfig.parse("K8V4-K4V2", group_size=24, low_group_size=24), 24, 32)
+    assert (whole.group_size, whole.low_group_size) == (None, 32)
+    assert padded_group_sizes(KVConfig.parse("K8V4", group_size=8), 24, 32).group_size == 8
+    with pytest.raises(ValueError, match="group_size=12.*pad heads of head_dim 24 to 32"):
+        padded_group_sizes(KVConfig.parse("K8V4", group_size=12), 24, 32)
+    model = _tiny_llama_heads(72, 6, 2)
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    cache = LeanCache(model, "K8V4")
+    k = torch.randn(2, 2, 3, 12)
+    kp, qp = cache.to_page_basis(k), cache.to_page_basis(k, query=True)
+    assert kp.shape[-1] == qp.shape[-1] == 16 and torch.equal(kp[..., :12], k) and torch.equal(qp[..., :12], k)
+    assert torch.equal(kp[..., 12:], k[..., :1].expand(2, 2, 3, 4)) and not qp[..., 12:].any()
+    assert torch.equal(cache.from_page_basis(kp), k)

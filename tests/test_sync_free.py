@@ -293,6 +293,20 @@ def test_elastic_pool_decode_step_reads_the_device_once(name, spec, overrides):
     assert sum(c.total() for c in per_step) <= len(per_step) + 2, [c.total() for c in per_step]
 
 
+@pytest.mark.parametrize("name,spec,overrides,model", [
+    ("K8V4-head12", "K8V4", {"page_size": 256}, {"kind": "llama-gqa", "hidden_size": 72}),
+    ("leankv-head12", "K8V4-K4V2", {"th": 0.25, "tl": 0.0, "window": 3, "compress_every": 1, "page_size": 256},
+     {"kind": "llama-gqa", "hidden_size": 72}),
+    ("act-head16", "K8V4", {"act": 0.5, "page_size": 512}, {"kind": "llama-mha", "hidden_size": 64}),
+], ids=["K8V4-head12", "leankv-head12", "act-head16"])
+def test_heads_the_kernels_do_not_tile_stay_sync_free(name, spec, overrides, model):
+    """Padded pages (head_dim 12 -> 16) and ACT recompute through the reference (head_dim 16, below
+    the act_to_kv kernel's 32) add no host read: the choices are made on the host, from shapes."""
+    per_step = count_decode_syncs(spec, overrides, steps=4, num_pages=400, model=model)
+    for i, c in enumerate(per_step):
+        assert c.total("layer") == 0 and c.total() <= 1, f"{name} decode step {i}\n" + c.report()
+
+
 def test_compress_step_reads_the_device_at_most_once():
     """A step that runs LeanKV's Algorithm 1 (fixed-shape compaction, deferred grant and recycle)
     reads the device once, at its end."""

@@ -150,9 +150,15 @@ def act_block_k(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 32
 
 
+def act_kernel_tiles(f: int) -> bool:
+    """Whether the kernel tiles heads of ``f`` channels: each half of a head is one ``tl.dot``
+    operand, so a power-of-two head_dim >= 32."""
+    return f >= 32 and not f & (f - 1)
+
+
 def check_act_head_dim(f: int) -> None:
-    """Each half of a head is one ``tl.dot`` operand: a power-of-two head_dim >= 32."""
-    if f < 32 or f & (f - 1):
+    """Raise ``ValueError`` unless :func:`act_kernel_tiles` holds for ``f``."""
+    if not act_kernel_tiles(f):
         raise ValueError(f"the act_to_kv kernel needs a power-of-two head_dim >= 32, got {f}; "
                          "use LEANKIT_BACKEND=torch (leankit.recompute.act_to_kv_ref) for this model")
 

@@ -51,11 +51,22 @@ def tl_dtype(dtype: torch.dtype):
         raise ValueError(f"leankit kernels support fp16, bf16 and fp32 tensors, got {dtype}") from None
 
 
+MIN_HEAD_DIM = 16  # the K of one fp16 MMA: a smaller head_dim would not fill a tl.dot operand
+
+
+def kernel_head_dim(f: int) -> int:
+    """The head_dim the kernels tile for a model head of ``f`` channels: ``f`` itself when it is a
+    power of two >= 16, else the next such power (``LeanCache`` pads such heads at its boundary)."""
+    if f < 1:
+        raise ValueError(f"head_dim must be positive, got {f}")
+    return max(MIN_HEAD_DIM, 1 << (f - 1).bit_length())
+
+
 def check_head_dim(f: int) -> None:
     """The kernels tile head_dim as one power-of-two block (Llama-family 64/128 heads)."""
-    if f < 16 or f & (f - 1):
-        raise ValueError(f"leankit Triton kernels need a power-of-two head_dim >= 16, got {f}; "
-                         "use LEANKIT_BACKEND=torch for this model")
+    if f != kernel_head_dim(f):
+        raise ValueError(f"leankit Triton kernels need a power-of-two head_dim >= {MIN_HEAD_DIM}, got {f}; "
+                         f"pad the heads to {kernel_head_dim(f)} (LeanCache does) or use LEANKIT_BACKEND=torch")
 
 
 class Tier(NamedTuple):
