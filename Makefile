@@ -28,8 +28,8 @@ GPU_PY ?= python3
 gpu-check:
 	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(GPU_PY) -m pytest -q -m cuda tests/test_cuda_kernels.py
-	$(GPU_PY) bench/kernels.py --head-dim 64 --kv-heads 3 --group 3 --page-size 2048 --out results/gpu
-	$(GPU_PY) bench/kernels.py --head-dim 128 --kv-heads 8 --group 4 --page-size 4096 --out results/gpu
+	$(GPU_PY) bench/kernels.py --head-dim 64 --kv-heads 3 --group 3 --out results/gpu
+	$(GPU_PY) bench/kernels.py --head-dim 128 --kv-heads 8 --group 4 --out results/gpu
 
 # The oldest transformers leankit declares (pyproject.toml), tested in a throwaway venv that reuses
 # this venv's packages (torch, triton ...) and installs only transformers and its own needs at the

@@ -62,7 +62,7 @@ class Shape:
     head_dim: int = 64
     kv_heads: int = 8
     group: int = 4  # query heads per KV head
-    page_size: int = 2048
+    page_size: int | None = None  # None: each config's default (2 KB quantized, 8 KB dense)
     low_frac: float = 0.5  # share of tokens in the low tier for two-tier configs
     dtype_bytes: int = 2  # fp16 model
 
@@ -75,6 +75,13 @@ def layouts(spec: str, shape: Shape):
     cfg = KVConfig.parse(spec, page_size=shape.page_size)
     dt = torch.float16 if shape.dtype_bytes == 2 else torch.float32
     return tuple(PageLayout.build(cfg, t, shape.head_dim, dt) for t in range(len(cfg.tiers)))
+
+
+def page_text(shape: Shape) -> str:
+    """The page size of a run, in words."""
+    if shape.page_size:
+        return f"{shape.page_size}-byte pages"
+    return "each config's default pages (2 KB quantized, 8 KB dense)"
 
 
 def tier_tokens(ctx: int, n_tiers: int, low_frac: float) -> list[int]:
@@ -99,7 +106,7 @@ def model_call(spec: str, batch: int, ctx: int, shape: Shape) -> dict:
     from leankit_kernels.paged_attention import choose_splits
 
     bh = batch * h
-    s = choose_splits(bh, pages, g, f, shape.page_size, H100_SMS)  # the launcher's own split rule
+    s = choose_splits(bh, pages, g, f, lays[0].page_size, H100_SMS)  # the launcher's own split rule
     io = g * f * shape.dtype_bytes * 2 + 4 * g + 16  # q in, out + lse out, table counters
     partial = (s * g * (f + 2) * 4 * 2) if s > 1 else 0  # split partials written + read by the reduce
     total = bh * (read + io + partial)
@@ -125,7 +132,7 @@ def synthetic_cache(spec: str, batch: int, ctx: int, shape: Shape, device):
     counts = tier_tokens(ctx, len(lays), shape.low_frac)
     need = [math.ceil(n / lay.tokens) for lay, n in zip(lays, counts)]
     total_pages = batch * h * sum(need) + 1
-    pool = PagePool(total_pages, shape.page_size, device)
+    pool = PagePool(total_pages, lays[0].page_size, device)
     pool.storage.random_(0, 256)
     fl = FreePageList(total_pages, device)
     row = max(sum(need) + 1, math.ceil(ctx / lays[0].tokens) + 1)
@@ -171,7 +178,7 @@ def check_correctness(shape: Shape, device) -> None:
     gen = torch.Generator().manual_seed(0)
     for spec in CONFIGS:
         fc = build_paged_kv(spec, 2, 3, shape.head_dim, torch.tensor([300, 77]), dtype=dt, prune_frac=0.1,
-                            page_size=shape.page_size, generator=gen, device=device)
+                            page_size=layouts(spec, shape)[0].page_size, generator=gen, device=device)
         q, q_pos = random_queries(2, 3 * shape.group, 1, shape.head_dim, fc.ctx.to(device), dtype=dt,
                                   generator=gen, device=device)
         out, lse = paged_attention(q, fc.kv, q_pos, shape.head_dim ** -0.5)
@@ -263,7 +270,7 @@ def run(shape: Shape, batches=BATCHES, contexts=CONTEXTS, configs=CONFIGS, measu
            f"{'FLOP/B':>6} {'x FP16':>6} {'roofline us':>11} {'pred spdup':>10} | {'us':>12} {'GB/s':>12} "
            f"{'% peak':>12} {'speedup':>12}")
     print(f"decode attention, one layer: head_dim {shape.head_dim}, {shape.kv_heads} KV heads x {shape.group} "
-          f"query heads, {shape.page_size}-byte pages, low tier {shape.low_frac:.0%} of tokens in two-tier configs",
+          f"query heads, {page_text(shape)}, low tier {shape.low_frac:.0%} of tokens in two-tier configs",
           file=out)
     print(f"device: {torch.cuda.get_device_name(device) if cuda else 'no CUDA device: timing not measured'}",
           file=out)
@@ -366,11 +373,11 @@ def write_results(rows: list[dict], shape: Shape, folder: str) -> str:
 
     os.makedirs(folder, exist_ok=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    stem = os.path.join(folder, f"decode_d{shape.head_dim}_h{shape.kv_heads}g{shape.group}_p{shape.page_size}")
+    stem = os.path.join(folder, f"decode_d{shape.head_dim}_h{shape.kv_heads}g{shape.group}_p{shape.page_size or 'default'}")
     with open(stem + ".json", "w") as fh:
         json.dump({"device": dev, "shape": shape.__dict__, "rows": rows}, fh, indent=1, default=str)
     lines = [f"# Decode attention, one layer (device: {dev})", "",
-             f"head_dim {shape.head_dim}, {shape.kv_heads} KV heads x {shape.group}, {shape.page_size}-byte pages. "
+             f"head_dim {shape.head_dim}, {shape.kv_heads} KV heads x {shape.group}, {page_text(shape)}. "
              "`python bench/kernels.py` with `triton.testing.do_bench` (median). GB/s counts modelled bytes; "
              "copy = fraction of a measured device-to-device copy's bandwidth; x FP16 = speedup over the FP16 "
              "paged kernel; x SDPA = speedup over torch SDPA on dense fp16 K/V.", "",
@@ -393,7 +400,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
-    ap.add_argument("--page-size", type=int, default=2048)
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="bytes per page for every config (default: each config's own, 2 KB quantized, 8 KB dense)")
     ap.add_argument("--low-frac", type=float, default=0.5, help="low-tier share of tokens (two-tier configs)")
     ap.add_argument("--check", action="store_true",
                     help="first compare the kernel with leankit's reference (CPU: through the Triton interpreter)")

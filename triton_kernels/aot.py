@@ -3,8 +3,9 @@
     python -m leankit_kernels.aot [--arch 80 90] [--jobs 2]
 
 Compiles each kernel with the constexprs of realistic deployments (Llama-3-8B-like heads:
-head_dim 128, 32 query / 8 KV heads, 4096-byte pages; SmolLM2-like heads: head_dim 64, 9 / 3
-heads, 2048-byte pages; fp16 models, plus an fp32 decode variant; the ACT->KV recompute at the
+head_dim 128, 32 query / 8 KV heads; SmolLM2-like heads: head_dim 64, 9 / 3 heads; each config
+on the pages a user gets by default, 2 KB for quantized configs and 8 KB for dense ones
+(``leankit.config``); fp16 models, plus an fp32 decode variant; the ACT->KV recompute at the
 layer shapes of Llama-3-8B, Qwen3-8B, OPT-13B and SmolLM2) for ``sm_80`` and ``sm_90``,
 runs the ``ptxas -v`` that ships with Triton (the one Triton itself uses for that arch) on the
 PTX, and prints registers, shared memory and spills per (kernel, arch).
@@ -39,8 +40,8 @@ import triton.language as tl
 
 from . import sass
 
-# name -> (head_dim, query heads per KV head, page_size)
-MODELS = {"llama3": (128, 4, 4096), "smollm2": (64, 3, 2048)}
+# name -> (head_dim, query heads per KV head, page_size; None: the config's default)
+MODELS = {"llama3": (128, 4, None), "smollm2": (64, 3, None)}
 
 
 @dataclass

@@ -420,8 +420,12 @@ def _score_update_kernel(lg_ptr, lse_ptr, qpos_ptr, stride_pb, qvalid_ptr, pool,
 
 
 # Register bytes of a tile's unpacked K and V rows up to which a bigger tile of whole pages is
-# preferred (it spreads the per-tile softmax work over more tokens at no extra masked rows).
-DECODE_TILE_BYTES = 32 * 1024
+# preferred (it spreads the per-tile softmax, address and page-table work over more tokens at no
+# extra masked rows): 128 rows of fp16 K and V at head_dim 128. Measured statically
+# (python -m leankit_kernels.aot, results/aot_static.md): K8V4 d128 on 2 KB pages issues 174 -> 147
+# warp instructions per KB on sm_90a with 128 rows instead of 64; registers stay in the band that
+# keeps 2 programs of 4 warps per SM (169-255), and no loop spills.
+DECODE_TILE_BYTES = 64 * 1024
 
 
 def decode_tile_rows(tokens: int, row_bytes: int = 0) -> int:
@@ -447,10 +451,11 @@ def decode_tile_rows(tokens: int, row_bytes: int = 0) -> int:
 
 
 def tier_rows(tier, head_dim: int, dot_bytes: int) -> int:
-    """:func:`decode_tile_rows` of a :class:`leankit_kernels.tiles.Tier`: a tier whose sides are both
-    one-group quantized unpacks ``2 * head_dim`` codes of ``dot_bytes`` per slot; any other tier
+    """:func:`decode_tile_rows` of a :class:`leankit_kernels.tiles.Tier`: a tier whose sides reach the
+    MMA as they are loaded (one-group codes unpacked, or dense rows in the model dtype) holds
+    ``2 * head_dim`` values of ``dot_bytes`` per slot; a tier with several groups per token
     dequantizes through fp32 registers and keeps the smallest tile that wastes fewest rows."""
-    if tier.KBITS < 16 and tier.VBITS < 16 and tier.NG == 1:
+    if tier.NG == 1 or (tier.KBITS >= 16 and tier.VBITS >= 16):
         return decode_tile_rows(tier.T, 2 * head_dim * dot_bytes)
     return decode_tile_rows(tier.T, DECODE_TILE_BYTES)
 
