@@ -17,10 +17,69 @@ accumulator rows the caller divides by ``2^e`` and permutes back once per progra
 of the rounded ``p s`` for values).
 """
 
+import os
+
 import triton
 import triton.language as tl
 
 from .tiles import code_ptrs, load_side, meta_index, unpack_codes
+
+
+# Inline PTX runs on a GPU only: Triton's interpreter (and LEANKIT_INLINE_PTX=0) takes the
+# plain-Triton path to the same fp16 values. tests/test_cuda_kernels.py (make gpu-check) checks the
+# PTX path against the reference on a GPU.
+_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
+                    and os.environ.get("LEANKIT_INLINE_PTX", "1") != "0")
+
+
+@triton.jit
+def _byte_codes_fp16(byt):
+    """uint8 codes -> fp16 ``1024 + c``, elementwise (so the compiler converts on the MMA operand's
+    own register layout). Four codes arrive in one 32-bit register, code ``i`` in byte ``i``; each
+    ``prmt`` writes one fp16 pair: selector ``0x4140`` takes bytes (low to high) code 0, byte 4
+    (0x64 of the second source), code 1, byte 4 again, so the halves are ``0x64cc`` = ``1024 + c``
+    (exact: fp16 has an ulp of 1 on [1024, 2048)); ``0x4342`` does the same for codes 2 and 3."""
+    return tl.inline_asm_elementwise(
+        "prmt.b32 $0, $2, 0x64646464, 0x4140;\n\tprmt.b32 $1, $2, 0x64646464, 0x4342;",
+        "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def nibble_keys(BITS: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
+    """Whether one-group 4-bit keys reach the MMA as two half-width operands, the low and the high
+    nibbles of their bytes (:func:`key_nibbles`): features ``2j`` and ``2j + 1`` of a key are the
+    two nibbles of its byte ``j`` (:func:`leankit.quant.pack`), so ``q . k`` is the even features'
+    dot plus the odd ones', each an MMA over ``F / 2`` columns (at least the MMA's K of 16)."""
+    return BITS == 4 and DOT == tl.float16 and F // 2 >= 16
+
+
+@triton.jit
+def _nibbles_fp16(byt):
+    """uint8 ``[N, F/2]`` -> fp16 ``(1024 + lo, 1024 + 16 hi)`` of each byte's nibbles, elementwise:
+    one ``prmt`` per two bytes spreads them under the exponent byte 0x64 (as in
+    :func:`_byte_codes_fp16`), and one ``and`` per output pair keeps the low or the high nibble
+    (``1024 + 16 hi < 2048`` is exact)."""
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .b32 t0, t1;\n\t"
+        "prmt.b32 t0, $4, 0x64646464, 0x4140;\n\tprmt.b32 t1, $4, 0x64646464, 0x4342;\n\t"
+        "and.b32 $0, t0, 0xFF0FFF0F;\n\tand.b32 $1, t1, 0xFF0FFF0F;\n\t"
+        "and.b32 $2, t0, 0xFFF0FFF0;\n\tand.b32 $3, t1, 0xFFF0FFF0;\n\t}",
+        "=r,=r,=r,=r,r", [byt], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def key_nibbles(pool, page, row, valid, OFF: tl.constexpr, F: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """4-bit key codes of a slot tile as two fp16 MMA operands ``[N, F/2]``: the even features'
+    codes as ``1024 + c`` and the odd features' as ``1024 + 16 c`` (see :func:`nibble_keys`).
+    Elementwise on the loaded bytes, so they convert in the operand's own register layout."""
+    KB: tl.constexpr = F // 2
+    byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
+    if _ASM:
+        lo, hi = _nibbles_fp16(byt)
+    else:
+        lo = ((byt & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        hi = ((byt & 240).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
@@ -40,13 +99,26 @@ def _mpair(w, ws, magic, k: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def code_scale(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
+def asm_key_bytes(BITS: tl.constexpr, DOT: tl.constexpr, KEYS: tl.constexpr):
+    """Whether :func:`codes` turns a side's codes into fp16 with inline PTX, one byte per code
+    (:func:`_byte_codes_fp16`): 8-bit keys on a GPU. The conversion is elementwise on ``[N, F]``,
+    so the compiler converts the codes in the MMA operand's own register layout instead of
+    storing the unpacked tile to shared memory and reading it back (K8V4 d128 on sm_90a: 920 ->
+    798 SASS instructions per 126-token iteration). Values (the ``p @ v`` MMA's other operand)
+    keep the word-level unpack, where this measured worse."""
+    return KEYS and BITS == 8 and DOT == tl.float16 and _ASM
+
+
+@triton.jit
+def code_scale(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr, KEYS: tl.constexpr):
     """Power of two ``2^e`` each column of a tile from :func:`codes` carries on its codes (fp32 ``[F]``, in
     the column order of :func:`key_order`): the word-level unpack leaves code
     ``c`` as ``1024 + 2^e c`` (:func:`_mpair`); every other path leaves 1. Key columns meet a query divided by it, value
     columns fill accumulator rows divided by it once per program (exact: powers of two)."""
     f = tl.arange(0, F)
-    if word_unpack(F, BITS, DOT):
+    if KEYS and nibble_keys(BITS, F, DOT):
+        return tl.where(f >= F // 2, 16.0, 1.0)
+    if word_unpack(F, BITS, DOT) and not asm_key_bytes(BITS, DOT, KEYS):
         PER: tl.constexpr = 32 // BITS  # codes per word
         DIRECT: tl.constexpr = 10 // BITS
         k = (f % PER) // 2  # the column's code inside its 16-bit half
@@ -60,7 +132,9 @@ def key_order(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
     """Feature of each column of a key tile from :func:`codes` (the word-level unpack of keys
     permutes the codes inside each 32-bit word; every other path keeps feature order)."""
     f = tl.arange(0, F)
-    if word_unpack(F, BITS, DOT):
+    if nibble_keys(BITS, F, DOT):  # the even features, then the odd ones (key_nibbles)
+        return tl.where(f < F // 2, 2 * f, 2 * (f - F // 2) + 1)
+    if word_unpack(F, BITS, DOT) and not asm_key_bytes(BITS, DOT, True):
         PER: tl.constexpr = 32 // BITS  # codes per word
         r = f % PER
         f = f - r + r // 2 + (r % 2) * (PER // 2)
@@ -75,12 +149,12 @@ def word_unpack(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
+           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, KEYS: tl.constexpr):
     """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
     codes < 256 are exact in fp16, bf16 and fp32). Where :func:`word_unpack` holds, the columns come
     in the order of :func:`key_order`, each scaled by :func:`code_scale`; elsewhere in feature order."""
     KB: tl.constexpr = F * BITS // 8
-    if word_unpack(F, BITS, DOT):
+    if word_unpack(F, BITS, DOT) and not asm_key_bytes(BITS, DOT, KEYS):
         # Word-level unpack: each 32-bit word of codes becomes fp16 pairs, one mask-or per pair
         # (plus one shift per word), so no code ever sits alone in a register. With BIASED the
         # offset stays (the caller removes it after the matmul, exactly: the MMA multiplies exact
@@ -112,6 +186,11 @@ def codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.c
             x = x - 1024.0
         return x
     byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
+    if asm_key_bytes(BITS, DOT, KEYS):
+        x = _byte_codes_fp16(byt)
+        if not BIASED:
+            x = x - 1024.0
+        return x
     c = unpack_codes(byt, BITS)
     if DOT == tl.float16:
         x = (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
@@ -141,7 +220,7 @@ def scale_min(pool, page, row, valid, MOFF: tl.constexpr, PAGE_SIZE: tl.constexp
 @triton.jit
 def side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BITS: tl.constexpr,
                TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               BLOCK: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr):
+               BLOCK: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, KEYS: tl.constexpr):
     """One side (K or V) of a slot tile as ``(x [BLOCK, F] DOT, scale [BLOCK], min [BLOCK])``.
 
     A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
@@ -152,7 +231,7 @@ def side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BIT
     with ``s = 1``, ``m = 0``.
     """
     if BITS < 16 and TIER.NG == 1:
-        x = codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED)
+        x = codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED, KEYS)
         sc, mn = scale_min(pool, page, row, valid, MOFF, PAGE_SIZE)
     else:
         x = load_side(pool, page, row, valid, OFF, MOFF, BITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK).to(DOT)

@@ -55,7 +55,7 @@ import triton.language as tl
 from leankit.attention import PagedKV, received_attention_ref
 
 from . import tiles
-from .codes import code_bias, code_scale, key_order, side_tile, word_unpack
+from .codes import code_bias, code_scale, key_nibbles, key_order, nibble_keys, scale_min, side_tile, word_unpack
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
@@ -88,7 +88,7 @@ SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
-def _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row, valid, sm_scale,
+def _decode_step(m, l, acc, am, ab, q3, q3b, qsum, qoff, qpos, kpos, pool, page, row, valid, sm_scale,
                  TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """Base-2 logits ``[W, G_PAD, NB]`` of one slot tile and the online-softmax step over it.
@@ -103,12 +103,21 @@ def _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
     (:func:`_fold_values`), so no per-tile term is broadcast over the accumulator's F rows.
     """
     BLOCK: tl.constexpr = W * NB
-    kx, ks, km = side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK, DOT, True)
+    if TIER.NG == 1 and nibble_keys(TIER.KBITS, F, DOT):
+        # 4-bit keys as two half-width operands (even features, odd features): q3 / q3b hold the
+        # query's matching halves (:func:`_query_halves`)
+        k_lo, k_hi = key_nibbles(pool, page, row, valid, TIER.KOFF, F, PAGE_SIZE)
+        ks, km = scale_min(pool, page, row, valid, TIER.KMOFF, PAGE_SIZE)
+        HF: tl.constexpr = F // 2
+        raw = tl.dot(q3, tl.permute(tl.reshape(k_lo, (W, NB, HF)), (0, 2, 1)), acc=qoff, input_precision=PREC)
+        raw = tl.dot(q3b, tl.permute(tl.reshape(k_hi, (W, NB, HF)), (0, 2, 1)), acc=raw, input_precision=PREC)
+    else:
+        kx, ks, km = side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
+                                PAGE_SIZE, BLOCK, DOT, True, True)
+        # the MMA starts from -1024 sum(q') (qoff, :func:`_tier_query`), so raw = q . Q with Q the codes
+        raw = tl.dot(q3, tl.permute(tl.reshape(kx, (W, NB, F)), (0, 2, 1)), acc=qoff, input_precision=PREC)
     ks = tl.reshape(ks * sm_scale, (W, NB))
     km = tl.reshape(km * sm_scale, (W, NB))
-    # the MMA starts from -1024 sum(q') (qoff, :func:`_tier_query`), so raw = q . Q with Q the codes
-    raw = tl.dot(q3, tl.permute(tl.reshape(kx, (W, NB, F)), (0, 2, 1)), acc=qoff, input_precision=PREC)
     s = raw * ks[:, None, :] + qsum[None, :, None] * km[:, None, :]
     s = tl.where(tl.reshape(kpos, (W, NB))[:, None, :] <= qpos, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 2))
@@ -120,7 +129,7 @@ def _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
     VB: tl.constexpr = _value_bias(TIER, DOT)
     # one-group value codes keep the fp16 offset of codes() (1024 + 2^e c: no per-element subtraction)
     vx, vs, vm = side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK, DOT, VB != 0)
+                            PAGE_SIZE, BLOCK, DOT, VB != 0, False)
     vs = tl.reshape(vs, (W, NB))
     vm = tl.reshape(vm, (W, NB))
     ps = (p * vs[:, None, :]).to(DOT)
@@ -148,7 +157,7 @@ def _fold_values(acc, am, ab, TIER: tl.constexpr, F: tl.constexpr, DOT: tl.const
     if TIER.VBITS < 16 and TIER.NG == 1:
         acc = acc - _value_bias(TIER, DOT) * ab[:, None, :]
         if VPERM:
-            acc = acc / code_scale(F, TIER.VBITS, DOT)[None, :, None]
+            acc = acc / code_scale(F, TIER.VBITS, DOT, False)[None, :, None]
         acc = acc + am[:, None, :]
     return acc
 
@@ -183,9 +192,13 @@ def _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_liv
     VPERM: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1 and word_unpack(F, TIER.VBITS, DOT)
     if VPERM:
         # value column j accumulates 2^e_j times its codes (code_scale): scale the rows to match
-        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, True) * code_scale(F, TIER.VBITS, DOT)[None, :, None]
+        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, True) * code_scale(F, TIER.VBITS, DOT, False)[None, :, None]
     am = tl.zeros([W, G_PAD], tl.float32)
     ab = tl.zeros([W, G_PAD], tl.float32)
+    if TIER.NG == 1 and nibble_keys(TIER.KBITS, F, DOT):
+        qa, qb = _query_halves(q3, W, G_PAD, F)
+    else:
+        qa, qb = q3, q3
     if BLOCK >= TIER.T:
         PPT: tl.constexpr = BLOCK // TIER.T
         j = t // TIER.T
@@ -201,14 +214,14 @@ def _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_liv
                 col = pcol
             page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
             kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
-            s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
+            s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
                                                 valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
     else:
         for start in range(pg0 * TIER.T, s1, BLOCK):
             slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
-            s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, q3, qsum, qoff, qpos, kpos, pool, page, row,
+            s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
                                                 valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
@@ -233,6 +246,14 @@ def _word_order(acc, W: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, BITS
 
 
 @triton.jit
+def _query_halves(q3, W: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr):
+    """The first and second halves of the query's columns ``[W, G_PAD, F/2]`` each (for 4-bit keys,
+    loaded as the even features then the odd ones: :func:`leankit_kernels.codes.key_order`)."""
+    halves = tl.permute(tl.reshape(q3, (W, G_PAD, 2, F // 2)), (0, 1, 3, 2))
+    return tl.split(halves)
+
+
+@triton.jit
 def _tier_query(q_row, g, TIER: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr):
     """The query rows ``[G_PAD, F]`` as ``DOT`` operand for the key tile of ``TIER``, and their fp32 sums.
@@ -245,7 +266,7 @@ def _tier_query(q_row, g, TIER: tl.constexpr, G: tl.constexpr, G_PAD: tl.constex
     """
     if TIER.KBITS < 16 and TIER.NG == 1:
         q = tl.load(q_row + key_order(F, TIER.KBITS, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
-        qs = (q.to(tl.float32) / code_scale(F, TIER.KBITS, DOT)[None, :]).to(DOT)
+        qs = (q.to(tl.float32) / code_scale(F, TIER.KBITS, DOT, True)[None, :]).to(DOT)
         off = -code_bias(DOT) * tl.sum(qs.to(tl.float32), 1)
     else:
         q = tl.load(q_row + tl.arange(0, F)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
