@@ -15,6 +15,11 @@ order divided by ``2^e`` (``q . k`` is a sum over columns), and values in that o
 accumulator rows the caller divides by ``2^e`` and permutes back once per program. The offset
 1024 stays on both sides and leaves after the matmuls (``1024 sum(q')`` for keys, ``1024 sum(p s)``
 of the rounded ``p s`` for values).
+
+The decode kernel's keys take an elementwise route instead (:func:`asm_key_bytes`,
+:func:`key_nibbles`): their MMA contracts along head_dim, the direction the code bytes run, so
+converting each loaded byte where it lies lets the compiler read the codes straight into the
+operand's register layout, with no unpacked tile stored to shared memory and read back.
 """
 
 import os

@@ -24,8 +24,10 @@ Kernels
     page has the same byte size, so equal page counts mean equal bytes per split, whatever the
     tiers' tokens-per-page. A tile is one or more whole pages of a tier (``decode_tile_rows``:
     32..128 rows, the rows past the last whole page masked), so each slot's page column and row
-    are loop-invariant and the table is read once per page. Codes are unpacked a 32-bit word at a
-    time straight into fp16 MMA operands, and one-group scale/min are applied per key after the
+    are loop-invariant and the table is read once per page. 8- and 4-bit key codes become fp16 MMA
+    operands elementwise, on the operand's own register layout (:mod:`leankit_kernels.codes`: the
+    4-bit ones as two half-width MMAs, even and odd features); value codes are unpacked a 32-bit
+    word at a time. One-group scale/min are applied per key after the
     matmuls (``q . k_hat = s (q . Q) + m sum(q)``, ``p @ v_hat = (p s) @ Q + p @ m``). All G query
     heads of the group share the tile: ``tl.dot`` on ``[G_pad, F] x [F, N]`` for the logits and
     ``[F, N] x [N, G_pad]`` (``v^T p^T``, into a transposed accumulator) for the output
