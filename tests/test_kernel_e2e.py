@@ -18,12 +18,15 @@ from leankit.hf import cache_kwargs
 from leankit.pages import PagePool
 
 
-def _tiny_llama():
-    # A fixed seed: greedy decoding of two backends is compared token for token, and a fixed
-    # model keeps near-tied logits (a 1e-6 difference flipping an argmax) out of CI.
+def _tiny_llama(hidden: int = 96, heads: int = 6, kv_heads: int = 2):
+    """A tiny random Llama, head_dim ``hidden / heads``.
+
+    A fixed seed: greedy decoding of two backends is compared token for token, and a fixed
+    model keeps near-tied logits (a 1e-6 difference flipping an argmax) out of CI.
+    """
     torch.manual_seed(1234)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+    cfg = LlamaConfig(vocab_size=101, hidden_size=hidden, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # livelier logits than the default 0.02-std init
@@ -176,20 +179,6 @@ def test_one_generation_compiles_at_most_two_decode_variants(spec, overrides, mo
     assert 1 <= len(keys) <= 2, f"{len(keys)} decode variants: {keys}"
 
 
-def _tiny_llama_heads(hidden: int, heads: int, kv_heads: int):
-    """:func:`_tiny_llama` with other head shapes (head_dim = hidden / heads)."""
-    torch.manual_seed(1234)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=hidden, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(6.0)
-    return model
-
-
 @pytest.mark.parametrize("hidden,heads,kv_heads,spec,overrides,page_head_dim", [
     (72, 6, 2, "K8V4", {}, 16),                                                  # head_dim 12
     (80, 4, 4, "FP16", {}, 32),                                                  # 20: dense pages
@@ -205,7 +194,7 @@ def test_head_dim_the_kernels_do_not_tile_is_padded(hidden, heads, kv_heads, spe
     import leankit_kernels.quant as qu
 
     _garbage_pool(monkeypatch)
-    model = _tiny_llama_heads(hidden, heads, kv_heads)
+    model = _tiny_llama(hidden, heads, kv_heads)
     ref, ref_cache = _generate(model, spec, "torch", monkeypatch, **overrides)
     calls = {}
     for mod, name in ((qu, "quantize_into_pages"), (pa_attn, "paged_attention")):
@@ -231,7 +220,7 @@ def test_padded_pages_keep_the_group_sizes_they_can(monkeypatch):
     assert padded_group_sizes(KVConfig.parse("K8V4", group_size=8), 24, 32).group_size == 8
     with pytest.raises(ValueError, match="group_size=12.*pad heads of head_dim 24 to 32"):
         padded_group_sizes(KVConfig.parse("K8V4", group_size=12), 24, 32)
-    model = _tiny_llama_heads(72, 6, 2)
+    model = _tiny_llama(72, 6, 2)
     monkeypatch.setenv("LEANKIT_BACKEND", "triton")
     cache = LeanCache(model, "K8V4")
     k = torch.randn(2, 2, 3, 12)

@@ -29,7 +29,6 @@ import triton.language as tl
 
 from .tiles import code_ptrs, load_side, meta_index, unpack_codes
 
-
 # Inline PTX runs on a GPU only: Triton's interpreter (and LEANKIT_INLINE_PTX=0) takes the
 # plain-Triton path to the same fp16 values. tests/test_cuda_kernels.py (make gpu-check) checks the
 # PTX path against the reference on a GPU.

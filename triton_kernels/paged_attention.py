@@ -57,7 +57,16 @@ import triton.language as tl
 from leankit.attention import PagedKV, received_attention_ref
 
 from . import tiles
-from .codes import code_bias, code_scale, key_nibbles, key_order, nibble_keys, scale_min, side_tile, word_unpack
+from .codes import (
+    code_bias,
+    code_scale,
+    key_nibbles,
+    key_order,
+    nibble_keys,
+    scale_min,
+    side_tile,
+    word_unpack,
+)
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
