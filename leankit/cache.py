@@ -54,6 +54,22 @@ def attention_kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def padded_head_dim(cfg: KVConfig, head_dim: int, kernels: bool) -> int:
+    """Channels per head the pages of ``cfg`` hold for a model head of ``head_dim`` channels.
+
+    The head as it is, unless it must be padded (:meth:`LeanCache.to_page_basis`): to whole bytes
+    of codes (a 2-bit side packs 4 channels a byte, so head_dim 30 becomes 32), and on the kernel
+    backend to a power of two >= 16, the widths the Triton kernels tile (80 -> 128).
+    """
+    f = head_dim
+    if kernels:
+        from leankit_kernels.tiles import kernel_head_dim
+
+        f = kernel_head_dim(f)
+    per_byte = max((8 // b for p in cfg.tiers for b in (p.k_bits, p.v_bits) if b < 8), default=1)
+    return -(-f // per_byte) * per_byte
+
+
 def padded_group_sizes(cfg: KVConfig, head_dim: int, page_head_dim: int) -> KVConfig:
     """``cfg`` with its quantization groups restated for heads padded from ``head_dim`` to
     ``page_head_dim`` channels (:meth:`LeanCache.to_page_basis`): a group of the whole head stays
@@ -66,9 +82,9 @@ def padded_group_sizes(cfg: KVConfig, head_dim: int, page_head_dim: int) -> KVCo
         if gs == head_dim:
             gs = None if name == "group_size" else page_head_dim
         elif gs is not None and page_head_dim % gs:
-            raise ValueError(f"{name}={gs}: the Triton kernels pad heads of head_dim {head_dim} to {page_head_dim}, "
-                             f"which {gs} does not divide; choose a group size dividing both, or use "
-                             "LEANKIT_BACKEND=torch")
+            raise ValueError(f"{name}={gs}: heads of head_dim {head_dim} are padded to {page_head_dim} channels "
+                             "in the pages (whole bytes of codes; on the kernel backend a power of two >= 16), "
+                             f"which {gs} does not divide; choose a group size dividing both")
         sizes[name] = gs
     return dataclasses.replace(cfg, **sizes)
 
@@ -269,14 +285,8 @@ class LeanCache(Cache):
         # rotate=1: pages hold K/V in a Hadamard basis; queries are rotated to match and the
         # attention output is rotated back (leankit.rotation).
         self.rotation = hadamard(self.head_dim, self.device, self.dtype) if self.cfg.rotate else None
-        # Channels per head in the pages: the Triton kernels tile a power-of-two head_dim >= 16, so
-        # on that backend another width (24, 80, 96 ...) is padded at this boundary
-        # (:meth:`to_page_basis`); the torch backend stores heads as they are.
-        self.page_head_dim = self.head_dim
-        if use_triton(torch.empty(0, device=self.device)):
-            from leankit_kernels.tiles import kernel_head_dim
-
-            self.page_head_dim = kernel_head_dim(self.head_dim)
+        # Channels per head in the pages (padded at this boundary where needed, :meth:`to_page_basis`)
+        self.page_head_dim = padded_head_dim(self.cfg, self.head_dim, use_triton(torch.empty(0, device=self.device)))
         layout_cfg = padded_group_sizes(self.cfg, self.head_dim, self.page_head_dim)
         self.layouts = tuple(PageLayout.build(layout_cfg, t, self.page_head_dim, self.dtype)
                              for t in range(len(self.cfg.tiers)))

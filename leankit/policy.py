@@ -1166,8 +1166,15 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
     def roundtrip(y, bits, group_size):
         if bits >= 16:
             return y.to(dense_dtype).float()
+        f = y.shape[-1]
+        per_byte = 8 // bits
+        pad = -f % per_byte
+        if pad:  # as the cache pads such heads (LeanCache.to_page_basis): channel 0 repeated, then cut
+            if group_size not in (None, f):
+                raise ValueError(f"group_size {group_size} of a head_dim {f} padded to {f + pad} channels")
+            y, group_size = torch.cat([y, y[..., :1].expand(*y.shape[:-1], pad)], -1), None
         packed, sc, mn = quantize(y, bits, group_size)
-        return dequantize(packed, sc, mn, bits)
+        return dequantize(packed, sc, mn, bits)[..., :f]
 
     h = hadamard(k.shape[-1], k.device, k.dtype) if cfg.rotate else None
     if h is not None:

@@ -21,9 +21,10 @@ from leankit.policy import dense_attention_oracle, read_tier_meta, stored_token_
 F = 16
 
 
-def tiny_model(hq: int, hkv: int, layers: int = 2) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=64, hidden_size=hq * F, intermediate_size=32, num_hidden_layers=layers,
-                      num_attention_heads=hq, num_key_value_heads=hkv, head_dim=F, max_position_embeddings=512)
+def tiny_model(hq: int, hkv: int, layers: int = 2, head_dim: int = F) -> LlamaForCausalLM:
+    cfg = LlamaConfig(vocab_size=64, hidden_size=hq * head_dim, intermediate_size=32, num_hidden_layers=layers,
+                      num_attention_heads=hq, num_key_value_heads=hkv, head_dim=head_dim,
+                      max_position_embeddings=512)
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -48,12 +49,12 @@ class Driver:
         b, q = mask.shape
         cache.begin_step(b, q, attention_mask=mask, position_ids=pos)
         real = mask.bool()
-        scale = F ** -0.5
+        scale = self.cache.head_dim ** -0.5
         for layer in range(cache.num_layers):
             # Keys with uneven norms give peaked, head-specific attention (so tokens get pruned).
-            k = self.randn(b, self.hkv, q, F) * (1 + 3 * torch.rand(b, self.hkv, q, 1, generator=self.gen))
-            v = self.randn(b, self.hkv, q, F)
-            q_ = self.randn(b, self.hq, q, F, scale=2.0)
+            k = self.randn(b, self.hkv, q, self.cache.head_dim) * (1 + 3 * torch.rand(b, self.hkv, q, 1, generator=self.gen))
+            v = self.randn(b, self.hkv, q, self.cache.head_dim)
+            q_ = self.randn(b, self.hq, q, self.cache.head_dim, scale=2.0)
             for bi in range(b):
                 for qi in range(q):
                     if real[bi, qi]:
@@ -93,8 +94,8 @@ class Driver:
                         tiers[(bi, h, p)] = t
         n = max(len(v) for hh in self.orig[(layer, 0)].values() for v in [hh]) if self.orig else 0
         n = max(len(self.orig[(layer, bi)][0]) for bi in range(b))
-        kk = torch.zeros(b, self.hkv, n, F)
-        vv = torch.zeros(b, self.hkv, n, F)
+        kk = torch.zeros(b, self.hkv, n, self.cache.head_dim)
+        vv = torch.zeros(b, self.hkv, n, self.cache.head_dim)
         kp = torch.full((b, self.hkv, n), 1 << 20, dtype=torch.int32)
         keep = torch.zeros(b, self.hkv, n, dtype=torch.bool)
         for bi in range(b):
@@ -115,7 +116,7 @@ class Driver:
                     keep[bi, h, j] = True
                     kk[bi, h, j], vv[bi, h, j] = stored_token_reference(
                         k0, v0, cache.cfg, t, entered=self.entered[(layer, bi, h, p)])
-        return dense_attention_oracle(q, kk, vv, kp, keep, q_pos, F ** -0.5)
+        return dense_attention_oracle(q, kk, vv, kp, keep, q_pos, self.cache.head_dim ** -0.5)
 
 
 CONFIGS = [
@@ -164,3 +165,25 @@ def test_paged_attention_matches_oracle(spec, kw, hq, hkv):
         assert drv.pruned_seen > 0, "this configuration should prune tokens"
     if cache.cfg.low is not None:
         assert drv.low_seen > 0, "this configuration should place tokens in the low tier"
+
+
+@pytest.mark.parametrize("spec,kw", [("K8V4-K2V2", {"th": 0.3, "tl": 0.05, "window": 4, "compress_every": 1}),
+                                     ("K4V1", {})], ids=["K8V4-K2V2", "K4V1"])
+def test_head_dim_that_does_not_fill_bytes_matches_oracle(spec, kw):
+    """head_dim 10 at 2 and 1 bits (20 and 10 bits a row): the pages hold the head padded to 12 /
+    16 channels (channel 0 repeated, LeanCache.to_page_basis), and attention still equals the
+    oracle's, whose round trips pad the same way."""
+    model = tiny_model(4, 2, head_dim=10)
+    cache = LeanCache(model, spec, page_size=256, max_seq_len=128, **kw)
+    assert cache.head_dim == 10 and cache.page_head_dim == (12 if "K2" in spec else 16)
+    drv = Driver(cache, 4, 2)
+    b, n0 = 2, 19
+    mask = torch.ones(b, n0, dtype=torch.long)
+    mask[0, :3] = 0
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    drv.step(mask, pos)
+    for i in range(5):
+        drv.step(torch.ones(b, 1, dtype=torch.long), pos[:, -1:] + 1 + i)
+    assert drv.worst < 1e-3, f"paged attention deviates from the oracle by {drv.worst:.2e} (relative)"
+    if cache.cfg.low is not None:
+        assert drv.low_seen > 0
