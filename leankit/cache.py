@@ -32,7 +32,7 @@ from .config import KVConfig, fp16_token_bytes
 from .page_table import HIGH, LOW, BidirectionalPageTable
 from .pages import PageLayout, PagePool
 from .prompt_attention import prompt_attention
-from .quant import NonFiniteKVError
+from .quant import NonFiniteKVError, codes_per_byte, pad_repeating
 from .rotation import hadamard, rotate, unrotate
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
@@ -66,7 +66,7 @@ def padded_head_dim(cfg: KVConfig, head_dim: int, kernels: bool) -> int:
         from leankit_kernels.tiles import kernel_head_dim
 
         f = kernel_head_dim(f)
-    per_byte = max((8 // b for p in cfg.tiers for b in (p.k_bits, p.v_bits) if b < 8), default=1)
+    per_byte = max((codes_per_byte(b) for p in cfg.tiers for b in (p.k_bits, p.v_bits) if b < 8), default=1)
     return -(-f // per_byte) * per_byte
 
 
@@ -700,11 +700,10 @@ class LeanCache(Cache):
         """
         if self.rotation is not None:
             x = rotate(x, self.rotation)
-        pad = self.page_head_dim - self.head_dim
-        if pad:
-            fill = x.new_zeros(*x.shape[:-1], pad) if query else x[..., :1].expand(*x.shape[:-1], pad)
-            x = torch.cat([x, fill], -1)
-        return x
+        if query:
+            pad = self.page_head_dim - self.head_dim
+            return torch.nn.functional.pad(x, (0, pad)) if pad else x
+        return pad_repeating(x, self.page_head_dim)
 
     def from_page_basis(self, out: torch.Tensor) -> torch.Tensor:
         """An attention output over the pages ``[..., page_head_dim]`` back in the model's basis

@@ -1160,19 +1160,18 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
     With ``cfg.rotate`` the round trips run in the Hadamard basis and the result is rotated
     back, so the oracle keeps using unrotated queries.
     """
-    from .quant import dequantize, quantize
+    from .quant import codes_per_byte, dequantize, pad_repeating, quantize
     from .rotation import hadamard, rotate, unrotate
 
     def roundtrip(y, bits, group_size):
         if bits >= 16:
             return y.to(dense_dtype).float()
         f = y.shape[-1]
-        per_byte = 8 // bits
-        pad = -f % per_byte
-        if pad:  # as the cache pads such heads (LeanCache.to_page_basis): channel 0 repeated, then cut
+        width = -(-f // codes_per_byte(bits)) * codes_per_byte(bits)
+        if width != f:  # as the cache pads such heads (LeanCache.to_page_basis), then cut back
             if group_size not in (None, f):
-                raise ValueError(f"group_size {group_size} of a head_dim {f} padded to {f + pad} channels")
-            y, group_size = torch.cat([y, y[..., :1].expand(*y.shape[:-1], pad)], -1), None
+                raise ValueError(f"group_size {group_size} of a head_dim {f} padded to {width} channels")
+            y, group_size = pad_repeating(y, width), None
         packed, sc, mn = quantize(y, bits, group_size)
         return dequantize(packed, sc, mn, bits)[..., :f]
 

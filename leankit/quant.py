@@ -39,6 +39,16 @@ def codes_per_byte(bits: int) -> int:
     return 8 // bits
 
 
+def pad_repeating(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` ``[..., F]`` widened to ``[..., width]`` by repeating channel 0: a quantization group that
+    spans the row keeps its min and max, so the real channels get the codes an unpadded row gets
+    (a head whose codes do not fill whole bytes, or that the Triton kernels cannot tile)."""
+    pad = width - x.shape[-1]
+    if pad <= 0:
+        return x
+    return torch.cat([x, x[..., :1].expand(*x.shape[:-1], pad)], -1)
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes ``[..., F]`` (values < 2**bits) into uint8 ``[..., F * bits / 8]``."""
     p = codes_per_byte(bits)

@@ -81,9 +81,15 @@ def key_nibbles(pool, page, row, valid, OFF: tl.constexpr, F: tl.constexpr, PAGE
     if _ASM:
         lo, hi = _nibbles_fp16(byt)
     else:
-        lo = ((byt & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        hi = ((byt & 240).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        lo, hi = _biased_fp16(byt & 15), _biased_fp16(byt & 240)
     return lo, hi
+
+
+@triton.jit
+def _biased_fp16(c):
+    """Integer codes ``c < 1024`` as fp16 ``1024 + c``: the bits ``0x6400 | c`` (fp16 has an ulp of 1
+    on [1024, 2048)), with no integer-to-float conversion."""
+    return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -158,7 +164,10 @@ def codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.c
     codes < 256 are exact in fp16, bf16 and fp32). Where :func:`word_unpack` holds, the columns come
     in the order of :func:`key_order`, each scaled by :func:`code_scale`; elsewhere in feature order."""
     KB: tl.constexpr = F * BITS // 8
-    if word_unpack(F, BITS, DOT) and not asm_key_bytes(BITS, DOT, KEYS):
+    if DOT != tl.float16:  # bf16 / fp32 operands hold the codes as they are (no offset)
+        x = unpack_codes(tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0),
+                         BITS).to(DOT)
+    elif word_unpack(F, BITS, DOT) and not asm_key_bytes(BITS, DOT, KEYS):
         # Word-level unpack: each 32-bit word of codes becomes fp16 pairs, one mask-or per pair
         # (plus one shift per word), so no code ever sits alone in a register. With BIASED the
         # offset stays (the caller removes it after the matmul, exactly: the MMA multiplies exact
@@ -186,22 +195,14 @@ def codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.c
         lo = pairs.to(tl.uint16).to(tl.float16, bitcast=True)
         hi = (pairs >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         x = tl.reshape(tl.join(lo, hi), (valid.shape[0], F))  # (pair, half) flattens to code order
-        if not BIASED:
-            x = x - 1024.0
-        return x
-    byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
-    if asm_key_bytes(BITS, DOT, KEYS):
-        x = _byte_codes_fp16(byt)
-        if not BIASED:
-            x = x - 1024.0
-        return x
-    c = unpack_codes(byt, BITS)
-    if DOT == tl.float16:
-        x = (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        if not BIASED:
-            x = x - 1024.0
-        return x
-    return c.to(DOT)
+    elif asm_key_bytes(BITS, DOT, KEYS):
+        x = _byte_codes_fp16(tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0))
+    else:
+        x = _biased_fp16(unpack_codes(tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None],
+                                              other=0), BITS))
+    if DOT == tl.float16 and not BIASED:
+        x = x - 1024.0
+    return x
 
 
 @triton.jit

@@ -114,7 +114,7 @@ def _decode_step(m, l, acc, am, ab, q3, q3b, qsum, qoff, qpos, kpos, pool, page,
     (:func:`_fold_values`), so no per-tile term is broadcast over the accumulator's F rows.
     """
     BLOCK: tl.constexpr = W * NB
-    if TIER.NG == 1 and nibble_keys(TIER.KBITS, F, DOT):
+    if _nibble_tier(TIER, F, DOT):
         # 4-bit keys as two half-width operands (even features, odd features): q3 / q3b hold the
         # query's matching halves (:func:`_query_halves`)
         k_lo, k_hi = key_nibbles(pool, page, row, valid, TIER.KOFF, F, PAGE_SIZE)
@@ -206,7 +206,7 @@ def _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_liv
         acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, True) * code_scale(F, TIER.VBITS, DOT, False)[None, :, None]
     am = tl.zeros([W, G_PAD], tl.float32)
     ab = tl.zeros([W, G_PAD], tl.float32)
-    if TIER.NG == 1 and nibble_keys(TIER.KBITS, F, DOT):
+    if _nibble_tier(TIER, F, DOT):
         qa, qb = _query_halves(q3, W, G_PAD, F)
     else:
         qa, qb = q3, q3
@@ -254,6 +254,13 @@ def _word_order(acc, W: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, BITS
     else:
         x = tl.reshape(acc, (W, F // (2 * HALF), HALF, 2, G_PAD))
     return tl.reshape(tl.permute(x, (0, 1, 3, 2, 4)), (W, F, G_PAD))
+
+
+@triton.jit
+def _nibble_tier(TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
+    """Whether ``TIER``'s keys are one-group 4-bit codes read as two half-width MMA operands
+    (:func:`leankit_kernels.codes.nibble_keys`): the query halves and the key tile must agree."""
+    return TIER.NG == 1 and nibble_keys(TIER.KBITS, F, DOT)
 
 
 @triton.jit
