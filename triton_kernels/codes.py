@@ -35,6 +35,20 @@ from .tiles import code_ptrs, load_side, meta_index, unpack_codes
 _ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
                     and os.environ.get("LEANKIT_INLINE_PTX", "1") != "0")
 
+# The PTX of the two conversions. Operands follow Triton's packing (pack=4): the four uint8 inputs
+# share one 32-bit register (element i in byte i), listed after the outputs; each fp16 output
+# takes two registers (elements 0-1, then 2-3, the lower element in the low half), the outputs
+# one after the other. tests/test_kernel_codes_ptx.py runs both strings through an emulation of
+# the PTX ISA's prmt / and, so the selectors and masks are checked on a CPU too.
+BYTE_CODES_REGS = tl.constexpr("=r,=r,r")
+BYTE_CODES_PTX = tl.constexpr("prmt.b32 $0, $2, 0x64646464, 0x4140;\n\tprmt.b32 $1, $2, 0x64646464, 0x4342;")
+NIBBLES_REGS = tl.constexpr("=r,=r,=r,=r,r")
+NIBBLES_PTX = tl.constexpr(
+    "{\n\t.reg .b32 t0, t1;\n\t"
+    "prmt.b32 t0, $4, 0x64646464, 0x4140;\n\tprmt.b32 t1, $4, 0x64646464, 0x4342;\n\t"
+    "and.b32 $0, t0, 0xFF0FFF0F;\n\tand.b32 $1, t1, 0xFF0FFF0F;\n\t"
+    "and.b32 $2, t0, 0xFFF0FFF0;\n\tand.b32 $3, t1, 0xFFF0FFF0;\n\t}")
+
 
 @triton.jit
 def _byte_codes_fp16(byt):
@@ -43,9 +57,7 @@ def _byte_codes_fp16(byt):
     ``prmt`` writes one fp16 pair: selector ``0x4140`` takes bytes (low to high) code 0, byte 4
     (0x64 of the second source), code 1, byte 4 again, so the halves are ``0x64cc`` = ``1024 + c``
     (exact: fp16 has an ulp of 1 on [1024, 2048)); ``0x4342`` does the same for codes 2 and 3."""
-    return tl.inline_asm_elementwise(
-        "prmt.b32 $0, $2, 0x64646464, 0x4140;\n\tprmt.b32 $1, $2, 0x64646464, 0x4342;",
-        "=r,=r,r", [byt], dtype=tl.float16, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(BYTE_CODES_PTX, BYTE_CODES_REGS, [byt], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -63,12 +75,8 @@ def _nibbles_fp16(byt):
     one ``prmt`` per two bytes spreads them under the exponent byte 0x64 (as in
     :func:`_byte_codes_fp16`), and one ``and`` per output pair keeps the low or the high nibble
     (``1024 + 16 hi < 2048`` is exact)."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .b32 t0, t1;\n\t"
-        "prmt.b32 t0, $4, 0x64646464, 0x4140;\n\tprmt.b32 t1, $4, 0x64646464, 0x4342;\n\t"
-        "and.b32 $0, t0, 0xFF0FFF0F;\n\tand.b32 $1, t1, 0xFF0FFF0F;\n\t"
-        "and.b32 $2, t0, 0xFFF0FFF0;\n\tand.b32 $3, t1, 0xFFF0FFF0;\n\t}",
-        "=r,=r,=r,=r,r", [byt], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(NIBBLES_PTX, NIBBLES_REGS, [byt], dtype=(tl.float16, tl.float16), is_pure=True,
+                                     pack=4)
 
 
 @triton.jit
