@@ -70,6 +70,7 @@ import torch
 
 from .attention import merge_attention
 from .backend import use_triton
+from .cache import padded_group_sizes
 from .config import act_kv_token_bytes
 from .hf import cache_argument
 from .page_table import ActPageTable
@@ -195,7 +196,9 @@ def token_bytes(cache, hidden: int) -> dict:
     cache's dtype and page size); what a planner reads to decline ACT.
     """
     itemsize = torch.empty((), dtype=cache.dtype).element_size()
-    return act_kv_token_bytes(cache.cfg, hidden, cache.num_kv_heads, cache.head_dim, itemsize)
+    # KV pages hold heads at the width the cache pads them to (LeanCache.page_head_dim)
+    cfg = padded_group_sizes(cache.cfg, cache.head_dim, cache.page_head_dim)
+    return act_kv_token_bytes(cfg, hidden, cache.num_kv_heads, cache.page_head_dim, itemsize)
 
 
 class ActStore:

@@ -116,6 +116,8 @@ def layer_params(model, layer_idx: int) -> ActToKVParams:
     """
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     mtype = getattr(cfg, "model_type", None)
+    if mtype not in ("llama", "mistral", "qwen2", "qwen3", "opt"):  # before any module is read
+        raise ValueError(f"act->kv recomputation supports llama, mistral, qwen2, qwen3 and opt; got {mtype!r}")
     base, layers = _decoder_layers(model)
     if not 0 <= layer_idx < len(layers):
         raise ValueError(f"layer_idx {layer_idx} out of range for {len(layers)} layers")
@@ -136,8 +138,6 @@ def layer_params(model, layer_idx: int) -> ActToKVParams:
         else:  # OPT-350m: the norm comes after attention, so K/V see the raw input
             norm, nw, nb, eps = "none", None, None, 0.0
         return ActToKVParams(norm, nw, nb, eps, weight, bias, hkv, f)
-    if mtype not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise ValueError(f"act->kv recomputation supports llama, mistral, qwen2, qwen3 and opt; got {mtype!r}")
     hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     f = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     ln = layer.input_layernorm

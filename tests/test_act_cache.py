@@ -256,6 +256,30 @@ def test_gqa_warns_and_exposes_token_bytes():
     assert LeanCache(model, "FP16").token_bytes() == tb  # a planner can ask before choosing ACT
 
 
+def test_act_on_an_unsupported_architecture_is_a_clear_error():
+    """A model whose K/V projections recompute does not know (phi3's fused qkv) is refused by name,
+    before any of its modules is read."""
+    with pytest.raises(ValueError, match="act->kv recomputation supports .* got 'phi3'"):
+        LeanCache(tiny_model("phi3"), "K8V4:act=0.5")
+
+
+@pytest.mark.parametrize("hidden,padded_hidden", [(40, 48), (120, 128)], ids=["head_dim10", "head_dim30"])
+def test_act_with_heads_padded_to_whole_bytes(hidden, padded_hidden):
+    """Heads whose 2-bit codes do not fill whole bytes (head_dim 10, 30) are padded in the KV pages
+    (to 12, 32); the ACT side prices a KV token at the padded width, so the cache builds, a KV token
+    costs what one of a model with the padded head_dim costs, and ACT blocks are stored and
+    recomputed through generate."""
+    model = model_of("llama-mha", 5, hidden_size=hidden)  # 4 heads: head_dim hidden / 4
+    cache = lean(model, "K2V2", act=0.5)
+    assert cache.page_head_dim == padded_hidden // 4
+    wide = lean(model_of("llama-mha", 5, hidden_size=padded_hidden), "K2V2")
+    assert cache.token_bytes()["kv"] == wide.token_bytes()["kv"]
+    ids, mask = _batch(5, rows=2, width=9)
+    out = _generate(model, ids, mask, cache, new=6)
+    assert out.shape == (2, 15)
+    assert int(cache.act_store.table.lens.sum()) > 0  # ACT blocks were stored
+
+
 def test_pool_exhausted_leaves_cache_usable():
     model = model_of("llama-mha", 8)
     ids, mask = _batch(8)
