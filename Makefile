@@ -48,4 +48,22 @@ test-floor: $(VENV)/.installed
 	$(FLOOR_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(FLOOR_VENV)/bin/python -m pytest -q -m "not slow" $(FLOOR_TESTS)
 
-.PHONY: install demo test test-floor gpu-check
+# The oldest Triton leankit declares (pyproject.toml): the AOT gate (sm_80/sm_90, no spill in any
+# loop) and the interpreter kernel tests, in a throwaway venv that reuses this venv's packages with
+# that Triton installed over them. Triton 3.6 compiles some kernels differently from 3.9 (warps of
+# a batched dot, results of jit helpers), so each version gets its own check.
+FLOOR_TRITON ?= 3.6.0
+TRITON_FLOOR_VENV ?= .venv-triton-floor
+TRITON_FLOOR_TESTS ?= tests/test_kernel_paged_attention.py tests/test_kernel_prefill.py tests/test_kernel_codes_ptx.py
+test-triton-floor: $(VENV)/.installed
+	rm -rf $(TRITON_FLOOR_VENV)
+	python3 -m venv $(TRITON_FLOOR_VENV)
+	$(PY) -c "import sys; print('\\n'.join(p for p in sys.path if p.endswith('-packages')))" > \
+	    "$$($(TRITON_FLOOR_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_base.pth"
+	$(TRITON_FLOOR_VENV)/bin/python -m pip install -q --no-deps triton==$(FLOOR_TRITON)
+	$(TRITON_FLOOR_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(TRITON_FLOOR_VENV)/bin/python -c "import triton; print('triton', triton.__version__)"
+	$(TRITON_FLOOR_VENV)/bin/python -m leankit_kernels.aot
+	$(TRITON_FLOOR_VENV)/bin/python -m pytest -q $(TRITON_FLOOR_TESTS)
+
+.PHONY: install demo test test-floor test-triton-floor gpu-check

@@ -225,16 +225,3 @@ def test_split_sizing_by_occupancy_and_per_head_work():
     assert choose_splits(8, 1000, g, f, ps, sms, 8 * 1000, resident=4) >= uniform
     assert choose_splits(1, 3, g, f, ps, sms, 3, resident=4) <= 3
     assert choose_splits(2, 40, g, f, ps, None) == 2 and choose_splits(2, 9, g, f, ps, None) == 1
-
-
-@pytest.mark.parametrize("spec,dtype", [("K8V4-K4V2", F16), ("FP16", F32)])
-def test_decode_independent_softmax_lanes(spec, dtype, monkeypatch):
-    """A tile split into 4 lanes with their own running max / sum / accumulator (merged once per
-    program) gives the same attention as one lane."""
-    import leankit_kernels.paged_attention as pa
-
-    monkeypatch.setattr(pa, "DECODE_LANES", 4)
-    gen, seed = testing.fresh_generator()
-    fc, q, q_pos = testing.attention_case(gen, spec, [130, 9], 3, 3, 1, dtype=dtype, prune_frac=0.1)
-    out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
-    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")

@@ -70,13 +70,20 @@ def test_prefill_small_blocks():
     testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
 
 
-def test_prefill_config_per_gpu():
-    """H100 (sm_90) gets 128-row tiles capped at 128 registers; sm_80 and the interpreter keep 64 rows
-    uncapped (the AOT check holds both spill-free inside their loops)."""
+def test_prefill_config_per_gpu(monkeypatch):
+    """H100 (sm_90) gets 128-row tiles capped at 128 registers where Triton compiles them without a
+    spill in the loop (3.9 on); older Triton, sm_80 and the interpreter keep 64 rows uncapped (the
+    AOT check holds each spill-free inside its loops)."""
+    import leankit_kernels.prefill_attention as pre
     from leankit_kernels.prefill_attention import prefill_config
 
+    monkeypatch.setattr(pre, "WIDE_SM90_TILE", True)
     h100 = prefill_config(128, (9, 0))
     assert h100["BLOCK_M"] == 128 and h100["num_warps"] == 8 and h100["maxnreg"] == 128
+    monkeypatch.setattr(pre, "WIDE_SM90_TILE", False)
+    old_triton = prefill_config(128, (9, 0))
+    assert old_triton["BLOCK_M"] == 64 and "maxnreg" not in old_triton
+    monkeypatch.setattr(pre, "WIDE_SM90_TILE", True)
     for cap in ((8, 0), None):
         cfg = prefill_config(128, cap)
         assert cfg["BLOCK_M"] == 64 and "maxnreg" not in cfg

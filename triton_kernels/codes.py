@@ -32,8 +32,11 @@ from .tiles import code_ptrs, load_side, meta_index, unpack_codes
 # Inline PTX runs on a GPU only: Triton's interpreter (and LEANKIT_INLINE_PTX=0) takes the
 # plain-Triton path to the same fp16 values. tests/test_cuda_kernels.py (make gpu-check) checks the
 # PTX path against the reference on a GPU.
-_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1"
-                    and os.environ.get("LEANKIT_INLINE_PTX", "1") != "0")
+# The predicates on constexprs below (nibble_keys, asm_key_bytes, word_unpack, code_bias) are
+# triton.constexpr_function: Triton 3.6 (the oldest leankit supports) compiles the result of a
+# @triton.jit helper to a tensor, which an `if` cannot test.
+_ASM_ON = os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("LEANKIT_INLINE_PTX", "1") != "0"
+_ASM = tl.constexpr(_ASM_ON)
 
 # The PTX of the two conversions. Operands follow Triton's packing (pack=4): the four uint8 inputs
 # share one 32-bit register (element i in byte i), listed after the outputs; each fp16 output
@@ -60,7 +63,7 @@ def _byte_codes_fp16(byt):
     return tl.inline_asm_elementwise(BYTE_CODES_PTX, BYTE_CODES_REGS, [byt], dtype=tl.float16, is_pure=True, pack=4)
 
 
-@triton.jit
+@triton.constexpr_function
 def nibble_keys(BITS: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
     """Whether one-group 4-bit keys reach the MMA as two half-width operands, the low and the high
     nibbles of their bytes (:func:`key_nibbles`): features ``2j`` and ``2j + 1`` of a key are the
@@ -116,7 +119,7 @@ def _mpair(w, ws, magic, k: tl.constexpr, BITS: tl.constexpr):
     return x | magic
 
 
-@triton.jit
+@triton.constexpr_function
 def asm_key_bytes(BITS: tl.constexpr, DOT: tl.constexpr, KEYS: tl.constexpr):
     """Whether :func:`codes` turns a side's codes into fp16 with inline PTX, one byte per code
     (:func:`_byte_codes_fp16`): 8-bit keys on a GPU. The conversion is elementwise on ``[N, F]``,
@@ -124,7 +127,7 @@ def asm_key_bytes(BITS: tl.constexpr, DOT: tl.constexpr, KEYS: tl.constexpr):
     storing the unpacked tile to shared memory and reading it back (K8V4 d128 on sm_90a: 920 ->
     798 SASS instructions per 126-token iteration). Values (the ``p @ v`` MMA's other operand)
     keep the word-level unpack, where this measured worse."""
-    return KEYS and BITS == 8 and DOT == tl.float16 and _ASM
+    return bool(KEYS and BITS == 8 and DOT == tl.float16 and _ASM_ON)
 
 
 @triton.jit
@@ -159,7 +162,7 @@ def key_order(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
     return f
 
 
-@triton.jit
+@triton.constexpr_function
 def word_unpack(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
     """Whether :func:`codes` unpacks a side a 32-bit word at a time."""
     return DOT == tl.float16 and (F * BITS // 8) % 4 == 0 and BITS >= 2 and BITS <= 8
@@ -213,7 +216,7 @@ def codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.c
     return x
 
 
-@triton.jit
+@triton.constexpr_function
 def code_bias(DOT: tl.constexpr):
     """The offset :func:`codes` leaves on key codes: 1024 for fp16 operands, 0 otherwise."""
     if DOT == tl.float16:

@@ -85,13 +85,12 @@ from .tiles import (
 
 __all__ = ["DecodeLogits", "apply_score_update", "paged_attention", "received_attention", "score_update_ref"]
 
-# Warps of a decode program, and independent softmax lanes of its slot tile (each lane keeps its
-# own running max / sum / accumulator and they merge once per program, so no reduction crosses
-# lanes inside the loop). One lane measured best (python -m leankit_kernels.aot: 4 lanes, warps on
-# the lane axis, issue as much per KB with more registers, since each warp's MMA pads its own
-# copy of the query rows); a GPU needs tile rows / lanes >= 16 (the p @ v MMA's K).
+# Warps of a decode program. The slot tile is one 2-D block with one running max / sum /
+# accumulator: independent softmax lanes (a batched 3-D tl.dot per lane) issued as much per KB with
+# more registers under Triton 3.9, and Triton 3.6 (the oldest leankit supports) puts the warps of a
+# batched dot on its batch axis, so with one lane every warp repeated the whole tile (4x the MMAs,
+# 255 registers and spills inside the loop; python -m leankit_kernels.aot under triton 3.6).
 DECODE_WARPS = 4
-DECODE_LANES = 1
 DECODE_MAX_ROWS = 128
 # A split must read at least this many times the bytes of the fp32 partial (acc, max, sum) it
 # writes and the reduce reads back, so the split-K merge costs at most ~6% extra traffic.
@@ -99,103 +98,98 @@ SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
-def _decode_step(m, l, acc, am, ab, q3, q3b, qsum, qoff, qpos, kpos, pool, page, row, valid, sm_scale,
+def _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row, valid, sm_scale,
                  TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Base-2 logits ``[W, G_PAD, NB]`` of one slot tile and the online-softmax step over it.
+                 BLOCK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Base-2 logits ``[BLOCK, G_PAD]`` of one slot tile and the online-softmax step over it.
 
-    The ``BLOCK = W * NB`` slots are split into ``W`` independent lanes of ``NB`` slots, each with
-    its own running max, sum and transposed accumulator (``m``, ``l`` ``[W, G_PAD]``, ``acc``
-    ``[W, F, G_PAD]``; a batched ``tl.dot`` per lane): the softmax never reduces across lanes
-    inside the loop, and the lanes are merged once per program (:func:`_merge_lanes`).
-    Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)`` and
-    ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`). With one-group quantized values the
-    ``p @ m`` term and the code offset have their own sums ``am``, ``ab`` ``[W, G_PAD]``
+    Keys sit on the MMAs' M dimension (``k q^T``, then ``v^T p``): Triton gives the warps of a dot
+    whose result feeds another dot to its M dimension, so with the G query rows there every warp
+    would repeat the whole tile. ``qa``/``qb`` are the query ``[F, G_PAD]`` (its halves for 4-bit
+    keys), ``m``, ``l`` ``[G_PAD]`` the running max and sum, ``acc`` ``[F, G_PAD]`` the transposed
+    accumulator. Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)``
+    and ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`). With one-group quantized values the
+    ``p @ m`` term and the code offset have their own sums ``am``, ``ab`` ``[G_PAD]``
     (:func:`_fold_values`), so no per-tile term is broadcast over the accumulator's F rows.
     """
-    BLOCK: tl.constexpr = W * NB
-    if _nibble_tier(TIER, F, DOT):
-        # 4-bit keys as two half-width operands (even features, odd features): q3 / q3b hold the
+    if _nibble_tier(TIER.NG, TIER.KBITS, F, DOT):
+        # 4-bit keys as two half-width operands (even features, odd features): qa / qb hold the
         # query's matching halves (:func:`_query_halves`)
         k_lo, k_hi = key_nibbles(pool, page, row, valid, TIER.KOFF, F, PAGE_SIZE)
         ks, km = scale_min(pool, page, row, valid, TIER.KMOFF, PAGE_SIZE)
-        HF: tl.constexpr = F // 2
-        raw = tl.dot(q3, tl.permute(tl.reshape(k_lo, (W, NB, HF)), (0, 2, 1)), acc=qoff, input_precision=PREC)
-        raw = tl.dot(q3b, tl.permute(tl.reshape(k_hi, (W, NB, HF)), (0, 2, 1)), acc=raw, input_precision=PREC)
+        raw = tl.dot(k_lo, qa, acc=qoff, input_precision=PREC)
+        raw = tl.dot(k_hi, qb, acc=raw, input_precision=PREC)
     else:
         kx, ks, km = side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
                                 PAGE_SIZE, BLOCK, DOT, True, True)
         # the MMA starts from -1024 sum(q') (qoff, :func:`_tier_query`), so raw = q . Q with Q the codes
-        raw = tl.dot(q3, tl.permute(tl.reshape(kx, (W, NB, F)), (0, 2, 1)), acc=qoff, input_precision=PREC)
-    ks = tl.reshape(ks * sm_scale, (W, NB))
-    km = tl.reshape(km * sm_scale, (W, NB))
-    s = raw * ks[:, None, :] + qsum[None, :, None] * km[:, None, :]
-    s = tl.where(tl.reshape(kpos, (W, NB))[:, None, :] <= qpos, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 2))
+        raw = tl.dot(kx, qa, acc=qoff, input_precision=PREC)
+    ks = ks * sm_scale
+    km = km * sm_scale
+    s = raw * ks[:, None] + km[:, None] * qsum[None, :]
+    s = tl.where(kpos[:, None] <= qpos, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, :, None])
+    p = tl.exp2(s - m_safe[None, :])
     alpha = tl.exp2(m - m_safe)
-    l = l * alpha + tl.sum(p, 2)
+    l = l * alpha + tl.sum(p, 0)
     VQ: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1
-    VB: tl.constexpr = _value_bias(TIER, DOT)
+    VB: tl.constexpr = _value_bias(TIER.NG, TIER.VBITS, DOT)
     # one-group value codes keep the fp16 offset of codes() (1024 + 2^e c: no per-element subtraction)
     vx, vs, vm = side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
                             PAGE_SIZE, BLOCK, DOT, VB != 0, False)
-    vs = tl.reshape(vs, (W, NB))
-    vm = tl.reshape(vm, (W, NB))
-    ps = (p * vs[:, None, :]).to(DOT)
-    # Transposed (v^T p^T): the F output columns fill the MMA's M dimension and the few query rows
+    ps = (p * vs[:, None]).to(DOT)
+    # Transposed (v^T p): the F output columns fill the MMA's M dimension and the few query rows
     # its N, so no padded query rows are copied into the operand registers each tile.
-    pv = tl.dot(tl.permute(tl.reshape(vx, (W, NB, F)), (0, 2, 1)), tl.permute(ps, (0, 2, 1)),
-                input_precision=PREC)
+    pv = tl.dot(tl.trans(vx), ps, input_precision=PREC)
     if VQ:
-        acc = acc * alpha[:, None, :] + pv
-        am = am * alpha + tl.sum(p * vm[:, None, :], 2)
+        acc = acc * alpha[None, :] + pv
+        am = am * alpha + tl.sum(p * vm[:, None], 0)
         if VB != 0:
             # the offset leaves through the operand the MMA saw, ps = fp16(p s): sum_n ps_n, not
             # sum_n p_n s_n (1024 times the fp16 rounding of p s would swamp the output)
-            ab = ab * alpha + tl.sum(ps.to(tl.float32), 2)
+            ab = ab * alpha + tl.sum(ps.to(tl.float32), 0)
     else:
-        acc = acc * alpha[:, None, :] + pv + tl.sum(p * vm[:, None, :], 2)[:, None, :]
+        acc = acc * alpha[None, :] + pv + tl.sum(p * vm[:, None], 0)[None, :]
     return s, m_new, l, acc, am, ab
 
 
 @triton.jit
 def _fold_values(acc, am, ab, TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr, VPERM: tl.constexpr):
-    """A tier's accumulator ``[W, F, G_PAD]`` in value units: row ``f`` summed ``ps (1024 + 2^e_f c)``
+    """A tier's accumulator ``[F, G_PAD]`` in value units: row ``f`` summed ``ps (1024 + 2^e_f c)``
     (:func:`code_scale`; word order when ``VPERM``), ``ab`` the sum of ``ps`` and ``am`` the
     ``p @ m`` term, so ``p @ v_hat = (acc - 1024 ab) / 2^e_f + am`` (exact power-of-two divide)."""
     if TIER.VBITS < 16 and TIER.NG == 1:
-        acc = acc - _value_bias(TIER, DOT) * ab[:, None, :]
+        acc = acc - _value_bias(TIER.NG, TIER.VBITS, DOT) * ab[None, :]
         if VPERM:
-            acc = acc / code_scale(F, TIER.VBITS, DOT, False)[None, :, None]
-        acc = acc + am[:, None, :]
+            acc = acc / code_scale(F, TIER.VBITS, DOT, False)[:, None]
+        acc = acc + am[None, :]
     return acc
 
 
-@triton.jit
-def _value_bias(TIER: tl.constexpr, DOT: tl.constexpr):
-    """Offset the value codes of ``TIER`` keep in the decode loop: :func:`code_bias` for one-group
-    quantized values, 0 for any other value side (dequantized in registers)."""
-    if TIER.VBITS < 16 and TIER.NG == 1:
+@triton.constexpr_function
+def _value_bias(NG: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr):
+    """Offset the value codes of a tier (``NG`` groups per token, ``VBITS``-bit values) keep in the
+    decode loop: :func:`code_bias` for one-group quantized values, 0 for any other value side
+    (dequantized in registers). Takes the tier's fields, not the tier: Triton 3.6's interpreter
+    hands a constexpr function a :class:`~leankit_kernels.tiles.Tier` as a plain tuple."""
+    if VBITS < 16 and NG == 1:
         return code_bias(DOT)
     return 0.0
 
 
 @triton.jit
-def _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, lg_ptr, LG_N,
+def _decode_tier(m, l, acc, q, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, lg_ptr, LG_N,
                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                 W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                 SAVE_LOGITS: tl.constexpr):
+                 BLOCK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
     """Online-softmax accumulation over the live slots of pages ``[pg0, pg1)`` of one tier.
 
-    A tile is ``PPT = BLOCK // T`` whole pages (``BLOCK = W * NB`` rows, the last ``BLOCK - PPT*T``
+    A tile is ``PPT = BLOCK // T`` whole pages (``BLOCK`` rows, the last ``BLOCK - PPT*T``
     rows always masked), so each slot's page column and in-page row are loop-invariant
     (``t // T``, ``t % T`` of the tile row ``t``): per tile only the ``PPT`` page ids are read
     from the table. A page larger than the tile (``T > BLOCK``) is walked in ``BLOCK``-slot runs.
     """
-    BLOCK: tl.constexpr = W * NB
     t = tl.arange(0, BLOCK)
     s1 = tl.minimum(pg1 * TIER.T, n_live)
     # This tier's values fill the accumulator columns in the word order of key_order: permute the
@@ -203,13 +197,13 @@ def _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_liv
     VPERM: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1 and word_unpack(F, TIER.VBITS, DOT)
     if VPERM:
         # value column j accumulates 2^e_j times its codes (code_scale): scale the rows to match
-        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, True) * code_scale(F, TIER.VBITS, DOT, False)[None, :, None]
-    am = tl.zeros([W, G_PAD], tl.float32)
-    ab = tl.zeros([W, G_PAD], tl.float32)
-    if _nibble_tier(TIER, F, DOT):
-        qa, qb = _query_halves(q3, W, G_PAD, F)
+        acc = _word_order(acc, G_PAD, F, TIER.VBITS, True) * code_scale(F, TIER.VBITS, DOT, False)[:, None]
+    am = tl.zeros([G_PAD], tl.float32)
+    ab = tl.zeros([G_PAD], tl.float32)
+    if _nibble_tier(TIER.NG, TIER.KBITS, F, DOT):
+        qa, qb = _query_halves(q, G_PAD, F)
     else:
-        qa, qb = q3, q3
+        qa, qb = q, q  # one operand
     if BLOCK >= TIER.T:
         PPT: tl.constexpr = BLOCK // TIER.T
         j = t // TIER.T
@@ -226,61 +220,60 @@ def _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_liv
             page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
             kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
             s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
-                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
+                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT, PREC)
             if SAVE_LOGITS:
-                _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
+                _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD)
     else:
         for start in range(pg0 * TIER.T, s1, BLOCK):
             slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
             s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
-                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, W, NB, DOT, PREC)
+                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT, PREC)
             if SAVE_LOGITS:
-                _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD, W, NB)
+                _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD)
     acc = _fold_values(acc, am, ab, TIER, F, DOT, VPERM)
     if VPERM:
-        acc = _word_order(acc, W, G_PAD, F, TIER.VBITS, False)
+        acc = _word_order(acc, G_PAD, F, TIER.VBITS, False)
     return m, l, acc
 
 
 @triton.jit
-def _word_order(acc, W: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr,
-                TO_WORD: tl.constexpr):
-    """Permute the feature rows of ``acc`` ``[W, F, G_PAD]`` from feature order to the word order of
+def _word_order(acc, G_PAD: tl.constexpr, F: tl.constexpr, BITS: tl.constexpr, TO_WORD: tl.constexpr):
+    """Permute the feature rows of ``acc`` ``[F, G_PAD]`` from feature order to the word order of
     :func:`key_order` (``TO_WORD``) or back: inside each block of ``32 / BITS`` rows, feature
     ``h * HALF + k`` sits at row ``2 k + h``, a transpose of ``[2, HALF]``."""
     HALF: tl.constexpr = 16 // BITS
     if TO_WORD:
-        x = tl.reshape(acc, (W, F // (2 * HALF), 2, HALF, G_PAD))
+        x = tl.reshape(acc, (F // (2 * HALF), 2, HALF, G_PAD))
     else:
-        x = tl.reshape(acc, (W, F // (2 * HALF), HALF, 2, G_PAD))
-    return tl.reshape(tl.permute(x, (0, 1, 3, 2, 4)), (W, F, G_PAD))
+        x = tl.reshape(acc, (F // (2 * HALF), HALF, 2, G_PAD))
+    return tl.reshape(tl.permute(x, (0, 2, 1, 3)), (F, G_PAD))
+
+
+@triton.constexpr_function
+def _nibble_tier(NG: tl.constexpr, KBITS: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
+    """Whether a tier's keys (``NG`` groups per token, ``KBITS`` bits) are one-group 4-bit codes read
+    as two half-width MMA operands (:func:`leankit_kernels.codes.nibble_keys`): the query halves and
+    the key tile must agree."""
+    return NG == 1 and nibble_keys(KBITS, F, DOT)
 
 
 @triton.jit
-def _nibble_tier(TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
-    """Whether ``TIER``'s keys are one-group 4-bit codes read as two half-width MMA operands
-    (:func:`leankit_kernels.codes.nibble_keys`): the query halves and the key tile must agree."""
-    return TIER.NG == 1 and nibble_keys(TIER.KBITS, F, DOT)
-
-
-@triton.jit
-def _query_halves(q3, W: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr):
-    """The first and second halves of the query's columns ``[W, G_PAD, F/2]`` each (for 4-bit keys,
-    loaded as the even features then the odd ones: :func:`leankit_kernels.codes.key_order`)."""
-    halves = tl.permute(tl.reshape(q3, (W, G_PAD, 2, F // 2)), (0, 1, 3, 2))
-    return tl.split(halves)
+def _query_halves(q, G_PAD: tl.constexpr, F: tl.constexpr):
+    """The first and second halves of the query operand ``[F, G_PAD]``: ``[F/2, G_PAD]`` each (for
+    4-bit keys, loaded as the even features then the odd ones: :func:`leankit_kernels.codes.key_order`)."""
+    return tl.split(tl.permute(tl.reshape(q, (2, F // 2, G_PAD)), (1, 2, 0)))
 
 
 @triton.jit
 def _tier_query(q_row, g, TIER: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
-                W: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr):
-    """The query rows ``[G_PAD, F]`` as ``DOT`` operand for the key tile of ``TIER``, and their fp32 sums.
+                BLOCK: tl.constexpr, DOT: tl.constexpr):
+    """The query as ``DOT`` operand ``[F, G_PAD]`` for the key tile of ``TIER``, and its fp32 row sums.
 
     One-group quantized keys arrive in the column order of :func:`key_order`, column ``j`` holding
     ``1024 + 2^e_j c`` (:func:`code_scale`): the query is loaded in that order and divided by
     ``2^e_j`` (exact: a power of two), so ``q' . k = 1024 sum(q') + q . c``. Returns ``q'``, the
     sum of ``q`` as rounded (the ``m sum(q)`` term of ``q . k_hat``) and ``-1024 sum(q')``
-    broadcast to the logits tile ``[W, G_PAD, NB]``, the MMA's starting value.
+    broadcast to the logits tile ``[BLOCK, G_PAD]``, the MMA's starting value.
     """
     if TIER.KBITS < 16 and TIER.NG == 1:
         q = tl.load(q_row + key_order(F, TIER.KBITS, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
@@ -290,27 +283,15 @@ def _tier_query(q_row, g, TIER: tl.constexpr, G: tl.constexpr, G_PAD: tl.constex
         q = tl.load(q_row + tl.arange(0, F)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
         qs = q
         off = tl.zeros([G_PAD], tl.float32)
-    return qs, tl.sum(q.to(tl.float32), 1), tl.broadcast_to(off[None, :, None], (W, G_PAD, NB))
+    return tl.trans(qs), tl.sum(q.to(tl.float32), 1), tl.broadcast_to(off[None, :], (BLOCK, G_PAD))
 
 
 @triton.jit
-def _store_logits(lg_ptr, LG_N, s, slot, valid, G: tl.constexpr, G_PAD: tl.constexpr, W: tl.constexpr,
-                  NB: tl.constexpr):
-    """Save the tile's logits ``s`` ``[W, G_PAD, NB]`` at ``lg_ptr[g * LG_N + slot]`` (live slots, real heads)."""
+def _store_logits(lg_ptr, LG_N, s, slot, valid, G: tl.constexpr, G_PAD: tl.constexpr):
+    """Save the tile's logits ``s`` ``[BLOCK, G_PAD]`` at ``lg_ptr[g * LG_N + slot]`` (live slots, real heads)."""
     g = tl.arange(0, G_PAD)
-    slot3 = tl.reshape(slot, (W, NB))[:, None, :]
-    ok = (g < G)[None, :, None] & tl.reshape(valid, (W, NB))[:, None, :]
-    tl.store(lg_ptr + g[None, :, None] * LG_N + slot3, s, mask=ok)
-
-
-@triton.jit
-def _merge_lanes(m, l, acc):
-    """Merge the ``W`` lanes' online-softmax states (log-sum-exp merge) into one ``[G_PAD]`` state,
-    the accumulator back in ``[G_PAD, F]`` orientation."""
-    mm = tl.max(m, 0)
-    m_safe = tl.where(mm == float("-inf"), 0.0, mm)
-    w = tl.exp2(m - m_safe[None, :])
-    return mm, tl.sum(l * w, 0), tl.trans(tl.sum(acc * w[:, None, :], 0))
+    ok = valid[:, None] & (g < G)[None, :]
+    tl.store(lg_ptr + slot[:, None] + g[None, :] * LG_N, s, mask=ok)
 
 
 # Runtime integers the kernels must not specialize on: page counts per split, split count, logit
@@ -330,8 +311,7 @@ SCORE_UNALIGNED = ("lg_ptr", "lse_ptr", "qpos_ptr", "qvalid_ptr", "tab_ptr", "le
 def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_ptr, np_ptr, len_ptr, stride_tier,
                    part_acc, part_ml, out_ptr, lse_ptr, lg_ptr, H, R, PPS, NSPLIT, LG_N, sm_scale,
                    G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, W: tl.constexpr, NB_HI: tl.constexpr,
-                   NB_LO: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, NB_HI: tl.constexpr, NB_LO: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
                    SAVE_LOGITS: tl.constexpr, DIRECT: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
     """One (sequence, KV head, split): high-tier pages of the split, then its low-tier pages."""
     bh, b, h = program_head(H)
@@ -341,30 +321,28 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     qpos = tl.load(qpos_ptr + b * stride_pb)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh
     # Each tier's keys arrive in that tier's column order (key_order): load q in the same order.
-    q_hi, qsum, qoff = _tier_query(q_row, g, HI, G, G_PAD, F, W, NB_HI, DOT)
-    q3 = tl.broadcast_to(q_hi[None, :, :], (W, G_PAD, F))
+    q_hi, qsum, qoff = _tier_query(q_row, g, HI, G, G_PAD, F, NB_HI, DOT)
     tab_row = tab_ptr + bh.to(tl.int64) * R
-    m = tl.full([W, G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([W, G_PAD], tl.float32)
-    acc = tl.zeros([W, F, G_PAD], tl.float32)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([F, G_PAD], tl.float32)
     v0 = split * PPS
     v1 = v0 + PPS
     nh = tl.load(np_ptr + bh)
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
-    m, l, acc = _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, tl.minimum(v0, nh), tl.minimum(v1, nh),
-                             tl.load(len_ptr + bh), R, sm_scale, lg_row, LG_N,
-                             False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, W, NB_HI, DOT, PREC, SAVE_LOGITS)
+    m, l, acc = _decode_tier(m, l, acc, q_hi, qsum, qoff, qpos, pool, tab_row, tl.minimum(v0, nh),
+                             tl.minimum(v1, nh), tl.load(len_ptr + bh), R, sm_scale, lg_row, LG_N,
+                             False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, NB_HI, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
         nl = tl.load(np_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
-        q_lo, qsum, qoff = _tier_query(q_row, g, LO, G, G_PAD, F, W, NB_LO, DOT)
-        q3 = tl.broadcast_to(q_lo[None, :, :], (W, G_PAD, F))
-        m, l, acc = _decode_tier(m, l, acc, q3, qsum, qoff, qpos, pool, tab_row, l0, l1,
+        q_lo, qsum, qoff = _tier_query(q_row, g, LO, G, G_PAD, F, NB_LO, DOT)
+        m, l, acc = _decode_tier(m, l, acc, q_lo, qsum, qoff, qpos, pool, tab_row, l0, l1,
                                  tl.load(len_ptr + stride_tier + bh),
                                  R, sm_scale, lg_row + G * LG_N, LG_N,
-                                 True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, W, NB_LO, DOT, PREC, SAVE_LOGITS)
-    m, l, acc = _merge_lanes(m, l, acc)
+                                 True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, NB_LO, DOT, PREC, SAVE_LOGITS)
+    acc = tl.trans(acc)  # [G_PAD, F]
     gmask = g < G
     if DIRECT:
         _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)
@@ -507,10 +485,9 @@ def decode_loop_tokens(layout, dot_bytes: int = 2) -> int:
 
 def decode_tiling(targs: dict, dot_bytes: int = 2) -> dict:
     """Tile constexprs of :func:`_decode_kernel` for the tiers in ``targs`` (:func:`leankit_kernels.tiles.tier_args`)
-    and MMA operands of ``dot_bytes`` bytes: ``W`` lanes of ``NB_HI`` / ``NB_LO`` slots."""
+    and MMA operands of ``dot_bytes`` bytes: tiles of ``NB_HI`` / ``NB_LO`` slots."""
     f = targs["F"]
-    return {"W": DECODE_LANES, "NB_HI": tier_rows(targs["HI"], f, dot_bytes) // DECODE_LANES,
-            "NB_LO": tier_rows(targs["LO"], f, dot_bytes) // DECODE_LANES}
+    return {"NB_HI": tier_rows(targs["HI"], f, dot_bytes), "NB_LO": tier_rows(targs["LO"], f, dot_bytes)}
 
 
 def group_pad(g: int) -> int:

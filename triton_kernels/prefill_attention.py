@@ -35,6 +35,8 @@ Kernels
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -73,16 +75,29 @@ def prefill_warps(head_dim: int) -> int:
     return 8 if head_dim >= 128 else 4
 
 
+def _triton_at_least(major: int, minor: int) -> bool:
+    """Whether the installed Triton is ``major.minor`` or newer."""
+    found = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return found is not None and (int(found[1]), int(found[2])) >= (major, minor)
+
+
+# Triton before 3.9 spills inside the loop of the 128-row sm_90 tile at the 128-register cap
+# (python -m leankit_kernels.aot under triton 3.6: one local op per iteration; a 136 cap would
+# halve the programs per SM), so there the 64-row tile runs on sm_90 too (128 registers uncapped).
+WIDE_SM90_TILE = _triton_at_least(3, 9)
+
+
 def prefill_config(head_dim: int, capability: tuple[int, int] | None) -> dict:
     """Tile and launch options of the prefill kernel on a GPU of compute ``capability`` (``None``:
     the interpreter).
 
-    sm_90 (H100): 128 query rows per program, two warpgroups, capped at 128 registers so two
-    programs share an SM; every loop stays free of spills at that cap (``python -m
-    leankit_kernels.aot``: only a few bytes spill once per program, outside the loops). sm_80 and
-    the interpreter: 64 rows, uncapped (the cap would spill inside the loop there).
+    sm_90 (H100) with Triton 3.9 or newer: 128 query rows per program, two warpgroups, capped at
+    128 registers so two programs share an SM; every loop stays free of spills at that cap
+    (``python -m leankit_kernels.aot``: only a few bytes spill once per program, outside the
+    loops). sm_80, older Triton and the interpreter: 64 rows, uncapped (the cap would spill inside
+    the loop there).
     """
-    if capability is not None and capability[0] >= 9 and head_dim >= 128:
+    if capability is not None and capability[0] >= 9 and head_dim >= 128 and WIDE_SM90_TILE:
         return {"BLOCK_M": 128, "BLOCK_N": BLOCK_N, "num_warps": 8, "maxnreg": 128}
     return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": prefill_warps(head_dim)}
 
