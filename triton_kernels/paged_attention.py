@@ -106,11 +106,17 @@ def _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, 
     Keys sit on the MMAs' M dimension (``k q^T``, then ``v^T p``): Triton gives the warps of a dot
     whose result feeds another dot to its M dimension, so with the G query rows there every warp
     would repeat the whole tile. ``qa``/``qb`` are the query ``[F, G_PAD]`` (its halves for 4-bit
-    keys), ``m``, ``l`` ``[G_PAD]`` the running max and sum, ``acc`` ``[F, G_PAD]`` the transposed
-    accumulator. Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)``
-    and ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`). With one-group quantized values the
-    ``p @ m`` term and the code offset have their own sums ``am``, ``ab`` ``[G_PAD]``
-    (:func:`_fold_values`), so no per-tile term is broadcast over the accumulator's F rows.
+    keys), ``m`` ``[G_PAD]`` the running max, ``acc`` ``[F, G_PAD]`` the transposed accumulator.
+    Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)`` and
+    ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`). With one-group quantized values the
+    ``p @ m`` term and the code offset have their own sums ``am``, ``ab`` (:func:`_fold_values`), so
+    no per-tile term is broadcast over the accumulator's F rows.
+
+    The softmax sum ``l`` and ``am``, ``ab`` stay per slot, ``[BLOCK, G_PAD]``, rescaled with the
+    running max like the accumulator and summed over the slots once per tier (:func:`_decode_tier`):
+    with the slots spread over the warps, a sum over them every tile would cross lanes and warps
+    (shuffles, a shared-memory round trip and a barrier each). Only the max, which every
+    probability needs, is reduced per tile.
     """
     if _nibble_tier(TIER.NG, TIER.KBITS, F, DOT):
         # 4-bit keys as two half-width operands (even features, odd features): qa / qb hold the
@@ -132,7 +138,7 @@ def _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, 
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[None, :])
     alpha = tl.exp2(m - m_safe)
-    l = l * alpha + tl.sum(p, 0)
+    l = l * alpha[None, :] + p
     VQ: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1
     VB: tl.constexpr = _value_bias(TIER.NG, TIER.VBITS, DOT)
     # one-group value codes keep the fp16 offset of codes() (1024 + 2^e c: no per-element subtraction)
@@ -144,13 +150,13 @@ def _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, 
     pv = tl.dot(tl.trans(vx), ps, input_precision=PREC)
     if VQ:
         acc = acc * alpha[None, :] + pv
-        am = am * alpha + tl.sum(p * vm[:, None], 0)
+        am = am * alpha[None, :] + p * vm[:, None]
         if VB != 0:
             # the offset leaves through the operand the MMA saw, ps = fp16(p s): sum_n ps_n, not
             # sum_n p_n s_n (1024 times the fp16 rounding of p s would swamp the output)
-            ab = ab * alpha + tl.sum(ps.to(tl.float32), 0)
-    else:
-        acc = acc * alpha[None, :] + pv + tl.sum(p * vm[:, None], 0)[None, :]
+            ab = ab * alpha[None, :] + ps.to(tl.float32)
+    else:  # dense or several groups per token: side_tile dequantized the values (vs = 1, vm = 0)
+        acc = acc * alpha[None, :] + pv
     return s, m_new, l, acc, am, ab
 
 
@@ -198,8 +204,10 @@ def _decode_tier(m, l, acc, q, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_live
     if VPERM:
         # value column j accumulates 2^e_j times its codes (code_scale): scale the rows to match
         acc = _word_order(acc, G_PAD, F, TIER.VBITS, True) * code_scale(F, TIER.VBITS, DOT, False)[:, None]
-    am = tl.zeros([G_PAD], tl.float32)
-    ab = tl.zeros([G_PAD], tl.float32)
+    am = tl.zeros([BLOCK, G_PAD], tl.float32)
+    ab = tl.zeros([BLOCK, G_PAD], tl.float32)
+    m_in = m  # the running sum l [G_PAD] enters the tier at this max; lt holds its per-slot part
+    lt = tl.zeros([BLOCK, G_PAD], tl.float32)
     if _nibble_tier(TIER.NG, TIER.KBITS, F, DOT):
         qa, qb = _query_halves(q, G_PAD, F)
     else:
@@ -219,18 +227,20 @@ def _decode_tier(m, l, acc, q, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_live
                 col = pcol
             page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
             kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
-            s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
+            s, m, lt, acc, am, ab = _decode_step(m, lt, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
                                                 valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT, PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD)
     else:
         for start in range(pg0 * TIER.T, s1, BLOCK):
             slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
-            s, m, l, acc, am, ab = _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
+            s, m, lt, acc, am, ab = _decode_step(m, lt, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
                                                 valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT, PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD)
-    acc = _fold_values(acc, am, ab, TIER, F, DOT, VPERM)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = l * tl.exp2(m_in - m_safe) + tl.sum(lt, 0)
+    acc = _fold_values(acc, tl.sum(am, 0), tl.sum(ab, 0), TIER, F, DOT, VPERM)  # per-slot sums reduced once
     if VPERM:
         acc = _word_order(acc, G_PAD, F, TIER.VBITS, False)
     return m, l, acc
