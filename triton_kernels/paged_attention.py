@@ -29,10 +29,11 @@ Kernels
     4-bit ones as two half-width MMAs, even and odd features); value codes are unpacked a 32-bit
     word at a time. One-group scale/min are applied per key after the
     matmuls (``q . k_hat = s (q . Q) + m sum(q)``, ``p @ v_hat = (p s) @ Q + p @ m``). All G query
-    heads of the group share the tile: ``tl.dot`` on ``[G_pad, F] x [F, N]`` for the logits and
-    ``[F, N] x [N, G_pad]`` (``v^T p^T``, into a transposed accumulator) for the output
-    (``G_pad`` = G rounded up to a power of two; ``tl.dot`` pads the MMA itself), with an online
-    softmax in base 2. With one split it writes the output directly.
+    heads of the group share the tile, with the keys on the MMAs' M dimension: ``tl.dot`` on
+    ``[N, F] x [F, G_pad]`` (``k q^T``) for the logits and ``[F, N] x [N, G_pad]`` (``v^T p``, into
+    a transposed accumulator) for the output (``G_pad`` = G rounded up to a power of two;
+    ``tl.dot`` pads the MMA itself), with an online softmax in base 2 whose sums stay per slot
+    until the end of each tier. With one split it writes the output directly.
     ``_decode_reduce_kernel``: merges the S partials of a (sequence, KV head) (log-sum-exp merge).
     ``_score_update_kernel``: after the reduce, turns the saved logits and the final lse into
     ``p_bar`` and updates the score segment of live slots (one program per (head, slot tile, tier)).
