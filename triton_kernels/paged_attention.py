@@ -42,7 +42,7 @@ Page layout: LeanKV's CUDA kernel interleaves keys as ``[F/(Kvec*Kgroup), N, Kgr
 values token-vectorized so that each *thread group* of a warp reads contiguous vectors. A Triton
 program instead loads the whole ``[BLOCK_N, Kb]`` tile of a page at once and the compiler assigns
 threads to contiguous 16-byte vectors of it; a token-major segment is exactly that contiguous tile
-and exactly the ``[BLOCK_N, F]`` operand ``tl.dot`` wants for both ``q k^T`` and ``p v``, so
+and exactly the ``[BLOCK_N, F]`` operand ``tl.dot`` wants for both ``k q^T`` and ``v^T p``, so
 leankit keeps the token-major layout of :mod:`leankit.pages` (no interleaving to undo in
 registers, and quantize/pack writes whole rows).
 """
