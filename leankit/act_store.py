@@ -70,7 +70,6 @@ import torch
 
 from .attention import merge_attention
 from .backend import use_triton
-from .cache import padded_group_sizes
 from .config import act_kv_token_bytes
 from .hf import cache_argument
 from .page_table import ActPageTable
@@ -197,8 +196,7 @@ def token_bytes(cache, hidden: int) -> dict:
     """
     itemsize = torch.empty((), dtype=cache.dtype).element_size()
     # KV pages hold heads at the width the cache pads them to (LeanCache.page_head_dim)
-    cfg = padded_group_sizes(cache.cfg, cache.head_dim, cache.page_head_dim)
-    return act_kv_token_bytes(cfg, hidden, cache.num_kv_heads, cache.page_head_dim, itemsize)
+    return act_kv_token_bytes(cache.page_cfg, hidden, cache.num_kv_heads, cache.page_head_dim, itemsize)
 
 
 class ActStore:

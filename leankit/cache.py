@@ -287,8 +287,9 @@ class LeanCache(Cache):
         self.rotation = hadamard(self.head_dim, self.device, self.dtype) if self.cfg.rotate else None
         # Channels per head in the pages (padded at this boundary where needed, :meth:`to_page_basis`)
         self.page_head_dim = padded_head_dim(self.cfg, self.head_dim, use_triton(torch.empty(0, device=self.device)))
-        layout_cfg = padded_group_sizes(self.cfg, self.head_dim, self.page_head_dim)
-        self.layouts = tuple(PageLayout.build(layout_cfg, t, self.page_head_dim, self.dtype)
+        # the config as the pages hold it: group sizes restated for the padded heads
+        self.page_cfg = padded_group_sizes(self.cfg, self.head_dim, self.page_head_dim)
+        self.layouts = tuple(PageLayout.build(self.page_cfg, t, self.page_head_dim, self.dtype)
                              for t in range(len(self.cfg.tiers)))
         self.max_seq_len = int(max_seq_len or getattr(cfg, "max_position_embeddings", 8192))
         self.row_len = math.ceil(self.max_seq_len / self.layouts[HIGH].tokens) + 1
