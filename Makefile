@@ -31,6 +31,15 @@ gpu-check:
 	$(GPU_PY) bench/kernels.py --head-dim 64 --kv-heads 3 --group 3 --out results/gpu
 	$(GPU_PY) bench/kernels.py --head-dim 128 --kv-heads 8 --group 4 --out results/gpu
 
+# A fresh venv at $(1) that sees this venv's packages (a .pth of its site-packages), so a floor
+# check installs only what it pins over them.
+define overlay-venv
+rm -rf $(1)
+python3 -m venv $(1)
+$(PY) -c "import sys; print('\\n'.join(p for p in sys.path if p.endswith('-packages')))" > \
+    "$$($(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_base.pth"
+endef
+
 # The oldest transformers leankit declares (pyproject.toml), tested in a throwaway venv that reuses
 # this venv's packages (torch, triton ...) and installs only transformers and its own needs at the
 # floor. `make test-floor FLOOR_TESTS="tests/test_cache.py"` runs a subset.
@@ -38,10 +47,7 @@ FLOOR_TRANSFORMERS ?= 5.0.0
 FLOOR_VENV ?= .venv-floor
 FLOOR_TESTS ?= tests
 test-floor: $(VENV)/.installed
-	rm -rf $(FLOOR_VENV)
-	python3 -m venv $(FLOOR_VENV)
-	$(PY) -c "import sys; print('\\n'.join(p for p in sys.path if p.endswith('-packages')))" > \
-	    "$$($(FLOOR_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_base.pth"
+	$(call overlay-venv,$(FLOOR_VENV))
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(FLOOR_VENV)/constraints.txt
 	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/constraints.txt transformers==$(FLOOR_TRANSFORMERS)
 	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps -e .
@@ -56,10 +62,7 @@ FLOOR_TRITON ?= 3.6.0
 TRITON_FLOOR_VENV ?= .venv-triton-floor
 TRITON_FLOOR_TESTS ?= tests/test_kernel_paged_attention.py tests/test_kernel_prefill.py tests/test_kernel_codes_ptx.py
 test-triton-floor: $(VENV)/.installed
-	rm -rf $(TRITON_FLOOR_VENV)
-	python3 -m venv $(TRITON_FLOOR_VENV)
-	$(PY) -c "import sys; print('\\n'.join(p for p in sys.path if p.endswith('-packages')))" > \
-	    "$$($(TRITON_FLOOR_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_base.pth"
+	$(call overlay-venv,$(TRITON_FLOOR_VENV))
 	$(TRITON_FLOOR_VENV)/bin/python -m pip install -q --no-deps triton==$(FLOOR_TRITON)
 	$(TRITON_FLOOR_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(TRITON_FLOOR_VENV)/bin/python -c "import triton; print('triton', triton.__version__)"
