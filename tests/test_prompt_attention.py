@@ -223,7 +223,7 @@ def test_overlapping_captures_restore_sdpa():
     import threading
 
     original = F.scaled_dot_product_attention
-    q, k, v, _r, _p, mask = _prompt(5, 1, 2, 2, 13, [0])
+    q, k, v, _r, _p, _mask = _prompt(5, 1, 2, 2, 13, [0])
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
     boxes = {"a": {}, "b": {}}
 
@@ -273,13 +273,98 @@ def test_span_attention_agrees_with_the_masked_call(b, hkv, g, n, pads, right):
                                  ordered=True, exact=False, mask_memo=memo)
     assert memo, "the span path did not run"
     live = real.view(b, n, 1, 1).expand_as(out)
-    torch.testing.assert_close(out[live], want[live], rtol=2e-6, atol=2e-6, msg=f"seed {seed}")
+    # fp64 attention under the same mask, [B, Q, Hq, F] as SDPA returns it (padding rows dropped)
+    sc = torch.einsum("bhqf,bhkf->bhqk", q.double(), k.double().repeat_interleave(g, 1)) * 0.125
+    exact = torch.einsum("bhqk,bhkf->bqhf", sc.masked_fill(~mask, float("-inf")).softmax(-1),
+                         v.double().repeat_interleave(g, 1))
+    _assert_as_accurate(out[live], want[live], exact[live], f"seed {seed}")
     assert torch.equal(out[~live], torch.zeros(int((~live).sum())))
     ref = step_received(q, k, pos, real, 0.125, ordered=True)
     torch.testing.assert_close(recv, ref, rtol=2e-5, atol=2e-6, msg=f"seed {seed}")
     out2, none = prompt_attention(module, q, k, v, mask, 0.125, significance=False, q_pos=pos, k_real=real,
                                   ordered=True, exact=False, mask_memo=memo)
+    # Significance never changes the output: bitwise the same without it.
     assert none is None and torch.equal(out2, out)
+
+
+def _causal_fp64(q, k, v, scale):
+    # Causal attention of unpadded rows in fp64: the yardstick for the fp32 paths.
+    g, n = q.shape[1] // k.shape[1], q.shape[2]
+    s = torch.einsum("bhqf,bhkf->bhqk", q.double(), k.double().repeat_interleave(g, 1)) * scale
+    s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("bhqk,bhkf->bhqf", s.softmax(-1), v.double().repeat_interleave(g, 1))
+
+
+def _assert_as_accurate(got, baseline, exact, msg=""):
+    # ``got`` misses the fp64 result by no more than the fp32 path it replaces does (plus 1e-6: at
+    # these sizes fp32 rounding alone moves a result by a few 1e-7).
+    err = (got.double() - exact).abs().max().item()
+    base = (baseline.double() - exact).abs().max().item()
+    assert err <= 1.5 * base + 1e-6, f"error {err:.3g} vs the replaced path's {base:.3g} {msg}"
+
+
+@pytest.mark.parametrize("chunk_elems,min_rows", [(64, 1), (3000, 5), (75272, 16), (1 << 18, 16)])
+@pytest.mark.parametrize("b,hkv,g,n,fv", [(2, 3, 2, 97, 64), (1, 1, 7, 5, 48), (3, 2, 1, 1, 64), (1, 3, 3, 130, 80)])
+def test_causal_received_matches_flash_and_lse_significance(monkeypatch, chunk_elems, min_rows, b, hkv, g, n, fv):
+    # One chunk or many: each with its own diagonal block, key range and group of (sequence, KV
+    # head) pairs; value width apart from the key width.
+    import leankit.prompt_attention as pa
+
+    monkeypatch.setattr(pa, "_CHUNK_ELEMS", chunk_elems)
+    monkeypatch.setattr(pa, "_MIN_ROWS", min_rows)
+    seed = int(torch.randint(0, 1 << 30, ()))
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hkv * g, n, 64, generator=gen) * 2
+    k = torch.randn(b, hkv, n, 64, generator=gen) * 2
+    v = torch.randn(b, hkv, n, fv, generator=gen)
+    out, recv = pa.causal_received(q, k, v, 0.125)
+    exact = _causal_fp64(q, k, v, 0.125)
+    if fv == 64:  # what the span path ran before: the flash kernel (it takes one head width only)
+        _assert_as_accurate(out, pa._causal_flash(q, k, v, 0.125)[0], exact, f"seed {seed}")
+    else:
+        torch.testing.assert_close(out.double(), exact, rtol=2e-5, atol=2e-5, msg=f"seed {seed}")
+    pos = torch.arange(n, dtype=torch.int32).expand(b, n)
+    ref = step_received(q, k, pos, torch.ones(b, n, dtype=torch.bool), 0.125, ordered=True)
+    torch.testing.assert_close(recv, ref, rtol=2e-5, atol=2e-6, msg=f"seed {seed}")
+
+
+def test_causal_received_with_large_logits_and_half_inputs():
+    # Scores far beyond exp()'s fp32 range stay finite (the row max shift); bf16 and fp16 inputs are
+    # computed in fp32 and returned in their own dtype.
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 33, 64, generator=gen) * 40, torch.randn(2, 2, 33, 64, generator=gen) * 40, \
+        torch.randn(2, 2, 33, 64, generator=gen)
+    from leankit.prompt_attention import _causal_flash, causal_received
+
+    out, recv = causal_received(q, k, v, 0.125)
+    assert torch.isfinite(out).all() and torch.isfinite(recv).all()
+    _assert_as_accurate(out, _causal_flash(q, k, v, 0.125)[0], _causal_fp64(q, k, v, 0.125))
+    pos = torch.arange(33, dtype=torch.int32).expand(2, 33)
+    ref = step_received(q, k, pos, torch.ones(2, 33, dtype=torch.bool), 0.125, ordered=True)
+    torch.testing.assert_close(recv, ref, rtol=1e-4, atol=1e-5)
+    for dtype in (torch.bfloat16, torch.float16):
+        qh, kh, vh = (t.to(dtype) for t in (q / 40, k / 40, v))
+        out_h, recv_h = causal_received(qh, kh, vh, 0.125)
+        assert out_h.dtype == dtype and recv_h.dtype == torch.float32
+        # computed from the half inputs in fp32, then rounded once to the half dtype
+        torch.testing.assert_close(out_h, _causal_fp64(qh, kh, vh, 0.125).to(dtype))
+        ref_h = step_received(qh.float(), kh.float(), pos, torch.ones(2, 33, dtype=torch.bool), 0.125, ordered=True)
+        torch.testing.assert_close(recv_h, ref_h, rtol=2e-5, atol=2e-6)
+
+
+def test_unpadded_lossy_prompt_stays_on_sdpa(monkeypatch):
+    # transformers passes no mask for a batch with no padding (SDPA runs is_causal, nothing to skip):
+    # a lossy cache's prompt stays bitwise transformers' SDPA there, with the significance from its lse.
+    import leankit.prompt_attention as pa
+
+    monkeypatch.setattr(pa, "causal_received", lambda *a, **kw: pytest.fail("the span path ran"))
+    q, k, v, real, pos, _mask = _prompt(4, 3, 2, 3, 29, [0, 0, 0])
+    module = _Module(3)
+    want = sdpa_attention_forward(module, q, k, v, None, scaling=0.125)[0]
+    out, recv = prompt_attention(module, q, k, v, None, 0.125, significance=True, q_pos=pos, k_real=real,
+                                 ordered=True, exact=False)
+    assert torch.equal(out, want)
+    torch.testing.assert_close(recv, step_received(q, k, pos, real, 0.125, ordered=True), rtol=2e-5, atol=2e-6)
 
 
 def test_causal_spans_accepts_only_causal_masks_within_one_span():
