@@ -1,22 +1,13 @@
 """The decode benchmark's byte model (bench/kernels.py): no GPU needed, nothing timed."""
 
-import importlib.util
 import io
-import os
-import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "kernels.py")
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("leankit_bench_kernels", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+def bench(bench_script):
+    return bench_script("kernels")
 
 
 def test_k8v4_reads_at_most_045_of_fp16_at_head_dim_64(bench):

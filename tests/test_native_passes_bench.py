@@ -1,10 +1,6 @@
 """bench/native_passes.py on a tiny model: it lists every stored token of a layer and runs both
 compiled passes over them (nothing here checks a time)."""
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
 
@@ -13,16 +9,10 @@ from leankit.cache import LeanCache, attention_head_dim, attention_kv_heads
 from leankit.config import KVConfig
 from leankit.hf import cache_kwargs
 
-BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "native_passes.py")
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("leankit_bench_native_passes", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def bench(bench_script):
+    return bench_script("native_passes")
 
 
 @pytest.mark.parametrize("kv", ["K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=8", "FP16"])

@@ -2,22 +2,12 @@
 kernel's before timing, reports every way it times, and refuses heads that do not group (nothing
 here checks a time)."""
 
-import importlib.util
-import os
-import sys
-
 import pytest
-
-BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "prompt_pass.py")
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("leankit_bench_prompt_pass", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def bench(bench_script):
+    return bench_script("prompt_pass")
 
 
 def test_measure_times_every_way(bench):
