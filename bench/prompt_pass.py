@@ -23,7 +23,7 @@ import time
 import torch
 
 from leankit.attention import Workspace
-from leankit.prompt_attention import _causal_flash, causal_received, received_from_lse
+from leankit.prompt_attention import _cpu_flash, causal_received, received_from_lse
 
 
 def _best(fns: dict, repeat: int) -> dict:
@@ -47,13 +47,13 @@ def measure(batch: int, heads: int, kv_heads: int, head_dim: int, context: int, 
     real = torch.ones(batch, context, dtype=torch.bool)
 
     def flash_sig():
-        _out, lse = _causal_flash(q, k, v, scale)
+        _out, lse = _cpu_flash(q, k, v, is_causal=True, scale=scale)
         return received_from_lse(q, k, lse, real, scale, ws)
 
     out, recv = causal_received(q, k, v, scale, ws)
-    torch.testing.assert_close(out, _causal_flash(q, k, v, scale)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, _cpu_flash(q, k, v, is_causal=True, scale=scale)[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(recv, flash_sig(), rtol=1e-4, atol=1e-5)
-    return _best({"flash": lambda: _causal_flash(q, k, v, scale),
+    return _best({"flash": lambda: _cpu_flash(q, k, v, is_causal=True, scale=scale),
                   "flash + significance": flash_sig,
                   "one pass": lambda: causal_received(q, k, v, scale, ws, significance=False),
                   "one pass + significance": lambda: causal_received(q, k, v, scale, ws)}, repeat)

@@ -25,20 +25,20 @@ adds the mask to it: a left-padded batch of prompts pays for the full square of 
 blocks above the diagonal and the padding included, where ``is_causal`` would skip them. A
 compressed (lossy) cache has no need to reproduce that computation bit for bit, so when the mask
 is exactly causal attention within each row's one contiguous span of real tokens (checked once per
-step, :func:`causal_spans`), each row's span runs through the flash kernel on its own with
-``is_causal=True``: the same softmax over the same keys, summed in other blocks, so it agrees with
-the masked call to fp32 rounding and costs about two thirds of it (8 x 1024 tokens, 9 heads).
+step, :func:`causal_spans`), each row's span is attended on its own, causally, with no block
+above the diagonal and no padding computed (:func:`span_attention`): the same softmax over the
+same keys, summed in other blocks, so it agrees with the masked call to fp32 rounding.
 Padding positions get a zero output: nothing reads it, as no real query attends to a padding key.
 The lossless ``FP16`` config keeps transformers' masked call, so its tokens stay identical to
 ``DynamicCache``'s. So does a batch with no padding (transformers passes no mask and SDPA runs
 ``is_causal`` with nothing to skip): its prompt stays bitwise what an uncompressed cache computes.
 
-**One pass over the scores.** On a CPU the span path runs :func:`causal_received`, which
-computes each span's attention, and its significance where the policy needs it, from one score
-matmul and one ``exp`` per score, instead of the flash kernel followed by
-:func:`received_from_lse` (two of each): about 0.7x their time at 1k-2k tokens on one thread,
-agreeing with the flash kernel's output to fp32 rounding. A cache without significance runs the
-same function (about 1.15x the flash kernel alone), so its output is bitwise what a policy with
+**One pass over the scores.** The span path runs :func:`causal_received`, which computes each
+span's attention, and its significance where the policy needs it, from one score matmul and one
+``exp`` per score, instead of the flash kernel followed by :func:`received_from_lse` (two of
+each): about 0.6x their time at 1k-2k tokens on one thread (``bench/prompt_pass.py``), agreeing
+with the flash kernel's output to fp32 rounding. A cache without significance runs the same
+function (about the flash kernel's own time), so its output is bitwise what a policy with
 significance computes.
 """
 
@@ -153,17 +153,34 @@ def _cpu_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, i
                                                                       attn_mask=attn_mask, scale=scale)
 
 
-def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """``is_causal`` attention of one span on a CPU, ``(out [1, Hq, n, F], lse [1, Hq, n] or None)``.
+def _query_chunks(nq: int, g: int, pairs: int):
+    """The query chunks of a causal pass over ``nq`` tokens: ``(q0, q1, pairs per chunk)``.
 
-    The flash kernel's log-sum-exp is reused by the significance pass; where the kernel is missing
-    (another torch) or refuses the inputs, public SDPA computes the output and the lse is ``None``.
+    Query rows per chunk: the chunk's scores ``[G*rows, q1]`` stay near ``_CHUNK_ELEMS`` (in L2
+    for the passes that follow the matmul), with at least ``_MIN_ROWS`` rows so the matmul keeps its
+    efficiency. Early chunks see few keys, so they take more rows; short prompts batch several
+    (sequence, KV head) pairs into one chunk instead of launching tiny ops per pair.
     """
-    try:
-        return _cpu_flash(q, k, v, is_causal=True, scale=scale)
-    except (AttributeError, RuntimeError, TypeError):  # no such op, or a dtype or layout it refuses
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1]), None
+    q0 = 0
+    while q0 < nq:
+        rows = max(_MIN_ROWS, int((math.sqrt(q0 * q0 + 4 * _CHUNK_ELEMS / g) - q0) / 2))  # G*rows*(q0+rows) <= elems
+        q1 = min(nq, q0 + rows)
+        yield q0, q1, max(1, min(pairs, _CHUNK_ELEMS // (g * (q1 - q0) * q1)))
+        q0 = q1
+
+
+def _chunk_scores(q_rows: torch.Tensor, keys_t: torch.Tensor, flat: torch.Tensor, p0: int, p1: int, q0: int,
+                  q1: int) -> torch.Tensor:
+    """Scores ``[p1 - p0, G*(q1 - q0), q1]`` (in ``flat``) of query rows ``q0:q1`` of pairs ``p0:p1``
+    against their keys ``0:q1``. ``q_rows``: ``[pairs, G, n, F]``; ``keys_t``: ``[pairs, F, n]``."""
+    g, f = q_rows.shape[1], q_rows.shape[-1]
+    m = g * (q1 - q0)
+    e = flat[: (p1 - p0) * m * q1].view(p1 - p0, m, q1)
+    if p1 - p0 == 1:  # a plain matmul reads the key slice in place (a batched one copies it)
+        torch.mm(q_rows[p0, :, q0:q1].reshape(m, f), keys_t[p0, :, :q1], out=e[0])
+    else:
+        torch.bmm(q_rows[p0:p1, :, q0:q1].reshape(p1 - p0, m, f), keys_t[p0:p1, :, :q1], out=e)
+    return e
 
 
 def causal_received(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -206,30 +223,19 @@ def causal_received(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty((pairs, g, n, fv), device=dev)
     recv = torch.zeros((pairs, 1, n), device=dev) if significance else None
     flat = ws.get("recv_scores", (max(_CHUNK_ELEMS, g * _MIN_ROWS * n),), torch.float32, dev)
-    q0 = 0
-    while q0 < n:
-        # the chunk sizing of received_from_lse: G*rows*(q0+rows) <= _CHUNK_ELEMS, at least _MIN_ROWS rows
-        rows = max(_MIN_ROWS, int((math.sqrt(q0 * q0 + 4 * _CHUNK_ELEMS / g) - q0) / 2))
-        q1 = min(n, q0 + rows)
+    for q0, q1, per in _query_chunks(n, g, pairs):
         r = q1 - q0
-        m = g * r
-        per = max(1, min(pairs, _CHUNK_ELEMS // (m * q1)))
         after = torch.ones((r, r), dtype=torch.bool, device=dev).triu_(1)  # keys after their query
-        ones = torch.ones((per, 1, m), device=dev) if significance else None
+        ones = torch.ones((per, 1, g * r), device=dev) if significance else None
         for p0 in range(0, pairs, per):
             p1 = min(pairs, p0 + per)
-            e = flat[: (p1 - p0) * m * q1].view(p1 - p0, m, q1)
-            if p1 - p0 == 1:  # a plain matmul reads the key slice in place (a batched one copies it)
-                torch.mm(q_scaled[p0, :, q0:q1].reshape(m, f), k_t[p0, :, :q1], out=e[0])
-            else:
-                torch.bmm(q_scaled[p0:p1, :, q0:q1].reshape(p1 - p0, m, f), k_t[p0:p1, :, :q1], out=e)
+            e = _chunk_scores(q_scaled, k_t, flat, p0, p1, q0, q1)
             # the chunk's own block is causal inside; softmax's own max, exp, sum and scaling in one kernel
             e.view((p1 - p0) * g, r, q1)[..., q0:q1].masked_fill_(after, float("-inf"))
             torch.softmax(e, -1, out=e)
             out[p0:p1, :, q0:q1] = torch.bmm(e, v32[p0:p1, :q1]).view(p1 - p0, g, r, fv)
             if significance:
                 recv[p0:p1, :, :q1].baddbmm_(ones[: p1 - p0], e)  # sum over the chunk's queries
-        q0 = q1
     out = out.view(b, hq, n, fv).to(query.dtype)
     return out, (recv.view(b, hkv, n).div_(g) if significance else None)
 
@@ -240,37 +246,23 @@ def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     ``spans`` from :func:`causal_spans`. Returns ``(out [B, Q, Hq, F], received [B, Hkv, Q] or
     None)`` as :func:`prompt_attention` does; padding positions get zero output and zero
-    significance. On a CPU each span runs :func:`causal_received` (attention and, if asked,
-    significance in one pass over the scores); elsewhere the flash kernel, whose lse feeds
-    :func:`received_from_lse` where a significance is needed. Rows with one span in common (a
-    batch with no padding) run as one call.
+    significance. Each span runs :func:`causal_received` (attention and, if asked, significance in
+    one pass over the scores); rows with one span in common (a batch with no padding) run as one
+    call.
     """
     b, hq, nq, _ = query.shape
     hkv = key.shape[1]
     out = query.new_zeros((b, nq, hq, value.shape[-1]))
     received = torch.zeros((b, hkv, nq), device=query.device) if significance else None
-    one_pass = query.device.type == "cpu"
     groups = [(slice(0, b), spans[0])] if len(set(spans)) == 1 else \
         [(slice(row, row + 1), span) for row, span in enumerate(spans)]
     for rows, (s, e) in groups:
         if e <= s:
             continue
-        q, k, v = query[rows, :, s:e], key[rows, :, s:e], value[rows, :, s:e]
-        if one_pass:
-            o, r = causal_received(q, k, v, scaling, ws, significance=significance)
-            out[rows, s:e] = o.transpose(1, 2)
-            if significance:
-                received[rows, :, s:e] = r
-            continue
-        o, lse = _causal_flash(q, k, v, scaling)
+        o, r = causal_received(query[rows, :, s:e], key[rows, :, s:e], value[rows, :, s:e], scaling, ws,
+                               significance=significance)
         out[rows, s:e] = o.transpose(1, 2)
         if significance:
-            real = torch.ones((q.shape[0], e - s), dtype=torch.bool, device=query.device)
-            if lse is not None:
-                r = received_from_lse(q, k, lse, real, scaling, ws)
-            else:
-                pos = torch.arange(e - s, device=query.device).expand(q.shape[0], -1)
-                r = step_received(q, k, pos, real, scaling, True)
             received[rows, :, s:e] = r
     return out, received
 
@@ -376,30 +368,16 @@ def received_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, k_rea
     qa, ka = q_aug.view(pairs, g, nq, f + 2), k_aug.view(pairs, f + 2, nq)
     recv = torch.zeros((pairs, 1, nq), device=dev)
     flat = ws.get("recv_scores", (max(_CHUNK_ELEMS, g * _MIN_ROWS * nq),), torch.float32, dev)
-    q0 = 0
-    while q0 < nq:
-        # Query rows per chunk: the chunk's scores [G*rows, q1] stay near _CHUNK_ELEMS (in L2 for
-        # the clamp, exp and sum that follow the matmul), with at least _MIN_ROWS rows so the
-        # matmul keeps its efficiency. Early chunks see few keys, so they take more rows; short
-        # prompts batch several pairs into one chunk instead of launching tiny ops per pair.
-        rows = max(_MIN_ROWS, int((math.sqrt(q0 * q0 + 4 * _CHUNK_ELEMS / g) - q0) / 2))  # G*rows*(q0+rows) <= elems
-        q1 = min(nq, q0 + rows)
-        m = g * (q1 - q0)
-        per = max(1, min(pairs, _CHUNK_ELEMS // (m * q1)))
-        ones = torch.ones((per, 1, m), device=dev)
+    for q0, q1, per in _query_chunks(nq, g, pairs):  # the clamp, exp and sum reread each chunk from L2
+        ones = torch.ones((per, 1, g * (q1 - q0)), device=dev)
         for p0 in range(0, pairs, per):
             p1 = min(pairs, p0 + per)
-            e = flat[: (p1 - p0) * m * q1].view(p1 - p0, m, q1)
-            if p1 - p0 == 1:  # a plain matmul reads the key slice in place (a batched one copies it)
-                torch.mm(qa[p0, :, q0:q1].reshape(m, f + 2), ka[p0, :, :q1], out=e[0])
-            else:
-                torch.bmm(qa[p0:p1, :, q0:q1].reshape(p1 - p0, m, f + 2), ka[p0:p1, :, :q1], out=e)
+            e = _chunk_scores(qa, ka, flat, p0, p1, q0, q1)
             # Keys after a query in the chunk's own block are clamped like the rest (their scores
             # were never bounded by that query's lse) and zeroed after the exp.
             e.clamp_(EXP_FLOOR, _EXP_CEIL).exp_()
             e.view((p1 - p0) * g, q1 - q0, q1)[..., q0:q1].tril_()  # (3-d: a 4-d tril_ measured 4x slower)
             recv[p0:p1, :, :q1].baddbmm_(ones[: p1 - p0], e)  # sum over the chunk's queries
-        q0 = q1
     recv = recv.view(b, hkv, nq)
     return recv.masked_fill_(~k_real.view(b, 1, nq), 0.0) / g
 

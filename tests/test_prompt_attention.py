@@ -320,7 +320,7 @@ def test_causal_received_matches_flash_and_lse_significance(monkeypatch, chunk_e
     out, recv = pa.causal_received(q, k, v, 0.125)
     exact = _causal_fp64(q, k, v, 0.125)
     if fv == 64:  # what the span path ran before: the flash kernel (it takes one head width only)
-        _assert_as_accurate(out, pa._causal_flash(q, k, v, 0.125)[0], exact, f"seed {seed}")
+        _assert_as_accurate(out, pa._cpu_flash(q, k, v, is_causal=True, scale=0.125)[0], exact, f"seed {seed}")
     else:
         torch.testing.assert_close(out.double(), exact, rtol=2e-5, atol=2e-5, msg=f"seed {seed}")
     pos = torch.arange(n, dtype=torch.int32).expand(b, n)
@@ -334,11 +334,11 @@ def test_causal_received_with_large_logits_and_half_inputs():
     gen = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(2, 4, 33, 64, generator=gen) * 40, torch.randn(2, 2, 33, 64, generator=gen) * 40, \
         torch.randn(2, 2, 33, 64, generator=gen)
-    from leankit.prompt_attention import _causal_flash, causal_received
+    from leankit.prompt_attention import _cpu_flash, causal_received
 
     out, recv = causal_received(q, k, v, 0.125)
     assert torch.isfinite(out).all() and torch.isfinite(recv).all()
-    _assert_as_accurate(out, _causal_flash(q, k, v, 0.125)[0], _causal_fp64(q, k, v, 0.125))
+    _assert_as_accurate(out, _cpu_flash(q, k, v, is_causal=True, scale=0.125)[0], _causal_fp64(q, k, v, 0.125))
     pos = torch.arange(33, dtype=torch.int32).expand(2, 33)
     ref = step_received(q, k, pos, torch.ones(2, 33, dtype=torch.bool), 0.125, ordered=True)
     torch.testing.assert_close(recv, ref, rtol=1e-4, atol=1e-5)
