@@ -4,7 +4,7 @@
     leankit generate --model smollm2-135m --kv K8V4 --prompt "..." [--max-new-tokens N] [--chat]
                      [--temperature T] [--top-p P] [--stream] [--plan auto --hardware NAME]
     leankit plan --model opt-30b --hardware rtx4090-pcie4 --batch 128 --prompt 512 --gen 128
-    leankit bench step|throughput [options]     (see `leankit bench --help`)
+    leankit bench step|throughput|offload|plot [options]     (see `leankit bench --help`)
     leankit lm-eval --tasks leankit_niah_single --model_args kv=K8V4-K4V2,th=0.3,tl=0 --limit 10
 """
 

@@ -202,11 +202,12 @@ def test_readme_writer_replaces_only_the_marked_block(tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["bench", "--help"], ["step", "throughput", "--write-readme", "allocation"]),
+    (["bench", "--help"], ["step", "throughput", "--write-readme", "allocation", "plot", "--plot PNG"]),
     (["bench", "step", "--help"], ["attention", "quantize/store", "policy", "allocation", "median", "--context",
                                    "timers' cost"]),
     (["bench", "throughput", "--help"], ["--budget-bytes", "decode-heavy", "prefill-heavy", "PoolExhausted",
-                                         "QuantizedCache", "tokens/s", "--requests"]),
+                                         "QuantizedCache", "tokens/s", "--requests", "--plot"]),
+    (["bench", "plot", "--help"], ["--json", "ceiling", "prefill and decode", "--out", "matplotlib"]),
 ])
 def test_bench_help_explains_each_mode(capsys, argv, words):
     with pytest.raises(SystemExit) as e:

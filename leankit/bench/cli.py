@@ -1,4 +1,4 @@
-"""``leankit bench step``, ``throughput`` and ``offload``: the argument parsers and the printing."""
+"""``leankit bench step``, ``throughput``, ``offload`` and ``plot``: the argument parsers and the printing."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ modes:
   offload     a plan's cache with its pages on the host against the same cache all on the
               device: step time ratio, bytes moved per step, the planner's predicted bytes,
               and on CUDA the transfer time hidden behind compute
+  plot        figures of saved step/throughput results (--json files), no measuring
 
-Both take --json FILE (everything measured) and --write-readme (the results table between the
-<!-- leankit-bench:MODE --> markers of README.md, with the command, CPU, threads, torch and date;
-the prefill-heavy throughput mix writes the block throughput-prefill-heavy).
+The measuring modes take --json FILE (everything measured) and --write-readme (the results
+table between the <!-- leankit-bench:MODE --> markers of README.md, with the command, CPU,
+threads, torch and date; the prefill-heavy throughput mix writes the block
+throughput-prefill-heavy); step and throughput also take --plot PNG (a figure of the results;
+needs matplotlib).
 """
 
 STEP_HELP = f"""\
@@ -97,13 +100,24 @@ overlap, the share of copy-stream time hidden behind compute. On the CPU there i
 overlap: the copies run synchronously between two pools in the same memory.
 """
 
+PLOT_HELP = """\
+Figures of saved results, without measuring again: for each --json file written by
+`leankit bench step` or `leankit bench throughput`, one PNG named after it in --out
+(needs matplotlib: pip install 'leankit-kv[bench]').
+
+  throughput  tokens/s of every cache vs DynamicCache at the budget, with its batch, the ceiling
+              run and the free-decode bound; each cache's wall time split into prefill and decode
+  step        prefill and decode-step ratios per context and config; the shares of the
+              LeanCache decode step (attention, quantize/store, policy, allocation, setup, model)
+"""
+
 
 def add_bench_parser(sub) -> None:
     """Add ``bench`` with its ``step`` and ``throughput`` modes to the ``leankit`` subparsers ``sub``."""
     raw = argparse.RawDescriptionHelpFormatter
     b = sub.add_parser("bench", help="speed against DynamicCache: step time breakdown, throughput at a KV budget",
                        description=BENCH_HELP, formatter_class=raw)
-    modes = b.add_subparsers(dest="mode", required=True, metavar="{step,throughput,offload}")
+    modes = b.add_subparsers(dest="mode", required=True, metavar="{step,throughput,offload,plot}")
 
     def common(p):
         p.add_argument("--model", default="smollm2-135m", help="embedded model name or local checkpoint directory")
@@ -129,6 +143,7 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--steps", type=int, default=16, help="measured decode steps (default: %(default)s)")
     s.add_argument("--warmup", type=int, default=2, help="decode rounds dropped first (default: %(default)s)")
     common(s)
+    s.add_argument("--plot", metavar="PNG", help="also draw the ratios and the decode-step breakdown into PNG")
     s.set_defaults(func=cmd_step)
 
     t = modes.add_parser("throughput", help="tokens/s at a fixed KV budget, batch each cache fits",
@@ -146,8 +161,17 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--seed", type=int, default=0, help="seed of the request draw (default: %(default)s)")
     t.add_argument("--ceiling", action="store_true", help="also run DynamicCache over the budget at the largest "
                    "LeanCache batch: the tokens/s a compressor with no time overhead could reach there")
+    t.add_argument("--plot", metavar="PNG", help="also draw tokens/s vs DynamicCache and the prefill/decode "
+                   "time of every cache into PNG")
     common(t)
     t.set_defaults(func=cmd_throughput)
+
+    pl = modes.add_parser("plot", help="draw the figures of saved step/throughput results (--json files)",
+                          description=PLOT_HELP, formatter_class=raw)
+    pl.add_argument("files", nargs="+", metavar="JSON", help="results written by step or throughput with --json")
+    pl.add_argument("--out", default=".", help="folder for the PNGs, one per file, named after it "
+                    "(default: the current folder)")
+    pl.set_defaults(func=cmd_plot)
 
     o = modes.add_parser("offload", help="a plan's host-tier cache against the all-on-device cache",
                          description=OFFLOAD_HELP, formatter_class=raw)
@@ -180,6 +204,16 @@ def _setup(args):
     return leankit.load_model(args.model)
 
 
+def _check_plot(args) -> None:
+    """Fail before measuring when --plot cannot be drawn: no matplotlib, or not a .png path."""
+    if args.plot:
+        from .plot import require_matplotlib
+
+        require_matplotlib()
+        if Path(args.plot).suffix.lower() != ".png":
+            raise ValueError(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
+
+
 def _allocator_note(args) -> str:
     """The sentence a results block carries about the allocator (empty when it was left alone)."""
     return f"\n\n{args.allocator}" if getattr(args, "allocator", None) else ""
@@ -192,13 +226,17 @@ def _finish(args, mode: str, body: str, results) -> None:
 
     argv = list(getattr(args, "argv", None) or [])
     threads = torch.get_num_threads()
-    if args.json:  # the command without its output paths, as the README shows it (no local path)
-        command = ["leankit", "bench", *reproducible_args(argv)]
-        Path(args.json).write_text(json.dumps(dict(mode=mode, command=command, model=args.model,
-                                                   threads=threads, torch=torch.__version__, cpu=cpu_model(),
-                                                   allocator=getattr(args, "allocator", None), results=results),
-                                              indent=1) + "\n")
+    # the command without its output paths, as the README shows it (no local path)
+    payload = {"mode": mode, "command": ["leankit", "bench", *reproducible_args(argv)], "model": args.model,
+               "threads": threads, "torch": torch.__version__, "cpu": cpu_model(),
+               "allocator": getattr(args, "allocator", None), "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
         print(f"wrote {args.json}")
+    if getattr(args, "plot", None):
+        from .plot import plot_payload
+
+        print(f"wrote {plot_payload(payload, args.plot)}")
     if args.write_readme:
         write_block(args.readme, mode, body + "\n\n" + provenance(argv, threads))
         print(f"wrote the {mode} table into {args.readme}")
@@ -212,6 +250,7 @@ def cmd_step(args) -> int:
     kvs = args.kv or ["K8V4", NEUTRAL]
     for kv in kvs:
         KVConfig.parse(kv)  # a bad config fails before the model loads
+    _check_plot(args)
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or min(args.context) < 1:
         raise ValueError("--batch, --steps and --context must be >= 1 and --warmup >= 0")
     model, tok = _setup(args)
@@ -231,6 +270,7 @@ def cmd_throughput(args) -> int:
     kvs = args.kv or list(DEFAULT_KVS)
     for kv in kvs:
         KVConfig.parse(kv)
+    _check_plot(args)
     model, tok = _setup(args)
     res = throughput.run(model, tok, args.mix, args.budget_bytes, args.requests, args.prompt_range,
                          args.output_range, kvs, quantized=not args.no_quantized, verify=not args.no_verify,
@@ -266,4 +306,16 @@ def cmd_offload(args) -> int:
     body = f"{args.model}.\n\n{offload.table(res)}{_allocator_note(args)}"
     print(body)
     _finish(args, "offload", body, res)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    """``leankit bench plot``."""
+    from .plot import plot_files
+
+    missing = [f for f in args.files if not Path(f).is_file()]
+    if missing:
+        raise ValueError(f"no such results file: {', '.join(missing)}")
+    for path in plot_files(args.files, args.out):
+        print(f"wrote {path}")
     return 0

@@ -57,7 +57,7 @@ def cpu_model() -> str:
 
 # Options that only say where output goes: left out of the command a README shows, which must
 # reproduce the table on any machine (and name no local path).
-_OUTPUT_OPTIONS = {"--json": 1, "--readme": 1, "--write-readme": 0, "--no-progress": 0}
+_OUTPUT_OPTIONS = {"--json": 1, "--readme": 1, "--plot": 1, "--write-readme": 0, "--no-progress": 0}
 
 
 def reproducible_args(argv: list[str]) -> list[str]:
