@@ -13,14 +13,24 @@ model's weights and every other layer's pages stream through the caches).
 
     python bench/native_passes.py --kv K8V4 --context 512
     python bench/native_passes.py --kv 'K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1' --cold
+    python bench/native_passes.py --against HEAD      # this working tree's C sources vs HEAD's
 
-Compare configs or builds by the ratio of two runs' figures on one machine, never by one figure.
+Compare configs by the ratio of two runs' figures on one machine, never by one figure. To compare
+two versions of the C sources, use ``--against REV``: the sources of git revision REV are built
+too, both builds first compute the same passes (their largest difference is printed), then their
+calls alternate one by one on the same pages and each keeps its fastest, so both see the same
+machine state. Two separate runs on a shared machine differ by up to 40% (two builds of the same
+sources measured that way); alternating, they stay within a few percent.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -34,9 +44,23 @@ from leankit.decode_attention import tier_pages
 from leankit.models import load_model
 
 
-def tier_passes(kernels, cache: LeanCache, layer: int, group: int, head_dim: int, gen: torch.Generator):
-    """For each occupied tier of ``layer``: ``(name, tokens, pass 1 fn, pass 2 fn)`` over its live
-    pages, with random scaled queries that see every stored token."""
+@dataclass
+class TierPasses:
+    """The two compiled passes over one tier's live pages of a layer, ready to call, and what they
+    write (``scores`` after pass 1; pass 2 adds into ``l_sum`` and ``acc`` from zero)."""
+
+    name: str
+    tokens: int  # stored tokens x KV heads of the tier
+    scores_pass: object
+    values_pass: object
+    scores: torch.Tensor
+    acc: torch.Tensor
+
+
+def tier_passes(kernels, cache: LeanCache, layer: int, group: int, head_dim: int,
+                gen: torch.Generator) -> list[TierPasses]:
+    """For each occupied tier of ``layer``, its :class:`TierPasses` over its live pages, with
+    random scaled queries (drawn from ``gen``) that see every stored token."""
     kv = cache.paged_kv(layer)
     table = kv.table
     bh = table.shape[1] * table.shape[2]
@@ -61,13 +85,17 @@ def tier_passes(kernels, cache: LeanCache, layer: int, group: int, head_dim: int
         shift, first_scores = m.nan_to_num(0.0, 0.0, 0.0), scores.clone()
         l_sum, acc = torch.zeros(bh, group), torch.zeros(bh, group, head_dim)
 
-        def values_pass(pages=pages, v_fmt=v_fmt, g=lay.group_size, scores=scores, shift=shift,
-                        first_scores=first_scores, l_sum=l_sum, acc=acc):
-            scores.copy_(first_scores)  # pass 2 turns the scores into numerators in place
-            kernels.live_values(pages, scores, shift, v_fmt, g, l_sum, acc)
+        p = first_scores.clone()  # pass 2's input, refilled each call
+
+        def values_pass(pages=pages, v_fmt=v_fmt, g=lay.group_size, shift=shift, first_scores=first_scores,
+                        l_sum=l_sum, acc=acc, p=p):
+            p.copy_(first_scores)  # pass 2 turns the scores into numerators in place
+            l_sum.zero_()
+            acc.zero_()
+            kernels.live_values(pages, p, shift, v_fmt, g, l_sum, acc)
 
         name = f"tier {tier} K{lay.precision.k_bits}V{lay.precision.v_bits} ({t} tokens/page)"
-        out.append((name, int(lens.sum()), scores_pass, values_pass))
+        out.append(TierPasses(name, int(lens.sum()), scores_pass, values_pass, scores, acc))
     return out
 
 
@@ -88,6 +116,60 @@ def best_ns(fn, cold: bool, evict: torch.Tensor) -> float:
     return best * 1e9
 
 
+def paired_best_ns(fns, cold: bool, evict: torch.Tensor, calls: int = 200) -> list[float]:
+    """Fastest call of each of ``fns`` in ns, their calls alternating one by one (``calls`` each), so
+    that a change in the machine's state or clock hits all of them alike; ``cold``: ``evict`` is
+    written before each call (outside the timed span)."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(calls):
+        for i, fn in enumerate(fns):
+            if cold:
+                evict.add_(1.0)
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return [b * 1e9 for b in best]
+
+
+def sources_at(rev: str, out_dir: Path) -> Path:
+    """The C sources and headers of ``leankit/native`` at git revision ``rev``, written into ``out_dir``."""
+    root = Path(__file__).resolve().parent.parent
+    names = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", rev, "leankit/native/"],
+                           capture_output=True, text=True, check=False)
+    files = [f for f in names.stdout.split() if f.endswith((".c", ".h"))]
+    if names.returncode or not files:
+        raise SystemExit(f"--against {rev}: no leankit/native sources at that revision ({names.stderr.strip()})")
+    for f in files:
+        blob = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{f}"], capture_output=True, check=True)
+        (out_dir / Path(f).name).write_bytes(blob.stdout)
+    return out_dir
+
+
+def compare_builds(builds: dict, cache: LeanCache, layers: list[int], group: int, head_dim: int, cold: bool,
+                   evict: torch.Tensor, calls: int) -> list[str]:
+    """Markdown rows timing the passes of two builds (``{name: Kernels}``, the newer first) on the
+    same pages: each tier's pass 1 and pass 2 ns per (token, KV head) of both, and new / old."""
+    rows = []
+    for layer in layers:
+        per_build = {name: tier_passes(k, cache, layer, group, head_dim, torch.Generator().manual_seed(layer))
+                     for name, k in builds.items()}
+        new, old = per_build.values()
+        for a, b in zip(new, old):
+            a.scores_pass(), b.scores_pass(), a.values_pass(), b.values_pass()
+            live = a.scores > float("-inf")
+            diff = float(torch.cat([(a.scores[live] - b.scores[live]).abs(), (a.acc - b.acc).abs().flatten()]).max())
+            if not torch.equal(live, b.scores > float("-inf")):
+                diff = float("inf")
+            s_new, s_old = paired_best_ns([a.scores_pass, b.scores_pass], cold, evict, calls)
+            v_new, v_old = paired_best_ns([a.values_pass, b.values_pass], cold, evict, calls)
+            n = a.tokens
+            rows.append(f"| {layer} | {a.name} | {n} | {s_new / n:.1f} | {s_old / n:.1f} | {s_new / s_old:.3f} | "
+                        f"{v_new / n:.1f} | {v_old / n:.1f} | {v_new / v_old:.3f} | {diff:.2g} |")
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default="K8V4", help="LeanCache config (default: K8V4)")
@@ -96,6 +178,10 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=None, help="layers to time (default: first, middle, last)")
     ap.add_argument("--cold", action="store_true", help="evict the caches before every call")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--against", metavar="REV", help="also build the C sources of git revision REV and time both "
+                    "builds call by call on the same pages (this tree's sources are 'new'; REV's entry points must "
+                    "take the same arguments)")
+    ap.add_argument("--calls", type=int, default=200, help="with --against: calls of each build per pass")
     args = ap.parse_args(argv)
 
     kernels = native.kernels()
@@ -117,13 +203,25 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
     state_name = "cold" if args.cold else "hot"
     print(f"{args.kv}, batch {args.batch}, context {args.context}, {state_name} caches, {args.threads} thread(s)")
+    if args.against:
+        with tempfile.TemporaryDirectory() as tmp:
+            old = native.build_from(sources_at(args.against, Path(tmp)))
+        rows = compare_builds({"new": kernels, args.against: old}, cache, layers, group, head_dim, args.cold, evict,
+                              args.calls)
+        print(f"this tree's sources (new) against {args.against} (old): fastest of {args.calls} alternating calls; "
+              "max diff: largest difference between the two builds' live scores and value sums")
+        print("| layer | tier | tokens x heads | pass 1 new ns/token | old | new / old | pass 2 new ns/token | old | "
+              "new / old | max diff |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(rows))
+        return
     print("| layer | tier | tokens x heads | pass 1 ns/token | pass 2 ns/token |")
     print("|---|---|---|---|---|")
     for layer in layers:
-        for name, tokens, scores_pass, values_pass in tier_passes(kernels, cache, layer, group, head_dim, gen):
-            s = best_ns(scores_pass, args.cold, evict) / tokens
-            v = best_ns(values_pass, args.cold, evict) / tokens
-            print(f"| {layer} | {name} | {tokens} | {s:.1f} | {v:.1f} |")
+        for tp in tier_passes(kernels, cache, layer, group, head_dim, gen):
+            s = best_ns(tp.scores_pass, args.cold, evict) / tp.tokens
+            v = best_ns(tp.values_pass, args.cold, evict) / tp.tokens
+            print(f"| {layer} | {tp.name} | {tp.tokens} | {s:.1f} | {v:.1f} |")
 
 
 if __name__ == "__main__":

@@ -116,11 +116,11 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str) -> Path:
-    """Compile (or find in the cache) the library with the most of ``-march=native`` and OpenMP
-    that the compiler accepts."""
-    sources = sorted(SOURCE_DIR.glob("*.c"))
-    src = b"".join(path.name.encode() + path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.[ch]")))
+def _build(cc: str, source_dir: Path = SOURCE_DIR) -> Path:
+    """Compile (or find in the cache) the library of the C sources in ``source_dir`` with the most
+    of ``-march=native`` and OpenMP that the compiler accepts."""
+    sources = sorted(source_dir.glob("*.c"))
+    src = b"".join(path.name.encode() + path.read_bytes() for path in sorted(source_dir.glob("*.[ch]")))
     omp = OPENMP_FLAGS if _torch_libgomp() else []
     last_error = ""
     for extra in dict.fromkeys(tuple(v) for v in (ARCH_FLAGS + omp, omp, ARCH_FLAGS, [])):  # unique, in order
@@ -453,6 +453,20 @@ def kernels() -> Kernels | None:
                               RuntimeWarning, stacklevel=2)
             _state["kernels"] = found
     return _state["kernels"]
+
+
+def build_from(source_dir: str | Path) -> Kernels:
+    """The kernels compiled from another copy of their C sources (``*.c`` and ``*.h`` in
+    ``source_dir``, e.g. an older revision's), with the flags :func:`kernels` uses, for timing two
+    versions side by side in one process (``bench/native_passes.py --against REV``). Raises
+    ``RuntimeError`` when there is no compiler or the build fails."""
+    source_dir = Path(source_dir)
+    if not any(source_dir.glob("*.c")):
+        raise ValueError(f"no C sources in {source_dir}")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) found")
+    return Kernels(_build(cc, source_dir))
 
 
 def kernels_for(device) -> Kernels | None:
