@@ -116,9 +116,11 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str, source_dir: Path = SOURCE_DIR) -> Path:
-    """Compile (or find in the cache) the library of the C sources in ``source_dir`` with the most
-    of ``-march=native`` and OpenMP that the compiler accepts."""
+def _build(cc: str, source_dir: Path | None = None) -> Path:
+    """Compile (or find in the cache) the library of the C sources in ``source_dir`` (default:
+    :data:`SOURCE_DIR`, read at call time) with the most of ``-march=native`` and OpenMP that the
+    compiler accepts."""
+    source_dir = SOURCE_DIR if source_dir is None else source_dir
     sources = sorted(source_dir.glob("*.c"))
     src = b"".join(path.name.encode() + path.read_bytes() for path in sorted(source_dir.glob("*.[ch]")))
     omp = OPENMP_FLAGS if _torch_libgomp() else []
