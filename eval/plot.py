@@ -14,26 +14,16 @@ import json
 import re
 from pathlib import Path
 
+from leankit.plotting import pyplot, save_png
+
 
 def _load(paths: list[str]) -> list[dict]:
     return [{**json.loads(Path(p).read_text()), "source": Path(p).stem} for p in paths]
 
 
-def _pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(plt, fig, path: Path) -> Path:
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return save_png(fig, path, dpi=130)
 
 
 def _short(config: str) -> str:
@@ -54,7 +44,7 @@ def plot_perplexity(payloads: list[dict], out: Path) -> Path:
     mixed); the issue's targets (+1% at 0.33, +5% at 0.20) are drawn as a guide. Rows with a
     ``ppl_vs_fp16_ci95`` interval get it as an error bar.
     """
-    plt = _pyplot()
+    plt = pyplot("drawing the evaluation plots")
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     y_top = 8.0
     for i, payload in enumerate(payloads):
@@ -88,12 +78,12 @@ def plot_perplexity(payloads: list[dict], out: Path) -> Path:
     ax.set_ylabel("perplexity vs FP16 (%)")
     ax.set_title("SmolLM2-135M, Wikipedia, 2048-token prefill + 4x64 scored")
     ax.legend(fontsize=8)
-    return _save(plt, fig, out / "perplexity_vs_memory.png")
+    return _save(fig, out / "perplexity_vs_memory.png")
 
 
 def plot_needle(payloads: list[dict], out: Path) -> Path:
     """Needle accuracy of each dynamic config next to its memory-matched static baseline."""
-    plt = _pyplot()
+    plt = pyplot("drawing the evaluation plots")
     rows = [r for p in payloads for r in p["results"]]
     rows.sort(key=lambda r: r["dynamic_ratio"])
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
@@ -109,7 +99,7 @@ def plot_needle(payloads: list[dict], out: Path) -> Path:
     ax.set_ylim(0, 1.05)
     ax.set_title("Needle in Paul Graham essays at equal memory (SmolLM2-135M)")
     ax.legend(fontsize=8)
-    return _save(plt, fig, out / "needle_equal_memory.png")
+    return _save(fig, out / "needle_equal_memory.png")
 
 
 def main(argv=None) -> list[Path]:

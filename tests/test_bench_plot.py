@@ -108,3 +108,24 @@ def test_bench_step_cli_draws_its_plot_and_keeps_the_path_out_of_the_command(tmp
     assert main(argv) == 0
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "--plot" not in json.loads(js.read_text())["command"]
+
+
+def test_missing_matplotlib_is_one_clear_error_for_every_figure(monkeypatch, capsys):
+    """Without matplotlib, --plot fails before the model loads, and the planner's timeline raises
+    the RuntimeError its command reports: one error, naming what needed it and how to install it."""
+    import importlib.util
+
+    from leankit.plotting import MatplotlibMissing
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(leankit, "load_model", lambda name: pytest.fail("the model must not load"))
+    assert main(["bench", "step", "--plot", "step.png", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "pip install 'leankit-kv[bench]'" in err
+    with pytest.raises(RuntimeError, match="drawing bench results needs matplotlib"):
+        plot.plot_throughput(_throughput())
+    from leankit.planner.timeline import draw_timeline
+
+    with pytest.raises(MatplotlibMissing, match="drawing the timeline needs matplotlib"):
+        draw_timeline(None, "timeline.png")

@@ -207,9 +207,9 @@ def _setup(args):
 def _check_plot(args) -> None:
     """Fail before measuring when --plot cannot be drawn: no matplotlib, or not a .png path."""
     if args.plot:
-        from .plot import require_matplotlib
+        from ..plotting import require_matplotlib
 
-        require_matplotlib()
+        require_matplotlib("--plot")
         if Path(args.plot).suffix.lower() != ".png":
             raise ValueError(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
 

@@ -17,30 +17,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..plotting import pyplot, save_png
+
 # The step breakdown's columns, in the order of the README table, with the colours of the figure.
 STEP_PARTS = (("attention", "attention", "#4C72B0"), ("store", "quantize/store", "#CCB974"),
               ("policy", "policy", "#55A868"), ("alloc", "allocation", "#C44E52"),
               ("setup", "step setup", "#8172B3"), ("model", "model (rest)", "#BBBBBB"))
-
-
-def require_matplotlib() -> None:
-    """Raise a clear error naming the extra when matplotlib is not installed (checked before a run
-    whose results are to be drawn, so a long measurement does not end in an ImportError)."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ModuleNotFoundError("plots need matplotlib: pip install 'leankit-kv[bench]'")
-
-
-def _pyplot():
-    """matplotlib's pyplot on the file-only Agg backend."""
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _short(name: str) -> str:
@@ -59,7 +41,7 @@ def plot_throughput(results: dict, title: str = ""):
     caches = results.get("caches") or []
     if not caches:
         raise ValueError("a throughput result needs at least one cache row ('caches')")
-    plt = _pyplot()
+    plt = pyplot("drawing bench results")
     names = [_short(c["name"]) for c in caches][::-1]  # the first cache (DynamicCache) on top
     rows = caches[::-1]
     y = range(len(rows))
@@ -111,7 +93,7 @@ def plot_step(rows: list[dict], title: str = ""):
     """
     if not rows:
         raise ValueError("a step result needs at least one row")
-    plt = _pyplot()
+    plt = pyplot("drawing bench results")
     labels = [f"{r['context']}: {_short(r.get('kv_arg') or r['kv'])}" for r in rows][::-1]
     rows = rows[::-1]
     y = list(range(len(rows)))
@@ -155,13 +137,7 @@ def plot_payload(payload: dict, out: str | Path, title: str = "") -> Path:
         fig = plot_step(results or [], title)
     else:
         raise ValueError(f"no figure for bench mode {mode!r} (step and throughput results have one)")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return out
+    return save_png(fig, out)
 
 
 def plot_files(paths: list[str], out_dir: str | Path) -> list[Path]:

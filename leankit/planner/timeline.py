@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..plotting import pyplot, save_png
 from .planner import Plan
 
 COLORS = {
@@ -26,20 +27,6 @@ COLORS = {
     "quant": "#d4b106",
     "CPU attention": "#7f7f7f",
 }
-
-
-def _import_pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
-            "drawing the timeline needs matplotlib, which is not installed: pip install matplotlib "
-            "(or pip install 'leankit[eval]')"
-        ) from e
-    return plt
 
 
 def segments(plan: Plan) -> dict[str, list[tuple[float, float, str]]]:
@@ -73,7 +60,7 @@ def draw_timeline(plan: Plan, path: str | Path, baseline: Plan | None = None, ma
     ``max_layers`` limits the drawing to the first layers (all by default). Raises ``RuntimeError`` with
     install instructions when matplotlib is missing.
     """
-    plt = _import_pyplot()
+    plt = pyplot("drawing the timeline")
     baseline = baseline if baseline is not None else plan.baseline
     plans: Sequence[tuple[str, Plan]] = [("plan", plan)] + ([("KV-only baseline", baseline)] if baseline else [])
     fig, axes = plt.subplots(len(plans), 1, figsize=(13, 2.2 + 1.6 * len(plans)), squeeze=False)
@@ -108,11 +95,7 @@ def draw_timeline(plan: Plan, path: str | Path, baseline: Plan | None = None, ma
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.945), ncol=min(9, max(1, len(labels))),
                fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.88))
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_png(fig, path)
 
 
 def _truncated(p: Plan, n: int) -> Plan:
