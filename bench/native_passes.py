@@ -38,6 +38,7 @@ from leankit import native
 from leankit.bench.malloc import pin_glibc_malloc
 from leankit.bench.step import decode, prefill
 from leankit.bench.text import corpus_ids, left_padded, pad_id, step_batch
+from leankit.bench.timing import interleaved_best
 from leankit.cache import LeanCache, _text_config, attention_head_dim, attention_kv_heads
 from leankit.config import KVConfig
 from leankit.decode_attention import tier_pages
@@ -116,23 +117,6 @@ def best_ns(fn, cold: bool, evict: torch.Tensor) -> float:
     return best * 1e9
 
 
-def paired_best_ns(fns, cold: bool, evict: torch.Tensor, calls: int = 200) -> list[float]:
-    """Fastest call of each of ``fns`` in ns, their calls alternating one by one (``calls`` each), so
-    that a change in the machine's state or clock hits all of them alike; ``cold``: ``evict`` is
-    written before each call (outside the timed span)."""
-    for fn in fns:
-        fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(calls):
-        for i, fn in enumerate(fns):
-            if cold:
-                evict.add_(1.0)
-            t0 = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return [b * 1e9 for b in best]
-
-
 def sources_at(rev: str, out_dir: Path) -> Path:
     """The C sources and headers of ``leankit/native`` at git revision ``rev``, written into ``out_dir``."""
     root = Path(__file__).resolve().parent.parent
@@ -162,11 +146,13 @@ def compare_builds(builds: dict, cache: LeanCache, layers: list[int], group: int
             diff = float(torch.cat([(a.scores[live] - b.scores[live]).abs(), (a.acc - b.acc).abs().flatten()]).max())
             if not torch.equal(live, b.scores > float("-inf")):
                 diff = float("inf")
-            s_new, s_old = paired_best_ns([a.scores_pass, b.scores_pass], cold, evict, calls)
-            v_new, v_old = paired_best_ns([a.values_pass, b.values_pass], cold, evict, calls)
-            n = a.tokens
-            rows.append(f"| {layer} | {a.name} | {n} | {s_new / n:.1f} | {s_old / n:.1f} | {s_new / s_old:.3f} | "
-                        f"{v_new / n:.1f} | {v_old / n:.1f} | {v_new / v_old:.3f} | {diff:.2g} |")
+            evicting = (lambda: evict.add_(1.0)) if cold else None
+            s = interleaved_best({"new": a.scores_pass, "old": b.scores_pass}, calls, evicting)
+            v = interleaved_best({"new": a.values_pass, "old": b.values_pass}, calls, evicting)
+            n = a.tokens / 1e9  # ns per (token, KV head)
+            rows.append(f"| {layer} | {a.name} | {a.tokens} | {s['new'] / n:.1f} | {s['old'] / n:.1f} | "
+                        f"{s['new'] / s['old']:.3f} | {v['new'] / n:.1f} | {v['old'] / n:.1f} | "
+                        f"{v['new'] / v['old']:.3f} | {diff:.2g} |")
     return rows
 
 

@@ -18,23 +18,12 @@ Each one-pass output is checked against the flash kernel's before it is timed. R
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from leankit.attention import Workspace
+from leankit.bench.timing import interleaved_best
 from leankit.prompt_attention import _cpu_flash, causal_received, received_from_lse
-
-
-def _best(fns: dict, repeat: int) -> dict:
-    """Best wall time of each callable over ``repeat`` rounds, the order rotated each round."""
-    names, best = list(fns), dict.fromkeys(fns, float("inf"))
-    for i in range(repeat):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            t0 = time.perf_counter()
-            fns[name]()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def measure(batch: int, heads: int, kv_heads: int, head_dim: int, context: int, repeat: int, seed: int = 0) -> dict:
@@ -53,7 +42,7 @@ def measure(batch: int, heads: int, kv_heads: int, head_dim: int, context: int, 
     out, recv = causal_received(q, k, v, scale, ws)
     torch.testing.assert_close(out, _cpu_flash(q, k, v, is_causal=True, scale=scale)[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(recv, flash_sig(), rtol=1e-4, atol=1e-5)
-    return _best({"flash": lambda: _cpu_flash(q, k, v, is_causal=True, scale=scale),
+    return interleaved_best({"flash": lambda: _cpu_flash(q, k, v, is_causal=True, scale=scale),
                   "flash + significance": flash_sig,
                   "one pass": lambda: causal_received(q, k, v, scale, ws, significance=False),
                   "one pass + significance": lambda: causal_received(q, k, v, scale, ws)}, repeat)

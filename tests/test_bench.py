@@ -10,7 +10,7 @@ from leankit.allocator import PoolExhausted
 from leankit.bench import step, throughput
 from leankit.bench.readme import markers, replace_block, write_block
 from leankit.bench.text import left_padded
-from leankit.bench.timing import CATEGORIES, ExclusiveTimer, lean_targets, patched
+from leankit.bench.timing import CATEGORIES, ExclusiveTimer, interleaved_best, lean_targets, patched
 from leankit.cache import LeanCache
 from leankit.cli import main
 from leankit.hf import cache_kwargs
@@ -65,6 +65,22 @@ def test_exclusive_timer_closes_a_section_that_raises():
     with pytest.raises(KeyError):
         timer.wrap(boom, "store")()
     assert timer.take() == {"store": 1.5}
+
+
+def test_interleaved_best_rotates_the_order_and_keeps_each_fastest_call():
+    clock, order, evictions = FakeClock(), [], []
+    costs = {"a": [5.0, 3.0, 4.0], "b": [2.0, 6.0, 1.0], "c": [7.0, 7.0, 7.0]}
+
+    def call(name):
+        def fn():
+            order.append(name)
+            clock.now += costs[name][sum(1 for n in order if n == name) - 1]
+        return fn
+
+    best = interleaved_best({n: call(n) for n in costs}, 3, before=lambda: evictions.append(clock.now), clock=clock)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert best == {"a": 3.0, "b": 1.0, "c": 7.0}
+    assert len(evictions) == 9  # before every call, outside its timed span
 
 
 def test_patched_restores_every_method_even_on_error():

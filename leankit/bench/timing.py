@@ -140,3 +140,24 @@ def breakdown(totals: dict[str, float], step_time: float) -> dict[str, float]:
     out = {c: totals.get(c, 0.0) for c in CATEGORIES if c != "model"}
     out["model"] = step_time - sum(out.values())
     return out
+
+
+def interleaved_best(fns: dict, rounds: int, before=None, clock=time.perf_counter) -> dict:
+    """Fastest wall time (s) of each callable of ``fns`` (name -> callable) over ``rounds`` rounds.
+
+    Each round calls every one once, in an order rotated from the round before, so a change in the
+    machine's speed during the measurement hits all of them alike (timing two versions in two
+    separate runs on a shared machine can differ by far more than the change). ``before``, when
+    given, runs before each call, outside the timed span (e.g. to evict the caches).
+    """
+    names = list(fns)
+    best = dict.fromkeys(names, float("inf"))
+    for i in range(rounds):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            if before is not None:
+                before()
+            t0 = clock()
+            fns[name]()
+            best[name] = min(best[name], clock() - t0)
+    return best
