@@ -7,7 +7,8 @@ instructions it contains, following the PTX ISA's definition of ``prmt.b32`` (de
 ``and.b32``, with the operands bound as Triton binds them for ``pack=4``: outputs first (each fp16
 result in two registers, elements 0-1 then 2-3, the lower element in the low half), then the input
 register holding four uint8 elements (element ``i`` in byte ``i``). The fp16 values must be what
-the plain path computes: ``1024 + c`` for a byte code, ``(1024 + lo, 1024 + 16 hi)`` for nibbles.
+the plain path computes: the subnormal ``c 2^-24`` for a byte code, ``(lo 2^-24, 16 hi 2^-24)`` for
+nibbles (:func:`leankit_kernels.codes.code_unit`).
 """
 
 from __future__ import annotations
@@ -93,19 +94,21 @@ def code_bytes(request):
     return np.concatenate([np.arange(256, dtype=np.uint8), rng.integers(0, 256, 4 * 97, dtype=np.uint8)])
 
 
-def test_byte_codes_ptx_gives_1024_plus_code(code_bytes):
+UNIT = 2.0 ** -24  # codes.code_unit(tl.float16)
+
+
+def test_byte_codes_ptx_gives_code_in_subnormal_units(code_bytes):
     out = run_ptx(codes.BYTE_CODES_PTX.value, codes.BYTE_CODES_REGS.value, [_pack4(code_bytes)])
-    got = _fp16_elements(*out).astype(np.float32)
-    np.testing.assert_array_equal(got, 1024.0 + code_bytes.astype(np.float32))
+    got = _fp16_elements(*out).astype(np.float64)
+    np.testing.assert_array_equal(got, code_bytes.astype(np.float64) * UNIT)
 
 
 def test_nibbles_ptx_gives_low_and_sixteen_times_high_nibble(code_bytes):
     out = run_ptx(codes.NIBBLES_PTX.value, codes.NIBBLES_REGS.value, [_pack4(code_bytes)])
-    lo = _fp16_elements(out[0], out[1]).astype(np.float32)
-    hi = _fp16_elements(out[2], out[3]).astype(np.float32)
-    c = code_bytes.astype(np.float32)
-    np.testing.assert_array_equal(lo, 1024.0 + (code_bytes & 15))
-    np.testing.assert_array_equal(hi, 1024.0 + (c - (code_bytes & 15)))  # 16 * high nibble
+    lo = _fp16_elements(out[0], out[1]).astype(np.float64)
+    hi = _fp16_elements(out[2], out[3]).astype(np.float64)
+    np.testing.assert_array_equal(lo, (code_bytes & 15) * UNIT)
+    np.testing.assert_array_equal(hi, (code_bytes & 240) * UNIT)  # 16 * high nibble
 
 
 def test_emulated_prmt_follows_the_isa_examples():

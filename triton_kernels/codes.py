@@ -5,16 +5,24 @@ attention kernels never form ``x_hat``: ``q . k_hat = s (q . Q) + min sum(q)`` a
 ``p @ v_hat = (p s) @ Q + p @ min``, so the ``[N, F]`` tile is the integer codes ``Q`` only, and
 ``s``/``min`` are applied to ``[N]`` vectors after the matmuls.
 
-Codes reach the fp16 MMA operand a 32-bit word at a time: the fp16 bits ``0x6400 | x`` are the
-number ``1024 + x`` (exact for ``x < 1024``), so a mask and an or turn two codes of a word (one
-per 16-bit half) into one fp16 pair, with no per-code conversion. A code inside the 10 mantissa
-bits of its half is masked where it lies and arrives as ``1024 + 2^e c`` (``e`` its bit
+Codes reach the fp16 MMA operand a 32-bit word at a time: the fp16 bits ``x`` (exponent field 0)
+are the subnormal number ``x 2^-24`` (exact for ``x < 2048``), so one mask turns two codes of a
+word (one per 16-bit half) into one fp16 pair, with no per-code conversion. A code inside the 10
+low bits of its half is masked where it lies and arrives as ``2^e c 2^-24`` (``e`` its bit
 position, :func:`code_scale`); the codes above bit 10 get one shift per word. Tiles come out in a
 permuted column order inside each word (:func:`key_order`): the caller loads the query in that
 order divided by ``2^e`` (``q . k`` is a sum over columns), and values in that order fill
-accumulator rows the caller divides by ``2^e`` and permutes back once per program. The offset
-1024 stays on both sides and leaves after the matmuls (``1024 sum(q')`` for keys, ``1024 sum(p s)``
-of the rounded ``p s`` for values).
+accumulator rows the caller divides by ``2^e`` and permutes back once per program. The unit
+``2^-24`` (:func:`code_unit`) leaves after the matmuls as one exact power-of-two scale (folded
+into the key scale, and into the accumulator's final scale for values).
+
+Why subnormals and not the usual ``0x6400 | x = 1024 + x``: the offset would ride through the
+MMA (``q' . (1024 + c) = 1024 sum(q') + q' . c``) and be subtracted after it, and the tensor
+cores align and truncate the partial sums of the large ``1024 q'`` products, which costs the
+``q' . c`` part about ten bits (1024 over a mean code of a few units). On an H200 that put the
+4-bit-key and 2-bit-value decode at 3e-3 to 1e-2 of the output's scale, where the fp32
+interpreter gave 1e-3. Subnormal codes carry no offset: the products are exact (fp16 x fp16
+fits fp32) and the fp32 sums are of the signal alone.
 
 The decode kernel's keys take an elementwise route instead (:func:`asm_key_bytes`,
 :func:`key_nibbles`): their MMA contracts along head_dim, the direction the code bytes run, so
@@ -32,7 +40,7 @@ from .tiles import code_ptrs, load_side, meta_index, unpack_codes
 # Inline PTX runs on a GPU only: Triton's interpreter (and LEANKIT_INLINE_PTX=0) takes the
 # plain-Triton path to the same fp16 values. tests/test_cuda_kernels.py (make gpu-check) checks the
 # PTX path against the reference on a GPU.
-# The predicates on constexprs below (nibble_keys, asm_key_bytes, word_unpack, code_bias) are
+# The predicates on constexprs below (nibble_keys, asm_key_bytes, word_unpack, code_unit) are
 # triton.constexpr_function: Triton 3.6 (the oldest leankit supports) compiles the result of a
 # @triton.jit helper to a tensor, which an `if` cannot test.
 _ASM_ON = os.environ.get("TRITON_INTERPRET", "0") != "1" and os.environ.get("LEANKIT_INLINE_PTX", "1") != "0"
@@ -44,22 +52,22 @@ _ASM = tl.constexpr(_ASM_ON)
 # one after the other. tests/test_kernel_codes_ptx.py runs both strings through an emulation of
 # the PTX ISA's prmt / and, so the selectors and masks are checked on a CPU too.
 BYTE_CODES_REGS = tl.constexpr("=r,=r,r")
-BYTE_CODES_PTX = tl.constexpr("prmt.b32 $0, $2, 0x64646464, 0x4140;\n\tprmt.b32 $1, $2, 0x64646464, 0x4342;")
+BYTE_CODES_PTX = tl.constexpr("prmt.b32 $0, $2, 0, 0x4140;\n\tprmt.b32 $1, $2, 0, 0x4342;")
 NIBBLES_REGS = tl.constexpr("=r,=r,=r,=r,r")
 NIBBLES_PTX = tl.constexpr(
     "{\n\t.reg .b32 t0, t1;\n\t"
-    "prmt.b32 t0, $4, 0x64646464, 0x4140;\n\tprmt.b32 t1, $4, 0x64646464, 0x4342;\n\t"
-    "and.b32 $0, t0, 0xFF0FFF0F;\n\tand.b32 $1, t1, 0xFF0FFF0F;\n\t"
-    "and.b32 $2, t0, 0xFFF0FFF0;\n\tand.b32 $3, t1, 0xFFF0FFF0;\n\t}")
+    "prmt.b32 t0, $4, 0, 0x4140;\n\tprmt.b32 t1, $4, 0, 0x4342;\n\t"
+    "and.b32 $0, t0, 0x000F000F;\n\tand.b32 $1, t1, 0x000F000F;\n\t"
+    "and.b32 $2, t0, 0x00F000F0;\n\tand.b32 $3, t1, 0x00F000F0;\n\t}")
 
 
 @triton.jit
 def _byte_codes_fp16(byt):
-    """uint8 codes -> fp16 ``1024 + c``, elementwise (so the compiler converts on the MMA operand's
-    own register layout). Four codes arrive in one 32-bit register, code ``i`` in byte ``i``; each
-    ``prmt`` writes one fp16 pair: selector ``0x4140`` takes bytes (low to high) code 0, byte 4
-    (0x64 of the second source), code 1, byte 4 again, so the halves are ``0x64cc`` = ``1024 + c``
-    (exact: fp16 has an ulp of 1 on [1024, 2048)); ``0x4342`` does the same for codes 2 and 3."""
+    """uint8 codes -> fp16 ``c 2^-24`` (:func:`code_unit`), elementwise (so the compiler converts on the
+    MMA operand's own register layout). Four codes arrive in one 32-bit register, code ``i`` in
+    byte ``i``; each ``prmt`` writes one fp16 pair: selector ``0x4140`` takes bytes (low to high)
+    code 0, byte 4 (0 of the second source), code 1, byte 4 again, so the halves are ``0x00cc``,
+    the subnormal ``c 2^-24``; ``0x4342`` does the same for codes 2 and 3."""
     return tl.inline_asm_elementwise(BYTE_CODES_PTX, BYTE_CODES_REGS, [byt], dtype=tl.float16, is_pure=True, pack=4)
 
 
@@ -74,10 +82,9 @@ def nibble_keys(BITS: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def _nibbles_fp16(byt):
-    """uint8 ``[N, F/2]`` -> fp16 ``(1024 + lo, 1024 + 16 hi)`` of each byte's nibbles, elementwise:
-    one ``prmt`` per two bytes spreads them under the exponent byte 0x64 (as in
-    :func:`_byte_codes_fp16`), and one ``and`` per output pair keeps the low or the high nibble
-    (``1024 + 16 hi < 2048`` is exact)."""
+    """uint8 ``[N, F/2]`` -> fp16 ``(lo 2^-24, 16 hi 2^-24)`` of each byte's nibbles, elementwise: one
+    ``prmt`` per two bytes spreads them into the low bytes of fp16 halves (as in
+    :func:`_byte_codes_fp16`), and one ``and`` per output pair keeps the low or the high nibble."""
     return tl.inline_asm_elementwise(NIBBLES_PTX, NIBBLES_REGS, [byt], dtype=(tl.float16, tl.float16), is_pure=True,
                                      pack=4)
 
@@ -85,38 +92,39 @@ def _nibbles_fp16(byt):
 @triton.jit
 def key_nibbles(pool, page, row, valid, OFF: tl.constexpr, F: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """4-bit key codes of a slot tile as two fp16 MMA operands ``[N, F/2]``: the even features'
-    codes as ``1024 + c`` and the odd features' as ``1024 + 16 c`` (see :func:`nibble_keys`).
+    codes as ``c 2^-24`` and the odd features' as ``16 c 2^-24`` (see :func:`nibble_keys`).
     Elementwise on the loaded bytes, so they convert in the operand's own register layout."""
     KB: tl.constexpr = F // 2
     byt = tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0)
     if _ASM:
         lo, hi = _nibbles_fp16(byt)
     else:
-        lo, hi = _biased_fp16(byt & 15), _biased_fp16(byt & 240)
+        lo, hi = _subnormal_fp16(byt & 15), _subnormal_fp16(byt & 240)
     return lo, hi
 
 
 @triton.jit
-def _biased_fp16(c):
-    """Integer codes ``c < 1024`` as fp16 ``1024 + c``: the bits ``0x6400 | c`` (fp16 has an ulp of 1
-    on [1024, 2048)), with no integer-to-float conversion."""
-    return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+def _subnormal_fp16(c):
+    """Integer codes ``c < 2048`` as fp16 ``c 2^-24`` (:func:`code_unit`): the bits ``c`` themselves,
+    a subnormal (or, from 1024, the smallest binade, whose ulp is the same), with no
+    integer-to-float conversion."""
+    return c.to(tl.uint16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _mpair(w, ws, magic, k: tl.constexpr, BITS: tl.constexpr):
+def _mpair(w, ws, k: tl.constexpr, BITS: tl.constexpr):
     """Codes ``k`` and ``k + 16 / BITS`` of each 32-bit word ``w`` (one per 16-bit half) as the bits of an
-    fp16 pair ``1024 + 2^e c``, with no shift of their own: a code that lies inside the 10 mantissa
-    bits of its half is masked in place (one mask-or per pair), its position ``e`` scaling it by a
-    power of two (:func:`code_scale`); the codes above bit 10 come from ``ws``, the word shifted once
-    by ``10 // BITS`` codes, where they lie inside the mantissa again. ``1024 + 2^e c < 2048`` is exact."""
+    fp16 pair ``2^e c 2^-24``, with no shift of their own: a code that lies inside the 10 low bits
+    of its half is masked in place (one mask per pair), its position ``e`` scaling it by a power of
+    two (:func:`code_scale`); the codes above bit 10 come from ``ws``, the word shifted once by
+    ``10 // BITS`` codes, where they lie inside the low bits again (``2^e c < 1024``)."""
     DIRECT: tl.constexpr = 10 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     if k < DIRECT:
         x = w & ((MASK << (k * BITS)) * 0x10001)
     else:
         x = ws & ((MASK << ((k - DIRECT) * BITS)) * 0x10001)
-    return x | magic
+    return x
 
 
 @triton.constexpr_function
@@ -134,7 +142,7 @@ def asm_key_bytes(BITS: tl.constexpr, DOT: tl.constexpr, KEYS: tl.constexpr):
 def code_scale(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr, KEYS: tl.constexpr):
     """Power of two ``2^e`` each column of a tile from :func:`codes` carries on its codes (fp32 ``[F]``, in
     the column order of :func:`key_order`): the word-level unpack leaves code
-    ``c`` as ``1024 + 2^e c`` (:func:`_mpair`); every other path leaves 1. Key columns meet a query divided by it, value
+    ``c`` as ``2^e c`` units of :func:`code_unit` (:func:`_mpair`); every other path leaves 1. Key columns meet a query divided by it, value
     columns fill accumulator rows divided by it once per program (exact: powers of two)."""
     f = tl.arange(0, F)
     if KEYS and nibble_keys(BITS, F, DOT):
@@ -170,58 +178,52 @@ def word_unpack(F: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def codes(pool, page, row, valid, OFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, KEYS: tl.constexpr):
-    """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized:
-    codes < 256 are exact in fp16, bf16 and fp32). Where :func:`word_unpack` holds, the columns come
-    in the order of :func:`key_order`, each scaled by :func:`code_scale`; elsewhere in feature order."""
+          PAGE_SIZE: tl.constexpr, DOT: tl.constexpr, KEYS: tl.constexpr):
+    """Integer codes ``[N, F]`` of a quantized side as exact ``DOT`` values (unpacked, not dequantized),
+    in units of :func:`code_unit`: fp16 holds code ``c`` as the subnormal ``c 2^-24``, bf16 and fp32
+    as ``c``. Where :func:`word_unpack` holds, the columns come in the order of :func:`key_order`,
+    each scaled by :func:`code_scale`; elsewhere in feature order."""
     KB: tl.constexpr = F * BITS // 8
-    if DOT != tl.float16:  # bf16 / fp32 operands hold the codes as they are (no offset)
+    if DOT != tl.float16:  # bf16 / fp32 operands hold the codes as they are (unit 1)
         x = unpack_codes(tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0),
                          BITS).to(DOT)
     elif word_unpack(F, BITS, DOT) and not asm_key_bytes(BITS, DOT, KEYS):
-        # Word-level unpack: each 32-bit word of codes becomes fp16 pairs, one mask-or per pair
-        # (plus one shift per word), so no code ever sits alone in a register. With BIASED the
-        # offset stays (the caller removes it after the matmul, exactly: the MMA multiplies exact
-        # fp16 operands and accumulates in fp32); without it, it is subtracted here in fp16.
+        # Word-level unpack: each 32-bit word of codes becomes fp16 pairs, one mask per pair
+        # (plus one shift per word), so no code ever sits alone in a register.
         w32 = pool.to(tl.pointer_type(tl.uint32))
         base = (page * PAGE_SIZE + OFF + row * KB) // 4
         w = tl.load(w32 + base[:, None] + tl.arange(0, KB // 4)[None, :], mask=valid[:, None], other=0)
         # Any order inside a word will do: keys meet a query permuted to match, values fill output
         # columns the store puts back in feature order (key_order, code_scale give both).
         ws = w >> ((10 // BITS) * BITS)
-        # The fp16 exponent bits 0x6400 of both halves as a runtime value (row < 2^24, so it is
-        # always 0x64006400): ptxas then holds it in one register, where a constant would be
-        # rematerialized before every mask-or (a LOP3 takes one immediate, the mask).
-        magic = (tl.max(row, 0) >> 24).to(tl.uint32) | 0x64006400
         if BITS == 8:
-            pairs = tl.join(_mpair(w, ws, magic, 0, 8), _mpair(w, ws, magic, 1, 8))
+            pairs = tl.join(_mpair(w, ws, 0, 8), _mpair(w, ws, 1, 8))
         elif BITS == 4:
-            pairs = tl.join(tl.join(_mpair(w, ws, magic, 0, 4), _mpair(w, ws, magic, 2, 4)),
-                            tl.join(_mpair(w, ws, magic, 1, 4), _mpair(w, ws, magic, 3, 4)))
+            pairs = tl.join(tl.join(_mpair(w, ws, 0, 4), _mpair(w, ws, 2, 4)),
+                            tl.join(_mpair(w, ws, 1, 4), _mpair(w, ws, 3, 4)))
         else:
-            pairs = tl.join(tl.join(tl.join(_mpair(w, ws, magic, 0, 2), _mpair(w, ws, magic, 4, 2)),
-                                    tl.join(_mpair(w, ws, magic, 2, 2), _mpair(w, ws, magic, 6, 2))),
-                            tl.join(tl.join(_mpair(w, ws, magic, 1, 2), _mpair(w, ws, magic, 5, 2)),
-                                    tl.join(_mpair(w, ws, magic, 3, 2), _mpair(w, ws, magic, 7, 2))))
+            pairs = tl.join(tl.join(tl.join(_mpair(w, ws, 0, 2), _mpair(w, ws, 4, 2)),
+                                    tl.join(_mpair(w, ws, 2, 2), _mpair(w, ws, 6, 2))),
+                            tl.join(tl.join(_mpair(w, ws, 1, 2), _mpair(w, ws, 5, 2)),
+                                    tl.join(_mpair(w, ws, 3, 2), _mpair(w, ws, 7, 2))))
         lo = pairs.to(tl.uint16).to(tl.float16, bitcast=True)
         hi = (pairs >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         x = tl.reshape(tl.join(lo, hi), (valid.shape[0], F))  # (pair, half) flattens to code order
     elif asm_key_bytes(BITS, DOT, KEYS):
         x = _byte_codes_fp16(tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None], other=0))
     else:
-        x = _biased_fp16(unpack_codes(tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE), mask=valid[:, None],
-                                              other=0), BITS))
-    if DOT == tl.float16 and not BIASED:
-        x = x - 1024.0
+        x = _subnormal_fp16(unpack_codes(tl.load(code_ptrs(pool, page, row, OFF, KB, PAGE_SIZE),
+                                                 mask=valid[:, None], other=0), BITS))
     return x
 
 
 @triton.constexpr_function
-def code_bias(DOT: tl.constexpr):
-    """The offset :func:`codes` leaves on key codes: 1024 for fp16 operands, 0 otherwise."""
+def code_unit(DOT: tl.constexpr):
+    """The value of code 1 in a tile from :func:`codes`: ``2^-24`` for fp16 operands (subnormal codes),
+    1 otherwise. Exact powers of two, so the matmul's result times ``1 / code_unit`` is exact."""
     if DOT == tl.float16:
-        return 1024.0
-    return 0.0
+        return 2.0 ** -24
+    return 1.0
 
 
 @triton.jit
@@ -236,18 +238,18 @@ def scale_min(pool, page, row, valid, MOFF: tl.constexpr, PAGE_SIZE: tl.constexp
 @triton.jit
 def side_tile(pool, page, row, valid, OFF: tl.constexpr, MOFF: tl.constexpr, BITS: tl.constexpr,
                TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               BLOCK: tl.constexpr, DOT: tl.constexpr, BIASED: tl.constexpr, KEYS: tl.constexpr):
+               BLOCK: tl.constexpr, DOT: tl.constexpr, KEYS: tl.constexpr):
     """One side (K or V) of a slot tile as ``(x [BLOCK, F] DOT, scale [BLOCK], min [BLOCK])``.
 
     A quantized side with one group per token keeps its scale ``s`` and min ``m`` out of the
-    element path (LeanKV Eq. (2) applied after the matmul): ``x`` is the raw codes (plus the fp16
-    bias of :func:`codes` when ``BIASED``, and the power-of-two column scale of :func:`code_scale`)
-    and the caller applies ``s`` and ``m`` per key, and removes bias and scale. Any
+    element path (LeanKV Eq. (2) applied after the matmul): ``x`` is the raw codes in units of
+    :func:`code_unit`, with the power-of-two column scale of :func:`code_scale`, and the caller
+    applies ``s`` and ``m`` per key and removes unit and scale. Any
     other side (dense, or several groups per token) is dequantized in registers and returned
     with ``s = 1``, ``m = 0``.
     """
     if BITS < 16 and TIER.NG == 1:
-        x = codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, BIASED, KEYS)
+        x = codes(pool, page, row, valid, OFF, BITS, F, PAGE_SIZE, DOT, KEYS)
         sc, mn = scale_min(pool, page, row, valid, MOFF, PAGE_SIZE)
     else:
         x = load_side(pool, page, row, valid, OFF, MOFF, BITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK).to(DOT)

@@ -59,8 +59,8 @@ from leankit.attention import PagedKV, received_attention_ref
 
 from . import tiles
 from .codes import (
-    code_bias,
     code_scale,
+    code_unit,
     key_nibbles,
     key_order,
     nibble_keys,
@@ -99,7 +99,7 @@ SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
-def _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row, valid, sm_scale,
+def _decode_step(m, l, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
                  TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BLOCK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """Base-2 logits ``[BLOCK, G_PAD]`` of one slot tile and the online-softmax step over it.
@@ -110,10 +110,11 @@ def _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, 
     keys), ``m`` ``[G_PAD]`` the running max, ``acc`` ``[F, G_PAD]`` the transposed accumulator.
     Scale and min stay out of the element path: ``q . k_hat = s (q . Q) + m sum(q)`` and
     ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`). With one-group quantized values the
-    ``p @ m`` term and the code offset have their own sums ``am``, ``ab`` (:func:`_fold_values`), so
-    no per-tile term is broadcast over the accumulator's F rows.
+    ``p @ m`` term has its own sum ``am`` (added once per tier), so no per-tile term is broadcast
+    over the accumulator's F rows; the codes' unit (:func:`code_unit`) leaves the key side in the
+    key scale and the value side once per tier.
 
-    The softmax sum ``l`` and ``am``, ``ab`` stay per slot, ``[BLOCK, G_PAD]``, rescaled with the
+    The softmax sum ``l`` and ``am`` stay per slot, ``[BLOCK, G_PAD]``, rescaled with the
     running max like the accumulator and summed over the slots once per tier (:func:`_decode_tier`):
     with the slots spread over the warps, a sum over them every tile would cross lanes and warps
     (shuffles, a shared-memory round trip and a barrier each). Only the max, which every
@@ -124,14 +125,14 @@ def _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, 
         # query's matching halves (:func:`_query_halves`)
         k_lo, k_hi = key_nibbles(pool, page, row, valid, TIER.KOFF, F, PAGE_SIZE)
         ks, km = scale_min(pool, page, row, valid, TIER.KMOFF, PAGE_SIZE)
-        raw = tl.dot(k_lo, qa, acc=qoff, input_precision=PREC)
+        raw = tl.dot(k_lo, qa, input_precision=PREC)
         raw = tl.dot(k_hi, qb, acc=raw, input_precision=PREC)
     else:
         kx, ks, km = side_tile(pool, page, row, valid, TIER.KOFF, TIER.KMOFF, TIER.KBITS, TIER, F, DENSE,
-                                PAGE_SIZE, BLOCK, DOT, True, True)
-        # the MMA starts from -1024 sum(q') (qoff, :func:`_tier_query`), so raw = q . Q with Q the codes
-        raw = tl.dot(kx, qa, acc=qoff, input_precision=PREC)
-    ks = ks * sm_scale
+                               PAGE_SIZE, BLOCK, DOT, True)
+        raw = tl.dot(kx, qa, input_precision=PREC)
+    # raw = q . Q in units of the codes' (code_unit): one exact power of two, folded into the scale
+    ks = ks * (sm_scale / _side_unit(TIER.NG, TIER.KBITS, DOT))
     km = km * sm_scale
     s = raw * ks[:, None] + km[:, None] * qsum[None, :]
     s = tl.where(kpos[:, None] <= qpos, s, float("-inf"))
@@ -141,10 +142,8 @@ def _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, 
     alpha = tl.exp2(m - m_safe)
     l = l * alpha[None, :] + p
     VQ: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1
-    VB: tl.constexpr = _value_bias(TIER.NG, TIER.VBITS, DOT)
-    # one-group value codes keep the fp16 offset of codes() (1024 + 2^e c: no per-element subtraction)
     vx, vs, vm = side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
-                            PAGE_SIZE, BLOCK, DOT, VB != 0, False)
+                           PAGE_SIZE, BLOCK, DOT, False)
     ps = (p * vs[:, None]).to(DOT)
     # Transposed (v^T p): the F output columns fill the MMA's M dimension and the few query rows
     # its N, so no padded query rows are copied into the operand registers each tile.
@@ -152,41 +151,47 @@ def _decode_step(m, l, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, 
     if VQ:
         acc = acc * alpha[None, :] + pv
         am = am * alpha[None, :] + p * vm[:, None]
-        if VB != 0:
-            # the offset leaves through the operand the MMA saw, ps = fp16(p s): sum_n ps_n, not
-            # sum_n p_n s_n (1024 times the fp16 rounding of p s would swamp the output)
-            ab = ab * alpha[None, :] + ps.to(tl.float32)
     else:  # dense or several groups per token: side_tile dequantized the values (vs = 1, vm = 0)
         acc = acc * alpha[None, :] + pv
-    return s, m_new, l, acc, am, ab
+    return s, m_new, l, acc, am
 
 
 @triton.jit
-def _fold_values(acc, am, ab, TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr, VPERM: tl.constexpr):
-    """A tier's accumulator ``[F, G_PAD]`` in value units: row ``f`` summed ``ps (1024 + 2^e_f c)``
-    (:func:`code_scale`; word order when ``VPERM``), ``ab`` the sum of ``ps`` and ``am`` the
-    ``p @ m`` term, so ``p @ v_hat = (acc - 1024 ab) / 2^e_f + am`` (exact power-of-two divide)."""
+def _value_units(acc, TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr, VPERM: tl.constexpr,
+                 INTO: tl.constexpr):
+    """Move the accumulator ``[F, G_PAD]`` between value units and the units a tier's one-group
+    quantized values accumulate in (``INTO``): row ``f`` sums ``ps 2^e_f c`` codes' units
+    (:func:`code_scale`, :func:`code_unit`; word order when ``VPERM``). An exact power-of-two
+    scale per row; other tiers' values are already in value units."""
     if TIER.VBITS < 16 and TIER.NG == 1:
-        acc = acc - _value_bias(TIER.NG, TIER.VBITS, DOT) * ab[None, :]
+        unit: tl.constexpr = _side_unit(TIER.NG, TIER.VBITS, DOT)
         if VPERM:
-            acc = acc / code_scale(F, TIER.VBITS, DOT, False)[:, None]
-        acc = acc + am[None, :]
+            row_unit = code_scale(F, TIER.VBITS, DOT, False) * unit
+            if INTO:
+                acc = acc * row_unit[:, None]
+            else:
+                acc = acc / row_unit[:, None]
+        elif unit != 1.0:
+            if INTO:
+                acc = acc * unit
+            else:
+                acc = acc / unit
     return acc
 
 
 @triton.constexpr_function
-def _value_bias(NG: tl.constexpr, VBITS: tl.constexpr, DOT: tl.constexpr):
-    """Offset the value codes of a tier (``NG`` groups per token, ``VBITS``-bit values) keep in the
-    decode loop: :func:`code_bias` for one-group quantized values, 0 for any other value side
-    (dequantized in registers). Takes the tier's fields, not the tier: Triton 3.6's interpreter
-    hands a constexpr function a :class:`~leankit_kernels.tiles.Tier` as a plain tuple."""
-    if VBITS < 16 and NG == 1:
-        return code_bias(DOT)
-    return 0.0
+def _side_unit(NG: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
+    """The unit a side's tile carries into the MMA (``NG`` groups per token, ``BITS`` bits):
+    :func:`code_unit` for one-group quantized codes, 1 for a side dequantized in registers. Takes
+    the tier's fields, not the tier: Triton 3.6's interpreter hands a constexpr function a
+    :class:`~leankit_kernels.tiles.Tier` as a plain tuple."""
+    if BITS < 16 and NG == 1:
+        return code_unit(DOT)
+    return 1.0
 
 
 @triton.jit
-def _decode_tier(m, l, acc, q, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, lg_ptr, LG_N,
+def _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, lg_ptr, LG_N,
                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  BLOCK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
@@ -203,10 +208,10 @@ def _decode_tier(m, l, acc, q, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_live
     # accumulator into that order for the loop and back after it (once per program, not per tile).
     VPERM: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1 and word_unpack(F, TIER.VBITS, DOT)
     if VPERM:
-        # value column j accumulates 2^e_j times its codes (code_scale): scale the rows to match
-        acc = _word_order(acc, G_PAD, F, TIER.VBITS, True) * code_scale(F, TIER.VBITS, DOT, False)[:, None]
+        acc = _word_order(acc, G_PAD, F, TIER.VBITS, True)
+    # value row f accumulates 2^e_f times its codes in the codes' unit: scale the rows to match
+    acc = _value_units(acc, TIER, F, DOT, VPERM, True)
     am = tl.zeros([BLOCK, G_PAD], tl.float32)
-    ab = tl.zeros([BLOCK, G_PAD], tl.float32)
     m_in = m  # the running sum l [G_PAD] enters the tier at this max; lt holds its per-slot part
     lt = tl.zeros([BLOCK, G_PAD], tl.float32)
     if _nibble_tier(TIER.NG, TIER.KBITS, F, DOT):
@@ -228,20 +233,22 @@ def _decode_tier(m, l, acc, q, qsum, qoff, qpos, pool, tab_row, pg0, pg1, n_live
                 col = pcol
             page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
             kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
-            s, m, lt, acc, am, ab = _decode_step(m, lt, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
+            s, m, lt, acc, am = _decode_step(m, lt, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row,
                                                 valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT, PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD)
     else:
         for start in range(pg0 * TIER.T, s1, BLOCK):
             slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
-            s, m, lt, acc, am, ab = _decode_step(m, lt, acc, am, ab, qa, qb, qsum, qoff, qpos, kpos, pool, page, row,
+            s, m, lt, acc, am = _decode_step(m, lt, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row,
                                                 valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT, PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l = l * tl.exp2(m_in - m_safe) + tl.sum(lt, 0)
-    acc = _fold_values(acc, tl.sum(am, 0), tl.sum(ab, 0), TIER, F, DOT, VPERM)  # per-slot sums reduced once
+    acc = _value_units(acc, TIER, F, DOT, VPERM, False)
+    if TIER.VBITS < 16 and TIER.NG == 1:
+        acc = acc + tl.sum(am, 0)[None, :]  # the p @ m term, its per-slot sums reduced once
     if VPERM:
         acc = _word_order(acc, G_PAD, F, TIER.VBITS, False)
     return m, l, acc
@@ -277,24 +284,21 @@ def _query_halves(q, G_PAD: tl.constexpr, F: tl.constexpr):
 
 @triton.jit
 def _tier_query(q_row, g, TIER: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
-                BLOCK: tl.constexpr, DOT: tl.constexpr):
+                DOT: tl.constexpr):
     """The query as ``DOT`` operand ``[F, G_PAD]`` for the key tile of ``TIER``, and its fp32 row sums.
 
     One-group quantized keys arrive in the column order of :func:`key_order`, column ``j`` holding
-    ``1024 + 2^e_j c`` (:func:`code_scale`): the query is loaded in that order and divided by
-    ``2^e_j`` (exact: a power of two), so ``q' . k = 1024 sum(q') + q . c``. Returns ``q'``, the
-    sum of ``q`` as rounded (the ``m sum(q)`` term of ``q . k_hat``) and ``-1024 sum(q')``
-    broadcast to the logits tile ``[BLOCK, G_PAD]``, the MMA's starting value.
+    ``2^e_j c`` units of :func:`code_unit` (:func:`code_scale`): the query is loaded in that order
+    and divided by ``2^e_j`` (exact: a power of two), so ``q' . k = q . c`` in the codes' unit.
+    Returns ``q'`` and the sum of ``q`` as rounded (the ``m sum(q)`` term of ``q . k_hat``).
     """
     if TIER.KBITS < 16 and TIER.NG == 1:
         q = tl.load(q_row + key_order(F, TIER.KBITS, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
         qs = (q.to(tl.float32) / code_scale(F, TIER.KBITS, DOT, True)[None, :]).to(DOT)
-        off = -code_bias(DOT) * tl.sum(qs.to(tl.float32), 1)
     else:
         q = tl.load(q_row + tl.arange(0, F)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
         qs = q
-        off = tl.zeros([G_PAD], tl.float32)
-    return tl.trans(qs), tl.sum(q.to(tl.float32), 1), tl.broadcast_to(off[None, :], (BLOCK, G_PAD))
+    return tl.trans(qs), tl.sum(q.to(tl.float32), 1)
 
 
 @triton.jit
@@ -332,7 +336,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     qpos = tl.load(qpos_ptr + b * stride_pb)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh
     # Each tier's keys arrive in that tier's column order (key_order): load q in the same order.
-    q_hi, qsum, qoff = _tier_query(q_row, g, HI, G, G_PAD, F, NB_HI, DOT)
+    q_hi, qsum = _tier_query(q_row, g, HI, G, G_PAD, F, DOT)
     tab_row = tab_ptr + bh.to(tl.int64) * R
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
@@ -341,15 +345,15 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     v1 = v0 + PPS
     nh = tl.load(np_ptr + bh)
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
-    m, l, acc = _decode_tier(m, l, acc, q_hi, qsum, qoff, qpos, pool, tab_row, tl.minimum(v0, nh),
+    m, l, acc = _decode_tier(m, l, acc, q_hi, qsum, qpos, pool, tab_row, tl.minimum(v0, nh),
                              tl.minimum(v1, nh), tl.load(len_ptr + bh), R, sm_scale, lg_row, LG_N,
                              False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, NB_HI, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
         nl = tl.load(np_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
-        q_lo, qsum, qoff = _tier_query(q_row, g, LO, G, G_PAD, F, NB_LO, DOT)
-        m, l, acc = _decode_tier(m, l, acc, q_lo, qsum, qoff, qpos, pool, tab_row, l0, l1,
+        q_lo, qsum = _tier_query(q_row, g, LO, G, G_PAD, F, DOT)
+        m, l, acc = _decode_tier(m, l, acc, q_lo, qsum, qpos, pool, tab_row, l0, l1,
                                  tl.load(len_ptr + stride_tier + bh),
                                  R, sm_scale, lg_row + G * LG_N, LG_N,
                                  True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, NB_LO, DOT, PREC, SAVE_LOGITS)
