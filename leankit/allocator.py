@@ -85,7 +85,8 @@ class FreePageList:
     def device_counters(self) -> torch.Tensor:
         """The int64 ``[2]`` device ``(free_head, free_tail)`` the kernels read (made on first call)."""
         if self.counters is None:
-            self.counters = torch.tensor([self._head, self._tail], dtype=torch.int64, device=self.ring.device)
+            self.counters = torch.empty(2, dtype=torch.int64, device=self.ring.device)  # filled, not copied
+            self._push()
         return self.counters
 
     def mark_stale(self, taken: int | None = None) -> None:

@@ -117,10 +117,12 @@ def significance_cutoffs(scores: torch.Tensor, eligible: torch.Tensor, total: to
     Returns:
         ``[..., len(thresholds)]`` fp32 cut-offs.
     """
-    inf = torch.tensor(float("inf"), device=scores.device)
-    s = torch.where(eligible, scores.float(), inf)
+    # a Python scalar, not torch.tensor(inf, device=...): on a GPU that is a host-to-device copy,
+    # which waits for the stream like any read back
+    s = torch.where(eligible, scores.float(), float("inf"))
     sorted_s, _ = torch.sort(s, dim=-1)
     finite = torch.isfinite(sorted_s)
+    inf = float("inf")
     mass = torch.where(finite, sorted_s, torch.zeros_like(sorted_s))
     z = total.float()
     z = torch.where(z > 0, z, torch.ones_like(z)).unsqueeze(-1)
@@ -138,7 +140,7 @@ def significance_cutoffs(scores: torch.Tensor, eligible: torch.Tensor, total: to
 
 def _rank(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Ascending rank of each masked element's score among the masked elements of its row."""
-    s = torch.where(mask, scores, torch.tensor(float("inf"), device=scores.device))
+    s = torch.where(mask, scores, float("inf"))
     order = torch.argsort(s, dim=-1, stable=True)
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
@@ -462,7 +464,7 @@ class _Base:
         if received and isinstance(received[0], LiveSlots):
             self._update_live_scores(step, received)
             return
-        layers = torch.tensor([layer], device=cache.device)
+        layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
         view = (1, -1, 1, 1)
         for tier, layout in enumerate(cache.layouts):
             m = read_tier_meta(cache, tier, layers)
@@ -930,7 +932,7 @@ class LeanKVPolicy(_Base):
         total = _masked_sum(score, valid) + self.pruned_mass[layer]
         cls, _, _ = plan_unified(score, torch.full_like(pos, HIGH), valid, cand, torch.zeros_like(valid), total,
                                  self.pruned_mass[layer], self.th, self.tl)
-        layers = torch.tensor([layer], device=cache.device)
+        layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
         lens = cache.table.lens[:, layer].long()  # [2, B, H]
         counts = [(valid & (cls == c)).sum(-1) for c in (KEEP_HIGH, KEEP_LOW)]
         need_h, need_l = self._fit_pages(layers, (lens[HIGH] + counts[0]).unsqueeze(0),
@@ -957,7 +959,7 @@ class LeanKVPolicy(_Base):
         if not bool((prompt & (cut >= q_first)).any()):
             return
         cache = self.cache
-        layers = torch.tensor([layer], device=cache.device)
+        layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
         metas = [read_tier_meta(cache, t, layers) for t in range(len(cache.layouts))]
         wm = torch.full_like(q_last, -_BIG)
         news = self._plan(metas, prompt, cut, wm, self.pruned_mass[layer: layer + 1])

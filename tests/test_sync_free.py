@@ -70,7 +70,10 @@ class SyncCounter(TorchDispatchMode):
     """Counts leankit's sync-forcing ops per phase (``phase`` is set by the caller: a layer or the step).
 
     ``counts[(phase, op, site)]``: how often op ``op`` ran at ``site`` (``file:line (function)``).
-    ``Tensor.tolist`` is counted too (it reads every element without dispatching per element).
+    ``Tensor.tolist`` is counted too (it reads every element without dispatching per element), and
+    so are ``torch.tensor`` / ``torch.as_tensor`` of host data with a ``device``: on a GPU that is a
+    copy from pageable host memory, which waits for the stream as a read back does (found on an
+    H200 under ``torch.cuda.set_sync_debug_mode``, invisible to a dispatch count on CPU tensors).
     """
 
     def __init__(self, roots: tuple[str, ...] = _ROOTS):
@@ -94,16 +97,28 @@ class SyncCounter(TorchDispatchMode):
     def __enter__(self):
         counter, orig = self, torch.Tensor.tolist
         self._tolist = orig
+        self._factories = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
 
         def tolist(t, *a, **k):
             counter._add("tolist")
             return orig(t, *a, **k)
 
+        def copying(name, factory):
+            def make(data, *a, **k):
+                if k.get("device") is not None and not isinstance(data, torch.Tensor):
+                    counter._add(f"{name}(host data, device=...)")
+                return factory(data, *a, **k)
+            return make
+
         torch.Tensor.tolist = tolist
+        for name, factory in self._factories.items():
+            setattr(torch, name, copying(name, factory))
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist
+        for name, factory in self._factories.items():
+            setattr(torch, name, factory)
         return super().__exit__(*exc)
 
     def total(self, phase_prefix: str = "") -> int:
@@ -504,6 +519,9 @@ def test_counter_sees_every_kind_of_sync():
         torch.repeat_interleave(x)
         torch.repeat_interleave(x, 2)  # a host repeat count: no sync
         torch.cumsum(x, 0)
+        torch.tensor([1, 2], device=x.device)  # host data copied to the device
+        torch.as_tensor(x, device=x.device)  # already a tensor: no copy from the host
+        torch.tensor(5)  # stays on the host
 
     with SyncCounter() as outside:  # this file is not leankit's
         syncs()
@@ -519,7 +537,8 @@ def test_counter_sees_every_kind_of_sync():
     assert ops["index"] == 1 and ops["index_put_"] == 1
     assert ops["tolist"] == 1
     assert ops["repeat_interleave"] == 1
-    assert c.total() == 7
+    assert ops["tensor(host data, device=...)"] == 1
+    assert c.total() == 8
 
 
 if __name__ == "__main__":
