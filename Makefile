@@ -26,10 +26,7 @@ test: $(VENV)/.installed
 # leankit without dependencies, the CUDA tests, then the decode benchmark into results/gpu/.
 GPU_PY ?= python3
 gpu-check:
-	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(GPU_PY) -m pytest -q -m cuda tests/test_cuda_kernels.py
-	$(GPU_PY) bench/kernels.py --head-dim 64 --kv-heads 3 --group 3 --out results/gpu
-	$(GPU_PY) bench/kernels.py --head-dim 128 --kv-heads 8 --group 4 --out results/gpu
+	GPU_PY=$(GPU_PY) bash bench/gpu_check.sh
 
 # A fresh venv at $(1) that sees this venv's packages (a .pth of its site-packages), so a floor
 # check installs only what it pins over them.

@@ -1,0 +1,52 @@
+"""One decode call per config over a synthetic cache, for a profiler to look into.
+
+    ncu --kernel-name regex:_decode_kernel --section SpeedOfLight --section WarpStateStats \
+        python bench/decode_profile.py --head-dim 128 --kv-heads 8 --group 4 --batch 32 --context 16384
+
+Each config's kernel runs twice (the first call compiles), over the same cache
+:mod:`bench.kernels` times (``synthetic_cache``: random codes, valid metadata, page bounds
+passed in), so a profiler sees the very launches the benchmark table reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import CONFIGS, Shape, synthetic_cache
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from leankit_kernels.paged_attention import paged_attention
+
+    shape, dev = Shape(a.head_dim, a.kv_heads, a.group), torch.device("cuda")
+    for spec in a.configs:
+        kv, bounds = synthetic_cache(spec, a.batch, a.context, shape, dev)
+        q = torch.randn(a.batch, a.kv_heads * a.group, 1, a.head_dim, device=dev, dtype=torch.float16)
+        q_pos = torch.full((a.batch, 1), a.context, device=dev, dtype=torch.int64)
+        for _ in range(2):
+            paged_attention(q, kv, q_pos, a.head_dim ** -0.5, page_bounds=bounds)
+        torch.cuda.synchronize()
+        print(f"{spec}: 2 calls, bounds {bounds}", flush=True)
+        del kv
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One-command CUDA validation (`make gpu-check`) for a machine with torch, triton and transformers
+# preinstalled and no network: installs leankit without dependencies, runs the `cuda` tests
+# (kernels against their references at real sizes, kernel-backend LeanCache against the torch
+# backend, host syncs of decode steps, a CUDA-graph replay, compiled decode variants per
+# generation), then times the decode kernel with do_bench. Every step runs even when an earlier
+# one fails; the exit status is non-zero when any failed. Results land in $GPU_RESULTS:
+#   environment.txt   device, clocks and package versions
+#   pytest.log        the cuda tests, with each sync count they print
+#   decode_*.json/md  bench/kernels.py tables (us, GB/s, fraction of copy bandwidth, x FP16, x SDPA)
+#   kernels.log       the benchmark's full output (the ACT->KV table included)
+set -u
+PY=${GPU_PY:-python3}
+RES=${GPU_RESULTS:-results/gpu}
+TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-330}
+BENCH_TIMEOUT=${GPU_BENCH_TIMEOUT:-150}
+mkdir -p "$RES"
+failed=()
+
+$PY -m pip install -q --no-deps --no-build-isolation -e . || { echo "install failed"; exit 1; }
+
+{
+  date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+  $PY - <<'PY'
+import torch, triton, transformers
+p = torch.cuda.get_device_properties(0)
+print(f"{p.name}: {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, cc {p.major}.{p.minor}")
+print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")
+PY
+} 2>&1 | tee "$RES/environment.txt"
+
+workers=()
+if $PY -c "import xdist" 2>/dev/null; then
+  workers=(-n "${GPU_TEST_WORKERS:-4}")  # compiles dominate: run them on several cores
+fi
+if $PY -c "import pytest_timeout" 2>/dev/null; then
+  workers+=(--timeout "${GPU_TEST_EACH_TIMEOUT:-150}")  # one stuck test fails alone, with its traceback
+fi
+set -o pipefail
+timeout "$TEST_TIMEOUT" $PY -m pytest -q -p no:cacheprovider -m cuda -rA --durations=8 "${workers[@]}" \
+  tests/test_cuda_kernels.py 2>&1 | tee "$RES/pytest.log" || failed+=("cuda tests")
+
+: > "$RES/kernels.log"
+for shape in "64 3 3" "128 8 4"; do
+  set -- $shape
+  timeout "$BENCH_TIMEOUT" $PY bench/kernels.py --head-dim "$1" --kv-heads "$2" --group "$3" --out "$RES" \
+    2>&1 | tee -a "$RES/kernels.log" || failed+=("bench d$1")
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu-check: FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "gpu-check: all passed; results in $RES"
