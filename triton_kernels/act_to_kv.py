@@ -206,7 +206,7 @@ def act_to_kv(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKV
         cos = sin = act  # never read
     dummy = w
     consts = kernel_constexprs(params)
-    grid = (triton.cdiv(n, BLOCK_M), h)
+    grid = (tiles.cdiv(n, BLOCK_M), h)
     kernel_for(_act_to_kv_kernel, dev)[grid](
         act, w, params.bias if params.bias is not None else dummy,
         params.norm_weight if params.norm_weight is not None else dummy,

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from leankit.allocator import FreePageList, PoolExhausted
 
-from .tiles import kernel_for
+from .tiles import cdiv, kernel_for
 
 BLOCK = 128
 
@@ -130,7 +130,7 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
     cnt = free_list.device_counters()
     n = extra.numel()
     cap = free_list.capacity
-    grid = (triton.cdiv(n, block),)
+    grid = (cdiv(n, block),)
     if status is not None:
         total = extra.sum(dtype=torch.int64)
         free = cnt[1] - cnt[0]
@@ -172,7 +172,7 @@ def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: i
     if defer:
         n = drop.numel()
         cnt = free_list.device_counters()
-        kernel_for(_shrink_kernel, drop.device)[(triton.cdiv(n, block),)](
+        kernel_for(_shrink_kernel, drop.device)[(cdiv(n, block),)](
             drop, table.n_pages, table.tables, free_list.ring, cnt, free_list.capacity, n, n // 2, table.row_len,
             BLOCK=block, num_warps=4)
         cnt[1:2].add_(drop.sum(dtype=torch.int64))
@@ -185,7 +185,7 @@ def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: i
     if total > cap - free_list.num_free:  # (num_free syncs the host counters)
         raise RuntimeError("releasing more pages than are in use: double free")
     n = drop.numel()
-    kernel_for(_shrink_kernel, drop.device)[(triton.cdiv(n, block),)](drop, table.n_pages, table.tables, free_list.ring,
+    kernel_for(_shrink_kernel, drop.device)[(cdiv(n, block),)](drop, table.n_pages, table.tables, free_list.ring,
                                              free_list.device_counters(), cap, n, n // 2, table.row_len, BLOCK=block,
                                              num_warps=4)
     free_list.free_tail += total

@@ -508,7 +508,7 @@ def decode_tiling(targs: dict, dot_bytes: int = 2) -> dict:
 def group_pad(g: int) -> int:
     """Rows of the query tile: the group size padded to a power of two (``tl.dot`` pads the MMA itself,
     so the softmax only ever touches these rows)."""
-    return triton.next_power_of_2(g)
+    return tiles.next_power_of_2(g)
 
 
 # Decode programs resident per SM before the kernel's own register count is known (the first
@@ -549,12 +549,41 @@ def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: 
     the page bytes the split reads. Programs past their head's pages find an empty range and exit
     at once. ``sms=None`` (interpreter): 2 splits.
     """
-    min_pages = max(1, triton.cdiv(SPLIT_BYTES_RATIO * 8 * g * (f + 2), page_size))
+    min_pages = max(1, tiles.cdiv(SPLIT_BYTES_RATIO * 8 * g * (f + 2), page_size))
     if not sms:
-        return max(1, min(2, triton.cdiv(max_pages, min_pages)))
+        return max(1, min(2, tiles.cdiv(max_pages, min_pages)))
     work = total_pages if total_pages is not None else bh * max_pages
-    pps = max(min_pages, triton.cdiv(max(1, work), resident * sms))
-    return max(1, triton.cdiv(max_pages, pps))
+    pps = max(min_pages, tiles.cdiv(max(1, work), resident * sms))
+    return max(1, tiles.cdiv(max_pages, pps))
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What a decode launch derives from the cache's layouts, the query dtype and the device alone:
+    worked out once per combination (:func:`_decode_plan`), not per layer and step."""
+
+    dot_t: object
+    prec: str
+    tiling: dict
+    variant: tuple  # the compiled variant's key for _RESIDENT
+    sms: int | None
+    g_pad: int
+
+
+_DECODE_PLANS: dict = {}
+
+
+def _decode_plan(layouts, targs: dict, dtype: torch.dtype, dev: torch.device, g: int, keep: bool) -> _DecodePlan:
+    key = (layouts, dtype, dev, g, keep)
+    plan = _DECODE_PLANS.get(key)
+    if plan is None:
+        dot_t, prec = dot_config(dtype, dev)
+        tiling = decode_tiling(targs, dot_t.primitive_bitwidth // 8)
+        variant = (dev, g, targs["F"], dtype, keep,
+                   tuple(sorted((k, str(v)) for k, v in {**targs, **tiling}.items())))
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
+        plan = _DECODE_PLANS[key] = _DecodePlan(dot_t, prec, tiling, variant, sms, group_pad(g))
+    return plan
 
 
 @dataclass
@@ -626,17 +655,15 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     q_pos = q_pos.to(device=dev, dtype=torch.int32)
     bh = b * hkv
     keep = update_scores or save_logits
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
-    dot_t, prec = dot_config(q.dtype, dev)
-    tiling = decode_tiling(targs, dot_t.primitive_bitwidth // 8)
-    variant = (dev, g, f, q.dtype, keep, tuple(sorted((k, str(v)) for k, v in {**targs, **tiling}.items())))
+    plan = _decode_plan(kv.layouts, targs, q.dtype, dev, g, keep)
+    dot_t, prec, tiling, variant, sms = plan.dot_t, plan.prec, plan.tiling, plan.variant, plan.sms
     if not num_splits:
         resident = _RESIDENT.get(variant, CTAS_PER_SM)
         s = choose_splits(bh, max_pages, g, f, targs["PAGE_SIZE"], sms, total_pages, resident)
     else:
         s = num_splits
-    pps = triton.cdiv(max_pages, max(1, s))
-    s = triton.cdiv(max_pages, pps)
+    pps = tiles.cdiv(max_pages, max(1, s))
+    s = tiles.cdiv(max_pages, pps)
     direct = s == 1
     lg_n = max(max_h * targs["HI"].T, max_l * targs["LO"].T if targs["HAS_LOW"] else 0)
     if keep:
@@ -645,7 +672,7 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         logits, lg_n = tiles.empty(1, dtype=torch.float32, device=dev), 0
     part_acc = tiles.empty((bh, s, g, f) if not direct else (1,), dtype=torch.float32, device=dev)
     part_ml = tiles.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
-    gp = group_pad(g)
+    gp = plan.g_pad
     compiled = kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
         part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, float(scale) * LOG2E,
@@ -693,7 +720,7 @@ def apply_score_update(kv: PagedKV, saved: DecodeLogits | None, lse: torch.Tenso
     lse = lse.to(device=dev, dtype=torch.float32).contiguous()
     q_pos = saved.q_pos if q_pos is None else q_pos.to(device=dev, dtype=torch.int32)
     sblk = 64
-    kernel_for(_score_update_kernel, dev)[(b * hkv, triton.cdiv(saved.n, sblk), 2 if targs["HAS_LOW"] else 1)](
+    kernel_for(_score_update_kernel, dev)[(b * hkv, tiles.cdiv(saved.n, sblk), 2 if targs["HAS_LOW"] else 1)](
         saved.logits, lse, q_pos, q_pos.stride(0), qv, kv.pool.storage, tables, lens, stride_tier, hkv, r, saved.n,
         G=g, G_PAD=group_pad(g), PAGE_SIZE=targs["PAGE_SIZE"], BLOCK_N=sblk, HAS_LOW=targs["HAS_LOW"],
         HI=targs["HI"], LO=targs["LO"], num_warps=4)

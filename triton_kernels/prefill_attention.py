@@ -280,7 +280,7 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     cfg = prefill_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None)
     cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
     cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
-    grid = (b * hkv, triton.cdiv(g * nq, cfg["BLOCK_M"]))
+    grid = (b * hkv, tiles.cdiv(g * nq, cfg["BLOCK_M"]))
     kernel_for(_prefill_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), kv.pool.storage, tables, lens, stride_tier,
         out, lse, hkv, r, nq, float(scale) * LOG2E, G=g, DOT=dot_t, PREC=prec, num_stages=2, **cfg, **targs)
@@ -318,7 +318,7 @@ def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale:
           else q_valid.to(device=dev, dtype=torch.int32).reshape(b, nq).contiguous())
     lse = lse.to(torch.float32).contiguous()
     dot_t, prec = dot_config(q.dtype, dev)
-    grid = (b * hkv, triton.cdiv(n_max, block_n), len(kv.layouts))
+    grid = (b * hkv, tiles.cdiv(n_max, block_n), len(kv.layouts))
     kernel_for(_received_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), qv, lse, kv.pool.storage, tables, lens,
         stride_tier, out_h, out_l, nh_out, nl_out, hkv, r, nq, float(scale) * LOG2E,

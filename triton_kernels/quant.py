@@ -216,7 +216,7 @@ def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.T
     elif err.dtype != torch.int32 or err.numel() < 1 or err.device != dev:
         raise ValueError(f"err must be an int32 flag on {dev}, got {err.dtype} [{err.numel()}] on {err.device}")
     bn = block_n or quant_block_n(f)
-    kernel_for(_quantize_kernel, dev)[(triton.cdiv(n, bn),)](
+    kernel_for(_quantize_kernel, dev)[(tiles.cdiv(n, bn),)](
         k, v, k.stride(0), v.stride(0), page, slot, pos, score, storage, err, n,
         BLOCK_N=bn, num_warps=4, enable_fp_fusion=False, **layout_constexprs(layout))
     if eager and int(err.item()):
@@ -244,6 +244,6 @@ def dequantize_from_pages(storage: torch.Tensor, layout: PageLayout, page: torch
     score = tiles.empty(n, dtype=torch.float32, device=dev)
     pos = tiles.empty(n, dtype=torch.int32, device=dev)
     if n:
-        kernel_for(_dequantize_kernel, dev)[(triton.cdiv(n, block_n),)](
+        kernel_for(_dequantize_kernel, dev)[(tiles.cdiv(n, block_n),)](
             storage, page, slot, k, v, score, pos, n, BLOCK_N=block_n, num_warps=4, **layout_constexprs(layout))
     return k, v, score, pos

@@ -43,6 +43,19 @@ POS_DEAD = 2**31 - 1
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host integers. Launchers size grids with it: ``triton.cdiv`` is a
+    constexpr function on newer Triton, and a call from Python costs microseconds of argument
+    unwrapping, several per launch."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` for host integers ``n >= 0`` (0 for 0, as Triton's), see
+    :func:`cdiv`."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def tl_dtype(dtype: torch.dtype):
     """The Triton dtype of a torch floating dtype (fp16, bf16, fp32)."""
     try:
@@ -407,10 +420,20 @@ def layer_views(kv):
 
 
 def tier_args(layouts) -> dict:
-    """Constexprs of both tiers (``HI`` high, ``LO`` low, a :class:`Tier` each) and the page geometry."""
-    two = len(layouts) > 1
-    return dict(page_constexprs(layouts[0]), HAS_LOW=two, HI=tier_constexprs(layouts[0]),
-                LO=tier_constexprs(layouts[1]) if two else NO_TIER)
+    """Constexprs of both tiers (``HI`` high, ``LO`` low, a :class:`Tier` each) and the page geometry.
+
+    Computed once per layouts tuple (a cache's layouts never change): every launch asks for them.
+    The dict is shared; callers must not modify it.
+    """
+    args = _TIER_ARGS.get(layouts)
+    if args is None:
+        two = len(layouts) > 1
+        args = _TIER_ARGS[layouts] = dict(page_constexprs(layouts[0]), HAS_LOW=two, HI=tier_constexprs(layouts[0]),
+                                          LO=tier_constexprs(layouts[1]) if two else NO_TIER)
+    return args
+
+
+_TIER_ARGS: dict = {}
 
 
 def layer_launch(q: torch.Tensor, kv):
