@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from leankit.planner import hybrid as hyb
@@ -115,6 +115,7 @@ def test_packing_rejects_oversized_request():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), min_size=1, max_size=6), st.integers(8, 20))
+@example(reqs=[(6, 1), (6, 1), (8, 1), (2, 2)], cap=8)  # the same bins in another order: equal cost
 def test_exact_packing_is_feasible_and_never_worse_than_greedy(reqs, cap):
     rs = [hyb.Request(i, a, k) for i, (a, k) in enumerate(reqs)]
     greedy = hyb.pack_minibatches(rs, cap, cap, GEN, LOAD)

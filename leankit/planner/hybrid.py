@@ -324,7 +324,9 @@ def packing_cost(bins: Sequence[Sequence[Request]], t_kv_gen: TimeFn, t_load_kv:
     fs = [imbalance(sum(r.act for r in b), sum(r.kv for r in b), t_kv_gen, t_load_kv) for b in bins]
     if not fs:
         return 0, 1.0, 1.0
-    return len(bins), max(fs), sum(fs) / len(fs)
+    # fsum: the mean must not depend on the order of the bins (two packings with the same bins
+    # in another order would compare unequal by a rounding of the running sum)
+    return len(bins), max(fs), math.fsum(fs) / len(fs)
 
 
 def _set_partitions(items: list):
