@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import CONFIGS, Shape, synthetic_cache
+from kernels import CONFIGS, Shape, decode_call
 
 
 def main(argv=None) -> int:
@@ -32,18 +32,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from leankit_kernels.paged_attention import paged_attention
-
     shape, dev = Shape(a.head_dim, a.kv_heads, a.group), torch.device("cuda")
     for spec in a.configs:
-        kv, bounds = synthetic_cache(spec, a.batch, a.context, shape, dev)
-        q = torch.randn(a.batch, a.kv_heads * a.group, 1, a.head_dim, device=dev, dtype=torch.float16)
-        q_pos = torch.full((a.batch, 1), a.context, device=dev, dtype=torch.int64)
+        call, bounds = decode_call(spec, a.batch, a.context, shape, dev)
         for _ in range(2):
-            paged_attention(q, kv, q_pos, a.head_dim ** -0.5, page_bounds=bounds)
+            call()
         torch.cuda.synchronize()
         print(f"{spec}: 2 calls, bounds {bounds}", flush=True)
-        del kv
+        del call  # the cache it holds
         torch.cuda.empty_cache()
     return 0
 

@@ -209,8 +209,10 @@ def time_call(fn) -> tuple[float | None, float]:
     return graph_us, eager_us
 
 
-def measure(spec: str, batch: int, ctx: int, shape: Shape, device) -> tuple[float, float]:
-    """Median µs of one decode call: CUDA-graph replays and eager calls (:func:`time_call`)."""
+def decode_call(spec: str, batch: int, ctx: int, shape: Shape, device):
+    """One layer's decode call over a :func:`synthetic_cache` (random fp16 queries at position
+    ``ctx``, page bounds passed in, so the launch reads nothing back): ``(call, page bounds)``,
+    ``call`` a zero-argument function that runs ``paged_attention`` once."""
     from leankit_kernels.paged_attention import paged_attention
 
     kv, bounds = synthetic_cache(spec, batch, ctx, shape, device)
@@ -218,7 +220,12 @@ def measure(spec: str, batch: int, ctx: int, shape: Shape, device) -> tuple[floa
     q = torch.randn(batch, hq, 1, shape.head_dim, device=device, dtype=torch.float16)
     q_pos = torch.full((batch, 1), ctx, device=device, dtype=torch.int64)
     scale = shape.head_dim ** -0.5
-    return time_call(lambda: paged_attention(q, kv, q_pos, scale, page_bounds=bounds))
+    return (lambda: paged_attention(q, kv, q_pos, scale, page_bounds=bounds)), bounds
+
+
+def measure(spec: str, batch: int, ctx: int, shape: Shape, device) -> tuple[float, float]:
+    """Median µs of one decode call: CUDA-graph replays and eager calls (:func:`time_call`)."""
+    return time_call(decode_call(spec, batch, ctx, shape, device)[0])
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:

@@ -5,7 +5,7 @@
 On a GPU an eager decode call costs the launcher's Python work plus Triton's launch, and at
 small batch and context that, not the kernel, sets a layer's time (results/gpu: eager calls of
 110-330 µs around kernels of 8-60 µs on an H200). This measures the first part on any machine:
-``paged_attention`` over a synthetic cache (``bench/kernels.py``'s), page bounds passed in, with
+``paged_attention`` over a synthetic cache (``bench/kernels.py``'s ``decode_call``), page bounds passed in, with
 ``kernel_for`` returning a stub so nothing runs and no interpreter is involved. Reported per
 config as µs per call (best of 5 rounds); ``--profile`` adds a cProfile of the last config.
 """
@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import CONFIGS, Shape, synthetic_cache
+from kernels import CONFIGS, Shape, decode_call
 
 
 class _Compiled:
@@ -36,9 +36,7 @@ def launcher_us(spec: str, shape: Shape, batch: int, context: int, calls: int, r
     """Best-of-``rounds`` µs per ``paged_attention`` call of ``spec`` with the launch stubbed."""
     import leankit_kernels.paged_attention as pa
 
-    kv, bounds = synthetic_cache(spec, batch, context, shape, torch.device("cpu"))
-    q = torch.randn(batch, shape.kv_heads * shape.group, 1, shape.head_dim, dtype=torch.float16)
-    q_pos = torch.full((batch, 1), context, dtype=torch.int64)
+    call, _ = decode_call(spec, batch, context, shape, torch.device("cpu"))
     real = pa.kernel_for
     pa.kernel_for = lambda kernel, device: _Launcher()
     try:
@@ -46,7 +44,7 @@ def launcher_us(spec: str, shape: Shape, batch: int, context: int, calls: int, r
         for _ in range(rounds):
             t = time.perf_counter()
             for _ in range(calls):
-                pa.paged_attention(q, kv, q_pos, 0.1, page_bounds=bounds)
+                call()
             best = min(best, (time.perf_counter() - t) / calls)
     finally:
         pa.kernel_for = real

@@ -119,10 +119,10 @@ def significance_cutoffs(scores: torch.Tensor, eligible: torch.Tensor, total: to
     """
     # a Python scalar, not torch.tensor(inf, device=...): on a GPU that is a host-to-device copy,
     # which waits for the stream like any read back
-    s = torch.where(eligible, scores.float(), float("inf"))
+    inf = float("inf")
+    s = torch.where(eligible, scores.float(), inf)
     sorted_s, _ = torch.sort(s, dim=-1)
     finite = torch.isfinite(sorted_s)
-    inf = float("inf")
     mass = torch.where(finite, sorted_s, torch.zeros_like(sorted_s))
     z = total.float()
     z = torch.where(z > 0, z, torch.ones_like(z)).unsqueeze(-1)

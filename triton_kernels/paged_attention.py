@@ -166,16 +166,13 @@ def _value_units(acc, TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr, VP
     if TIER.VBITS < 16 and TIER.NG == 1:
         unit: tl.constexpr = _side_unit(TIER.NG, TIER.VBITS, DOT)
         if VPERM:
-            row_unit = code_scale(F, TIER.VBITS, DOT, False) * unit
-            if INTO:
-                acc = acc * row_unit[:, None]
-            else:
-                acc = acc / row_unit[:, None]
-        elif unit != 1.0:
-            if INTO:
-                acc = acc * unit
-            else:
-                acc = acc / unit
+            row_unit = (code_scale(F, TIER.VBITS, DOT, False) * unit)[:, None]
+        else:
+            row_unit = unit
+        if INTO:
+            acc = acc * row_unit
+        else:
+            acc = acc / row_unit
     return acc
 
 
