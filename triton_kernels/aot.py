@@ -75,7 +75,7 @@ def _layouts(spec: str, model: str, dtype=torch.float16, **overrides):
 
 def cases() -> list[Case]:
     """The compile matrix (every kernel at least once, the decode kernel for every config)."""
-    from .paged_attention import DECODE_WARPS, decode_loop_tokens, decode_tiling, group_pad
+    from .paged_attention import DECODE_STAGES, DECODE_WARPS, decode_loop_tokens, decode_tiling, group_pad
     from .prefill_attention import (
         BLOCK_M,
         BLOCK_N,
@@ -117,7 +117,7 @@ def cases() -> list[Case]:
                          "lg_ptr": "*fp32"},
                     dict(targs, G=g, G_PAD=group_pad(g), DOT=dot_t, PREC=prec, SAVE_LOGITS=save, DIRECT=direct,
                          **decode_tiling(targs, dot_t.primitive_bitwidth // 8)),
-                    options={"num_warps": DECODE_WARPS, "num_stages": 2},
+                    options={"num_warps": DECODE_WARPS, "num_stages": DECODE_STAGES},
                     loop_tokens=decode_loop_tokens(lays[0]) if metric else 0,
                     token_bytes=read_bytes_per_token(lays[0]) if metric else 0)
 
@@ -298,7 +298,7 @@ def resource_table(rows: list[dict]) -> list[str]:
     out = ["| kernel | arch | warps | regs | shared B | stack B | spill st/ld B | local ops in loops / outside | note |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        bad, note = _status(r)
+        _bad, note = _status(r)
         if "error" in r:
             out.append(f"| {r['kernel']} | {r['arch']} | | | | | | | {note} |")
             continue
@@ -309,8 +309,8 @@ def resource_table(rows: list[dict]) -> list[str]:
 
 def issue_table(rows: list[dict]) -> list[str]:
     """Markdown rows of the decode inner loop's static issue count per KB of K/V page bytes read."""
-    out = ["| decode kernel | arch | loop body (SASS instr) | warps | KB read per iteration | "
-           "warp instr per KB | vs FP16 |", "|---|---|---|---|---|---|---|"]
+    out = [("| decode kernel | arch | loop body (SASS instr) | warps | KB read per iteration | "
+           "warp instr per KB | vs FP16 |"), "|---|---|---|---|---|---|---|"]
     met = [r for r in rows if "error" not in r and r["loop_kb"]]
     for r in met:
         r["per_kb"] = r["loop_body"] * r["warps"] / r["loop_kb"]

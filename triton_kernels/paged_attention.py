@@ -92,6 +92,8 @@ __all__ = ["DecodeLogits", "apply_score_update", "paged_attention", "received_at
 # batched dot on its batch axis, so with one lane every warp repeated the whole tile (4x the MMAs,
 # 255 registers and spills inside the loop; python -m leankit_kernels.aot under triton 3.6).
 DECODE_WARPS = 4
+# Software-pipelining stages of the decode inner loop's loads (Triton's ``num_stages``).
+DECODE_STAGES = 2
 DECODE_MAX_ROWS = 128
 # A split must read at least this many times the bytes of the fp32 partial (acc, max, sum) it
 # writes and the reduce reads back, so the split-K merge costs at most ~6% extra traffic.
@@ -565,6 +567,8 @@ class _DecodePlan:
     variant: tuple  # the compiled variant's key for _RESIDENT
     sms: int | None
     g_pad: int
+    warps: int
+    stages: int
 
 
 _DECODE_PLANS: dict = {}
@@ -576,10 +580,11 @@ def _decode_plan(layouts, targs: dict, dtype: torch.dtype, dev: torch.device, g:
     if plan is None:
         dot_t, prec = dot_config(dtype, dev)
         tiling = decode_tiling(targs, dot_t.primitive_bitwidth // 8)
-        variant = (dev, g, targs["F"], dtype, keep,
+        variant = (dev, g, targs["F"], dtype, keep, DECODE_WARPS, DECODE_STAGES,
                    tuple(sorted((k, str(v)) for k, v in {**targs, **tiling}.items())))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
-        plan = _DECODE_PLANS[key] = _DecodePlan(dot_t, prec, tiling, variant, sms, group_pad(g))
+        plan = _DECODE_PLANS[key] = _DecodePlan(dot_t, prec, tiling, variant, sms, group_pad(g), DECODE_WARPS,
+                                                DECODE_STAGES)
     return plan
 
 
@@ -673,11 +678,11 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     compiled = kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
         part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, float(scale) * LOG2E,
-        G=g, G_PAD=gp, DOT=dot_t, PREC=prec, SAVE_LOGITS=keep, DIRECT=direct, num_warps=DECODE_WARPS,
-        num_stages=2, **tiling, **targs)
+        G=g, G_PAD=gp, DOT=dot_t, PREC=prec, SAVE_LOGITS=keep, DIRECT=direct, num_warps=plan.warps,
+        num_stages=plan.stages, **tiling, **targs)
     if dev.type == "cuda" and variant not in _RESIDENT and getattr(compiled, "n_regs", 0):
         props = torch.cuda.get_device_properties(dev)
-        _RESIDENT[variant] = resident_programs(compiled.n_regs, int(compiled.metadata.shared), DECODE_WARPS,
+        _RESIDENT[variant] = resident_programs(compiled.n_regs, int(compiled.metadata.shared), plan.warps,
                                                getattr(props, "shared_memory_per_multiprocessor", 0))
     if not direct:
         kernel_for(_decode_reduce_kernel, dev)[(bh,)](part_acc, part_ml, out, lse, hkv, s, G=g, G_PAD=gp, F=f,
