@@ -1,0 +1,154 @@
+"""Prefill attention kernels on a CUDA GPU: causal attention of a whole prompt over its pages, and
+the significance pass (LeanKV §4), against torch SDPA on dense fp16 K/V of the same shape.
+
+    python bench/prefill_kernels.py --head-dim 128 --kv-heads 8 --group 4 --batch 4 --prompts 1024 4096 \
+        --out results/gpu
+
+One layer, ``batch`` sequences of ``n`` prompt tokens each, stored in the pages of each config (the
+synthetic cache of :mod:`bench.kernels`: random codes, valid metadata, positions ``0 .. n - 1``),
+queried at positions ``0 .. n - 1``, so every query sees the keys at or before it (causal). Per
+config and prompt length:
+
+- ``prefill us``: ``prefill_attention`` (``_prefill_kernel``), median of CUDA-graph replays;
+- ``significance us``: ``received_attention`` (``_received_kernel``, the second pass over the keys
+  that turns the saved lse into each key's received probability), eager calls (it reads its page
+  counts back to size its grid, which a CUDA graph cannot capture);
+- ``TFLOP/s``: the causal attention's useful FLOPs (``2 B Hq n^2 F``: ``q k^T`` and ``p v`` over the
+  lower triangle) over the prefill time;
+- ``x SDPA``: torch SDPA (``is_causal=True``, GQA) on dense fp16 K/V, graph-timed the same way,
+  over the prefill time (above 1: the paged kernel is faster).
+
+Without CUDA it prints the modelled FLOPs and measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import Shape, synthetic_cache, time_call
+
+CONFIGS = ("FP16", "K8V4", "K4V2", "K8V4-K4V2")
+PROMPTS = (1024, 4096)
+
+
+def causal_flops(batch: int, n: int, shape: Shape) -> int:
+    """Useful FLOPs of causal attention over ``n`` tokens: ``q k^T`` and ``p v`` (2 FLOPs a MAC each)
+    over the ``n (n + 1) / 2`` visible (query, key) pairs of every query head."""
+    return 2 * 2 * batch * shape.kv_heads * shape.group * (n * (n + 1) // 2) * shape.head_dim
+
+
+def prefill_calls(spec: str, batch: int, n: int, shape: Shape, device):
+    """``(prefill, significance, inputs)``: zero-argument calls of one layer's prefill attention and
+    its significance pass over a :func:`bench.kernels.synthetic_cache` of ``n`` tokens a sequence, and
+    the ``(q, kv, q_pos, scale)`` they read."""
+    from leankit_kernels.prefill_attention import prefill_attention, received_attention
+
+    kv, _ = synthetic_cache(spec, batch, n, shape, device)
+    hq = shape.kv_heads * shape.group
+    q = torch.randn(batch, hq, n, shape.head_dim, device=device, dtype=torch.float16)
+    q_pos = torch.arange(n, device=device, dtype=torch.int64).expand(batch, n).contiguous()
+    scale = shape.head_dim ** -0.5
+    _, lse = prefill_attention(q, kv, q_pos, scale)
+    return ((lambda: prefill_attention(q, kv, q_pos, scale)), (lambda: received_attention(q, kv, q_pos, scale, lse)),
+            (q, kv, q_pos, scale))
+
+
+def sdpa_us(batch: int, n: int, shape: Shape, device) -> float:
+    """Median µs of torch SDPA, causal, over dense fp16 K/V of the same shape (GQA)."""
+    hq = shape.kv_heads * shape.group
+    q = torch.randn(batch, hq, n, shape.head_dim, device=device, dtype=torch.float16)
+    k = torch.randn(batch, shape.kv_heads, n, shape.head_dim, device=device, dtype=torch.float16)
+    v = torch.randn_like(k)
+    fn = torch.nn.functional.scaled_dot_product_attention
+    graph, eager = time_call(lambda: fn(q, k, v, is_causal=True, enable_gqa=True))
+    return graph if graph is not None else eager
+
+
+def run(shape: Shape, batch: int, prompts=PROMPTS, configs=CONFIGS, measure_cuda: bool | None = None) -> list[dict]:
+    """One row per (prompt length, config); timings only with CUDA."""
+    cuda = torch.cuda.is_available() if measure_cuda is None else measure_cuda
+    if cuda:
+        import triton
+    dev = torch.device("cuda") if cuda else None
+    rows = []
+    for n in prompts:
+        flops = causal_flops(batch, n, shape)
+        base = sdpa_us(batch, n, shape, dev) if cuda else None
+        for spec in configs:
+            r = {"config": spec, "batch": batch, "prompt": n, "flops": flops}
+            if cuda:
+                prefill, significance, _ = prefill_calls(spec, batch, n, shape, dev)
+                g, e = time_call(prefill)
+                r["prefill_us"] = g if g is not None else e
+                # eager: the pass reads its page counts back to size its grid (a host sync that no
+                # CUDA graph can capture); at these sizes its kernel dwarfs the launch
+                significance()
+                r["significance_us"] = triton.testing.do_bench(significance, warmup=10, rep=100,
+                                                               return_mode="median") * 1e3
+                r["tflops"] = flops / (r["prefill_us"] * 1e-6) / 1e12
+                r["sdpa_us"] = base
+                r["x_sdpa"] = base / r["prefill_us"]
+                del prefill, significance
+                torch.cuda.empty_cache()
+                print(f"{spec:<10} B{batch} n{n}: prefill {r['prefill_us']:9.1f} us ({r['tflops']:6.1f} TFLOP/s, "
+                      f"{r['x_sdpa']:.2f}x SDPA {base:.1f} us), significance {r['significance_us']:9.1f} us",
+                      flush=True)
+            else:
+                print(f"{spec:<10} B{batch} n{n}: {flops / 1e9:.1f} GFLOP causal (not measured: no CUDA)")
+            rows.append(r)
+    return rows
+
+
+def markdown(rows: list[dict], shape: Shape, device: str, command: str) -> list[str]:
+    """The results table (measured rows only)."""
+    out = [f"# Prefill attention, one layer (device: {device})", "",
+           (f"head_dim {shape.head_dim}, {shape.kv_heads} KV heads x {shape.group}, causal, fp16 queries; "
+            f"`python bench/prefill_kernels.py {command}`. Medians of CUDA-graph replays (of eager "
+            "calls for the significance pass). x SDPA above 1: the "
+            "paged kernel is faster than torch SDPA (causal, GQA) on dense fp16 K/V."), "",
+           "| config | B | prompt | prefill us | TFLOP/s | SDPA us | x SDPA | significance us | significance / prefill |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "prefill_us" in r:
+            out.append(f"| {r['config']} | {r['batch']} | {r['prompt']} | {r['prefill_us']:.1f} | {r['tflops']:.1f} | "
+                       f"{r['sdpa_us']:.1f} | {r['x_sdpa']:.2f} | {r['significance_us']:.1f} | "
+                       f"{r['significance_us'] / r['prefill_us']:.2f} |")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS), help="prompt lengths (tokens)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument("--out", default="", help="also write JSON + markdown results into this folder")
+    a = ap.parse_args(argv)
+    if a.batch < 1 or min(a.prompts) < 1:
+        ap.error("batch and prompt lengths must be positive")
+    shape = Shape(a.head_dim, a.kv_heads, a.group)
+    rows = run(shape, a.batch, tuple(a.prompts), tuple(a.configs))
+    if a.out and any("prefill_us" in r for r in rows):
+        os.makedirs(a.out, exist_ok=True)
+        dev = torch.cuda.get_device_name()
+        stem = os.path.join(a.out, f"prefill_d{a.head_dim}_h{a.kv_heads}g{a.group}")
+        with open(stem + ".json", "w") as fh:
+            json.dump({"device": dev, "triton": __import__("triton").__version__, "shape": shape.__dict__,
+                       "rows": rows}, fh, indent=1)
+        cmd = " ".join(argv if argv is not None else sys.argv[1:])
+        with open(stem + ".md", "w") as fh:
+            fh.write("\n".join(markdown(rows, shape, dev, cmd)) + "\n")
+        print(f"results: {stem}.json/.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
