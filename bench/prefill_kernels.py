@@ -18,6 +18,10 @@ config and prompt length:
 - ``x SDPA``: torch SDPA (``is_causal=True``, GQA) on dense fp16 K/V, graph-timed the same way,
   over the prefill time (above 1: the paged kernel is faster).
 
+With ``--tiles M:N:warps:stages ...`` it times the prefill kernel once per tile instead (query
+rows, keys per tile, warps, pipeline stages; the first tile is the baseline of ``x first``), with
+the largest difference of each tile's output from the first's over that output's magnitude.
+
 Without CUDA it prints the modelled FLOPs and measures nothing.
 """
 
@@ -105,6 +109,56 @@ def run(shape: Shape, batch: int, prompts=PROMPTS, configs=CONFIGS, measure_cuda
     return rows
 
 
+def parse_tile(text: str) -> dict:
+    """``"M:N:warps:stages"`` -> prefill launch options (powers of two; M, N >= 16)."""
+    try:
+        m, n, w, st = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tile is BLOCK_M:BLOCK_N:warps:stages, got {text!r}") from None
+    pow2 = all(v >= 16 and v & (v - 1) == 0 for v in (m, n))
+    if not pow2 or w not in (1, 2, 4, 8, 16) or not 1 <= st <= 5:
+        raise argparse.ArgumentTypeError(f"BLOCK_M, BLOCK_N powers of two >= 16, warps 1..16, stages 1..5; got {text!r}")
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+
+
+def tile_sweep(shape: Shape, batch: int, prompts, configs, tiles: list[dict], device=None) -> list[dict]:
+    """Prefill time of each tile per (prompt length, config), each launch plan replaced by the tile
+    (a tile that does not compile, e.g. too much shared memory, is reported and skipped)."""
+    import leankit_kernels.prefill_attention as pf
+
+    dev, real = device or torch.device("cuda"), pf.prefill_config
+    rows = []
+    try:
+        for n in prompts:
+            for spec in configs:
+                prefill, _, _ = prefill_calls(spec, batch, n, shape, dev)
+                ref = base = None
+                for tile in tiles:
+                    pf.prefill_config = lambda *_a, _t=tile: dict(_t)
+                    name = "{BLOCK_M}:{BLOCK_N}:{num_warps}:{num_stages}".format(**tile)
+                    try:
+                        out = prefill()[0].float()
+                    except Exception as e:  # noqa: BLE001 -- reported; the other tiles still run
+                        print(f"{spec:<10} n{n} {name}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
+                        continue
+                    ref = out if ref is None else ref
+                    diff = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                    g, e = time_call(prefill)
+                    us = g if g is not None else e
+                    base = base or us
+                    rows.append({"config": spec, "batch": batch, "prompt": n, "tile": name, "prefill_us": us,
+                                 "tflops": causal_flops(batch, n, shape) / (us * 1e-6) / 1e12, "x_first": base / us,
+                                 "rel_diff_vs_first": diff})
+                    print(f"{spec:<10} n{n} {name:>12}: {us:9.1f} us {rows[-1]['tflops']:6.1f} TFLOP/s "
+                          f"x{base / us:.2f} diff {diff:.1e}", flush=True)
+                del prefill
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        pf.prefill_config = real
+    return rows
+
+
 def markdown(rows: list[dict], shape: Shape, device: str, command: str) -> list[str]:
     """The results table (measured rows only)."""
     out = [f"# Prefill attention, one layer (device: {device})", "",
@@ -130,11 +184,26 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS), help="prompt lengths (tokens)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument("--tiles", type=parse_tile, nargs="+", default=None,
+                    help="time the prefill kernel per tile BLOCK_M:BLOCK_N:warps:stages instead (the first is the baseline)")
     ap.add_argument("--out", default="", help="also write JSON + markdown results into this folder")
     a = ap.parse_args(argv)
     if a.batch < 1 or min(a.prompts) < 1:
         ap.error("batch and prompt lengths must be positive")
     shape = Shape(a.head_dim, a.kv_heads, a.group)
+    if a.tiles:
+        if not torch.cuda.is_available():
+            print("--tiles needs a CUDA GPU", file=sys.stderr)
+            return 2
+        rows = tile_sweep(shape, a.batch, a.prompts, a.configs, a.tiles)
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            stem = os.path.join(a.out, f"prefill_tiles_d{a.head_dim}_h{a.kv_heads}g{a.group}")
+            with open(stem + ".json", "w") as fh:
+                json.dump({"device": torch.cuda.get_device_name(), "triton": __import__("triton").__version__,
+                           "rows": rows}, fh, indent=1)
+            print(f"results: {stem}.json")
+        return 0
     rows = run(shape, a.batch, tuple(a.prompts), tuple(a.configs))
     if a.out and any("prefill_us" in r for r in rows):
         os.makedirs(a.out, exist_ok=True)

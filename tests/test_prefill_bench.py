@@ -1,6 +1,7 @@
 """bench/prefill_kernels.py on a CPU: the FLOP model, the unmeasured table, and that the calls it
 times compute causal attention over the synthetic cache (kernels under Triton's interpreter)."""
 
+import argparse
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before leankit_kernels is imported: kernels run on CPU
@@ -47,3 +48,18 @@ def test_timed_calls_compute_causal_attention_over_the_pages(bench, spec):
     ref_sig = received_attention_ref(q, kv, q_pos, scale, ref_lse)
     for got, want in zip(sig, ref_sig):
         assert torch.allclose(got.float(), want.float(), atol=1e-3)
+
+
+def test_tile_sweep_tiles_agree_and_the_launch_plan_comes_back(bench, monkeypatch):
+    import leankit_kernels.prefill_attention as pf
+
+    monkeypatch.setattr(bench, "time_call", lambda fn: (2.0, 3.0))
+    real = pf.prefill_config
+    tiles = [bench.parse_tile("64:32:4:2"), bench.parse_tile("16:16:2:1")]
+    rows = bench.tile_sweep(bench.Shape(head_dim=32, kv_heads=2, group=3), 1, (40,), ("K8V4",), tiles,
+                            device=torch.device("cpu"))
+    assert [r["tile"] for r in rows] == ["64:32:4:2", "16:16:2:1"]
+    assert rows[1]["rel_diff_vs_first"] <= 2 * 2.0 ** -11  # the same attention, fp16 output rounding
+    assert pf.prefill_config is real
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.parse_tile("64:24:4:2")

@@ -280,10 +280,11 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     cfg = prefill_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None)
     cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
     cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
+    cfg.setdefault("num_stages", 2)
     grid = (b * hkv, tiles.cdiv(g * nq, cfg["BLOCK_M"]))
     kernel_for(_prefill_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), kv.pool.storage, tables, lens, stride_tier,
-        out, lse, hkv, r, nq, float(scale) * LOG2E, G=g, DOT=dot_t, PREC=prec, num_stages=2, **cfg, **targs)
+        out, lse, hkv, r, nq, float(scale) * LOG2E, G=g, DOT=dot_t, PREC=prec, **cfg, **targs)
     if return_significance:
         return out, lse, received_attention(q, kv, q_pos, scale, lse, q_valid)
     return out, lse
