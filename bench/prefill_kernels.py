@@ -159,6 +159,16 @@ def tile_sweep(shape: Shape, batch: int, prompts, configs, tiles: list[dict], de
     return rows
 
 
+def tiles_markdown(rows: list[dict], title: str) -> list[str]:
+    """One table of a tile sweep: each (config, prompt) block with its tiles' times."""
+    out = [f"### {title}", "", ("| config | B | prompt | BLOCK_M:BLOCK_N:warps:stages | prefill us | TFLOP/s | x first | "
+           "max diff vs first / max out |"), "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['config']} | {r['batch']} | {r['prompt']} | {r['tile']} | {r['prefill_us']:.1f} | "
+                   f"{r['tflops']:.1f} | {r['x_first']:.2f} | {r['rel_diff_vs_first']:.1e} |")
+    return out
+
+
 def markdown(rows: list[dict], shape: Shape, device: str, command: str) -> list[str]:
     """The results table (measured rows only)."""
     out = [f"# Prefill attention, one layer (device: {device})", "",
@@ -199,10 +209,13 @@ def main(argv=None) -> int:
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             stem = os.path.join(a.out, f"prefill_tiles_d{a.head_dim}_h{a.kv_heads}g{a.group}")
+            where = f"{torch.cuda.get_device_name()}, triton {__import__('triton').__version__}"
             with open(stem + ".json", "w") as fh:
-                json.dump({"device": torch.cuda.get_device_name(), "triton": __import__("triton").__version__,
-                           "rows": rows}, fh, indent=1)
-            print(f"results: {stem}.json")
+                json.dump({"device": where, "rows": rows}, fh, indent=1)
+            cmd = " ".join(argv if argv is not None else sys.argv[1:])
+            with open(stem + ".md", "w") as fh:
+                fh.write("\n".join(tiles_markdown(rows, f"{where}: `python bench/prefill_kernels.py {cmd}`")) + "\n")
+            print(f"results: {stem}.json/.md")
         return 0
     rows = run(shape, a.batch, tuple(a.prompts), tuple(a.configs))
     if a.out and any("prefill_us" in r for r in rows):

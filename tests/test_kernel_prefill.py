@@ -70,21 +70,27 @@ def test_prefill_small_blocks():
     testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
 
 
-def test_prefill_config_per_gpu(monkeypatch):
-    """H100 (sm_90) gets 128-row tiles capped at 128 registers where Triton compiles them without a
-    spill in the loop (3.9 on); older Triton, sm_80 and the interpreter keep 64 rows uncapped (the
-    AOT check holds each spill-free inside its loops)."""
-    import leankit_kernels.prefill_attention as pre
-    from leankit_kernels.prefill_attention import prefill_config
+def test_prefill_config_per_gpu():
+    """sm_90 (H100/H200) gets the tiles timed fastest on an H200: 64 rows and 4 warps, 128 keys a
+    tile (64 for all-dense layers at head_dim >= 128); sm_80 and the interpreter keep 64 x 32."""
+    from leankit_kernels.prefill_attention import BLOCK_M, BLOCK_N, dense_layer, prefill_config
+    from leankit_kernels.tiles import tier_args
 
-    monkeypatch.setattr(pre, "WIDE_SM90_TILE", True)
-    h100 = prefill_config(128, (9, 0))
-    assert h100["BLOCK_M"] == 128 and h100["num_warps"] == 8 and h100["maxnreg"] == 128
-    monkeypatch.setattr(pre, "WIDE_SM90_TILE", False)
-    old_triton = prefill_config(128, (9, 0))
-    assert old_triton["BLOCK_M"] == 64 and "maxnreg" not in old_triton
-    monkeypatch.setattr(pre, "WIDE_SM90_TILE", True)
+    from leankit.config import KVConfig
+    from leankit.pages import PageLayout
+
+    assert prefill_config(128, (9, 0)) == {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}
+    assert prefill_config(128, (9, 0), dense=True)["BLOCK_N"] == 64
+    assert prefill_config(64, (9, 0), dense=True)["BLOCK_N"] == 128
     for cap in ((8, 0), None):
-        cfg = prefill_config(128, cap)
-        assert cfg["BLOCK_M"] == 64 and "maxnreg" not in cfg
-    assert "maxnreg" not in prefill_config(64, (9, 0))
+        for dense in (False, True):
+            cfg = prefill_config(128, cap, dense)
+            assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == (BLOCK_M, BLOCK_N, 8)
+    assert all("maxnreg" not in prefill_config(f, (9, 0)) for f in (64, 128))
+
+    def targs(spec):
+        cfg = KVConfig.parse(spec)
+        return tier_args(tuple(PageLayout.build(cfg, t, 64, torch.float16) for t in range(len(cfg.tiers))))
+
+    assert dense_layer(targs("FP16"))
+    assert not dense_layer(targs("K8V4")) and not dense_layer(targs("K8V4-K4V2"))

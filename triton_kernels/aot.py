@@ -148,7 +148,7 @@ def cases() -> list[Case]:
                              "out_ptr": "*fp16", "lse_ptr": "*fp32"}, common,
                         divisible=("stride_qb", "stride_qh", "stride_qq"),
                         options={"num_warps": prefill_warps(128), "num_stages": 2},
-                        arch={cc: prefill_config(128, (cc // 10, cc % 10)) for cc in (80, 90)}))
+                        arch={cc: prefill_config(128, (cc // 10, cc % 10), spec == "FP16") for cc in (80, 90)}))
     targs = tier_args(_layouts("K8V4-K4V2", "llama3"))
     out.append(Case("received K8V4-K4V2 d128 G4", "prefill_attention", "_received_kernel",
                     {"q_ptr": "*fp16", "qpos_ptr": "*i32", "qv_ptr": "*i32", "lse_ptr": "*fp32", "pool": "*u8",

@@ -35,8 +35,6 @@ Kernels
 
 from __future__ import annotations
 
-import re
-
 import torch
 import triton
 import triton.language as tl
@@ -75,31 +73,36 @@ def prefill_warps(head_dim: int) -> int:
     return 8 if head_dim >= 128 else 4
 
 
-def _triton_at_least(major: int, minor: int) -> bool:
-    """Whether the installed Triton is ``major.minor`` or newer."""
-    found = re.match(r"(\d+)\.(\d+)", triton.__version__)
-    return found is not None and (int(found[1]), int(found[2])) >= (major, minor)
+# Prefill tiles on sm_90, timed on an H200 under Triton 3.6 (python bench/prefill_kernels.py
+# --tiles ...; results/gpu/prefill_tiles.md): 64 query rows and 4 warps, with 128 keys per tile
+# (64 for a layer whose tiers are all dense at head_dim >= 128, where the 128-key fp16 K/V tiles
+# take 146 KB of shared memory and one program per SM). Against the 64 x 32 tile of 8 warps that
+# the sm_90 launch had used, at batch 4 and 2k-4k tokens: quantized d128 1.87-2.10x, FP16 d128
+# 1.68-1.70x, d64 1.20-1.72x. These tiles use up to 255 registers with a few spilled bytes
+# outside the loops (python -m leankit_kernels.aot); the 128-register tiles were slower.
+SM90_PREFILL_ROWS = 64
+SM90_PREFILL_KEYS = 128
+SM90_PREFILL_KEYS_DENSE_WIDE = 64
+SM90_PREFILL_WARPS = 4
 
 
-# Triton before 3.9 spills inside the loop of the 128-row sm_90 tile at the 128-register cap
-# (python -m leankit_kernels.aot under triton 3.6: one local op per iteration; a 136 cap would
-# halve the programs per SM), so there the 64-row tile runs on sm_90 too (128 registers uncapped).
-WIDE_SM90_TILE = _triton_at_least(3, 9)
-
-
-def prefill_config(head_dim: int, capability: tuple[int, int] | None) -> dict:
+def prefill_config(head_dim: int, capability: tuple[int, int] | None, dense: bool = False) -> dict:
     """Tile and launch options of the prefill kernel on a GPU of compute ``capability`` (``None``:
-    the interpreter).
+    the interpreter) for a layer whose tiers are all dense (``dense``) or not.
 
-    sm_90 (H100) with Triton 3.9 or newer: 128 query rows per program, two warpgroups, capped at
-    128 registers so two programs share an SM; every loop stays free of spills at that cap
-    (``python -m leankit_kernels.aot``: only a few bytes spill once per program, outside the
-    loops). sm_80, older Triton and the interpreter: 64 rows, uncapped (the cap would spill inside
-    the loop there).
+    sm_90 (H100, H200): the measured tiles above. sm_80 (not timed here) and the interpreter:
+    ``BLOCK_M`` x ``BLOCK_N`` with :func:`prefill_warps`.
     """
-    if capability is not None and capability[0] >= 9 and head_dim >= 128 and WIDE_SM90_TILE:
-        return {"BLOCK_M": 128, "BLOCK_N": BLOCK_N, "num_warps": 8, "maxnreg": 128}
+    if capability is not None and capability[0] >= 9:
+        keys = SM90_PREFILL_KEYS_DENSE_WIDE if dense and head_dim >= 128 else SM90_PREFILL_KEYS
+        return {"BLOCK_M": SM90_PREFILL_ROWS, "BLOCK_N": keys, "num_warps": SM90_PREFILL_WARPS}
     return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": prefill_warps(head_dim)}
+
+
+def dense_layer(targs: dict) -> bool:
+    """Whether every tier in ``targs`` (:func:`leankit_kernels.tiles.tier_args`) holds dense K and V."""
+    tiers = (targs["HI"], targs["LO"]) if targs["HAS_LOW"] else (targs["HI"],)
+    return all(t.KBITS >= 16 and t.VBITS >= 16 for t in tiers)
 
 
 @triton.jit
@@ -277,7 +280,7 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     lse = tiles.empty((b, hkv, g * nq), dtype=torch.float32, device=dev)
     q_pos = q_pos.to(device=dev, dtype=torch.int32).contiguous()
     dot_t, prec = dot_config(q.dtype, dev)
-    cfg = prefill_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None)
+    cfg = prefill_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None, dense_layer(targs))
     cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
     cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
     cfg.setdefault("num_stages", 2)
