@@ -3,12 +3,14 @@
 # preinstalled and no network: installs leankit without dependencies, runs the `cuda` tests
 # (kernels against their references at real sizes, kernel-backend LeanCache against the torch
 # backend, host syncs of decode steps, a CUDA-graph replay, compiled decode variants per
-# generation), then times the decode kernel with do_bench. Every step runs even when an earlier
-# one fails; the exit status is non-zero when any failed. Results land in $GPU_RESULTS:
+# generation), then times the decode kernel and the prefill kernels with do_bench. Every step
+# runs even when an earlier one fails; the exit status is non-zero when any failed. Results land
+# in $GPU_RESULTS:
 #   environment.txt   device, clocks and package versions
 #   pytest.log        the cuda tests, with each sync count they print
 #   decode_*.json/md  bench/kernels.py tables (us, GB/s, fraction of copy bandwidth, x FP16, x SDPA)
 #   kernels.log       the benchmark's full output (the ACT->KV table included)
+#   prefill_*.json/md bench/prefill_kernels.py: prefill and significance pass against torch SDPA
 set -u
 PY=${GPU_PY:-python3}
 RES=${GPU_RESULTS:-results/gpu}
@@ -47,6 +49,9 @@ for shape in "64 3 3" "128 8 4"; do
   timeout "$BENCH_TIMEOUT" $PY bench/kernels.py --head-dim "$1" --kv-heads "$2" --group "$3" --out "$RES" \
     2>&1 | tee -a "$RES/kernels.log" || failed+=("bench d$1")
 done
+
+timeout "$BENCH_TIMEOUT" $PY bench/prefill_kernels.py --head-dim 128 --kv-heads 8 --group 4 --batch 4 \
+  --prompts 1024 4096 --out "$RES" 2>&1 | tee -a "$RES/kernels.log" || failed+=("bench prefill")
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu-check: FAILED: ${failed[*]}"
