@@ -87,6 +87,8 @@ def test_prefill_config_per_gpu():
             cfg = prefill_config(128, cap, dense)
             assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == (BLOCK_M, BLOCK_N, 8)
     assert all("maxnreg" not in prefill_config(f, (9, 0)) for f in (64, 128))
+    wide = prefill_config(256, (9, 0))  # untimed at 256, and the 128-key tile spills there
+    assert (wide["BLOCK_M"], wide["BLOCK_N"], wide["num_warps"]) == (BLOCK_M, BLOCK_N, 8)
 
     def targs(spec):
         cfg = KVConfig.parse(spec)

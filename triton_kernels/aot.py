@@ -41,7 +41,7 @@ import triton.language as tl
 from . import sass
 
 # name -> (head_dim, query heads per KV head, page_size; None: the config's default)
-MODELS = {"llama3": (128, 4, None), "smollm2": (64, 3, None)}
+MODELS = {"llama3": (128, 4, None), "smollm2": (64, 3, None), "gemma3": (256, 4, None)}
 
 
 @dataclass
@@ -131,6 +131,7 @@ def cases() -> list[Case]:
     out.append(decode("K8V4-K4V2", "smollm2", save=True, low_group_size=32))
     out.append(decode("K8V4", "smollm2", dname="fp32"))
     out.append(decode("K8V4-K4V2", "llama3", dname="bf16"))
+    out.append(decode("K8V4-K4V2", "gemma3"))
     out.append(Case("decode reduce d128 G4", "paged_attention", "_decode_reduce_kernel",
                     {"part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": "*fp16", "lse_ptr": "*fp32"},
                     {"G": 4, "G_PAD": 16, "F": 128}))
@@ -140,15 +141,16 @@ def cases() -> list[Case]:
                          "tab_ptr": "*i32", "len_ptr": "*i32"},
                     {"G": 4, "G_PAD": 16, "PAGE_SIZE": targs["PAGE_SIZE"], "BLOCK_N": 64, "HAS_LOW": True,
                          "HI": targs["HI"], "LO": targs["LO"]}))
-    for spec in ("FP16", "K8V4-K4V2"):
-        targs = tier_args(_layouts(spec, "llama3"))
-        common = dict(targs, G=4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=tl.float16, PREC="tf32")
-        out.append(Case(f"prefill {spec} d128 G4", "prefill_attention", "_prefill_kernel",
+    for spec, model in (("FP16", "llama3"), ("K8V4-K4V2", "llama3"), ("K8V4-K4V2", "gemma3")):
+        f, g, _ = MODELS[model]
+        targs = tier_args(_layouts(spec, model))
+        common = dict(targs, G=g, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=tl.float16, PREC="tf32")
+        out.append(Case(f"prefill {spec} d{f} G{g}", "prefill_attention", "_prefill_kernel",
                         {"q_ptr": "*fp16", "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "len_ptr": "*i32",
                              "out_ptr": "*fp16", "lse_ptr": "*fp32"}, common,
                         divisible=("stride_qb", "stride_qh", "stride_qq"),
-                        options={"num_warps": prefill_warps(128), "num_stages": 2},
-                        arch={cc: prefill_config(128, (cc // 10, cc % 10), spec == "FP16") for cc in (80, 90)}))
+                        options={"num_warps": prefill_warps(f), "num_stages": 2},
+                        arch={cc: prefill_config(f, (cc // 10, cc % 10), spec == "FP16") for cc in (80, 90)}))
     targs = tier_args(_layouts("K8V4-K4V2", "llama3"))
     out.append(Case("received K8V4-K4V2 d128 G4", "prefill_attention", "_received_kernel",
                     {"q_ptr": "*fp16", "qpos_ptr": "*i32", "qv_ptr": "*i32", "lse_ptr": "*fp32", "pool": "*u8",

@@ -84,16 +84,19 @@ SM90_PREFILL_ROWS = 64
 SM90_PREFILL_KEYS = 128
 SM90_PREFILL_KEYS_DENSE_WIDE = 64
 SM90_PREFILL_WARPS = 4
+# Timed at head_dim 64 and 128 only; at 256 the 64 x 128 quantized tile spills hundreds of local
+# operations inside its loop (python -m leankit_kernels.aot), so wider heads keep the 64 x 32 tile.
+SM90_PREFILL_MAX_HEAD_DIM = 128
 
 
 def prefill_config(head_dim: int, capability: tuple[int, int] | None, dense: bool = False) -> dict:
     """Tile and launch options of the prefill kernel on a GPU of compute ``capability`` (``None``:
     the interpreter) for a layer whose tiers are all dense (``dense``) or not.
 
-    sm_90 (H100, H200): the measured tiles above. sm_80 (not timed here) and the interpreter:
-    ``BLOCK_M`` x ``BLOCK_N`` with :func:`prefill_warps`.
+    sm_90 (H100, H200) at head_dim <= 128: the measured tiles above. Wider heads on sm_90, sm_80
+    (not timed here) and the interpreter: ``BLOCK_M`` x ``BLOCK_N`` with :func:`prefill_warps`.
     """
-    if capability is not None and capability[0] >= 9:
+    if capability is not None and capability[0] >= 9 and head_dim <= SM90_PREFILL_MAX_HEAD_DIM:
         keys = SM90_PREFILL_KEYS_DENSE_WIDE if dense and head_dim >= 128 else SM90_PREFILL_KEYS
         return {"BLOCK_M": SM90_PREFILL_ROWS, "BLOCK_N": keys, "num_warps": SM90_PREFILL_WARPS}
     return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": prefill_warps(head_dim)}
