@@ -134,7 +134,7 @@ def tile_sweep(shape: Shape, batch: int, prompts, configs, tiles: list[dict], de
                 prefill, _, _ = prefill_calls(spec, batch, n, shape, dev)
                 ref = base = None
                 for tile in tiles:
-                    pf.prefill_config = lambda *_a, _t=tile: dict(_t)
+                    pf.prefill_config = lambda *_a, _t=tile, **_k: dict(_t)
                     name = "{BLOCK_M}:{BLOCK_N}:{num_warps}:{num_stages}".format(**tile)
                     try:
                         out = prefill()[0].float()

@@ -71,9 +71,10 @@ def test_prefill_small_blocks():
 
 
 def test_prefill_config_per_gpu():
-    """sm_90 (H100/H200) gets the tiles timed fastest on an H200: 64 rows and 4 warps, 128 keys a
-    tile (64 for all-dense layers at head_dim >= 128); sm_80 and the interpreter keep 64 x 32."""
-    from leankit_kernels.prefill_attention import BLOCK_M, BLOCK_N, dense_layer, prefill_config
+    """sm_90 (H100/H200) gets the tiles timed fastest on an H200 where they were timed (head_dim
+    <= 128, one group per token): 64 rows and 4 warps, 128 keys a tile (64 for all-dense layers at
+    head_dim >= 128). Wider heads, grouped tiers, sm_80 and the interpreter keep 64 x 32."""
+    from leankit_kernels.prefill_attention import BLOCK_M, BLOCK_N, layer_kind, prefill_config
     from leankit_kernels.tiles import tier_args
 
     from leankit.config import KVConfig
@@ -82,17 +83,18 @@ def test_prefill_config_per_gpu():
     assert prefill_config(128, (9, 0)) == {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}
     assert prefill_config(128, (9, 0), dense=True)["BLOCK_N"] == 64
     assert prefill_config(64, (9, 0), dense=True)["BLOCK_N"] == 128
-    for cap in ((8, 0), None):
+    old = (BLOCK_M, BLOCK_N, 8)
+    for cap, f, grouped in (((8, 0), 128, False), (None, 128, False), ((9, 0), 256, False), ((9, 0), 128, True)):
         for dense in (False, True):
-            cfg = prefill_config(128, cap, dense)
-            assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == (BLOCK_M, BLOCK_N, 8)
+            cfg = prefill_config(f, cap, dense, grouped)
+            assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == old, (cap, f, grouped, dense)
     assert all("maxnreg" not in prefill_config(f, (9, 0)) for f in (64, 128))
-    wide = prefill_config(256, (9, 0))  # untimed at 256, and the 128-key tile spills there
-    assert (wide["BLOCK_M"], wide["BLOCK_N"], wide["num_warps"]) == (BLOCK_M, BLOCK_N, 8)
 
-    def targs(spec):
-        cfg = KVConfig.parse(spec)
-        return tier_args(tuple(PageLayout.build(cfg, t, 64, torch.float16) for t in range(len(cfg.tiers))))
+    def kind(spec, **overrides):
+        cfg = KVConfig.parse(spec, **overrides)
+        return layer_kind(tier_args(tuple(PageLayout.build(cfg, t, 128, torch.float16) for t in range(len(cfg.tiers)))))
 
-    assert dense_layer(targs("FP16"))
-    assert not dense_layer(targs("K8V4")) and not dense_layer(targs("K8V4-K4V2"))
+    assert kind("FP16") == {"dense": True, "grouped": False}
+    assert kind("K8V4") == kind("K8V4-K4V2") == {"dense": False, "grouped": False}
+    assert kind("K8V4", group_size=32) == {"dense": False, "grouped": True}
+    assert kind("K8V4-K4V2", low_group_size=32) == {"dense": False, "grouped": True}

@@ -81,6 +81,7 @@ def cases() -> list[Case]:
         BLOCK_N,
         RECEIVED_BLOCK_M,
         RECEIVED_BLOCK_N,
+        layer_kind,
         prefill_config,
         prefill_warps,
     )
@@ -141,16 +142,19 @@ def cases() -> list[Case]:
                          "tab_ptr": "*i32", "len_ptr": "*i32"},
                     {"G": 4, "G_PAD": 16, "PAGE_SIZE": targs["PAGE_SIZE"], "BLOCK_N": 64, "HAS_LOW": True,
                          "HI": targs["HI"], "LO": targs["LO"]}))
-    for spec, model in (("FP16", "llama3"), ("K8V4-K4V2", "llama3"), ("K8V4-K4V2", "gemma3")):
+    for spec, model, gs in (("FP16", "llama3", None), ("K8V4-K4V2", "llama3", None), ("K8V4-K4V2", "llama3", 32),
+                            ("K8V4-K4V2", "gemma3", None)):
         f, g, _ = MODELS[model]
-        targs = tier_args(_layouts(spec, model))
+        targs = tier_args(_layouts(spec, model, group_size=gs))
+        kind = layer_kind(targs)
         common = dict(targs, G=g, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=tl.float16, PREC="tf32")
-        out.append(Case(f"prefill {spec} d{f} G{g}", "prefill_attention", "_prefill_kernel",
+        out.append(Case(f"prefill {spec} d{f} G{g}" + ("" if gs is None else f" gs{gs}"), "prefill_attention",
+                        "_prefill_kernel",
                         {"q_ptr": "*fp16", "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "len_ptr": "*i32",
                              "out_ptr": "*fp16", "lse_ptr": "*fp32"}, common,
                         divisible=("stride_qb", "stride_qh", "stride_qq"),
                         options={"num_warps": prefill_warps(f), "num_stages": 2},
-                        arch={cc: prefill_config(f, (cc // 10, cc % 10), spec == "FP16") for cc in (80, 90)}))
+                        arch={cc: prefill_config(f, (cc // 10, cc % 10), **kind) for cc in (80, 90)}))
     targs = tier_args(_layouts("K8V4-K4V2", "llama3"))
     out.append(Case("received K8V4-K4V2 d128 G4", "prefill_attention", "_received_kernel",
                     {"q_ptr": "*fp16", "qpos_ptr": "*i32", "qv_ptr": "*i32", "lse_ptr": "*fp32", "pool": "*u8",

@@ -84,28 +84,37 @@ SM90_PREFILL_ROWS = 64
 SM90_PREFILL_KEYS = 128
 SM90_PREFILL_KEYS_DENSE_WIDE = 64
 SM90_PREFILL_WARPS = 4
-# Timed at head_dim 64 and 128 only; at 256 the 64 x 128 quantized tile spills hundreds of local
-# operations inside its loop (python -m leankit_kernels.aot), so wider heads keep the 64 x 32 tile.
+# The sizes those timings cover: head_dim <= 128, and tiers with one quantization group per token
+# (or dense). At head_dim 256, and at 128 with several groups per token (dequantized through fp32
+# registers), the wider tiles spill inside their loop (python -m leankit_kernels.aot: hundreds
+# of local operations at 256, 2-6 at 128), so those layers keep the 64 x 32 tile of 8 warps.
 SM90_PREFILL_MAX_HEAD_DIM = 128
 
 
-def prefill_config(head_dim: int, capability: tuple[int, int] | None, dense: bool = False) -> dict:
+def prefill_config(head_dim: int, capability: tuple[int, int] | None, dense: bool = False,
+                   grouped: bool = False) -> dict:
     """Tile and launch options of the prefill kernel on a GPU of compute ``capability`` (``None``:
-    the interpreter) for a layer whose tiers are all dense (``dense``) or not.
+    the interpreter) for a layer whose tiers are all dense (``dense``), or of which some tier holds
+    several quantization groups per token (``grouped``).
 
-    sm_90 (H100, H200) at head_dim <= 128: the measured tiles above. Wider heads on sm_90, sm_80
-    (not timed here) and the interpreter: ``BLOCK_M`` x ``BLOCK_N`` with :func:`prefill_warps`.
+    sm_90 (H100, H200), head_dim <= 128, one group per token: the measured tiles above. Any other
+    layer on sm_90, sm_80 (not timed here) and the interpreter: ``BLOCK_M`` x ``BLOCK_N`` with
+    :func:`prefill_warps`.
     """
-    if capability is not None and capability[0] >= 9 and head_dim <= SM90_PREFILL_MAX_HEAD_DIM:
+    if (capability is not None and capability[0] >= 9 and head_dim <= SM90_PREFILL_MAX_HEAD_DIM
+            and not grouped):
         keys = SM90_PREFILL_KEYS_DENSE_WIDE if dense and head_dim >= 128 else SM90_PREFILL_KEYS
         return {"BLOCK_M": SM90_PREFILL_ROWS, "BLOCK_N": keys, "num_warps": SM90_PREFILL_WARPS}
     return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": prefill_warps(head_dim)}
 
 
-def dense_layer(targs: dict) -> bool:
-    """Whether every tier in ``targs`` (:func:`leankit_kernels.tiles.tier_args`) holds dense K and V."""
+def layer_kind(targs: dict) -> dict:
+    """``dense`` / ``grouped`` of :func:`prefill_config` for the tiers in ``targs``
+    (:func:`leankit_kernels.tiles.tier_args`): every tier dense, or some quantized tier with
+    several groups per token."""
     tiers = (targs["HI"], targs["LO"]) if targs["HAS_LOW"] else (targs["HI"],)
-    return all(t.KBITS >= 16 and t.VBITS >= 16 for t in tiers)
+    quantized = [t for t in tiers if t.KBITS < 16 or t.VBITS < 16]
+    return {"dense": not quantized, "grouped": any(t.NG > 1 for t in quantized)}
 
 
 @triton.jit
@@ -283,7 +292,7 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     lse = tiles.empty((b, hkv, g * nq), dtype=torch.float32, device=dev)
     q_pos = q_pos.to(device=dev, dtype=torch.int32).contiguous()
     dot_t, prec = dot_config(q.dtype, dev)
-    cfg = prefill_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None, dense_layer(targs))
+    cfg = prefill_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None, **layer_kind(targs))
     cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
     cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
     cfg.setdefault("num_stages", 2)
