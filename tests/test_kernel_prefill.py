@@ -89,6 +89,8 @@ def test_prefill_config_per_gpu():
             cfg = prefill_config(f, cap, dense, grouped)
             assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == old, (cap, f, grouped, dense)
     assert all("maxnreg" not in prefill_config(f, (9, 0)) for f in (64, 128))
+    fp32 = prefill_config(64, (9, 0), operand_bytes=4)  # an fp32 model: untimed, and the wide tile spills
+    assert (fp32["BLOCK_M"], fp32["BLOCK_N"]) == (BLOCK_M, BLOCK_N)
 
     def kind(spec, **overrides):
         cfg = KVConfig.parse(spec, **overrides)

@@ -84,25 +84,27 @@ SM90_PREFILL_ROWS = 64
 SM90_PREFILL_KEYS = 128
 SM90_PREFILL_KEYS_DENSE_WIDE = 64
 SM90_PREFILL_WARPS = 4
-# The sizes those timings cover: head_dim <= 128, and tiers with one quantization group per token
-# (or dense). At head_dim 256, and at 128 with several groups per token (dequantized through fp32
-# registers), the wider tiles spill inside their loop (python -m leankit_kernels.aot: hundreds
-# of local operations at 256, 2-6 at 128), so those layers keep the 64 x 32 tile of 8 warps.
+# The sizes those timings cover: fp16/bf16 operands, head_dim <= 128, and tiers with one
+# quantization group per token (or dense). At head_dim 256, at 128 with several groups per token
+# (dequantized through fp32 registers), and with fp32 operands (an fp32 model), the wider tiles
+# spill inside their loop (python -m leankit_kernels.aot: hundreds of local operations at 256,
+# 2-6 at 128 grouped, thousands with fp32), so those layers keep the 64 x 32 tile of 8 warps.
 SM90_PREFILL_MAX_HEAD_DIM = 128
 
 
 def prefill_config(head_dim: int, capability: tuple[int, int] | None, dense: bool = False,
-                   grouped: bool = False) -> dict:
+                   grouped: bool = False, operand_bytes: int = 2) -> dict:
     """Tile and launch options of the prefill kernel on a GPU of compute ``capability`` (``None``:
     the interpreter) for a layer whose tiers are all dense (``dense``), or of which some tier holds
-    several quantization groups per token (``grouped``).
+    several quantization groups per token (``grouped``), with ``tl.dot`` operands of
+    ``operand_bytes`` bytes (2: fp16/bf16 models; 4: fp32).
 
-    sm_90 (H100, H200), head_dim <= 128, one group per token: the measured tiles above. Any other
-    layer on sm_90, sm_80 (not timed here) and the interpreter: ``BLOCK_M`` x ``BLOCK_N`` with
-    :func:`prefill_warps`.
+    sm_90 (H100, H200), 16-bit operands, head_dim <= 128, one group per token: the measured tiles
+    above. Any other layer on sm_90, sm_80 (not timed here) and the interpreter: ``BLOCK_M`` x
+    ``BLOCK_N`` with :func:`prefill_warps`.
     """
     if (capability is not None and capability[0] >= 9 and head_dim <= SM90_PREFILL_MAX_HEAD_DIM
-            and not grouped):
+            and not grouped and operand_bytes == 2):
         keys = SM90_PREFILL_KEYS_DENSE_WIDE if dense and head_dim >= 128 else SM90_PREFILL_KEYS
         return {"BLOCK_M": SM90_PREFILL_ROWS, "BLOCK_N": keys, "num_warps": SM90_PREFILL_WARPS}
     return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": prefill_warps(head_dim)}
@@ -292,7 +294,8 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     lse = tiles.empty((b, hkv, g * nq), dtype=torch.float32, device=dev)
     q_pos = q_pos.to(device=dev, dtype=torch.int32).contiguous()
     dot_t, prec = dot_config(q.dtype, dev)
-    cfg = prefill_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None, **layer_kind(targs))
+    cfg = prefill_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None, **layer_kind(targs),
+                         operand_bytes=dot_t.primitive_bitwidth // 8)
     cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
     cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
     cfg.setdefault("num_stages", 2)
