@@ -18,14 +18,21 @@ variant computes the same attention; they differ by the fp16 output's rounding, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import Shape, copy_bandwidth, decode_call, model_call, time_call
+from kernels import (
+    Shape,
+    add_shape_arguments,
+    copy_bandwidth,
+    decode_call,
+    model_call,
+    save_results,
+    time_call,
+)
 
 
 def parse_variant(text: str) -> tuple[int, int, int]:
@@ -50,21 +57,12 @@ def parse_point(text: str) -> tuple[int, int]:
     return b, n
 
 
-def use_variant(pa, rows: int, warps: int, stages: int, seen: list) -> None:
-    """Point the decode launcher at one variant: new launch plans, and a hook that records the
-    registers / shared memory of each newly compiled variant into ``seen``."""
+def use_variant(pa, rows: int, warps: int, stages: int) -> None:
+    """Point the decode launcher at one variant: its constants, and no launch plan or programs-per-SM
+    count left from another variant (the next launch works both out afresh)."""
     pa.DECODE_MAX_ROWS, pa.DECODE_WARPS, pa.DECODE_STAGES = rows, warps, stages
     pa._DECODE_PLANS.clear()
     pa._RESIDENT.clear()
-    if not hasattr(pa, "_sweep_resident"):
-        pa._sweep_resident = pa.resident_programs
-
-    def recording(regs, shared, w, sm_shared=0):
-        n = pa._sweep_resident(regs, shared, w, sm_shared)
-        seen.append({"regs": regs, "shared": shared, "resident": n})
-        return n
-
-    pa.resident_programs = recording
 
 
 def sweep(shape: Shape, batch: int, ctx: int, configs, variants, dev, copy_bw: float) -> list[dict]:
@@ -72,13 +70,18 @@ def sweep(shape: Shape, batch: int, ctx: int, configs, variants, dev, copy_bw: f
     import leankit_kernels.paged_attention as pa
 
     defaults = (pa.DECODE_MAX_ROWS, pa.DECODE_WARPS, pa.DECODE_STAGES)
-    real_choose, splits = pa.choose_splits, []
+    real_choose, real_resident = pa.choose_splits, pa.resident_programs
+    splits, compiled = [], []  # what the launcher chose and measured, call by call
 
     def recording_choose(*args, **kwargs):
         splits.append(real_choose(*args, **kwargs))
         return splits[-1]
 
-    pa.choose_splits = recording_choose
+    def recording_resident(regs, shared, warps, sm_shared=0):
+        compiled.append({"regs": regs, "shared": shared, "resident": real_resident(regs, shared, warps, sm_shared)})
+        return compiled[-1]["resident"]
+
+    pa.choose_splits, pa.resident_programs = recording_choose, recording_resident
     rows_out = []
     try:
         for spec in configs:
@@ -86,8 +89,8 @@ def sweep(shape: Shape, batch: int, ctx: int, configs, variants, dev, copy_bw: f
             nbytes = model_call(spec, batch, ctx, shape)["bytes"]
             ref = None
             for rows, warps, stages in variants:
-                seen: list = []
-                use_variant(pa, rows, warps, stages, seen)
+                use_variant(pa, rows, warps, stages)
+                compiled.clear()
                 call()  # compiles; its registers set the programs per SM the next launches plan with
                 splits.clear()
                 out = call()[0].float()
@@ -97,7 +100,7 @@ def sweep(shape: Shape, batch: int, ctx: int, configs, variants, dev, copy_bw: f
                 us = graph_us if graph_us is not None else eager_us
                 plan = next(iter(pa._DECODE_PLANS.values()))
                 r = {"config": spec, "batch": batch, "context": ctx, "rows": rows, "warps": warps, "stages": stages,
-                     "tiling": plan.tiling, **(seen[0] if seen else {}), "splits": splits[0] if splits else None,
+                     "tiling": plan.tiling, **(compiled[0] if compiled else {}), "splits": splits[0] if splits else None,
                      "us": us, "eager_us": eager_us, "copy_frac": nbytes / (us * 1e-6) / copy_bw,
                      "rel_diff_vs_first": diff}
                 rows_out.append(r)
@@ -105,11 +108,11 @@ def sweep(shape: Shape, batch: int, ctx: int, configs, variants, dev, copy_bw: f
                       f"regs {r.get('regs')} smem {r.get('shared')} res/SM {r.get('resident')} splits {r['splits']} "
                       f"{us:8.1f} us  {r['copy_frac']:.2f} of copy  diff {diff:.1e}", flush=True)
             del call
-            torch.cuda.empty_cache()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     finally:
-        pa.choose_splits = real_choose
-        use_variant(pa, *defaults, [])
-        pa.resident_programs = pa._sweep_resident
+        pa.choose_splits, pa.resident_programs = real_choose, real_resident
+        use_variant(pa, *defaults)
     return rows_out
 
 
@@ -130,9 +133,7 @@ def markdown(rows: list[dict], title: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--group", type=int, default=4)
+    add_shape_arguments(ap)
     ap.add_argument("--points", type=parse_point, nargs="+", default=[(32, 16384), (8, 4096)],
                     help="batch x context points (default: 32x16384 8x4096)")
     ap.add_argument("--configs", nargs="+", default=["FP16", "K8V4", "K4V2", "K8V4-K4V2"])
@@ -149,20 +150,17 @@ def main(argv=None) -> int:
     for b, n in a.points:
         rows += sweep(shape, b, n, a.configs, a.variants, dev, copy_bw)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        stem = os.path.join(a.out, f"decode_sweep_d{a.head_dim}_h{a.kv_heads}g{a.group}")
-        with open(stem + ".json", "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "triton": __import__("triton").__version__,
-                       "rows": rows}, fh, indent=1, default=str)
+        import triton
+
         cmd = " ".join(argv if argv is not None else sys.argv[1:])
-        where = f"{torch.cuda.get_device_name()}, triton {__import__('triton').__version__}"
+        device = torch.cuda.get_device_name()
         lines = [f"# Decode launch-shape sweep: d{a.head_dim}, {a.kv_heads} KV heads x {a.group}", "",
-                 f"{where}; `python bench/decode_sweep.py {cmd}`", ""]
+                 f"{device}, triton {triton.__version__}; `python bench/decode_sweep.py {cmd}`", ""]
         for b, n in a.points:
             lines += markdown([r for r in rows if r["batch"] == b and r["context"] == n],
                               f"batch {b}, context {n}") + [""]
-        with open(stem + ".md", "w") as fh:
-            fh.write("\n".join(lines))
+        save_results(a.out, f"decode_sweep_d{a.head_dim}_h{a.kv_heads}g{a.group}",
+                     {"device": device, "triton": triton.__version__, "rows": rows}, lines)
     return 0
 
 

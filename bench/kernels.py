@@ -238,16 +238,43 @@ def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def measure_sdpa(batch: int, ctx: int, shape: Shape, device) -> float:
-    """Median µs (CUDA-graph replays) of torch SDPA for one decode query over dense fp16 K/V of
-    the same shape (GQA)."""
+def kernel_us(fn) -> float:
+    """Median µs of ``fn`` as CUDA-graph replays, or as eager calls where it cannot be captured
+    (:func:`time_call`)."""
+    graph_us, eager_us = time_call(fn)
+    return graph_us if graph_us is not None else eager_us
+
+
+def measure_sdpa(batch: int, ctx: int, shape: Shape, device, queries: int = 1) -> float:
+    """Median µs (:func:`kernel_us`) of torch SDPA for ``queries`` queries a sequence over dense
+    fp16 K/V of ``ctx`` tokens of the same shape (GQA): one decode query, or with ``queries ==
+    ctx`` a causal prefill."""
     hq = shape.kv_heads * shape.group
-    q = torch.randn(batch, hq, 1, shape.head_dim, device=device, dtype=torch.float16)
+    q = torch.randn(batch, hq, queries, shape.head_dim, device=device, dtype=torch.float16)
     k = torch.randn(batch, shape.kv_heads, ctx, shape.head_dim, device=device, dtype=torch.float16)
     v = torch.randn_like(k)
     fn = torch.nn.functional.scaled_dot_product_attention
-    graph_us, eager_us = time_call(lambda: fn(q, k, v, enable_gqa=True))
-    return graph_us if graph_us is not None else eager_us
+    return kernel_us(lambda: fn(q, k, v, is_causal=queries > 1, enable_gqa=True))
+
+
+def add_shape_arguments(ap: argparse.ArgumentParser, head_dim: int = 128) -> None:
+    """``--head-dim``, ``--kv-heads`` and ``--group`` (one layer's :class:`Shape`) for a bench script."""
+    ap.add_argument("--head-dim", type=int, default=head_dim)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+
+
+def save_results(folder: str, name: str, payload: dict, lines: list[str]) -> str:
+    """``payload`` as ``folder/name.json`` and ``lines`` as ``folder/name.md``; returns the stem."""
+    import json
+
+    os.makedirs(folder, exist_ok=True)
+    stem = os.path.join(folder, name)
+    with open(stem + ".json", "w") as fh:
+        json.dump(payload, fh, indent=1, default=str)
+    with open(stem + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return stem
 
 
 def peak_bandwidth(device) -> float | None:
@@ -397,13 +424,7 @@ def run_act_to_kv(models=ACT_MODELS, tokens=ACT_TOKENS, measure_cuda: bool | Non
 
 def write_results(rows: list[dict], shape: Shape, folder: str) -> str:
     """Write ``rows`` as JSON and a markdown table into ``folder``; returns the file stem."""
-    import json
-
-    os.makedirs(folder, exist_ok=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    stem = os.path.join(folder, f"decode_d{shape.head_dim}_h{shape.kv_heads}g{shape.group}_p{shape.page_size or 'default'}")
-    with open(stem + ".json", "w") as fh:
-        json.dump({"device": dev, "shape": shape.__dict__, "rows": rows}, fh, indent=1, default=str)
     lines = [f"# Decode attention, one layer (device: {dev})", "",
              (f"head_dim {shape.head_dim}, {shape.kv_heads} KV heads x {shape.group}, {page_text(shape)}. "
               "`python bench/kernels.py`: us = median of CUDA-graph replays of one call "
@@ -422,16 +443,13 @@ def write_results(rows: list[dict], shape: Shape, folder: str) -> str:
         else:
             lines.append(f"| {r['config']} | {r['batch']} | {r['context']} | not measured | | | | | "
                          f"{r['byte_ratio']:.3f} | |")
-    with open(stem + ".md", "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    return stem
+    name = f"decode_d{shape.head_dim}_h{shape.kv_heads}g{shape.group}_p{shape.page_size or 'default'}"
+    return save_results(folder, name, {"device": dev, "shape": shape.__dict__, "rows": rows}, lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    add_shape_arguments(ap, head_dim=64)
     ap.add_argument("--page-size", type=int, default=None,
                     help="bytes per page for every config (default: each config's own, 2 KB quantized, 8 KB dense)")
     ap.add_argument("--low-frac", type=float, default=0.5, help="low-tier share of tokens (two-tier configs)")

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import CONFIGS, Shape, decode_call
+from kernels import CONFIGS, Shape, add_shape_arguments, decode_call
 
 
 class _Compiled:
@@ -53,9 +53,7 @@ def launcher_us(spec: str, shape: Shape, batch: int, context: int, calls: int, r
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--group", type=int, default=4)
+    add_shape_arguments(ap)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=2000)

@@ -28,14 +28,13 @@ Without CUDA it prints the modelled FLOPs and measures nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import Shape, synthetic_cache, time_call
+from kernels import Shape, add_shape_arguments, kernel_us, measure_sdpa, save_results, synthetic_cache
 
 CONFIGS = ("FP16", "K8V4", "K4V2", "K8V4-K4V2")
 PROMPTS = (1024, 4096)
@@ -63,17 +62,6 @@ def prefill_calls(spec: str, batch: int, n: int, shape: Shape, device):
             (q, kv, q_pos, scale))
 
 
-def sdpa_us(batch: int, n: int, shape: Shape, device) -> float:
-    """Median µs of torch SDPA, causal, over dense fp16 K/V of the same shape (GQA)."""
-    hq = shape.kv_heads * shape.group
-    q = torch.randn(batch, hq, n, shape.head_dim, device=device, dtype=torch.float16)
-    k = torch.randn(batch, shape.kv_heads, n, shape.head_dim, device=device, dtype=torch.float16)
-    v = torch.randn_like(k)
-    fn = torch.nn.functional.scaled_dot_product_attention
-    graph, eager = time_call(lambda: fn(q, k, v, is_causal=True, enable_gqa=True))
-    return graph if graph is not None else eager
-
-
 def run(shape: Shape, batch: int, prompts=PROMPTS, configs=CONFIGS, measure_cuda: bool | None = None) -> list[dict]:
     """One row per (prompt length, config); timings only with CUDA."""
     cuda = torch.cuda.is_available() if measure_cuda is None else measure_cuda
@@ -83,13 +71,12 @@ def run(shape: Shape, batch: int, prompts=PROMPTS, configs=CONFIGS, measure_cuda
     rows = []
     for n in prompts:
         flops = causal_flops(batch, n, shape)
-        base = sdpa_us(batch, n, shape, dev) if cuda else None
+        base = measure_sdpa(batch, n, shape, dev, queries=n) if cuda else None
         for spec in configs:
             r = {"config": spec, "batch": batch, "prompt": n, "flops": flops}
             if cuda:
                 prefill, significance, _ = prefill_calls(spec, batch, n, shape, dev)
-                g, e = time_call(prefill)
-                r["prefill_us"] = g if g is not None else e
+                r["prefill_us"] = kernel_us(prefill)
                 # eager: the pass reads its page counts back to size its grid (a host sync that no
                 # CUDA graph can capture); at these sizes its kernel dwarfs the launch
                 significance()
@@ -143,8 +130,7 @@ def tile_sweep(shape: Shape, batch: int, prompts, configs, tiles: list[dict], de
                         continue
                     ref = out if ref is None else ref
                     diff = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-                    g, e = time_call(prefill)
-                    us = g if g is not None else e
+                    us = kernel_us(prefill)
                     base = base or us
                     rows.append({"config": spec, "batch": batch, "prompt": n, "tile": name, "prefill_us": us,
                                  "tflops": causal_flops(batch, n, shape) / (us * 1e-6) / 1e12, "x_first": base / us,
@@ -188,9 +174,7 @@ def markdown(rows: list[dict], shape: Shape, device: str, command: str) -> list[
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    add_shape_arguments(ap)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS), help="prompt lengths (tokens)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
@@ -206,29 +190,20 @@ def main(argv=None) -> int:
             print("--tiles needs a CUDA GPU", file=sys.stderr)
             return 2
         rows = tile_sweep(shape, a.batch, a.prompts, a.configs, a.tiles)
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            stem = os.path.join(a.out, f"prefill_tiles_d{a.head_dim}_h{a.kv_heads}g{a.group}")
-            where = f"{torch.cuda.get_device_name()}, triton {__import__('triton').__version__}"
-            with open(stem + ".json", "w") as fh:
-                json.dump({"device": where, "rows": rows}, fh, indent=1)
-            cmd = " ".join(argv if argv is not None else sys.argv[1:])
-            with open(stem + ".md", "w") as fh:
-                fh.write("\n".join(tiles_markdown(rows, f"{where}: `python bench/prefill_kernels.py {cmd}`")) + "\n")
-            print(f"results: {stem}.json/.md")
-        return 0
-    rows = run(shape, a.batch, tuple(a.prompts), tuple(a.configs))
+    else:
+        rows = run(shape, a.batch, tuple(a.prompts), tuple(a.configs))
     if a.out and any("prefill_us" in r for r in rows):
-        os.makedirs(a.out, exist_ok=True)
-        dev = torch.cuda.get_device_name()
-        stem = os.path.join(a.out, f"prefill_d{a.head_dim}_h{a.kv_heads}g{a.group}")
-        with open(stem + ".json", "w") as fh:
-            json.dump({"device": dev, "triton": __import__("triton").__version__, "shape": shape.__dict__,
-                       "rows": rows}, fh, indent=1)
-        cmd = " ".join(argv if argv is not None else sys.argv[1:])
-        with open(stem + ".md", "w") as fh:
-            fh.write("\n".join(markdown(rows, shape, dev, cmd)) + "\n")
-        print(f"results: {stem}.json/.md")
+        import triton
+
+        device, cmd = torch.cuda.get_device_name(), " ".join(argv if argv is not None else sys.argv[1:])
+        payload = {"device": device, "triton": triton.__version__, "shape": shape.__dict__, "rows": rows}
+        if a.tiles:
+            name = f"prefill_tiles_d{a.head_dim}_h{a.kv_heads}g{a.group}"
+            lines = tiles_markdown(rows, f"{device}, triton {triton.__version__}: `python bench/prefill_kernels.py {cmd}`")
+        else:
+            name = f"prefill_d{a.head_dim}_h{a.kv_heads}g{a.group}"
+            lines = markdown(rows, shape, device, cmd)
+        print(f"results: {save_results(a.out, name, payload, lines)}.json/.md")
     return 0
 
 

@@ -72,8 +72,8 @@ def test_host_grid_arithmetic_matches_triton():
     import triton
     from leankit_kernels import tiles
 
-    for a in range(0, 300):
+    for a in range(300):
         for b in range(1, 40):
             assert tiles.cdiv(a, b) == triton.cdiv(a, b), (a, b)
-    for n in range(0, 5000):
+    for n in range(5000):
         assert tiles.next_power_of_2(n) == triton.next_power_of_2(n), n

@@ -53,7 +53,7 @@ def test_timed_calls_compute_causal_attention_over_the_pages(bench, spec):
 def test_tile_sweep_tiles_agree_and_the_launch_plan_comes_back(bench, monkeypatch):
     import leankit_kernels.prefill_attention as pf
 
-    monkeypatch.setattr(bench, "time_call", lambda fn: (2.0, 3.0))
+    monkeypatch.setattr(bench, "kernel_us", lambda fn: 2.0)
     real = pf.prefill_config
     tiles = [bench.parse_tile("64:32:4:2"), bench.parse_tile("16:16:2:1")]
     rows = bench.tile_sweep(bench.Shape(head_dim=32, kv_heads=2, group=3), 1, (40,), ("K8V4",), tiles,
