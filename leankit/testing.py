@@ -87,3 +87,20 @@ def tiny_tokenizer(vocab_size: int = 97):
     tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>", padding_side="left")
+
+
+def layer_phase_hooks(model, target) -> list:
+    """Forward hooks that set ``target.phase`` to ``"layer i"`` while decoder layer ``i`` runs and
+    back to ``"step"`` after it, so a sync counter can tell a layer's host syncs from the step's.
+    Returns the hook handles (``h.remove()`` each when done)."""
+    handles = []
+    for i, layer in enumerate(model.get_decoder().layers):
+        def pre(_m, _a, i=i):
+            target.phase = f"layer {i}"
+
+        def post(_m, _a, _o):
+            target.phase = "step"
+
+        handles.append(layer.register_forward_pre_hook(pre))
+        handles.append(layer.register_forward_hook(post))
+    return handles

@@ -164,15 +164,12 @@ def test_decode_steps_do_not_sync_inside_layers(spec, overrides, monkeypatch):
     import warnings
 
     from leankit.cache import LeanCache
-    from leankit.testing import left_padded_batch
+    from leankit.testing import layer_phase_hooks, left_padded_batch
 
     monkeypatch.setenv("LEANKIT_BACKEND", "auto")
     model = _random_llama(576, 9, 3, 2)
     log = _CudaSyncLog()
-    handles = []
-    for i, layer in enumerate(model.get_decoder().layers):
-        handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: setattr(log, "phase", f"layer {i}")))
-        handles.append(layer.register_forward_hook(lambda _m, _a, _o: setattr(log, "phase", "step")))
+    handles = layer_phase_hooks(model, log)
     ids, mask = left_padded_batch(rows=3, width=11, pad_step=3, vocab=500)
     ids, mask = ids.cuda(), mask.cuda()
     cache = LeanCache(model, spec, num_pages=600, **overrides)

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from leankit.cache import LeanCache
 from leankit.hf import cache_kwargs
 from leankit.policy import HIGH, read_tier_meta
-from leankit.testing import left_padded_batch, tiny_model
+from leankit.testing import layer_phase_hooks, left_padded_batch, tiny_model
 
 _ROOTS = tuple(os.path.dirname(__import__(m).__file__) + os.sep for m in ("leankit", "leankit_kernels"))
 _TRITON = os.path.dirname(__import__("triton").__file__) + os.sep
@@ -129,21 +129,6 @@ class SyncCounter(TorchDispatchMode):
         return "\n".join(lines) or "  (none)"
 
 
-def _phase_hooks(model, counter: SyncCounter):
-    """Mark ops inside decoder layer ``i`` as phase ``layer i`` (all else is the step's)."""
-    handles = []
-    for i, layer in enumerate(model.get_decoder().layers):
-        def pre(_m, _a, i=i):
-            counter.phase = f"layer {i}"
-
-        def post(_m, _a, _o):
-            counter.phase = "step"
-
-        handles.append(layer.register_forward_pre_hook(pre))
-        handles.append(layer.register_forward_hook(post))
-    return handles
-
-
 # (name, spec, overrides): the full policy (quantized and lossless) and LeanKV with and without
 # pruning; a small window and compress_every=1 make Algorithm 1 run at every decode step.
 # Small pages (a few tokens each) make decode steps allocate new pages. leankv-tl0 runs
@@ -235,7 +220,7 @@ def count_decode_syncs(spec: str, overrides: dict, steps: int = 5, layers: int =
                 out.append(counter)
                 if len(out) == 1:
                     _mark_steps(cache, out, patch)
-                handles = _phase_hooks(model, counter)
+                handles = layer_phase_hooks(model, counter)
                 capacity = cache.free_list.capacity
                 try:
                     with counter:
