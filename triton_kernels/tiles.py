@@ -72,7 +72,7 @@ def kernel_head_dim(f: int) -> int:
     power of two >= 16, else the next such power (``LeanCache`` pads such heads at its boundary)."""
     if f < 1:
         raise ValueError(f"head_dim must be positive, got {f}")
-    return max(MIN_HEAD_DIM, 1 << (f - 1).bit_length())
+    return max(MIN_HEAD_DIM, next_power_of_2(f))
 
 
 def check_head_dim(f: int) -> None:
