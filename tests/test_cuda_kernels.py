@@ -48,14 +48,20 @@ def test_decode_real_sizes(spec, f, hkv, g, dtype, ctx):
 
 @pytest.mark.parametrize("spec", ["FP16", "K8V4-K4V2"])
 @pytest.mark.parametrize("f,hkv,g", [(64, 3, 3), (128, 8, 4)])
-@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("dtype", [F16, BF16, torch.float32])
 def test_prefill_real_sizes(spec, f, hkv, g, dtype):
+    """Prefill and its significance pass against the references. fp32 queries take the fp32-operand
+    tiles with tf32x3 dots (prefill_config / received_config), held to fp32's tolerance."""
     from leankit_kernels import testing
     from leankit_kernels.prefill_attention import prefill_attention
 
+    from leankit.attention import received_attention_ref
+
     fc, q, q_pos, seed = _case(spec, [2048, 700], hkv, g, f, dtype, q_len=300)
-    out, lse = prefill_attention(q, fc.kv, q_pos, f ** -0.5)
-    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, f ** -0.5, f"(seed {seed})")
+    out, lse, sig = prefill_attention(q, fc.kv, q_pos, f ** -0.5, return_significance=True)
+    ref_lse = testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, f ** -0.5, f"(seed {seed})")
+    ref_sig = received_attention_ref(q, fc.kv, q_pos, f ** -0.5, ref_lse)
+    testing.assert_all_close_normwise(sig, ref_sig, dtype, f"significance (seed {seed})")
 
 
 def _random_llama(hidden, heads, kv_heads, layers, vocab=512):
@@ -90,7 +96,8 @@ def _greedy(model, spec, backend, monkeypatch, new=24):
 @pytest.mark.parametrize("shape", [(576, 9, 3, 2), (4096, 32, 8, 1)], ids=["smollm2-layers", "llama3-8b-layers"])
 @pytest.mark.parametrize("spec", ["FP16", "K8V4", "K8V4-K4V2"])
 def test_leancache_kernel_backend_matches_torch(shape, spec, monkeypatch):
-    """fp32 random-init models of real layer shapes: kernels (ieee fp32 dots) pick the same greedy tokens."""
+    """fp32 random-init models of real layer shapes: kernels (ieee fp32 decode dots, tf32x3 prefill and
+    significance dots) pick the same greedy tokens."""
     model = _random_llama(*shape)
     ref = _greedy(model, spec, "torch", monkeypatch)
     got = _greedy(model, spec, "auto", monkeypatch)

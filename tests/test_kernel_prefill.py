@@ -52,6 +52,28 @@ def test_prefill_tiers_with_their_own_group_size():
     testing.assert_all_close_normwise(sig, ref_sig, F32, f"significance (seed {seed})")
 
 
+def test_received_config_per_gpu():
+    """The significance pass keeps its 32 x 128 tile for 16-bit operands and in the interpreter; fp32
+    operands on a GPU take the spill-free tiles with tf32x3 dots up to head_dim 128."""
+    from leankit_kernels.prefill_attention import (
+        RECEIVED_BLOCK_M,
+        RECEIVED_BLOCK_N,
+        prefill_warps,
+        received_config,
+    )
+
+    for cap in (None, (8, 0), (9, 0)):
+        for f in (64, 128, 256):
+            assert received_config(f, cap) == {"BLOCK_M": RECEIVED_BLOCK_M, "BLOCK_N": RECEIVED_BLOCK_N,
+                                               "num_warps": prefill_warps(f)}
+    assert received_config(64, None, operand_bytes=4)["BLOCK_N"] == RECEIVED_BLOCK_N
+    assert received_config(64, (9, 0), operand_bytes=4) == {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8,
+                                                            "PREC": "tf32x3"}
+    assert received_config(128, (8, 0), operand_bytes=4) == {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8,
+                                                             "PREC": "tf32x3"}
+    assert "PREC" not in received_config(256, (9, 0), operand_bytes=4)
+
+
 def test_significance_ignores_padding_queries():
     gen, seed = testing.fresh_generator()
     fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [33, 20], 3, 3, 13)
@@ -89,8 +111,15 @@ def test_prefill_config_per_gpu():
             cfg = prefill_config(f, cap, dense, grouped)
             assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]) == old, (cap, f, grouped, dense)
     assert all("maxnreg" not in prefill_config(f, (9, 0)) for f in (64, 128))
-    fp32 = prefill_config(64, (9, 0), operand_bytes=4)  # an fp32 model: untimed, and the wide tile spills
-    assert (fp32["BLOCK_M"], fp32["BLOCK_N"]) == (BLOCK_M, BLOCK_N)
+    # fp32 operands on a GPU: the spill-free tiles with tf32x3 dots, on sm_80 and sm_90 alike; the
+    # interpreter and head_dim 256 keep the default tile and the launcher's precision.
+    for cap in ((8, 0), (9, 0)):
+        assert prefill_config(64, cap, operand_bytes=4) == {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8,
+                                                           "PREC": "tf32x3"}
+        assert prefill_config(128, cap, grouped=True, operand_bytes=4) == {"BLOCK_M": 16, "BLOCK_N": 32,
+                                                                          "num_warps": 8, "PREC": "tf32x3"}
+        assert "PREC" not in prefill_config(256, cap, operand_bytes=4)
+    assert prefill_config(64, None, operand_bytes=4) == {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": 4}
 
     def kind(spec, **overrides):
         cfg = KVConfig.parse(spec, **overrides)

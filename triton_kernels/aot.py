@@ -5,7 +5,7 @@
 Compiles each kernel with the constexprs of realistic deployments (Llama-3-8B-like heads:
 head_dim 128, 32 query / 8 KV heads; SmolLM2-like heads: head_dim 64, 9 / 3 heads; each config
 on the pages a user gets by default, 2 KB for quantized configs and 8 KB for dense ones
-(``leankit.config``); fp16 models, plus an fp32 decode variant; the ACT->KV recompute at the
+(``leankit.config``); fp16 models, plus fp32 decode, prefill and significance-pass variants; the ACT->KV recompute at the
 layer shapes of Llama-3-8B, Qwen3-8B, OPT-13B and SmolLM2) for ``sm_80`` and ``sm_90``,
 runs the ``ptxas -v`` that ships with Triton (the one Triton itself uses for that arch) on the
 PTX, and prints registers, shared memory and spills per (kernel, arch).
@@ -84,6 +84,7 @@ def cases() -> list[Case]:
         layer_kind,
         prefill_config,
         prefill_warps,
+        received_config,
     )
     from .quant import layout_constexprs, quant_block_n
     from .tiles import tier_args
@@ -142,26 +143,39 @@ def cases() -> list[Case]:
                          "tab_ptr": "*i32", "len_ptr": "*i32"},
                     {"G": 4, "G_PAD": 16, "PAGE_SIZE": targs["PAGE_SIZE"], "BLOCK_N": 64, "HAS_LOW": True,
                          "HI": targs["HI"], "LO": targs["LO"]}))
-    for spec, model, gs in (("FP16", "llama3", None), ("K8V4-K4V2", "llama3", None), ("K8V4-K4V2", "llama3", 32),
-                            ("K8V4-K4V2", "gemma3", None)):
+    # fp32 cases: an fp32 model's operands, on the tiles and tf32x3 dots prefill_config and
+    # received_config pick for them.
+    for spec, model, gs, dname in (("FP16", "llama3", None, "fp16"), ("K8V4-K4V2", "llama3", None, "fp16"),
+                                   ("K8V4-K4V2", "llama3", 32, "fp16"), ("K8V4-K4V2", "gemma3", None, "fp16"),
+                                   ("FP16", "llama3", None, "fp32"), ("K8V4-K4V2", "llama3", 32, "fp32"),
+                                   ("K8V4-K4V2", "smollm2", 32, "fp32")):
         f, g, _ = MODELS[model]
-        targs = tier_args(_layouts(spec, model, group_size=gs))
+        dtype, dot, ptr = (torch.float16, tl.float16, "*fp16") if dname == "fp16" else (torch.float32, tl.float32, "*fp32")
+        targs = tier_args(_layouts(spec, model, dtype, group_size=gs))
         kind = layer_kind(targs)
-        common = dict(targs, G=g, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=tl.float16, PREC="tf32")
-        out.append(Case(f"prefill {spec} d{f} G{g}" + ("" if gs is None else f" gs{gs}"), "prefill_attention",
-                        "_prefill_kernel",
-                        {"q_ptr": "*fp16", "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "len_ptr": "*i32",
-                             "out_ptr": "*fp16", "lse_ptr": "*fp32"}, common,
+        common = dict(targs, G=g, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=dot, PREC="tf32" if dname == "fp16" else "ieee")
+        tag = ("" if gs is None else f" gs{gs}") + ("" if dname == "fp16" else f" {dname}")
+        out.append(Case(f"prefill {spec} d{f} G{g}{tag}", "prefill_attention", "_prefill_kernel",
+                        {"q_ptr": ptr, "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "len_ptr": "*i32",
+                             "out_ptr": ptr, "lse_ptr": "*fp32"}, common,
                         divisible=("stride_qb", "stride_qh", "stride_qq"),
                         options={"num_warps": prefill_warps(f), "num_stages": 2},
-                        arch={cc: prefill_config(f, (cc // 10, cc % 10), **kind) for cc in (80, 90)}))
-    targs = tier_args(_layouts("K8V4-K4V2", "llama3"))
-    out.append(Case("received K8V4-K4V2 d128 G4", "prefill_attention", "_received_kernel",
-                    {"q_ptr": "*fp16", "qpos_ptr": "*i32", "qv_ptr": "*i32", "lse_ptr": "*fp32", "pool": "*u8",
-                         "tab_ptr": "*i32", "len_ptr": "*i32", "out_h": "*fp32", "out_l": "*fp32"},
-                    dict(targs, G=4, BLOCK_M=RECEIVED_BLOCK_M, BLOCK_N=RECEIVED_BLOCK_N, DOT=tl.float16, PREC="tf32"),
-                    divisible=("stride_qb", "stride_qh", "stride_qq"),
-                    options={"num_warps": prefill_warps(128), "num_stages": 2}))
+                        arch={cc: prefill_config(f, (cc // 10, cc % 10), **kind, operand_bytes=dot.primitive_bitwidth // 8)
+                              for cc in (80, 90)}))
+    for model, dname in (("llama3", "fp16"), ("llama3", "fp32"), ("smollm2", "fp32")):
+        f, g, _ = MODELS[model]
+        dtype, dot, ptr = (torch.float16, tl.float16, "*fp16") if dname == "fp16" else (torch.float32, tl.float32, "*fp32")
+        targs = tier_args(_layouts("K8V4-K4V2", model, dtype))
+        out.append(Case(f"received K8V4-K4V2 d{f} G{g}" + ("" if dname == "fp16" else f" {dname}"), "prefill_attention",
+                        "_received_kernel",
+                        {"q_ptr": ptr, "qpos_ptr": "*i32", "qv_ptr": "*i32", "lse_ptr": "*fp32", "pool": "*u8",
+                             "tab_ptr": "*i32", "len_ptr": "*i32", "out_h": "*fp32", "out_l": "*fp32"},
+                        dict(targs, G=g, BLOCK_M=RECEIVED_BLOCK_M, BLOCK_N=RECEIVED_BLOCK_N, DOT=dot,
+                             PREC="tf32" if dname == "fp16" else "ieee"),
+                        divisible=("stride_qb", "stride_qh", "stride_qq"),
+                        options={"num_warps": prefill_warps(f), "num_stages": 2},
+                        arch={cc: received_config(f, (cc // 10, cc % 10), operand_bytes=dot.primitive_bitwidth // 8)
+                              for cc in (80, 90)}))
     out += act_to_kv_cases()
     from .page_alloc import BLOCK as ABLOCK
 

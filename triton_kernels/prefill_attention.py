@@ -85,11 +85,35 @@ SM90_PREFILL_KEYS = 128
 SM90_PREFILL_KEYS_DENSE_WIDE = 64
 SM90_PREFILL_WARPS = 4
 # The sizes those timings cover: fp16/bf16 operands, head_dim <= 128, and tiers with one
-# quantization group per token (or dense). At head_dim 256, at 128 with several groups per token
-# (dequantized through fp32 registers), and with fp32 operands (an fp32 model), the wider tiles
-# spill inside their loop (python -m leankit_kernels.aot: hundreds of local operations at 256,
-# 2-6 at 128 grouped, thousands with fp32), so those layers keep the 64 x 32 tile of 8 warps.
+# quantization group per token (or dense). At head_dim 256 and at 128 with several groups per
+# token (dequantized through fp32 registers) the wider tiles spill inside their loop
+# (python -m leankit_kernels.aot: hundreds of local operations at 256, 2-6 at 128 grouped), so
+# those layers keep the 64 x 32 tile of 8 warps.
 SM90_PREFILL_MAX_HEAD_DIM = 128
+
+# fp32 operands (an fp32 model on a GPU). An ``ieee`` fp32 dot runs on the FMA units in a blocked
+# layout where each thread holds whole rows of both operands along head_dim: at every tile tried
+# both kernels spilled inside their loop, thousands of local operations at head_dim 128 (even
+# 16 x 16 with 4 warps spilled 144-187 at 128). ``tf32x3`` runs the dot on tensor cores as three
+# TF32 products (the big x big, big x small and small x big parts of each operand split into a
+# TF32 head and a TF32 remainder), which keeps about fp32's accuracy (relative error near 2^-21,
+# against 2^-11 for plain TF32) in the MMA register layout. With it these tiles compile with no
+# local memory at all on sm_80 and sm_90a, under Triton 3.9 and 3.6 (python -m leankit_kernels.aot;
+# a sweep of 16-64 rows x 16-128 keys x 4/8 warps picked the largest spill-free ones). Untimed: no
+# fp32 model was run on a GPU. At head_dim 256 every fp32 tile tried still spills; those layers
+# keep the default tile and precision.
+FP32_PRECISION = "tf32x3"
+FP32_WARPS = 8
+FP32_PREFILL_TILES = {64: (32, 32), 128: (16, 32)}  # head_dim up to -> (query rows, keys)
+FP32_RECEIVED_TILES = {64: (32, 128), 128: (32, 64)}
+
+
+def _fp32_tile(tiles_by_dim: dict, head_dim: int, capability, operand_bytes: int):
+    """The fp32-operand tile for ``head_dim`` on a GPU, or None (16-bit operands, the interpreter,
+    or a head wider than any spill-free tile)."""
+    if capability is None or operand_bytes != 4:
+        return None
+    return next((tiles_by_dim[d] for d in sorted(tiles_by_dim) if head_dim <= d), None)
 
 
 def prefill_config(head_dim: int, capability: tuple[int, int] | None, dense: bool = False,
@@ -100,14 +124,30 @@ def prefill_config(head_dim: int, capability: tuple[int, int] | None, dense: boo
     ``operand_bytes`` bytes (2: fp16/bf16 models; 4: fp32).
 
     sm_90 (H100, H200), 16-bit operands, head_dim <= 128, one group per token: the measured tiles
-    above. Any other layer on sm_90, sm_80 (not timed here) and the interpreter: ``BLOCK_M`` x
-    ``BLOCK_N`` with :func:`prefill_warps`.
+    above. fp32 operands on a GPU, head_dim <= 128: :data:`FP32_PREFILL_TILES` with 8 warps and
+    ``PREC`` = :data:`FP32_PRECISION`. Any other layer on sm_90, sm_80 (not timed here) and the
+    interpreter: ``BLOCK_M`` x ``BLOCK_N`` with :func:`prefill_warps`.
     """
+    fp32 = _fp32_tile(FP32_PREFILL_TILES, head_dim, capability, operand_bytes)
+    if fp32 is not None:
+        return {"BLOCK_M": fp32[0], "BLOCK_N": fp32[1], "num_warps": FP32_WARPS, "PREC": FP32_PRECISION}
     if (capability is not None and capability[0] >= 9 and head_dim <= SM90_PREFILL_MAX_HEAD_DIM
             and not grouped and operand_bytes == 2):
         keys = SM90_PREFILL_KEYS_DENSE_WIDE if dense and head_dim >= 128 else SM90_PREFILL_KEYS
         return {"BLOCK_M": SM90_PREFILL_ROWS, "BLOCK_N": keys, "num_warps": SM90_PREFILL_WARPS}
     return {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": prefill_warps(head_dim)}
+
+
+def received_config(head_dim: int, capability: tuple[int, int] | None, operand_bytes: int = 2) -> dict:
+    """Tile and launch options of the significance pass (``_received_kernel``): ``RECEIVED_BLOCK_M``
+    query rows streamed over ``RECEIVED_BLOCK_N`` keys with :func:`prefill_warps`, or, for fp32
+    operands on a GPU at head_dim <= 128, :data:`FP32_RECEIVED_TILES` with 8 warps and
+    ``PREC`` = :data:`FP32_PRECISION` (the default tile spills thousands of local operations
+    inside its loop with ``ieee`` fp32 dots)."""
+    fp32 = _fp32_tile(FP32_RECEIVED_TILES, head_dim, capability, operand_bytes)
+    if fp32 is not None:
+        return {"BLOCK_M": fp32[0], "BLOCK_N": fp32[1], "num_warps": FP32_WARPS, "PREC": FP32_PRECISION}
+    return {"BLOCK_M": RECEIVED_BLOCK_M, "BLOCK_N": RECEIVED_BLOCK_N, "num_warps": prefill_warps(head_dim)}
 
 
 def layer_kind(targs: dict) -> dict:
@@ -299,25 +339,26 @@ def prefill_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: 
     cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
     cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
     cfg.setdefault("num_stages", 2)
+    cfg.setdefault("PREC", prec)
     grid = (b * hkv, tiles.cdiv(g * nq, cfg["BLOCK_M"]))
     kernel_for(_prefill_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), kv.pool.storage, tables, lens, stride_tier,
-        out, lse, hkv, r, nq, float(scale) * LOG2E, G=g, DOT=dot_t, PREC=prec, **cfg, **targs)
+        out, lse, hkv, r, nq, float(scale) * LOG2E, G=g, DOT=dot_t, **cfg, **targs)
     if return_significance:
         return out, lse, received_attention(q, kv, q_pos, scale, lse, q_valid)
     return out, lse
 
 
 def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, lse: torch.Tensor,
-                       q_valid: torch.Tensor | None = None, *, block_m: int = RECEIVED_BLOCK_M,
-                       block_n: int = RECEIVED_BLOCK_N) -> list[torch.Tensor]:
+                       q_valid: torch.Tensor | None = None, *, block_m: int | None = None,
+                       block_n: int | None = None) -> list[torch.Tensor]:
     """Attention probability each stored token received from this step's queries (LeanKV §4).
 
     Kernel mirror of :func:`leankit.attention.received_attention_ref`: one fp32
     ``[B, Hkv, P_t * T_t]`` tensor per tier (``P_t`` = the most pages any head has in tier ``t``),
     holding ``sum_i p_ij`` averaged over the group's query heads; dead slots hold 0. ``lse`` is the
     ``[B, Hkv, G*Q]`` log-sum-exp returned by the attention pass; ``q_valid`` bool ``[B, Q]``
-    drops padding queries.
+    drops padding queries. ``block_m``/``block_n`` override the tile of :func:`received_config`.
     """
     b, _, nq, f = q.shape
     q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
@@ -337,10 +378,14 @@ def received_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale:
           else q_valid.to(device=dev, dtype=torch.int32).reshape(b, nq).contiguous())
     lse = lse.to(torch.float32).contiguous()
     dot_t, prec = dot_config(q.dtype, dev)
-    grid = (b * hkv, tiles.cdiv(n_max, block_n), len(kv.layouts))
+    cfg = received_config(f, torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None,
+                          operand_bytes=dot_t.primitive_bitwidth // 8)
+    cfg["BLOCK_M"] = block_m or cfg["BLOCK_M"]
+    cfg["BLOCK_N"] = block_n or cfg["BLOCK_N"]
+    cfg.setdefault("PREC", prec)
+    grid = (b * hkv, tiles.cdiv(n_max, cfg["BLOCK_N"]), len(kv.layouts))
     kernel_for(_received_kernel, dev)[grid](
         q, q.stride(0), q.stride(1), q.stride(2), q_pos, q_pos.stride(0), qv, lse, kv.pool.storage, tables, lens,
         stride_tier, out_h, out_l, nh_out, nl_out, hkv, r, nq, float(scale) * LOG2E,
-        G=g, BLOCK_M=block_m, BLOCK_N=block_n, DOT=dot_t, PREC=prec, num_warps=prefill_warps(f), num_stages=2,
-        **targs)
+        G=g, DOT=dot_t, num_stages=2, **cfg, **targs)
     return outs
