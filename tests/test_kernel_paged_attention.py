@@ -200,6 +200,24 @@ def test_decode_page_tiles_whole_and_partial(spec, dtype, page_size):
     testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
 
 
+@pytest.mark.parametrize("spec", ["FP16", "K8V4-K4V2", "K8V4"])
+def test_fp32_gpu_tiles_match_reference(spec, monkeypatch):
+    """The decode tiles an fp32 model gets on a GPU (at most FP32_DECODE_ROWS slots, fewer than a
+    page holds, so pages are read in slot runs), walked by the interpreter: output and lse match
+    the reference."""
+    import leankit_kernels.paged_attention as pa
+
+    tiling = pa.decode_tiling
+    monkeypatch.setattr(pa, "decode_tiling", lambda targs, dot_bytes=2, gpu=False: tiling(targs, dot_bytes, gpu=True))
+    monkeypatch.setattr(pa, "_DECODE_PLANS", {})
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, [97, 30], 3, 3, 1, dtype=F32, prune_frac=0.1, page_size=16384)
+    plan = pa.decode_tiling(pa.tiles.tier_args(fc.kv.layouts), 4)
+    assert max(plan.values()) == pa.FP32_DECODE_ROWS < max(lay.tokens for lay in fc.kv.layouts), plan
+    out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+
+
 def test_split_sizing_by_occupancy_and_per_head_work():
     """Residency from registers (allocated per warp in units of 8 per thread), and splits sized by the
     pages of all heads: one long head among short ones is split finer than when every head is

@@ -118,7 +118,7 @@ def cases() -> list[Case]:
                          "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": fp[dname], "lse_ptr": "*fp32",
                          "lg_ptr": "*fp32"},
                     dict(targs, G=g, G_PAD=group_pad(g), DOT=dot_t, PREC=prec, SAVE_LOGITS=save, DIRECT=direct,
-                         **decode_tiling(targs, dot_t.primitive_bitwidth // 8)),
+                         **decode_tiling(targs, dot_t.primitive_bitwidth // 8, gpu=True)),
                     options={"num_warps": DECODE_WARPS, "num_stages": DECODE_STAGES},
                     loop_tokens=decode_loop_tokens(lays[0]) if metric else 0,
                     token_bytes=read_bytes_per_token(lays[0]) if metric else 0)
@@ -132,6 +132,8 @@ def cases() -> list[Case]:
     out.append(decode("K8V4-K4V2", "smollm2"))
     out.append(decode("K8V4-K4V2", "smollm2", save=True, low_group_size=32))
     out.append(decode("K8V4", "smollm2", dname="fp32"))
+    out.append(decode("FP16", "smollm2", dname="fp32"))
+    out.append(decode("K8V4-K4V2", "llama3", dname="fp32"))
     out.append(decode("K8V4-K4V2", "llama3", dname="bf16"))
     out.append(decode("K8V4-K4V2", "gemma3"))
     out.append(Case("decode reduce d128 G4", "paged_attention", "_decode_reduce_kernel",

@@ -497,11 +497,26 @@ def decode_loop_tokens(layout, dot_bytes: int = 2) -> int:
     return (rows // layout.tokens) * layout.tokens if rows >= layout.tokens else rows
 
 
-def decode_tiling(targs: dict, dot_bytes: int = 2) -> dict:
+# Slot rows of a decode tile for fp32 operands on a GPU (an fp32 model). Its ``ieee`` dots run on
+# the FMA units, each thread holding whole rows of the K and V tiles along head_dim, and the
+# 32-128-row tiles spilled inside the loop (python -m leankit_kernels.aot: FP16 d64 129-142 local
+# operations, d128 2-23; K8V4-K4V2 d128 on sm_90a 51). At 16 rows FP16 at d64, d128 and d256 and
+# the quantized tiers at d64 and d128 compile with no local memory on sm_80 and sm_90a (64-242
+# registers); tf32x3 dots did not clear the wide tiles (dense d128 on sm_90a still spilled 7).
+# K8V4-K4V2 at d256 spills at every tile tried. Untimed: no fp32 model has run on a GPU.
+FP32_DECODE_ROWS = 16
+
+
+def decode_tiling(targs: dict, dot_bytes: int = 2, gpu: bool = False) -> dict:
     """Tile constexprs of :func:`_decode_kernel` for the tiers in ``targs`` (:func:`leankit_kernels.tiles.tier_args`)
-    and MMA operands of ``dot_bytes`` bytes: tiles of ``NB_HI`` / ``NB_LO`` slots."""
+    and MMA operands of ``dot_bytes`` bytes: tiles of ``NB_HI`` / ``NB_LO`` slots. ``gpu``: the
+    launch is compiled for a GPU, where fp32 operands take at most :data:`FP32_DECODE_ROWS` rows
+    (the interpreter keeps the wider tiles, which its tests walk)."""
     f = targs["F"]
-    return {"NB_HI": tier_rows(targs["HI"], f, dot_bytes), "NB_LO": tier_rows(targs["LO"], f, dot_bytes)}
+    rows = {"NB_HI": tier_rows(targs["HI"], f, dot_bytes), "NB_LO": tier_rows(targs["LO"], f, dot_bytes)}
+    if gpu and dot_bytes == 4:
+        rows = {k: min(v, FP32_DECODE_ROWS) for k, v in rows.items()}
+    return rows
 
 
 def group_pad(g: int) -> int:
@@ -579,7 +594,7 @@ def _decode_plan(layouts, targs: dict, dtype: torch.dtype, dev: torch.device, g:
     plan = _DECODE_PLANS.get(key)
     if plan is None:
         dot_t, prec = dot_config(dtype, dev)
-        tiling = decode_tiling(targs, dot_t.primitive_bitwidth // 8)
+        tiling = decode_tiling(targs, dot_t.primitive_bitwidth // 8, gpu=dev.type == "cuda")
         variant = (dev, g, targs["F"], dtype, keep, DECODE_WARPS, DECODE_STAGES,
                    tuple(sorted((k, str(v)) for k, v in {**targs, **tiling}.items())))
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else None
