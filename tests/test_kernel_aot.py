@@ -46,3 +46,43 @@ def test_aot_act_to_kv_no_spills():
     rows = [line for line in res.stdout.splitlines()
             if "act_to_kv smollm2" in line and (" sm_80 " in line or " sm_90a " in line)]
     assert len(rows) == 4 and "SPILL" not in res.stdout and "0 failing" in res.stdout
+
+
+def test_loop_opcode_classes_of_synthetic_sass():
+    """Opcodes lose their predicate guard and modifiers; the body's classes count every non-NOP
+    instruction of the loop once, and instructions outside the loop not at all."""
+    from leankit_kernels import sass
+
+    text = """
+        /*0000*/  MOV R1, c[0x0][0x28] ;
+        /*0010*/  @!P0 LDS.U16 R2, [R3] ;
+        /*0020*/  HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0030*/  @P1 PRMT R5, R6, 0x4140, RZ ;
+        /*0040*/  NOP ;
+        /*0050*/  LOP3.LUT R7, R7, 0xf, RZ, 0xc0, !PT ;
+        /*0060*/  MUFU.EX2 R9, R9 ;
+        /*0070*/  FOO R1, R2 ;
+        /*0080*/  @P2 BRA 0x10 ;
+        /*0090*/  EXIT ;
+    """
+    insns = sass.instructions(text)
+    assert sass.opcode("@!P0 LDS.U16 R2, [R3]") == "LDS" and sass.opcode("@UP3 HMMA.16816.F32 R4") == "HMMA"
+    loops = sass.loops(insns)
+    assert len(loops) == 1 and loops[0].size == 7  # 0x10 .. 0x80, the NOP not counted
+    classes = sass.loop_opcode_classes(insns, loops[0])
+    assert classes == {"mma": 1, "shared memory": 1, "global loads": 0, "bit and byte ops": 2,
+                       "integer and address": 0, "float math": 1, "sync and shuffle": 1, "other": 1}
+    assert sum(classes.values()) == loops[0].size
+
+
+def test_decode_loop_opcode_table_adds_up_to_the_issue_count():
+    """The per-class breakdown of a real decode loop (K8V4 d64, sm_90a) sums to its issue count per KB."""
+    res = _run("--only", "decode K8V4 d64 G3", "--arch", "90", "--jobs", "1", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = [line for line in res.stdout.splitlines() if line.startswith("| decode K8V4 d64 G3 | sm_90a |")]
+    issue = [line for line in lines if line.count("|") == 8]  # kernel, arch + 5 columns of the issue table
+    classes = [line for line in lines if line.count("|") == 11]  # kernel, arch + 8 classes
+    assert len(issue) == 1 and len(classes) == 1, res.stdout
+    per_kb = float(issue[0].split("|")[6])
+    parts = [float(x) for x in classes[0].split("|")[3:11]]
+    assert parts[0] > 0 and abs(sum(parts) - per_kb) < 0.05 * len(parts), (parts, per_kb)

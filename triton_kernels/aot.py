@@ -274,7 +274,9 @@ def compile_case(case: Case, cc: int) -> dict:
                                                    os.path.join(os.path.dirname(_ptxas(cc)), "cuobjdump")))
     all_loops = sass.loops(insns)
     local = sass.local_memory(insns, all_loops)
-    inner = max((lp.size for lp in sass.innermost(all_loops)), default=0)
+    innermost = sass.innermost(all_loops)
+    inner = max((lp.size for lp in innermost), default=0)
+    body = max(innermost, key=lambda lp: lp.size) if innermost and case.loop_tokens else None
 
     def grab(pat, default=0):
         mm = re.search(pat, log)
@@ -285,7 +287,8 @@ def compile_case(case: Case, cc: int) -> dict:
                 "spill_st": grab(r"(\d+) bytes spill stores"), "spill_ld": grab(r"(\d+) bytes spill loads"),
                 "warps": case.options["num_warps"], "local_in_loops": local.in_loops,
                 "local_outside": local.outside, "local_reason": local.reason, "loop_body": inner,
-                "loop_kb": case.loop_tokens * case.token_bytes / 1024}
+                "loop_kb": case.loop_tokens * case.token_bytes / 1024,
+                "loop_classes": sass.loop_opcode_classes(insns, body) if body else {}}
 
 
 def _run(args):
@@ -346,6 +349,21 @@ def issue_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def opcode_table(rows: list[dict]) -> list[str]:
+    """Markdown rows of the decode inner loop's instructions per opcode class
+    (:data:`leankit_kernels.sass.OPCODE_CLASSES`), as warp instructions per KB of K/V read, so the
+    columns of a row add up to its issue count per KB."""
+    met = [r for r in rows if "error" not in r and r["loop_kb"] and r.get("loop_classes")]
+    if not met:
+        return []
+    classes = list(met[0]["loop_classes"])
+    out = ["| decode kernel | arch | " + " | ".join(classes) + " |", "|---|---|" + "---|" * len(classes)]
+    for r in met:
+        per_kb = [r["loop_classes"][c] * r["warps"] / r["loop_kb"] for c in classes]
+        out.append(f"| {r['kernel']} | {r['arch']} | " + " | ".join(f"{x:.1f}" for x in per_kb) + " |")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities (default 80 90)")
@@ -360,11 +378,13 @@ def main(argv=None) -> int:
     else:
         rows = [_run(t) for t in todo]
     bad = sum(_status(r)[0] for r in rows)
-    res, iss = resource_table(rows), issue_table(rows)
+    res, iss, ops = resource_table(rows), issue_table(rows), opcode_table(rows)
     print("\n".join(res))
     if len(iss) > 2:
         print("\nDecode inner loop, static issue count (SASS instructions x warps per KB of K/V page bytes read):")
         print("\n".join(iss))
+        print("\nThe same per opcode class (warp instructions per KB):")
+        print("\n".join(ops))
     print(f"\n{len(rows)} compiles, {bad} failing (compile errors or spills inside a loop)")
     if a.report:
         with open(a.report, "w") as fh:
@@ -379,6 +399,11 @@ def main(argv=None) -> int:
                          "(K data + K meta + V data + V meta + int32 position) that iteration reads. A "
                          "proxy for an issue-bound loop; measured GB/s on a GPU decides.\n\n")
                 fh.write("\n".join(iss) + "\n")
+                fh.write("\nThe same per opcode class: warp instructions per KB of K/V read, so a row's columns add up "
+                         "to its issue count per KB (shared memory: LDS/LDSM/STS; bit and byte ops: PRMT/LOP3/SHF, the "
+                         "code unpack; integer and address: IMAD/IADD3/ISETP/SEL ...; float math: the softmax and the "
+                         "scale/min terms; `leankit_kernels.sass.OPCODE_CLASSES`).\n\n")
+                fh.write("\n".join(ops) + "\n")
     return 1 if bad else 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from collections import Counter
 from dataclasses import dataclass
 
 _INSN = re.compile(r"/\*([0-9a-fA-F]{4,})\*/\s+(.+?)\s*;")
@@ -99,3 +100,31 @@ def local_memory(insns: list[tuple[int, str]], all_loops: list[Loop]) -> LocalUs
         reason = (f"{n_out} local ops between or around the loops ({len(before)} before, {len(after)} after, "
                   f"{len(other)} between): costs once per program")
     return LocalUse(inside, n_out, reason)
+
+
+# What each opcode of a decode loop does, for the issue-count breakdown of the AOT report.
+OPCODE_CLASSES = {
+    "mma": ("HMMA", "IMMA", "HGMMA"),
+    "shared memory": ("LDS", "LDSM", "STS"),
+    "global loads": ("LDG", "LDGSTS", "LDGDEPBAR", "DEPBAR"),
+    "bit and byte ops": ("PRMT", "LOP3", "SHF", "SGXT", "BMSK"),
+    "integer and address": ("IMAD", "IADD3", "VIADD", "LEA", "UIADD3", "UIMAD", "UMOV", "MOV", "ISETP", "UISETP",
+                            "SEL", "PLOP3", "P2R", "R2P", "CS2R", "LDC", "ULDC", "S2R", "IABS", "IMNMX"),
+    "float math": ("FMUL", "FFMA", "FADD", "HADD2", "HFMA2", "HMUL2", "FMNMX", "FSEL", "FSETP", "MUFU", "F2FP",
+                   "F2F", "I2F", "F2I", "I2FP", "FCHK"),
+    "sync and shuffle": ("BAR", "SHFL", "WARPSYNC", "BSSY", "BSYNC", "BRA"),
+}
+_CLASS_OF = {op: cls for cls, ops in OPCODE_CLASSES.items() for op in ops}
+
+
+def opcode(text: str) -> str:
+    """The mnemonic of one instruction's text: its predicate guard and ``.`` modifiers dropped."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", text).split()[0].split(".")[0]
+
+
+def loop_opcode_classes(insns: list[tuple[int, str]], loop: Loop) -> dict[str, int]:
+    """Instructions of ``loop``'s body (NOPs excluded) per class of :data:`OPCODE_CLASSES`
+    (``other`` for the rest)."""
+    counts = Counter(_CLASS_OF.get(opcode(t), "other") for a, t in insns
+                     if loop.start <= a <= loop.end and not t.startswith("NOP"))
+    return {cls: counts.get(cls, 0) for cls in (*OPCODE_CLASSES, "other")}
