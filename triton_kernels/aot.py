@@ -90,7 +90,10 @@ def cases() -> list[Case]:
     from .tiles import tier_args
 
     out = []
-    fp = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+    # A model dtype's name -> (torch dtype, tl.dot operand type, pointer type, tl.dot precision) as the
+    # launchers pick them on a GPU (leankit_kernels.tiles.dot_config)
+    operands = {"fp16": (torch.float16, tl.float16, "*fp16", "tf32"), "bf16": (torch.bfloat16, tl.bfloat16, "*bf16", "tf32"),
+                "fp32": (torch.float32, tl.float32, "*fp32", "ieee")}
     for spec in ("K8V4", "K4V2", "K2V1", "FP16"):
         lay = _layouts(spec, "llama3")[0]
         out.append(Case(f"quantize {spec} d128", "quant", "_quantize_kernel",
@@ -105,17 +108,15 @@ def cases() -> list[Case]:
 
     def decode(spec, model, dname="fp16", save=False, direct=False, low_group_size=None):
         f, g, _ = MODELS[model]
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dname]
+        dtype, dot_t, ptr, prec = operands[dname]
         targs = tier_args(_layouts(spec, model, dtype, low_group_size=low_group_size))
-        dot_t = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[dname]
-        prec = "ieee" if dname == "fp32" else "tf32"
         tag = ("+scores" if save else "") + (" direct" if direct else "") + ("" if dname == "fp16" else f" {dname}")
         tag += "" if low_group_size is None else f" low-gs{low_group_size}"
         lays = _layouts(spec, model, dtype, low_group_size=low_group_size)
         metric = len(lays) == 1 and not save and dname == "fp16"
         return Case(f"decode {spec} d{f} G{g}{tag}", "paged_attention", "_decode_kernel",
-                    {"q_ptr": fp[dname], "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "np_ptr": "*i32",
-                         "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": fp[dname], "lse_ptr": "*fp32",
+                    {"q_ptr": ptr, "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "np_ptr": "*i32",
+                         "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": ptr, "lse_ptr": "*fp32",
                          "lg_ptr": "*fp32"},
                     dict(targs, G=g, G_PAD=group_pad(g), DOT=dot_t, PREC=prec, SAVE_LOGITS=save, DIRECT=direct,
                          **decode_tiling(targs, dot_t.primitive_bitwidth // 8, gpu=True)),
@@ -152,10 +153,10 @@ def cases() -> list[Case]:
                                    ("FP16", "llama3", None, "fp32"), ("K8V4-K4V2", "llama3", 32, "fp32"),
                                    ("K8V4-K4V2", "smollm2", 32, "fp32")):
         f, g, _ = MODELS[model]
-        dtype, dot, ptr = (torch.float16, tl.float16, "*fp16") if dname == "fp16" else (torch.float32, tl.float32, "*fp32")
+        dtype, dot, ptr, prec = operands[dname]
         targs = tier_args(_layouts(spec, model, dtype, group_size=gs))
         kind = layer_kind(targs)
-        common = dict(targs, G=g, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=dot, PREC="tf32" if dname == "fp16" else "ieee")
+        common = dict(targs, G=g, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT=dot, PREC=prec)
         tag = ("" if gs is None else f" gs{gs}") + ("" if dname == "fp16" else f" {dname}")
         out.append(Case(f"prefill {spec} d{f} G{g}{tag}", "prefill_attention", "_prefill_kernel",
                         {"q_ptr": ptr, "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "len_ptr": "*i32",
@@ -166,14 +167,13 @@ def cases() -> list[Case]:
                               for cc in (80, 90)}))
     for model, dname in (("llama3", "fp16"), ("llama3", "fp32"), ("smollm2", "fp32")):
         f, g, _ = MODELS[model]
-        dtype, dot, ptr = (torch.float16, tl.float16, "*fp16") if dname == "fp16" else (torch.float32, tl.float32, "*fp32")
+        dtype, dot, ptr, prec = operands[dname]
         targs = tier_args(_layouts("K8V4-K4V2", model, dtype))
         out.append(Case(f"received K8V4-K4V2 d{f} G{g}" + ("" if dname == "fp16" else f" {dname}"), "prefill_attention",
                         "_received_kernel",
                         {"q_ptr": ptr, "qpos_ptr": "*i32", "qv_ptr": "*i32", "lse_ptr": "*fp32", "pool": "*u8",
                              "tab_ptr": "*i32", "len_ptr": "*i32", "out_h": "*fp32", "out_l": "*fp32"},
-                        dict(targs, G=g, BLOCK_M=RECEIVED_BLOCK_M, BLOCK_N=RECEIVED_BLOCK_N, DOT=dot,
-                             PREC="tf32" if dname == "fp16" else "ieee"),
+                        dict(targs, G=g, BLOCK_M=RECEIVED_BLOCK_M, BLOCK_N=RECEIVED_BLOCK_N, DOT=dot, PREC=prec),
                         divisible=("stride_qb", "stride_qh", "stride_qq"),
                         options={"num_warps": prefill_warps(f), "num_stages": 2},
                         arch={cc: received_config(f, (cc // 10, cc % 10), operand_bytes=dot.primitive_bitwidth // 8)
