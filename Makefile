@@ -57,7 +57,8 @@ test-floor: $(VENV)/.installed
 # a batched dot, results of jit helpers), so each version gets its own check.
 FLOOR_TRITON ?= 3.6.0
 TRITON_FLOOR_VENV ?= .venv-triton-floor
-TRITON_FLOOR_TESTS ?= tests/test_kernel_paged_attention.py tests/test_kernel_prefill.py tests/test_kernel_codes_ptx.py
+TRITON_FLOOR_TESTS ?= tests/test_kernel_paged_attention.py tests/test_kernel_prefill.py tests/test_kernel_codes_ptx.py \
+    tests/test_kernel_own_token.py
 test-triton-floor: $(VENV)/.installed
 	$(call overlay-venv,$(TRITON_FLOOR_VENV))
 	$(TRITON_FLOOR_VENV)/bin/python -m pip install -q --no-deps triton==$(FLOOR_TRITON)

@@ -25,8 +25,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import decode_attention
 from .allocator import FreePageList, PoolExhausted
-from .attention import (PagedKV, Workspace, merge_attention, paged_attention_ref, received_attention_ref,
-                        received_from_logits, step_attention)
+from .attention import (
+    PagedKV,
+    Workspace,
+    merge_attention,
+    paged_attention_ref,
+    received_attention_ref,
+    received_from_logits,
+    step_attention,
+)
 from .backend import use_triton
 from .config import KVConfig, fp16_token_bytes
 from .page_table import HIGH, LOW, BidirectionalPageTable
@@ -742,9 +749,15 @@ class LeanCache(Cache):
         else:
             out_old, lse_old = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling)
         out_old = self.from_page_basis(out_old)
-        out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
-                                                        lse_other=lse_old, received=sig)
-        out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
+        if nq == 1 and use_triton(query):  # the step's own token and the merge in one launch, not ~20
+            from leankit_kernels.own_token import merge_own_token
+
+            out, lse, received_new = merge_own_token(query, k_new, v_new, out_old, lse_old, st.real, scaling,
+                                                     received=sig)
+        else:
+            out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
+                                                            lse_other=lse_old, received=sig)
+            out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
         if sig and saved is not None:
             from leankit_kernels.paged_attention import apply_score_update
 

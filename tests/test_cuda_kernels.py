@@ -104,6 +104,31 @@ def test_leancache_kernel_backend_matches_torch(shape, spec, monkeypatch):
     assert torch.equal(got, ref), f"{spec}: kernels {got.tolist()} != torch {ref.tolist()}"
 
 
+@pytest.mark.parametrize("b,hkv,g,f", [(8, 3, 3, 64), (32, 8, 4, 128), (4, 2, 8, 80)])
+@pytest.mark.parametrize("dtype", [F16, BF16, torch.float32])
+def test_own_token_merge_real_sizes(b, hkv, g, f, dtype):
+    """A decode step's own token merged into the paged attention (one launch) against the torch
+    composition it replaces, on the GPU."""
+    from leankit_kernels import testing
+    from leankit_kernels.own_token import merge_own_token
+
+    from leankit.attention import merge_attention, step_attention
+
+    gen, seed = testing.fresh_generator()
+    q = torch.randn(b, 1, hkv * g, f, generator=gen).to(dtype).transpose(1, 2).cuda()
+    k = torch.randn(b, 1, hkv, f, generator=gen).to(dtype).transpose(1, 2).cuda()
+    v = torch.randn(b, 1, hkv, f, generator=gen).to(dtype).transpose(1, 2).cuda()
+    out_old = torch.randn(b, 1, hkv * g, f, generator=gen).cuda()
+    lse_old = (torch.randn(b, hkv, g, generator=gen) * 3).cuda()
+    real = (torch.rand(b, 1, generator=gen) < 0.8).cuda()
+    q_pos = torch.full((b, 1), 7, device="cuda")
+    out_new, lse_new, ref_recv = step_attention(q, k, v, q_pos, real, f ** -0.5, lse_other=lse_old, received=True)
+    ref_out, ref_lse = merge_attention(out_old, lse_old, out_new, lse_new)
+    out, lse, recv = merge_own_token(q, k, v, out_old, lse_old, real, f ** -0.5, received=True)
+    for got, ref, what in ((out, ref_out, "out"), (lse, ref_lse, "lse"), (recv, ref_recv, "received")):
+        testing.assert_close_normwise(got, ref, torch.float32, f"{what} (seed {seed})")
+
+
 def test_decode_kernel_launch_replays_in_a_cuda_graph():
     """With host page bounds the decode launch reads nothing from the device, so it can be captured
     in a CUDA graph; a replay on new queries matches an eager call."""

@@ -15,6 +15,8 @@ position), addressed through the bidirectional page table of :mod:`leankit.page_
   softmax, flash-decoding split-K + reduce, and an optional fused running-significance update of
   the pages' score segments. ``paged_attention(q, kv, q_pos, scale) -> (out, lse)`` is the entry
   point LeanCache calls; ``Q > 1`` goes to the prefill kernel.
+* :mod:`.own_token` -- a decode step's exact attention to its own new token, merged with the
+  paged attention by log-sum-exp (and the token's initial significance), in one launch.
 * :mod:`.prefill_attention` -- causal FlashAttention-style prefill over the pages (prompt plus
   cached prefix) with causal tile skipping by stored position, and the significance pass
   ``received_attention`` (probability each key received, recomputed from the saved lse).

@@ -178,6 +178,15 @@ def cases() -> list[Case]:
                         options={"num_warps": prefill_warps(f), "num_stages": 2},
                         arch={cc: received_config(f, (cc // 10, cc % 10), operand_bytes=dot.primitive_bitwidth // 8)
                               for cc in (80, 90)}))
+    for model, dname in (("llama3", "fp16"), ("smollm2", "fp32")):
+        f, g, _ = MODELS[model]
+        _, _, ptr, _ = operands[dname]
+        out.append(Case(f"own token d{f} G{g}" + ("" if dname == "fp16" else f" {dname}"), "own_token",
+                        "_own_token_kernel",
+                        {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "old_ptr": "*fp32", "lse_old_ptr": "*fp32",
+                         "real_ptr": "*u8", "out_ptr": "*fp32", "lse_ptr": "*fp32", "recv_ptr": "*fp32"},
+                        {"G": g, "G_PAD": group_pad(g), "F_PAD": f, "RECEIVED": True}, floats=("scale",),
+                        options={"num_warps": 1, "num_stages": 1}))
     out += act_to_kv_cases()
     from .page_alloc import BLOCK as ABLOCK
 
