@@ -397,6 +397,8 @@ class _Base:
         vv = v[b_rep, h_idx, q_rep]
         if received is None:
             score = torch.zeros(kk.shape[0], device=k.device)
+        elif k.shape[2] == 1:  # decode: the token is its row's one query, so n = m = 1 below and s = received
+            score = received[b_rep, h_idx, q_rep].float()
         else:  # the running mean of a token no query has seen yet, after this step's queries (§4)
             score = update_significance(torch.zeros(kk.shape[0], device=k.device), pos, received[b_rep, h_idx, q_rep],
                                         q_first, q_last)
