@@ -283,9 +283,7 @@ def compile_case(case: Case, cc: int) -> dict:
                                                    os.path.join(os.path.dirname(_ptxas(cc)), "cuobjdump")))
     all_loops = sass.loops(insns)
     local = sass.local_memory(insns, all_loops)
-    innermost = sass.innermost(all_loops)
-    inner = max((lp.size for lp in innermost), default=0)
-    body = max(innermost, key=lambda lp: lp.size) if innermost and case.loop_tokens else None
+    body = max(sass.innermost(all_loops), key=lambda lp: lp.size, default=None)  # the largest innermost loop
 
     def grab(pat, default=0):
         mm = re.search(pat, log)
@@ -295,9 +293,9 @@ def compile_case(case: Case, cc: int) -> dict:
                 "shared": int(k.metadata.shared), "stack": grab(r"(\d+) bytes stack frame"),
                 "spill_st": grab(r"(\d+) bytes spill stores"), "spill_ld": grab(r"(\d+) bytes spill loads"),
                 "warps": case.options["num_warps"], "local_in_loops": local.in_loops,
-                "local_outside": local.outside, "local_reason": local.reason, "loop_body": inner,
+                "local_outside": local.outside, "local_reason": local.reason, "loop_body": body.size if body else 0,
                 "loop_kb": case.loop_tokens * case.token_bytes / 1024,
-                "loop_classes": sass.loop_opcode_classes(insns, body) if body else {}}
+                "loop_classes": sass.loop_opcode_classes(insns, body) if body and case.loop_tokens else {}}
 
 
 def _run(args):

@@ -108,12 +108,15 @@ FP32_PREFILL_TILES = {64: (32, 32), 128: (16, 32)}  # head_dim up to -> (query r
 FP32_RECEIVED_TILES = {64: (32, 128), 128: (32, 64)}
 
 
-def _fp32_tile(tiles_by_dim: dict, head_dim: int, capability, operand_bytes: int):
-    """The fp32-operand tile for ``head_dim`` on a GPU, or None (16-bit operands, the interpreter,
-    or a head wider than any spill-free tile)."""
+def _fp32_config(tiles_by_dim: dict, head_dim: int, capability, operand_bytes: int) -> dict | None:
+    """Launch options of the fp32-operand tile for ``head_dim`` on a GPU (8 warps, ``tf32x3`` dots),
+    or None (16-bit operands, the interpreter, or a head wider than any spill-free tile)."""
     if capability is None or operand_bytes != 4:
         return None
-    return next((tiles_by_dim[d] for d in sorted(tiles_by_dim) if head_dim <= d), None)
+    tile = next((tiles_by_dim[d] for d in sorted(tiles_by_dim) if head_dim <= d), None)
+    if tile is None:
+        return None
+    return {"BLOCK_M": tile[0], "BLOCK_N": tile[1], "num_warps": FP32_WARPS, "PREC": FP32_PRECISION}
 
 
 def prefill_config(head_dim: int, capability: tuple[int, int] | None, dense: bool = False,
@@ -128,9 +131,9 @@ def prefill_config(head_dim: int, capability: tuple[int, int] | None, dense: boo
     ``PREC`` = :data:`FP32_PRECISION`. Any other layer on sm_90, sm_80 (not timed here) and the
     interpreter: ``BLOCK_M`` x ``BLOCK_N`` with :func:`prefill_warps`.
     """
-    fp32 = _fp32_tile(FP32_PREFILL_TILES, head_dim, capability, operand_bytes)
+    fp32 = _fp32_config(FP32_PREFILL_TILES, head_dim, capability, operand_bytes)
     if fp32 is not None:
-        return {"BLOCK_M": fp32[0], "BLOCK_N": fp32[1], "num_warps": FP32_WARPS, "PREC": FP32_PRECISION}
+        return fp32
     if (capability is not None and capability[0] >= 9 and head_dim <= SM90_PREFILL_MAX_HEAD_DIM
             and not grouped and operand_bytes == 2):
         keys = SM90_PREFILL_KEYS_DENSE_WIDE if dense and head_dim >= 128 else SM90_PREFILL_KEYS
@@ -144,9 +147,9 @@ def received_config(head_dim: int, capability: tuple[int, int] | None, operand_b
     operands on a GPU at head_dim <= 128, :data:`FP32_RECEIVED_TILES` with 8 warps and
     ``PREC`` = :data:`FP32_PRECISION` (the default tile spills thousands of local operations
     inside its loop with ``ieee`` fp32 dots)."""
-    fp32 = _fp32_tile(FP32_RECEIVED_TILES, head_dim, capability, operand_bytes)
+    fp32 = _fp32_config(FP32_RECEIVED_TILES, head_dim, capability, operand_bytes)
     if fp32 is not None:
-        return {"BLOCK_M": fp32[0], "BLOCK_N": fp32[1], "num_warps": FP32_WARPS, "PREC": FP32_PRECISION}
+        return fp32
     return {"BLOCK_M": RECEIVED_BLOCK_M, "BLOCK_N": RECEIVED_BLOCK_N, "num_warps": prefill_warps(head_dim)}
 
 
