@@ -383,11 +383,12 @@ class ActStore:
             self.table.lens.copy_(saved)
         self._stash = {}
 
-    def release(self, rows: torch.Tensor) -> int:
-        """Return the ACT pages of finished rows; returns the page count."""
+    def release(self, rows: torch.Tensor, defer: bool = False) -> int | None:
+        """Return the ACT pages of finished rows; returns the page count (None with ``defer``: a
+        release that reads nothing back, kernel backend only)."""
         if self.table is None:
             return 0
-        return self.table.release_sequences(rows.to(self.cache.device).bool(), self.cache.free_list)
+        return self.table.release_sequences(rows.to(self.cache.device).bool(), self.cache.free_list, defer=defer)
 
     def reset(self) -> None:
         """Free every ACT page and forget all rows."""

@@ -410,7 +410,11 @@ class LeanCache(Cache):
         if input_ids is not None and self._seen > 0 and self.eos_ids.numel():
             # A row whose previous token ended its request is finished: free its pages now.
             ended = torch.isin(input_ids[:, 0].to(dev), self.eos_ids) & ~self.finished
-            if bool(ended.any()):
+            if use_triton(self._kv_err) and self.offload is None:
+                # No host read on the kernel backend: the ended rows' pages go back in a deferred
+                # release (a no-op for rows that did not end), counted at the step's one read.
+                self.release(ended, defer=True)
+            elif bool(ended.any()):
                 self.release(ended)
         real = real & ~self.finished.unsqueeze(1)
         if position_ids is None:
@@ -776,13 +780,26 @@ class LeanCache(Cache):
         return out, lse, received_new
 
     # ------------------------------------------------------------------ lifecycle
-    def release(self, rows: torch.Tensor) -> int:
-        """Finish the rows where ``rows[b]`` is true: return all their pages to the free list."""
+    def release(self, rows: torch.Tensor, defer: bool = False) -> int | None:
+        """Finish the rows where ``rows[b]`` is true: return all their pages to the free list.
+
+        Returns the pages freed. ``defer`` (kernel backend, no offload): release
+        without reading anything back to the host; the free list's host counters catch up at their
+        next read, and None is returned.
+        """
         if self.table is None:
             return 0
+        rows = rows.to(self.device).bool()
+        if defer:
+            if not use_triton(self.table.tables) or self.offload is not None:
+                raise ValueError("a deferred release needs the kernel backend, without offload")
+            self.table.release_sequences(rows, self.free_list, defer=True)
+            if self.act_store is not None:
+                self.act_store.release(rows, defer=True)
+            self.finished |= rows
+            return None
         if self.offload is not None:  # pages prefetched for the step are re-read after the release
             self.offload.abandon_prefetch()
-        rows = rows.to(self.device).bool()
         freed = self.table.release_sequences(rows, self.free_list)
         if self.act_store is not None:  # ACT pages of the rows (leankit.act_store)
             freed += self.act_store.release(rows)

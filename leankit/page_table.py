@@ -151,10 +151,12 @@ class BidirectionalPageTable:
         self.n_pages.copy_(keep)
         return total
 
-    def release_sequences(self, seq_mask: torch.Tensor, free_list: FreePageList) -> int:
-        """Return every page of the sequences where ``seq_mask[b]`` is true (finished requests)."""
+    def release_sequences(self, seq_mask: torch.Tensor, free_list: FreePageList, defer: bool = False) -> int | None:
+        """Return every page of the sequences where ``seq_mask[b]`` is true (finished requests).
+
+        Returns the pages freed; with ``defer``, None (see :meth:`shrink`: nothing is read back)."""
         keep = torch.where(seq_mask.view(1, 1, -1, 1), torch.zeros_like(self.n_pages), self.n_pages)
-        freed = self.shrink(keep, free_list)
+        freed = self.shrink(keep, free_list, defer=defer)
         self.lens.masked_fill_(seq_mask.view(1, 1, -1, 1), 0)
         return freed
 
@@ -255,8 +257,18 @@ class ActPageTable:
         col = (slot // self.tokens * self.slices)[:, None] + torch.arange(self.slices, device=slot.device)
         return self.tables[layer][b.reshape(-1).long()[:, None], col], slot % self.tokens
 
-    def release_sequences(self, seq_mask: torch.Tensor, free_list: FreePageList) -> int:
-        """Return every ACT page of the sequences where ``seq_mask[b]`` is true; returns the count."""
+    def release_sequences(self, seq_mask: torch.Tensor, free_list: FreePageList, defer: bool = False) -> int | None:
+        """Return every ACT page of the sequences where ``seq_mask[b]`` is true; returns the count.
+
+        ``defer`` (kernel backend only): one prefix-sum release that reads nothing back to the host
+        (:func:`leankit_kernels.page_alloc.shrink_pages`); returns None."""
+        if defer:
+            from leankit_kernels.page_alloc import shrink_pages
+
+            keep = torch.where(seq_mask.view(1, -1), torch.zeros_like(self.n_pages), self.n_pages)
+            shrink_pages(self, keep, free_list, defer=True, tiers=1)
+            self.lens.masked_fill_(seq_mask.view(1, -1), 0)
+            return None
         rows = self.tables[:, seq_mask.bool()]
         ids = rows[rows >= 0]
         if ids.numel():

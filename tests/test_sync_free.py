@@ -363,6 +363,89 @@ def _assert_same_run(got, want) -> None:
     assert not free & set(cache.table.tables[owned].tolist())  # no page both free and owned
 
 
+def _eos_run(backend: str, eos: int, end_at: dict, spec: str, overrides: dict, model_kw: dict, steps: int = 5):
+    """A prompt and ``steps`` decode steps of a fixed-pool LeanCache (``spec``, ``overrides``)
+    built with ``eos_token_id=eos`` on ``backend``, for a :func:`tiny_model` of ``model_kw``; row
+    ``b`` is fed ``eos`` at step ``end_at[b]`` (other tokens: random, never ``eos``). Returns the
+    per-step sync counters, each step's greedy tokens, pages in use after each step, and the cache."""
+    patch = pytest.MonkeyPatch()
+    try:
+        patch.setenv("LEANKIT_BACKEND", backend)
+        kw = dict(model_kw)
+        model = tiny_model(kw.pop("kind"), num_hidden_layers=3, **kw)
+        cache = LeanCache(model, spec, num_pages=400, eos_token_id=eos, **overrides)
+        counters, tokens, used = [], [], []
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            logits, mask, pos = _prompt(model, cache)
+            for i in range(steps):
+                nxt = torch.randint(3, 97, (mask.shape[0], 1), generator=g)
+                nxt[nxt == eos] = 3
+                for b, at in end_at.items():
+                    if at == i:
+                        nxt[b] = eos
+                mask, pos = torch.cat([mask, torch.ones_like(nxt)], 1), pos + 1
+                counter = SyncCounter()
+                handles = layer_phase_hooks(model, counter)
+                try:
+                    with counter:
+                        logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos,
+                                       **cache_kwargs(model, cache), use_cache=True).logits
+                finally:
+                    for h in handles:
+                        h.remove()
+                counters.append(counter)
+                tokens.append(logits[:, -1].argmax(-1))
+                used.append(cache.free_list.capacity - cache.free_list.num_free)
+        return counters, tokens, used, cache
+    finally:
+        patch.undo()
+
+
+@pytest.mark.parametrize("spec,overrides,model_kw", [
+    ("K8V4", {"page_size": 256}, {"kind": "llama-gqa"}),
+    ("K8V4", {"act": 0.5, "page_size": 512}, ACT_MODEL),
+], ids=["K8V4", "act-ratio"])
+@pytest.mark.filterwarnings("ignore:act=0.5")  # the tiny model's ACT block outweighs its KV: only the release is tested
+def test_a_row_that_ends_is_released_without_a_host_read(spec, overrides, model_kw):
+    """A cache built with ``eos_token_id`` (as :func:`leankit.apply` builds it for ``generate``)
+    frees a row's pages (its ACT pages too) when the row's input is an end id. On the kernel
+    backend that release is deferred (no read of whether any row ended), so a decode step still
+    reads the device once, never inside a layer; the pages in use after each step, the rows'
+    pages and the greedy tokens of the rows still running are the torch backend's."""
+    end_at = {1: 2}
+    counters, tokens, used, cache = _eos_run("triton", 5, end_at, spec, overrides, model_kw)
+    for i, c in enumerate(counters):
+        assert c.total("layer") == 0 and c.total() <= 1, f"decode step {i}\n" + c.report()
+    _, want_tokens, want_used, want = _eos_run("torch", 5, end_at, spec, overrides, model_kw)
+    assert used == want_used, (used, want_used)
+    assert used[2] < used[1]  # the ended row's pages came back at the step that ended it
+    assert int(cache.table.n_pages[:, :, 1].sum()) == 0 and bool(cache.finished[1])
+    assert torch.equal(cache.table.n_pages, want.table.n_pages) and torch.equal(cache.table.lens, want.table.lens)
+    if cache.act_store is not None:
+        assert int(cache.act_store.table.n_pages[:, 1].sum()) == 0
+        assert torch.equal(cache.act_store.table.n_pages, want.act_store.table.n_pages)
+    for got_t, want_t in zip(tokens, want_tokens):
+        assert torch.equal(got_t[[0, 2]], want_t[[0, 2]])
+
+
+def test_deferred_release_needs_the_kernel_backend():
+    """``release(defer=True)`` on the torch backend is refused (the pool's counters are host-side there)."""
+    patch = pytest.MonkeyPatch()
+    try:
+        patch.setenv("LEANKIT_BACKEND", "torch")
+        model = tiny_model("llama-gqa", num_hidden_layers=2)
+        cache = LeanCache(model, "K8V4", num_pages=64)
+        with torch.no_grad():
+            _prompt(model, cache)
+        before = cache.table.n_pages.clone()
+        with pytest.raises(ValueError, match="kernel backend"):
+            cache.release(torch.tensor([True, False, False]), defer=True)
+        assert torch.equal(cache.table.n_pages, before) and not bool(cache.finished.any())
+    finally:
+        patch.undo()
+
+
 def _kept_positions(cache) -> torch.Tensor:
     """Positions of the high tier's tokens, slot by slot (``-1`` past each head's count)."""
     m = read_tier_meta(cache, HIGH, torch.arange(cache.num_layers))

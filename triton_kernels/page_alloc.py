@@ -156,10 +156,12 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
 
 
 def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK,
-                 defer: bool = False) -> int | None:
+                 defer: bool = False, tiers: int = 2) -> int | None:
     """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.shrink` (one launch).
 
-    ``keep`` int ``[2, L, B, H]`` (already clipped to ``n_pages``). Returns the pages freed.
+    ``keep`` int ``[2, L, B, H]`` (already clipped to ``n_pages``), or with ``tiers=1`` one page
+    count per row of a single-sided table (the ACT rows of :class:`leankit.page_table.ActPageTable`,
+    filled from the left). Returns the pages freed.
 
     With ``defer`` nothing is read back to the host: the kernel reads the tail from the free
     list's device counters, the device adds the total to it, and the host counters are stale
@@ -173,7 +175,7 @@ def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: i
         n = drop.numel()
         cnt = free_list.device_counters()
         kernel_for(_shrink_kernel, drop.device)[(cdiv(n, block),)](
-            drop, table.n_pages, table.tables, free_list.ring, cnt, free_list.capacity, n, n // 2, table.row_len,
+            drop, table.n_pages, table.tables, free_list.ring, cnt, free_list.capacity, n, n // tiers, table.row_len,
             BLOCK=block, num_warps=4)
         cnt[1:2].add_(drop.sum(dtype=torch.int64))
         free_list.mark_stale(taken=0)  # a release only adds free pages
@@ -186,7 +188,7 @@ def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: i
         raise RuntimeError("releasing more pages than are in use: double free")
     n = drop.numel()
     kernel_for(_shrink_kernel, drop.device)[(cdiv(n, block),)](drop, table.n_pages, table.tables, free_list.ring,
-                                             free_list.device_counters(), cap, n, n // 2, table.row_len, BLOCK=block,
+                                             free_list.device_counters(), cap, n, n // tiers, table.row_len, BLOCK=block,
                                              num_warps=4)
     free_list.free_tail += total
     return total
