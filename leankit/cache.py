@@ -629,6 +629,21 @@ class LeanCache(Cache):
         else:
             self.pool.write_tokens(layout, page, off, k, v, score, pos, keep=keep)
 
+    def write_step_tokens(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, score=None) -> None:
+        """Kernel backend: the step's real new tokens of ``layer`` (``k``/``v`` ``[B, H, Q, F]``, the
+        basis the pages hold) into the next high-tier slots of their heads, and the heads' token
+        counts advanced by the step's, in one launch for a decode step
+        (:func:`leankit_kernels.quant.store_step_tokens`). ``score``: the tokens' initial
+        significance, None (0), ``[B, H, Q]`` or ``[B * Q * H]`` in token order. NaN/Inf K/V raise
+        the layer's device error flag, read once at the end of the step."""
+        from leankit_kernels.quant import store_step_tokens
+
+        lens = self.table.lens[HIGH, layer]
+        store_step_tokens(self.pool.storage, self.layouts[HIGH], k, v, step.real, step.rank, step.q_pos, lens,
+                          self.table.tables[layer], self._kv_err[layer: layer + 1], score=score)
+        if k.shape[2] > 1:  # several queries per row: the kernel left the counts to add here
+            lens += step.n_new.view(-1, 1).to(lens.dtype)
+
     def paged_kv(self, layer: int) -> PagedKV:
         """The page view attention reads for ``layer``."""
         return PagedKV(self.pool, self.layouts, self.table, layer, self.workspace)

@@ -387,22 +387,30 @@ class _Base:
         """
         cache = self.cache
         dense = use_triton(k)  # the kernel skips pad tokens itself: no host sync to list the real ones
+        if dense and (received is None or k.shape[2] == 1):
+            # One launch finds each token's slot and page, quantizes it and (one query per row)
+            # advances the counts. A decode token's significance is what it received: its row's
+            # one query gives n = m = 1 below, so s = received.
+            cache.write_step_tokens(layer, k, v, step, received)
+            return
         rows = self._store_rows(step, k.shape[0], k.shape[1], k.shape[2], k.device, dense)
         if rows is None:
             return
         b_rep, h_idx, q_rep, keep, rank, pos, q_first, q_last = rows
-        lens = cache.table.lens[HIGH, layer]
-        slot = lens[b_rep, h_idx] + rank
-        kk = k[b_rep, h_idx, q_rep]
-        vv = v[b_rep, h_idx, q_rep]
         if received is None:
-            score = torch.zeros(kk.shape[0], device=k.device)
+            score = torch.zeros(b_rep.shape[0], device=k.device)
         elif k.shape[2] == 1:  # decode: the token is its row's one query, so n = m = 1 below and s = received
             score = received[b_rep, h_idx, q_rep].float()
         else:  # the running mean of a token no query has seen yet, after this step's queries (§4)
-            score = update_significance(torch.zeros(kk.shape[0], device=k.device), pos, received[b_rep, h_idx, q_rep],
-                                        q_first, q_last)
-        cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, kk, vv, pos, score, keep=keep)
+            score = update_significance(torch.zeros(b_rep.shape[0], device=k.device), pos,
+                                        received[b_rep, h_idx, q_rep], q_first, q_last)
+        if dense:  # rows in the kernel's token order: the step store takes the scores as they are
+            cache.write_step_tokens(layer, k, v, step, score)
+            return
+        lens = cache.table.lens[HIGH, layer]
+        slot = lens[b_rep, h_idx] + rank
+        cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, k[b_rep, h_idx, q_rep], v[b_rep, h_idx, q_rep], pos, score,
+                           keep=keep)
         lens += step.n_new.view(-1, 1).to(lens.dtype)
 
     def _store_rows(self, step, batch: int, heads: int, q_len: int, device, dense: bool):

@@ -129,6 +129,50 @@ def test_own_token_merge_real_sizes(b, hkv, g, f, dtype):
         testing.assert_close_normwise(got, ref, torch.float32, f"{what} (seed {seed})")
 
 
+@pytest.mark.parametrize("spec,b,hkv,f,nq", [("K8V4", 32, 8, 128, 1), ("K4V2", 8, 3, 64, 1), ("FP16", 8, 8, 128, 1),
+                                              ("K8V4", 4, 8, 128, 300)])
+@pytest.mark.parametrize("dtype", [F16, BF16, torch.float32])
+def test_store_step_real_sizes(spec, b, hkv, f, nq, dtype):
+    """A step's store (one launch from [B, H, Q, F] K/V) writes the bytes quantize_into_pages
+    writes for the same tokens at the slots listed on the host, and advances the counts."""
+    from leankit_kernels import testing
+    from leankit_kernels.quant import quantize_into_pages, store_step_tokens
+
+    from leankit.config import KVConfig
+    from leankit.pages import PageLayout, PagePool
+
+    gen, seed = testing.fresh_generator()
+    lay = PageLayout.build(KVConfig.parse(spec), 0, f, dtype)
+    t = lay.tokens
+    lens = torch.randint(0, 4000, (b, hkv), generator=gen, dtype=torch.int32)
+    cols = (int(lens.max()) + nq) // t + 2
+    n_pages = b * hkv * cols
+    table = torch.randperm(n_pages, generator=gen).to(torch.int32).reshape(b, hkv, cols)
+    real = torch.rand(b, nq, generator=gen) < 0.9
+    rank = torch.cumsum(real.int(), 1) - 1
+    q_pos = torch.arange(nq, dtype=torch.int32).expand(b, nq) + 5000
+    k = torch.randn(b, nq, hkv, f, generator=gen).to(dtype).transpose(1, 2)
+    v = torch.randn(b, nq, hkv, f, generator=gen).to(dtype).transpose(1, 2)
+    score = torch.rand(b, hkv, nq, generator=gen)
+    bi, qi, hi = (x.reshape(-1) for x in torch.meshgrid(torch.arange(b), torch.arange(nq), torch.arange(hkv),
+                                                        indexing="ij"))
+    keep = real[bi, qi]
+    slot = lens[bi, hi] + rank[bi, qi]
+    page = torch.where(keep, table[bi, hi, slot // t].long(), torch.full_like(slot, -1, dtype=torch.long))
+    pools = [PagePool(n_pages, lay.page_size, "cuda") for _ in range(2)]
+    init = torch.randint(0, 256, pools[0].storage.shape, generator=gen, dtype=torch.uint8).cuda()
+    for pool in pools:
+        pool.storage.copy_(init)
+    quantize_into_pages(pools[0].storage, lay, page.cuda(), (slot % t).cuda(), k[bi, hi, qi].cuda(), v[bi, hi, qi].cuda(),
+                        q_pos[bi, qi].cuda(), score[bi, hi, qi].cuda())
+    want_lens = lens + real[:, :1].int() if nq == 1 else lens.clone()
+    lens_gpu, err = lens.cuda(), torch.zeros(1, dtype=torch.int32, device="cuda")
+    store_step_tokens(pools[1].storage, lay, k.cuda(), v.cuda(), real.cuda(), rank.cuda(), q_pos.cuda(), lens_gpu,
+                      table.cuda(), err, score=score.cuda())
+    assert torch.equal(pools[1].storage, pools[0].storage), f"seed {seed}"
+    assert torch.equal(lens_gpu.cpu(), want_lens) and int(err) == 0
+
+
 def test_decode_kernel_launch_replays_in_a_cuda_graph():
     """With host page bounds the decode launch reads nothing from the device, so it can be captured
     in a CUDA graph; a replay on new queries matches an eager call."""

@@ -91,14 +91,16 @@ def test_triton_backend_generates_same_tokens(spec, overrides, monkeypatch):
     model = _tiny_llama()
     ref, ref_cache = _generate(model, spec, "torch", monkeypatch, **overrides)
     calls = {}
-    spied = ((qu, "quantize_into_pages"), (pa_attn, "paged_attention"), (pa, "grow_pages"),
-             (pf, "received_attention"), (pa_attn, "apply_score_update"))
+    spied = ((qu, "store_step_tokens"), (qu, "quantize_into_pages"), (pa_attn, "paged_attention"),
+             (pa, "grow_pages"), (pf, "received_attention"), (pa_attn, "apply_score_update"))
     for mod, name in spied:
         _spy(monkeypatch, mod, name, calls)
     got, cache = _generate(model, spec, "triton", monkeypatch, **overrides)
-    expected = {"quantize_into_pages", "paged_attention", "grow_pages"}
+    # a step's new tokens: one store launch per layer; quantize_into_pages only for the tokens
+    # Algorithm 1 moves into the low tier
+    expected = {"store_step_tokens", "paged_attention", "grow_pages"}
     if cache.cfg.policy == "leankv":  # decode significance: the kernel's fused update, no second pass
-        expected.add("apply_score_update")
+        expected |= {"apply_score_update", "quantize_into_pages"}
     assert set(calls) == expected, calls
     assert len(set(ref.flatten().tolist())) > 2, "degenerate generation"
     assert torch.equal(got, ref), f"{spec}: triton {got.tolist()} != torch {ref.tolist()}"
@@ -197,10 +199,10 @@ def test_head_dim_the_kernels_do_not_tile_is_padded(hidden, heads, kv_heads, spe
     model = _tiny_llama(hidden, heads, kv_heads)
     ref, ref_cache = _generate(model, spec, "torch", monkeypatch, **overrides)
     calls = {}
-    for mod, name in ((qu, "quantize_into_pages"), (pa_attn, "paged_attention")):
+    for mod, name in ((qu, "store_step_tokens"), (pa_attn, "paged_attention")):
         _spy(monkeypatch, mod, name, calls)
     got, cache = _generate(model, spec, "triton", monkeypatch, **overrides)
-    assert calls.get("quantize_into_pages", 0) > 0 and calls.get("paged_attention", 0) > 0, calls
+    assert calls.get("store_step_tokens", 0) > 0 and calls.get("paged_attention", 0) > 0, calls
     assert ref_cache.page_head_dim == hidden // heads and cache.page_head_dim == page_head_dim
     assert all(lay.head_dim == page_head_dim for lay in cache.layouts)
     assert len(set(ref.flatten().tolist())) > 2, "degenerate generation"

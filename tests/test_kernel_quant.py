@@ -153,3 +153,122 @@ def test_non_finite_and_overflow_raise():
     big[1, 0] = -1e6  # min beyond fp16 range
     with pytest.raises(NonFiniteKVError):
         quantize_into_pages(pool.storage, lay, page, slot, k, big, pos, score)
+
+
+def _step_case(spec, dtype, bsz, heads, nq, head_dim, gen, **overrides):
+    """A layer's page table (distinct pages, one column -1: a page the step did not get), per-head
+    token counts, a step's left-padded real mask and the [B, H, Q, F] K/V as a model lays them out
+    ([B, Q, H, F] transposed: strided)."""
+    cfg = KVConfig.parse(spec, **overrides)
+    lay = PageLayout.build(cfg, 0, head_dim, dtype)
+    t = lay.tokens
+    lens = torch.randint(0, 3 * t, (bsz, heads), generator=gen, dtype=torch.int32)
+    cols = (int(lens.max()) + nq) // t + 2
+    pages = bsz * heads * cols + 1
+    pool = PagePool(pages, cfg.page_size)
+    pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, generator=gen, dtype=torch.uint8))
+    table = torch.randperm(pages, generator=gen)[: bsz * heads * cols].to(torch.int32).reshape(bsz, heads, cols)
+    table[0, 0, (int(lens[0, 0]) + nq - 1) // t] = -1  # the last new token of row 0, head 0 has no page
+    real = torch.ones(bsz, nq, dtype=torch.bool)
+    for b in range(bsz):
+        real[b, : torch.randint(0, nq, (1,), generator=gen).item() if b else 0] = False  # left padding
+    real[-1] = False if bsz > 2 else real[-1]  # a finished row stores nothing
+    k, v = _data(bsz * nq * heads, head_dim, dtype, gen)
+    k = k.reshape(bsz, nq, heads, head_dim).transpose(1, 2)
+    v = v.reshape(bsz, nq, heads, head_dim).transpose(1, 2)
+    q_pos = (torch.arange(nq) + 40).expand(bsz, nq).to(torch.int32)  # expanded: stride 0 over rows
+    return lay, pool, table, lens, real, k, v, q_pos
+
+
+def _step_reference(pool, lay, table, lens, real, rank, k, v, q_pos, score):
+    """Pool bytes after writing every real token with a page at slot lens[b, h] + rank[b, q]
+    through the reference PagePool.write_rows."""
+    bsz, heads, nq, _ = k.shape
+    pages, slots, rows = [], [], []
+    for b in range(bsz):
+        for q in range(nq):
+            for h in range(heads):
+                if not real[b, q]:
+                    continue
+                slot = int(lens[b, h]) + int(rank[b, q])
+                page = int(table[b, h, slot // lay.tokens])
+                if page < 0:
+                    continue
+                pages.append(page)
+                slots.append(slot % lay.tokens)
+                rows.append((k[b, h, q], v[b, h, q], float(score[b, h, q]), int(q_pos[b, q])))
+    ref = PagePool(pool.num_pages, pool.page_size)
+    ref.storage.copy_(pool.storage)
+    if rows:
+        kk = torch.stack([r[0] for r in rows])
+        vv = torch.stack([r[1] for r in rows])
+        sc = torch.tensor([r[2] for r in rows])
+        ps = torch.tensor([r[3] for r in rows])
+        ref.write_rows(lay, torch.tensor(pages), torch.tensor(slots), lay.encode(kk, vv, sc, ps))
+    return ref.storage
+
+
+@pytest.mark.parametrize("spec,overrides", [("K8V4", {}), ("K4V2", {}), ("FP16", {}), ("K8V4", {"group_size": 16}),
+                                            ("K2V1", {})])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("nq,score_kind", [(1, "none"), (1, "per_token"), (5, "flat"), (3, "none")])
+def test_store_step_tokens_matches_the_reference(spec, overrides, dtype, nq, score_kind):
+    """The step store writes each real token of [B, H, Q, F] K/V into slot lens + rank of its
+    head's page, byte for byte as the reference write; padding, finished rows and a token whose
+    page is missing (-1) are skipped; with one query per row the counts advance by the real flags."""
+    from leankit_kernels.quant import store_step_tokens
+
+    gen, seed = fresh_generator()
+    bsz, heads, head_dim = 3, 2, 32
+    lay, pool, table, lens, real, k, v, q_pos = _step_case(spec, dtype, bsz, heads, nq, head_dim, gen, **overrides)
+    rank = torch.cumsum(real.int(), 1) - 1  # int64, as the cache computes it
+    score3 = torch.rand(bsz, heads, nq, generator=gen)
+    if score_kind == "none":
+        score, want_score = None, torch.zeros_like(score3)
+    elif score_kind == "per_token":
+        score, want_score = score3, score3
+    else:  # token order (b Q + q) H + h
+        score, want_score = score3.permute(0, 2, 1).reshape(-1).clone(), score3
+    want = _step_reference(pool, lay, table, lens, real, rank, k, v, q_pos, want_score)
+    want_lens = lens + real[:, :1].int() if nq == 1 else lens.clone()
+    err = torch.zeros(1, dtype=torch.int32)
+    store_step_tokens(pool.storage, lay, k, v, real, rank, q_pos, lens, table, err, score=score)
+    diff = (pool.storage != want).nonzero()
+    assert diff.numel() == 0, f"seed {seed}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}"
+    assert torch.equal(lens, want_lens), f"seed {seed}"
+    assert int(err) == 0
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy sees the NaN too
+def test_store_step_tokens_flags_non_finite_values():
+    """NaN K/V raise the error flag (read by the caller once per step); padding holding NaN does not."""
+    from leankit_kernels.quant import store_step_tokens
+
+    gen, _ = fresh_generator()
+    lay, pool, table, lens, real, k, v, q_pos = _step_case("K8V4", torch.float32, 3, 2, 1, 32, gen)
+    rank = torch.cumsum(real.int(), 1) - 1
+    err = torch.zeros(1, dtype=torch.int32)
+    k = k.clone()
+    k[2, 1, 0, 5] = float("nan")  # row 2 is finished: never stored, never checked
+    store_step_tokens(pool.storage, lay, k, v, real, rank, q_pos, lens.clone(), table, err)
+    assert int(err) == 0
+    k[1, 0, 0, 3] = float("inf")
+    store_step_tokens(pool.storage, lay, k, v, real, rank, q_pos, lens.clone(), table, err)
+    assert int(err) == 1
+
+
+def test_store_step_tokens_rejects_bad_shapes():
+    from leankit_kernels.quant import store_step_tokens
+
+    gen, _ = fresh_generator()
+    lay, pool, table, lens, real, k, v, q_pos = _step_case("K8V4", torch.float32, 3, 2, 1, 32, gen)
+    rank = torch.cumsum(real.int(), 1) - 1
+    err = torch.zeros(1, dtype=torch.int32)
+    before = pool.storage.clone()
+    with pytest.raises(ValueError, match="lens"):
+        store_step_tokens(pool.storage, lay, k, v, real, rank, q_pos, lens.long(), table, err)
+    with pytest.raises(ValueError, match="real"):
+        store_step_tokens(pool.storage, lay, k, v, real[:, :0], rank, q_pos, lens, table, err)
+    with pytest.raises(ValueError, match="score"):
+        store_step_tokens(pool.storage, lay, k, v, real, rank, q_pos, lens, table, err, score=torch.zeros(5))
+    assert torch.equal(pool.storage, before)

@@ -198,12 +198,12 @@ def _next_inputs(logits, mask, pos):
 
 
 def count_decode_syncs(spec: str, overrides: dict, steps: int = 5, layers: int = 3, num_pages: int = 160,
-                       model: dict | None = None):
+                       model: dict | None = None, counter_cls: type = SyncCounter):
     """Run a prompt and ``steps`` decode steps of a tiny model through a fixed-pool LeanCache on the
     kernel backend; returns one :class:`SyncCounter` per decode step (the prompt is not counted).
     A counter's ``compressed`` is true when Algorithm 1 ran in its step, ``grew`` when the pool
     grew (``num_pages=None``: an elastic pool). ``model``: :func:`tiny_model` kind and settings
-    (default: the GQA Llama)."""
+    (default: the GQA Llama). ``counter_cls``: what to count (a :class:`SyncCounter` subclass)."""
     patch = pytest.MonkeyPatch()
     try:
         patch.setenv("LEANKIT_BACKEND", "triton")
@@ -215,7 +215,7 @@ def count_decode_syncs(spec: str, overrides: dict, steps: int = 5, layers: int =
             logits, mask, pos = _prompt(model, cache)
             for _ in range(steps):
                 nxt, mask, pos = _next_inputs(logits, mask, pos)
-                counter = SyncCounter()
+                counter = counter_cls()
                 counter.compressed, counter.calls = False, Counter()
                 out.append(counter)
                 if len(out) == 1:
@@ -266,6 +266,44 @@ def test_decode_step_is_sync_free_inside_layers(name, spec, overrides):
     fused = 3 if name.startswith(("leankv", "h2o")) else 0
     for c in per_step:
         assert c.calls["received_attention"] == 0 and c.calls["apply_score_update"] == fused, c.calls
+
+
+# Ops that launch nothing on a GPU: views, and allocations from the caching allocator.
+_NOT_LAUNCHES = {"view", "_unsafe_view", "as_strided", "slice", "select", "unsqueeze", "squeeze", "expand",
+                 "permute", "t", "transpose", "alias", "detach", "reshape", "_reshape_alias", "unbind", "split",
+                 "narrow", "empty", "empty_strided", "lift_fresh"}
+
+
+class LaunchCounter(SyncCounter):
+    """Counts every aten op of leankit's own that would launch work on a GPU (views and
+    allocations aside), per phase: the torch ops around leankit's kernels, each a launch of a few
+    microseconds on a GPU whatever its size."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.removeprefix("aten::")
+        if name not in _NOT_LAUNCHES:
+            self._add(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name,spec,overrides", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_decode_layers_launch_only_kernels(name, spec, overrides):
+    """Inside a decoder layer of a decode step, leankit runs its Triton kernels (paged attention,
+    the own-token merge, the step store, the fused score update) and no torch op of its own: a
+    decode step's store finds slots and pages in its kernel, and a new token's significance is what
+    the merge kernel computed. (Step-level work, once per step, is not counted here.)"""
+    per_step = count_decode_syncs(spec, overrides, steps=3, counter_cls=LaunchCounter)
+    for i, c in enumerate(per_step):
+        assert c.total("layer") == 0, f"{name} decode step {i}: leankit torch ops inside layers\n" + c.report()
+
+
+def test_rotated_decode_layers_add_only_the_rotation():
+    """``rotate=1``: the only torch ops inside a layer are the rotation's matmuls (query, key and
+    value into the page basis, the output back)."""
+    per_step = count_decode_syncs("K8V4", {"rotate": 1, "page_size": 256}, steps=2, counter_cls=LaunchCounter)
+    for c in per_step:
+        ops = {(op, site.split(":")[0]) for (ph, op, site) in c.counts if ph.startswith("layer")}
+        assert ops and ops <= {("mm", "leankit/rotation.py"), ("bmm", "leankit/rotation.py")}, c.report()
 
 
 @pytest.mark.parametrize("name,spec,overrides", ACT_CONFIGS, ids=[c[0] for c in ACT_CONFIGS])

@@ -101,6 +101,17 @@ def cases() -> list[Case]:
                              "score_ptr": "*fp32", "pool": "*u8", "err": "*i32"},
                         dict(layout_constexprs(lay), BLOCK_N=quant_block_n(128)),
                         options={"num_warps": 4, "num_stages": 2, "enable_fp_fusion": False}))
+    # A step's store straight from [B, H, Q, F] K/V: a decode step (one query: counts advanced in the
+    # kernel, received significance) and a prompt (flat scores), fp16 and fp32 models
+    for spec, model, dname, score, one in (("K8V4", "llama3", "fp16", 1, True), ("K4V2", "smollm2", "fp32", 2, False)):
+        lay = _layouts(spec, model, operands[dname][0])[0]
+        ptr = operands[dname][2]
+        out.append(Case(f"store step {spec} d{lay.head_dim} {dname}", "quant", "_store_step_kernel",
+                        {"k_ptr": ptr, "v_ptr": ptr, "real_ptr": "*u8", "rank_ptr": "*i64", "qpos_ptr": "*i32",
+                         "score_ptr": "*fp32", "lens_ptr": "*i32", "tab_ptr": "*i32", "pool": "*u8", "err": "*i32"},
+                        dict(layout_constexprs(lay), BLOCK_N=quant_block_n(lay.head_dim), SCORE=score,
+                             UPDATE_LENS=one),
+                        options={"num_warps": 4, "num_stages": 2, "enable_fp_fusion": False}))
     lay = _layouts("K4V2", "llama3")[0]
     out.append(Case("dequantize K4V2 d128", "quant", "_dequantize_kernel",
                     {"pool": "*u8", "page_ptr": "*i32", "slot_ptr": "*i32", "k_out": "*fp32", "v_out": "*fp32",

@@ -65,13 +65,14 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _quant_side(src, stride, tok, valid, pool, page, row,
+def _quant_side(src_rows, valid, pool, page, row,
                 OFF: tl.constexpr, MOFF: tl.constexpr, BITS: tl.constexpr, F: tl.constexpr,
                 NG: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write one side of the tokens; returns 1 if a valid token holds NaN/Inf or a group whose fp16
-    scale/min overflows, else 0 (the caller raises the error flag)."""
+    """Write one side of the tokens (``src_rows`` ``[BLOCK_N]``: a pointer to each token's first
+    channel); returns 1 if a valid token holds NaN/Inf or a group whose fp16 scale/min overflows,
+    else 0 (the caller raises the error flag)."""
     f = tl.arange(0, F)
-    x = tl.load(src + tok.to(tl.int64)[:, None] * stride + f[None, :], mask=valid[:, None], other=0.0)
+    x = tl.load(src_rows[:, None] + f[None, :], mask=valid[:, None], other=0.0)
     # NaN/Inf in the input (|x| < inf is False for NaN): checked on the elements themselves, since a
     # GPU min/max may skip a NaN.
     bad = tl.max(tl.where(valid[:, None] & ~(tl.abs(x.to(tl.float32)) < float("inf")), 1, 0))
@@ -131,15 +132,72 @@ def _quantize_kernel(k_ptr, v_ptr, stride_k, stride_v, page_ptr, slot_ptr, pos_p
                      TIER: tl.constexpr, BLOCK_N: tl.constexpr):
     """Quantize ``BLOCK_N`` tokens' K and V into their page rows (one program, both sides)."""
     tok, valid, page, row = _token_slots(page_ptr, slot_ptr, n, BLOCK_N)
-    bad = _quant_side(k_ptr, stride_k, tok, valid, pool, page, row, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG,
+    tok64 = tok.to(tl.int64)
+    _write_tokens(k_ptr + tok64 * stride_k, v_ptr + tok64 * stride_v, valid, pool, page, row, err,
+                  tl.load(score_ptr + tok, mask=valid, other=0.0), tl.load(pos_ptr + tok, mask=valid, other=0),
+                  F, PAGE_SIZE, DENSE, TIER, BLOCK_N)
+
+
+@triton.jit
+def _write_tokens(k_rows, v_rows, valid, pool, page, row, err, score, pos, F: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  DENSE: tl.constexpr, TIER: tl.constexpr, BLOCK_N: tl.constexpr):
+    """All six page segments of ``BLOCK_N`` tokens (``k_rows``/``v_rows``: each token's first
+    channel; ``score``/``pos``: its initial significance and position) into row ``row`` of page
+    ``page`` where ``valid``; a bad token raises ``err``."""
+    bad = _quant_side(k_rows, valid, pool, page, row, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG,
                       DENSE, PAGE_SIZE, BLOCK_N)
-    bad = tl.maximum(bad, _quant_side(v_ptr, stride_v, tok, valid, pool, page, row, TIER.VOFF, TIER.VMOFF,
+    bad = tl.maximum(bad, _quant_side(v_rows, valid, pool, page, row, TIER.VOFF, TIER.VMOFF,
                                       TIER.VBITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N))
     tl.store(err, bad, mask=bad > 0)  # every program that stores writes the same 1: no atomics needed
-    sc = tl.load(score_ptr + tok, mask=valid, other=0.0).to(tl.float16)
-    tl.store(score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE), sc, mask=valid)
-    ps = tl.load(pos_ptr + tok, mask=valid, other=0).to(tl.int32)
-    tl.store(position_ptrs(pool, page, row, TIER.POSOFF, PAGE_SIZE), ps, mask=valid)
+    tl.store(score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE), score.to(tl.float16), mask=valid)
+    tl.store(position_ptrs(pool, page, row, TIER.POSOFF, PAGE_SIZE), pos.to(tl.int32), mask=valid)
+
+
+# Runtime integers of the step-store kernel that change from step to step or batch to batch
+# (rows, heads, queries, table width, strides): not specialized on (a variant compile each).
+STORE_DYNAMIC = ("n", "H", "Q", "R", "skb", "skh", "skq", "svb", "svh", "svq", "ssb", "ssh", "ssq",
+                 "srb", "srq", "sqb", "sqq", "sxb", "sxq")
+
+
+@triton.jit(**tiles.jit_options(STORE_DYNAMIC))
+def _store_step_kernel(k_ptr, v_ptr, skb, skh, skq, svb, svh, svq, real_ptr, srb, srq, rank_ptr, sxb, sxq,
+                       qpos_ptr, sqb, sqq, score_ptr, ssb, ssh, ssq, lens_ptr, tab_ptr, pool, err, n, H, Q, R,
+                       F: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, TIER: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SCORE: tl.constexpr, UPDATE_LENS: tl.constexpr):
+    """Store a step's new tokens of one layer straight from the model's ``[B, H, Q, F]`` K/V.
+
+    Token ``i`` of the ``n = B * Q * H`` is (row ``b``, query ``q``, KV head ``h``), ``i = (b Q + q) H
+    + h``. A real token (``real[b, q]``) goes to high-tier slot ``lens[b, h] + rank[b, q]`` of its
+    head, whose page the table names (§5.2 bidirectional row, high pages from the left). ``SCORE``:
+    0 stores significance 0, 1 reads ``score[b, h, q]`` (strided), 2 reads ``score[i]``.
+    ``UPDATE_LENS`` (one query per row: each head's count belongs to one token): ``lens[b, h] +=
+    real[b, 0]`` here, so the step's token count needs no launch of its own.
+    """
+    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inb = i < n
+    h = i % H
+    bq = i // H
+    q = bq % Q
+    b = (bq // Q).to(tl.int64)
+    keep = inb & (tl.load(real_ptr + b * srb + q * srq, mask=inb, other=0) != 0)
+    bh = b * H + h
+    lens = tl.load(lens_ptr + bh, mask=inb, other=0)
+    slot = lens + tl.load(rank_ptr + b * sxb + q * sxq, mask=keep, other=0).to(tl.int32)
+    page, row = tiles.slot_pages(tab_ptr + bh * R, slot, keep, R, TIER.T, False)
+    # A page the step could not get is -1 in the table: the token is skipped (the step's refused
+    # grant raises at its end), as in quantize_into_pages.
+    valid = keep & (page >= 0)
+    if SCORE == 1:
+        score = tl.load(score_ptr + b * ssb + h * ssh + q * ssq, mask=valid, other=0.0).to(tl.float32)
+    elif SCORE == 2:
+        score = tl.load(score_ptr + i, mask=valid, other=0.0).to(tl.float32)
+    else:
+        score = tl.zeros([BLOCK_N], tl.float32)
+    pos = tl.load(qpos_ptr + b * sqb + q * sqq, mask=valid, other=0)
+    _write_tokens(k_ptr + b * skb + h * skh + q * skq, v_ptr + b * svb + h * svh + q * svq, valid, pool, page,
+                  row.to(tl.int64), err, score, pos, F, PAGE_SIZE, DENSE, TIER, BLOCK_N)
+    if UPDATE_LENS:
+        tl.store(lens_ptr + bh, lens + keep.to(tl.int32), mask=inb)
 
 
 @triton.jit
@@ -221,6 +279,68 @@ def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.T
         BLOCK_N=bn, num_warps=4, enable_fp_fusion=False, **layout_constexprs(layout))
     if eager and int(err.item()):
         raise NonFiniteKVError(NON_FINITE_MESSAGE)
+
+
+def store_step_tokens(storage: torch.Tensor, layout: PageLayout, k: torch.Tensor, v: torch.Tensor,
+                      real: torch.Tensor, rank: torch.Tensor, q_pos: torch.Tensor, lens: torch.Tensor,
+                      table: torch.Tensor, err: torch.Tensor, *, score: torch.Tensor | None = None,
+                      block_n: int | None = None) -> None:
+    """Quantize a step's new tokens of one layer into their next high-tier slots, in one launch.
+
+    Byte-for-byte what :func:`quantize_into_pages` writes for the same tokens, without the index
+    ops that would list them, look their pages up and gather their rows first (a decode step's
+    store is one launch, not a dozen). Nothing is read back to the host.
+
+    Args:
+        storage: the pool's uint8 ``[num_pages, page_size]`` tensor (written in place).
+        layout: the high tier's :class:`~leankit.pages.PageLayout`.
+        k, v: ``[B, H, Q, F]`` the step's keys and values in the basis the pages hold (any
+            strides, last dim contiguous).
+        real: bool ``[B, Q]``: the tokens to store; rank: int ``[B, Q]``: each real token's index
+            among its row's real new tokens; q_pos: int ``[B, Q]`` positions.
+        lens: int32 ``[B, H]`` (contiguous) tokens each head holds before the step; with one query
+            per row (``Q == 1``) it is advanced in place by ``real``, otherwise the caller adds the
+            step's counts.
+        table: int32 ``[B, H, R]`` (contiguous) the layer's page table (high pages from the left).
+        err: the layer's int32 device error flag (raised on NaN/Inf or an fp16 overflow of the
+            metadata; see :func:`quantize_into_pages`).
+        score: initial significance: None (0), ``[B, H, Q]`` float, or ``[B * Q * H]`` float in
+            token order ``(b Q + q) H + h``.
+    """
+    bsz, heads, nq, f = k.shape
+    n = bsz * heads * nq
+    if n == 0:
+        return
+    check_head_dim(f)
+    if v.shape != k.shape or f != layout.head_dim:
+        raise ValueError(f"k and v must be [B, H, Q, {layout.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if real.shape != (bsz, nq) or rank.shape != (bsz, nq) or q_pos.shape != (bsz, nq):
+        raise ValueError(f"real, rank and q_pos must be [{bsz}, {nq}]")
+    if lens.shape != (bsz, heads) or not lens.is_contiguous() or lens.dtype != torch.int32:
+        raise ValueError(f"lens must be a contiguous int32 [{bsz}, {heads}] tensor")
+    if table.shape[:2] != (bsz, heads) or not table.is_contiguous() or table.dtype != torch.int32:
+        raise ValueError(f"table must be a contiguous int32 [{bsz}, {heads}, R] tensor")
+    if storage.dtype != torch.uint8 or storage.dim() != 2 or not storage.is_contiguous() \
+            or storage.shape[1] != layout.page_size:
+        raise ValueError("storage must be the pool's contiguous uint8 [num_pages, page_size] tensor")
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    real = real.view(torch.uint8) if real.dtype == torch.bool else real
+    if score is None:
+        mode, score, sstr = 0, lens, (0, 0, 0)
+    elif score.dim() == 3:
+        if score.shape != (bsz, heads, nq):
+            raise ValueError(f"score must be [{bsz}, {heads}, {nq}], got {tuple(score.shape)}")
+        mode, sstr = 1, score.stride()
+    else:
+        if score.numel() != n:
+            raise ValueError(f"a flat score must hold {n} values, got {score.numel()}")
+        mode, score, sstr = 2, score.reshape(-1).contiguous(), (0, 0, 0)
+    bn = block_n or quant_block_n(f)
+    kernel_for(_store_step_kernel, storage.device)[(tiles.cdiv(n, bn),)](
+        k, v, *k.stride()[:3], *v.stride()[:3], real, *real.stride(), rank, *rank.stride(), q_pos, *q_pos.stride(),
+        score, *sstr, lens, table, storage, err, n, heads, nq, table.shape[2],
+        BLOCK_N=bn, SCORE=mode, UPDATE_LENS=nq == 1, num_warps=4, enable_fp_fusion=False, **layout_constexprs(layout))
 
 
 # What a raised error flag means (the kernel does not tell the two causes apart).
