@@ -133,24 +133,31 @@ def _quantize_kernel(k_ptr, v_ptr, stride_k, stride_v, page_ptr, slot_ptr, pos_p
     """Quantize ``BLOCK_N`` tokens' K and V into their page rows (one program, both sides)."""
     tok, valid, page, row = _token_slots(page_ptr, slot_ptr, n, BLOCK_N)
     tok64 = tok.to(tl.int64)
-    _write_tokens(k_ptr + tok64 * stride_k, v_ptr + tok64 * stride_v, valid, pool, page, row, err,
-                  tl.load(score_ptr + tok, mask=valid, other=0.0), tl.load(pos_ptr + tok, mask=valid, other=0),
-                  F, PAGE_SIZE, DENSE, TIER, BLOCK_N)
+    # each side's row pointers are formed at its own call, so the value side's hold no registers
+    # while the key side is quantized
+    bad = _quant_side(k_ptr + tok64 * stride_k, valid, pool, page, row, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F,
+                      TIER.NG, DENSE, PAGE_SIZE, BLOCK_N)
+    bad = tl.maximum(bad, _quant_side(v_ptr + tok64 * stride_v, valid, pool, page, row, TIER.VOFF, TIER.VMOFF,
+                                      TIER.VBITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N))
+    _finish_tokens(valid, pool, page, row, err, bad, score_ptr + tok, pos_ptr + tok, True, PAGE_SIZE, TIER,
+                   BLOCK_N)
 
 
 @triton.jit
-def _write_tokens(k_rows, v_rows, valid, pool, page, row, err, score, pos, F: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  DENSE: tl.constexpr, TIER: tl.constexpr, BLOCK_N: tl.constexpr):
-    """All six page segments of ``BLOCK_N`` tokens (``k_rows``/``v_rows``: each token's first
-    channel; ``score``/``pos``: its initial significance and position) into row ``row`` of page
-    ``page`` where ``valid``; a bad token raises ``err``."""
-    bad = _quant_side(k_rows, valid, pool, page, row, TIER.KOFF, TIER.KMOFF, TIER.KBITS, F, TIER.NG,
-                      DENSE, PAGE_SIZE, BLOCK_N)
-    bad = tl.maximum(bad, _quant_side(v_rows, valid, pool, page, row, TIER.VOFF, TIER.VMOFF,
-                                      TIER.VBITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N))
+def _finish_tokens(valid, pool, page, row, err, bad, score_src, pos_src, HAS_SCORE: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, TIER: tl.constexpr, BLOCK_N: tl.constexpr):
+    """After both sides of ``BLOCK_N`` tokens are written: raise ``err`` if ``bad``, and write each
+    valid token's initial significance (from ``score_src``; 0 without ``HAS_SCORE``) and position
+    (from ``pos_src``) into row ``row`` of page ``page``. Loaded only now, so they hold no
+    registers across the quantization."""
     tl.store(err, bad, mask=bad > 0)  # every program that stores writes the same 1: no atomics needed
-    tl.store(score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE), score.to(tl.float16), mask=valid)
-    tl.store(position_ptrs(pool, page, row, TIER.POSOFF, PAGE_SIZE), pos.to(tl.int32), mask=valid)
+    if HAS_SCORE:
+        score = tl.load(score_src, mask=valid, other=0.0).to(tl.float16)
+    else:
+        score = tl.zeros([BLOCK_N], tl.float16)
+    tl.store(score_ptrs(pool, page, row, TIER.SCOFF, PAGE_SIZE), score, mask=valid)
+    pos = tl.load(pos_src, mask=valid, other=0).to(tl.int32)
+    tl.store(position_ptrs(pool, page, row, TIER.POSOFF, PAGE_SIZE), pos, mask=valid)
 
 
 # Runtime integers of the step-store kernel that change from step to step or batch to batch
@@ -188,14 +195,16 @@ def _store_step_kernel(k_ptr, v_ptr, skb, skh, skq, svb, svh, svq, real_ptr, srb
     # grant raises at its end), as in quantize_into_pages.
     valid = keep & (page >= 0)
     if SCORE == 1:
-        score = tl.load(score_ptr + b * ssb + h * ssh + q * ssq, mask=valid, other=0.0).to(tl.float32)
-    elif SCORE == 2:
-        score = tl.load(score_ptr + i, mask=valid, other=0.0).to(tl.float32)
-    else:
-        score = tl.zeros([BLOCK_N], tl.float32)
-    pos = tl.load(qpos_ptr + b * sqb + q * sqq, mask=valid, other=0)
-    _write_tokens(k_ptr + b * skb + h * skh + q * skq, v_ptr + b * svb + h * svh + q * svq, valid, pool, page,
-                  row.to(tl.int64), err, score, pos, F, PAGE_SIZE, DENSE, TIER, BLOCK_N)
+        score_src = score_ptr + b * ssb + h * ssh + q * ssq
+    else:  # SCORE 2, or a pointer never read (SCORE 0)
+        score_src = score_ptr + i
+    row = row.to(tl.int64)
+    bad = _quant_side(k_ptr + b * skb + h * skh + q * skq, valid, pool, page, row, TIER.KOFF, TIER.KMOFF, TIER.KBITS,
+                      F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N)
+    bad = tl.maximum(bad, _quant_side(v_ptr + b * svb + h * svh + q * svq, valid, pool, page, row, TIER.VOFF,
+                                      TIER.VMOFF, TIER.VBITS, F, TIER.NG, DENSE, PAGE_SIZE, BLOCK_N))
+    _finish_tokens(valid, pool, page, row, err, bad, score_src, qpos_ptr + b * sqb + q * sqq, SCORE != 0,
+                   PAGE_SIZE, TIER, BLOCK_N)
     if UPDATE_LENS:
         tl.store(lens_ptr + bh, lens + keep.to(tl.int32), mask=inb)
 
