@@ -110,7 +110,7 @@ def cases() -> list[Case]:
                         {"k_ptr": ptr, "v_ptr": ptr, "real_ptr": "*u8", "rank_ptr": "*i64", "qpos_ptr": "*i32",
                          "score_ptr": "*fp32", "lens_ptr": "*i32", "tab_ptr": "*i32", "pool": "*u8", "err": "*i32"},
                         dict(layout_constexprs(lay), BLOCK_N=quant_block_n(lay.head_dim), SCORE=score,
-                             UPDATE_LENS=one),
+                             UPDATE_LENS=one), divisible=("skb", "skh", "skq", "svb", "svh", "svq"),
                         options={"num_warps": 4, "num_stages": 2, "enable_fp_fusion": False}))
     lay = _layouts("K4V2", "llama3")[0]
     out.append(Case("dequantize K4V2 d128", "quant", "_dequantize_kernel",
