@@ -153,7 +153,7 @@ def cases() -> list[Case]:
                     {"G": 4, "G_PAD": 16, "F": 128}))
     targs = tier_args(_layouts("K8V4-K4V2", "llama3"))
     out.append(Case("score update K8V4-K4V2", "paged_attention", "_score_update_kernel",
-                    {"lg_ptr": "*fp32", "lse_ptr": "*fp32", "qpos_ptr": "*i32", "qvalid_ptr": "*i32", "pool": "*u8",
+                    {"lg_ptr": "*fp32", "lse_ptr": "*fp32", "qpos_ptr": "*i32", "qvalid_ptr": "*u8", "pool": "*u8",
                          "tab_ptr": "*i32", "len_ptr": "*i32"},
                     {"G": 4, "G_PAD": 16, "PAGE_SIZE": targs["PAGE_SIZE"], "BLOCK_N": 64, "HAS_LOW": True,
                          "HI": targs["HI"], "LO": targs["LO"]}))
