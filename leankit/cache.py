@@ -449,6 +449,12 @@ class LeanCache(Cache):
             self.offload.begin_step(step)
         return qp
 
+    def reads_no_full_mask(self) -> bool:
+        """Whether the open step's compressed layers ignore the model's full-attention mask: every
+        step after the prompt attends over the pages with its own real flags and positions (only a
+        prompt hands the model's mask to attention)."""
+        return self._step is not None and self._seen > 0
+
     @staticmethod
     def _positions_increase(real: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """bool: along every row, each real token's position exceeds every earlier real token's."""

@@ -17,6 +17,7 @@ position table then adds its offset of 2 itself).
 from __future__ import annotations
 
 import functools
+import contextvars
 import inspect
 
 from transformers import AttentionInterface
@@ -25,6 +26,23 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_NAME = "leankit"
 _HOOKED = "_leankit_hooks"
+
+
+# Set by the decoder's pre-hook for the forward it opens: whether it is a LeanCache step after the
+# prompt, whose compressed layers read no attention mask (they attend over pages with the step's
+# own real flags and positions, LeanCache.begin_step).
+_FULL_MASK_UNUSED = contextvars.ContextVar("leankit_full_mask_unused", default=False)
+
+
+def leankit_mask(*args, **kwargs):
+    """Mask function registered for ``"leankit"`` (HF ``AttentionMaskInterface``): transformers'
+    ``sdpa_mask``, except for the full-attention mask (no ``local_size``) of a LeanCache step after
+    the prompt, which no layer reads: None instead. Building it would cost a host read per step on
+    a GPU (``sdpa_mask`` asks whether the padding mask is all ones before it can skip the mask).
+    Sliding-window masks, which transformers' own cache layers use, are built as always."""
+    if _FULL_MASK_UNUSED.get() and kwargs.get("local_size") is None:
+        return None
+    return sdpa_mask(*args, **kwargs)
 
 
 def leankit_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -113,6 +131,7 @@ def _pre_hook(module, args, kwargs):
 
     params = module._leankit_params
     cache = cache_argument(args, kwargs, params)
+    _FULL_MASK_UNUSED.set(False)  # (a forward that raised midway may have left it set)
     if not isinstance(cache, LeanCache):
         return None
     cache.check_model(module.config)  # a cache built for another model fails here, before any step work
@@ -129,6 +148,7 @@ def _pre_hook(module, args, kwargs):
     q_pos = cache.begin_step(ref.shape[0], ref.shape[1], mask, position_ids, input_ids)
     if position_ids is None:
         kwargs["position_ids"] = q_pos
+    _FULL_MASK_UNUSED.set(cache.reads_no_full_mask())
     return args, kwargs
 
 
@@ -136,6 +156,7 @@ def _post_hook(module, args, kwargs, output):
     from .cache import LeanCache
 
     cache = cache_argument(args, kwargs, module._leankit_params)
+    _FULL_MASK_UNUSED.set(False)
     if isinstance(cache, LeanCache):
         cache.end_step()
     return None
@@ -150,7 +171,7 @@ def enable(model):
 
     check_model_supported(model.config)
     AttentionInterface.register(ATTN_NAME, leankit_attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_NAME, leankit_mask)
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
     dec = _decoder(model)

@@ -467,6 +467,38 @@ def test_a_row_that_ends_is_released_without_a_host_read(spec, overrides, model_
         assert torch.equal(got_t[[0, 2]], want_t[[0, 2]])
 
 
+@pytest.mark.parametrize("pad_step", [3, 0], ids=["left-padded", "unpadded"])
+def test_decode_steps_build_no_full_attention_mask(pad_step):
+    """transformers builds each step's full-attention mask with ``sdpa_mask``, which first asks
+    whether the padding mask is all ones: a host read on a GPU, every step. A LeanCache step after
+    the prompt reads no mask in its compressed layers, so leankit's mask function returns None
+    there: transformers' masking code reads the device in no decode step (the prompt still builds
+    its mask), and the model's own mask is still what a prompt attends with."""
+    import transformers.masking_utils as masking
+
+    patch = pytest.MonkeyPatch()
+    try:
+        patch.setenv("LEANKIT_BACKEND", "triton")
+        model = tiny_model("llama-gqa", num_hidden_layers=2)
+        cache = LeanCache(model, "K8V4", num_pages=160, page_size=256)
+        ids, mask = left_padded_batch(rows=3, width=11, pad_step=pad_step)
+        with torch.no_grad():
+            prompt = SyncCounter(roots=(masking.__file__,))
+            with prompt:
+                logits = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True).logits
+            pos = mask.sum(1, keepdim=True) - 1 + (mask.shape[1] - mask.sum(1, keepdim=True))
+            for i in range(3):
+                nxt, mask, pos = _next_inputs(logits, mask, pos)
+                counter = SyncCounter(roots=(masking.__file__,))
+                with counter:
+                    logits = model(input_ids=nxt, attention_mask=mask, position_ids=pos,
+                                   **cache_kwargs(model, cache), use_cache=True).logits
+                assert counter.total() == 0, f"decode step {i}\n" + counter.report()
+        assert prompt.total() > 0  # the counter does see the mask check where a mask is built
+    finally:
+        patch.undo()
+
+
 def test_deferred_release_needs_the_kernel_backend():
     """``release(defer=True)`` on the torch backend is refused (the pool's counters are host-side there)."""
     patch = pytest.MonkeyPatch()
