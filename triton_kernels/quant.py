@@ -23,6 +23,11 @@ One program handles ``BLOCK_N`` tokens and both sides: a ``[BLOCK_N, F]`` tile i
 reduced per group in registers, packed, and stored as whole ``[BLOCK_N, Kb]`` rows (each row is
 contiguous inside its page, so stores coalesce).
 
+A step's new tokens are stored by ``_store_step_kernel`` (:func:`store_step_tokens`) straight
+from the model's ``[B, H, Q, F]`` K/V: each program finds its tokens' slots (the head's count plus
+the token's rank among its row's real new tokens) and pages (the layer's page table) itself, so a
+decode step's store is one launch with no index ops around it; it writes the same bytes.
+
 A NaN/Inf input element, or a group whose fp16 scale or minimum would overflow, sets an error
 flag. The launcher either raises :class:`leankit.quant.NonFiniteKVError` like the reference (the
 rows were written, but the cache has not yet counted them), or leaves the flag on the device for
