@@ -16,8 +16,8 @@ position table then adds its offset of 2 itself).
 
 from __future__ import annotations
 
-import functools
 import contextvars
+import functools
 import inspect
 
 from transformers import AttentionInterface

@@ -108,8 +108,7 @@ def merge_own_token(query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
 
     query, k_new, v_new, out_old = rows(query), rows(k_new), rows(v_new), rows(out_old)
     lse_old = lse_old.to(torch.float32).reshape(b, hkv, g).contiguous()
-    real = real.reshape(b)
-    real = real.view(torch.uint8) if real.dtype == torch.bool and real.is_contiguous() else real.to(torch.uint8).contiguous()
+    real = tiles.flag_bytes(real.reshape(b)).contiguous()
     out = tiles.empty((b, 1, hq, f), dtype=torch.float32, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
     recv = tiles.empty((b, hkv, 1), dtype=torch.float32, device=dev) if received else lse

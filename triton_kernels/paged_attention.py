@@ -734,9 +734,8 @@ def apply_score_update(kv: PagedKV, saved: DecodeLogits | None, lse: torch.Tenso
     targs = tiles.tier_args(kv.layouts)
     if q_valid is None:
         qv = torch.ones(b, dtype=torch.int32, device=dev)
-    else:  # the kernel reads one flag per row (!= 0): a bool column is read as bytes, not converted
-        qv = q_valid.reshape(b, -1)[:, 0].to(dev).contiguous()
-        qv = qv.view(torch.uint8) if qv.dtype == torch.bool else qv
+    else:  # the kernel reads one flag per row (!= 0)
+        qv = tiles.flag_bytes(q_valid.reshape(b, -1)[:, 0].to(dev)).contiguous()
     lse = lse.to(device=dev, dtype=torch.float32).contiguous()
     q_pos = saved.q_pos if q_pos is None else q_pos.to(device=dev, dtype=torch.int32)
     sblk = 64

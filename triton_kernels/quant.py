@@ -340,7 +340,7 @@ def store_step_tokens(storage: torch.Tensor, layout: PageLayout, k: torch.Tensor
         raise ValueError("storage must be the pool's contiguous uint8 [num_pages, page_size] tensor")
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    real = real.view(torch.uint8) if real.dtype == torch.bool else real
+    real = tiles.flag_bytes(real)
     if score is None:
         mode, score, sstr = 0, lens, (0, 0, 0)
     elif score.dim() == 3:

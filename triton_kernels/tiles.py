@@ -386,6 +386,12 @@ def _scalar_loop_bounds() -> None:
 POISON = False
 
 
+def flag_bytes(flags: torch.Tensor) -> torch.Tensor:
+    """Flags as a kernel reads them (one element per flag, tested ``!= 0``): a bool tensor viewed
+    as its bytes, with no conversion launch; any other dtype as it is."""
+    return flags.view(torch.uint8) if flags.dtype == torch.bool else flags
+
+
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.empty`` for kernel outputs; poisoned (NaN / ``-7777``) when :data:`POISON` is set."""
     t = torch.empty(shape, dtype=dtype, device=device)
