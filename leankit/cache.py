@@ -403,6 +403,8 @@ class LeanCache(Cache):
         elif self.table.shape[1] != batch:
             raise ValueError(f"this LeanCache holds a batch of {self.table.shape[1]} rows, got {batch}; "
                              "use a fresh LeanCache per batch")
+        if q_len == 1 and use_triton(self._kv_err):
+            return self._begin_decode_step(batch, attention_mask, position_ids, input_ids)
         if attention_mask is not None and attention_mask.dim() == 2:
             real = attention_mask[:, -q_len:].to(dev).bool()
         else:
@@ -433,6 +435,37 @@ class LeanCache(Cache):
         ordered = q_len == 1 or bool(self._positions_increase(real, qp))
         step = StepState(real, rank, real.sum(1), q_pos.to(torch.int32), q_len, real.any(1), q_first, q_last,
                          self.table.lens, ordered)
+        self._open_step(step)
+        return qp
+
+    def _begin_decode_step(self, batch: int, attention_mask, position_ids, input_ids) -> torch.Tensor:
+        """:meth:`begin_step` of a one-token step on the kernel backend: the rows' state (real
+        flags, positions, ranks, ended requests) and the cleared error flags come from one launch
+        (:func:`leankit_kernels.step_rows.step_rows`) instead of about twenty small tensor ops."""
+        from leankit_kernels.step_rows import step_rows
+
+        dev = self.device
+        mask = attention_mask.to(dev) if attention_mask is not None and attention_mask.dim() == 2 else None
+        pos = None if position_ids is None else position_ids.to(dev).expand(batch, 1)
+        ends = input_ids is not None and self._seen > 0 and self.eos_ids.numel() > 0
+        rows = step_rows(batch, self.finished, self._kv_err, self._alloc_status, attention_mask=mask,
+                         position_ids=pos, seen=self._seen, no_pos=_NO_POS,
+                         last_tokens=input_ids[:, 0].to(dev) if ends else None, eos_ids=self.eos_ids if ends else None)
+        if rows["ended"] is not None:
+            # A row whose previous token ended its request is finished: free its pages now.
+            if self.offload is None:  # deferred: no host read (a no-op for rows that did not end)
+                self.release(rows["ended"], defer=True)
+            elif bool(rows["ended"].any()):
+                self.release(rows["ended"])
+        self._hw_tokens = max(self._hw_tokens, self._seen + 1)
+        real = rows["real"]
+        step = StepState(real, rows["rank"], rows["n_new"], rows["q_pos"], 1, real.view(-1), rows["q_first"],
+                         rows["q_last"], self.table.lens, True)
+        self._open_step(step)
+        return rows["q_pos64"]
+
+    def _open_step(self, step: StepState) -> None:
+        """Plan ``step``'s pages through the policy and make it the open step."""
         self._planning = True  # tokens the policy moves now raise the step's flag (read in end_step)
         try:
             self.policy.begin_step(step)
@@ -447,7 +480,6 @@ class LeanCache(Cache):
         self._pending = {}
         if self.offload is not None:  # start copying the first layer's host pages in
             self.offload.begin_step(step)
-        return qp
 
     def reads_no_full_mask(self) -> bool:
         """Whether the open step's compressed layers ignore the model's full-attention mask: every
@@ -554,9 +586,7 @@ class LeanCache(Cache):
         nothing handed out); an eager one returns None.
         """
         table = self.table if table is None else table
-        if defer and use_triton(self._kv_err) and self._rows_fit() and (self.fixed_pool or bound is not None):
-            if not self.fixed_pool and bound > self.free_list.free_floor:
-                self._ensure_free(bound)
+        if defer and self._deferred_grant(bound):
             return table.grow(extra, self.free_list, status=self._alloc_status, taken=bound)
         try:
             table.grow(extra, self.free_list)
@@ -565,6 +595,34 @@ class LeanCache(Cache):
                 raise
             self._ensure_free(e.needed)
             table.grow(extra, self.free_list)
+
+    def grow_for_tokens(self, n_new: torch.Tensor, tokens_per_page: int, q_len: int) -> None:
+        """Reserve high-tier room for a step's new tokens (``n_new[b] <= q_len`` per row,
+        ``tokens_per_page`` to a high page) in every layer and head, in one batched grant (LeanKV §5.3).
+
+        Deferred as :meth:`grow_pages` defers. On the kernel backend a step of at most two new pages
+        per head (a decode step) is one launch that computes the demand, checks it against the free
+        pages and grants it, with no host read
+        (:meth:`~leankit.page_table.BidirectionalPageTable.grant_tokens`, a single program); a
+        longer prompt takes the many-program grant, where each head's pages are handed out in parallel.
+        """
+        # Pages cover every stored token, so a head needs at most ceil((T - 1 + Q) / T) more.
+        per_head = -(-(tokens_per_page - 1 + q_len) // tokens_per_page)
+        bound = self.table.lens[0].numel() * per_head
+        if per_head <= 2 and self._deferred_grant(bound):
+            self.table.grant_tokens(n_new, tokens_per_page, self.free_list, self._alloc_status, taken=bound)
+            return
+        self.grow_pages(self.table.token_demand(n_new, tokens_per_page), defer=True, bound=bound)
+
+    def _deferred_grant(self, bound: int | None) -> bool:
+        """Whether a grant of at most ``bound`` pages (None: unknown) can run deferred, with no
+        host read: the kernel backend, rows that cannot overflow, and a fixed pool or a bound the
+        elastic pool's free pages are known to cover (grown first, one host read, if not)."""
+        if not (use_triton(self._kv_err) and self._rows_fit() and (self.fixed_pool or bound is not None)):
+            return False
+        if not self.fixed_pool and bound > self.free_list.free_floor:
+            self._ensure_free(bound)
+        return True
 
     def _ensure_free(self, pages: int) -> None:
         """Grow an elastic pool (at least doubling it) until it has ``pages`` free pages."""

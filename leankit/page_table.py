@@ -116,6 +116,29 @@ class BidirectionalPageTable:
         self.tables.view(-1, self.row_len)[rest, col] = ids.to(torch.int32)
         self.n_pages += extra
 
+    def token_demand(self, n_new: torch.Tensor, tokens_per_page: int) -> torch.Tensor:
+        """Pages each head's high tier lacks to hold its stored tokens plus its row's ``n_new[b]``
+        new ones (``tokens_per_page`` to a high page): int32 ``[2, L, B, H]``, the low tier's 0.
+
+        A step's new tokens go to the high tier first (LeanKV §5.3 reserves their room before any
+        layer stores); :func:`leankit_kernels.page_alloc.grant_token_pages` computes the same
+        demand inside its grant.
+        """
+        total = self.lens[HIGH] + n_new.view(1, -1, 1).to(self.lens.dtype)
+        need = -torch.div(-total, tokens_per_page, rounding_mode="floor")  # ceil
+        extra = torch.zeros_like(self.n_pages)
+        extra[HIGH] = (need - self.n_pages[HIGH]).clamp_min(0)
+        return extra
+
+    def grant_tokens(self, n_new: torch.Tensor, tokens_per_page: int, free_list: FreePageList,
+                     status: torch.Tensor, taken: int | None = None) -> None:
+        """The deferred :meth:`grow` of ``token_demand(n_new, tokens_per_page)`` (kernel backend):
+        one launch computes the demand and grants it with no host read; a short pool is recorded
+        in ``status`` and the grant refused whole. The caller guarantees that no row overflows."""
+        from leankit_kernels.page_alloc import grant_token_pages
+
+        grant_token_pages(self, n_new, tokens_per_page, free_list, status, taken=taken)
+
     def shrink(self, keep: torch.Tensor, free_list: FreePageList, defer: bool = False) -> torch.Tensor | int | None:
         """Recycle pages so that tier ``t`` of each head keeps ``keep[t, l, b, h]`` pages.
 
@@ -154,7 +177,14 @@ class BidirectionalPageTable:
     def release_sequences(self, seq_mask: torch.Tensor, free_list: FreePageList, defer: bool = False) -> int | None:
         """Return every page of the sequences where ``seq_mask[b]`` is true (finished requests).
 
-        Returns the pages freed; with ``defer``, None (see :meth:`shrink`: nothing is read back)."""
+        Returns the pages freed; with ``defer``, None (see :meth:`shrink`: nothing is read back).
+        On the kernel backend a deferred release is one launch
+        (:func:`leankit_kernels.page_alloc.release_rows`)."""
+        if defer and use_triton(self.tables):
+            from leankit_kernels.page_alloc import release_rows
+
+            release_rows(self, seq_mask.bool(), free_list)
+            return None
         keep = torch.where(seq_mask.view(1, 1, -1, 1), torch.zeros_like(self.n_pages), self.n_pages)
         freed = self.shrink(keep, free_list, defer=defer)
         self.lens.masked_fill_(seq_mask.view(1, 1, -1, 1), 0)
@@ -261,13 +291,12 @@ class ActPageTable:
         """Return every ACT page of the sequences where ``seq_mask[b]`` is true; returns the count.
 
         ``defer`` (kernel backend only): one prefix-sum release that reads nothing back to the host
-        (:func:`leankit_kernels.page_alloc.shrink_pages`); returns None."""
+        (:func:`leankit_kernels.page_alloc.release_rows`, token counts zeroed in the same launch);
+        returns None."""
         if defer:
-            from leankit_kernels.page_alloc import shrink_pages
+            from leankit_kernels.page_alloc import release_rows
 
-            keep = torch.where(seq_mask.view(1, -1), torch.zeros_like(self.n_pages), self.n_pages)
-            shrink_pages(self, keep, free_list, defer=True, tiers=1)
-            self.lens.masked_fill_(seq_mask.view(1, -1), 0)
+            release_rows(self, seq_mask.bool(), free_list, tiers=1)
             return None
         rows = self.tables[:, seq_mask.bool()]
         ids = rows[rows >= 0]

@@ -361,14 +361,7 @@ class _Base:
 
     def _grow_for_new(self, step) -> None:
         """Conservatively reserve high-tier room for the step's new tokens, one batched call (§5.3)."""
-        cache, table = self.cache, self.cache.table
-        t_high = cache.layouts[HIGH].tokens
-        need = _ceil_div(table.lens[HIGH] + step.n_new.view(1, -1, 1), t_high)
-        extra = torch.zeros_like(table.n_pages)
-        extra[HIGH] = (need - table.n_pages[HIGH]).clamp_min(0)
-        # Pages cover every stored token, so a head needs at most ceil((T - 1 + Q) / T) more.
-        bound = table.lens[HIGH].numel() * -(-(t_high - 1 + step.q_len) // t_high)
-        cache.grow_pages(extra, defer=True, bound=bound)
+        self.cache.grow_for_tokens(step.n_new, self.cache.layouts[HIGH].tokens, step.q_len)
 
     # -------------------------------------------------------------- protocol
     def begin_step(self, step) -> None:

@@ -6,11 +6,11 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton / leankit_kernels are impo
 
 import pytest
 import torch
-from leankit_kernels.page_alloc import grow_pages, shrink_pages
+from leankit_kernels.page_alloc import grant_token_pages, grow_pages, release_rows, shrink_pages
 from leankit_kernels.testing import fresh_generator
 
 from leankit.allocator import FreePageList, PoolExhausted
-from leankit.page_table import BidirectionalPageTable
+from leankit.page_table import ActPageTable, BidirectionalPageTable
 
 
 def _pair(shape, row_len, cap, head, gen):
@@ -84,6 +84,111 @@ def test_deferred_grow_and_shrink_match_torch_path(shape, block):
     assert status.tolist() == [1, free + too_many.numel() - 1, free], f"seed {seed}"
     assert torch.equal(ker[1].tables, snap[0]) and torch.equal(ker[1].n_pages, snap[1])
     assert ker[0].num_free == free
+
+
+@pytest.mark.parametrize("shape,tokens,block", [((2, 3, 5), 7, 16), ((3, 1, 2), 1, 1024), ((1, 4, 3), 18, 8)])
+def test_token_grant_matches_the_eager_grow_of_its_demand(shape, tokens, block):
+    """``grant_token_pages`` (one single-program launch: demand, total, check, grant, counters)
+    leaves tables, page counts, ring and counters as the eager torch ``grow`` of
+    ``table.token_demand`` does, over steps with uneven stored lengths, rows with no new token and
+    prompts of several tokens; a grant the pool cannot hold records itself in ``status`` once and
+    moves nothing."""
+    gen, seed = fresh_generator()
+    layers, batch, heads = shape
+    row_len = 64
+    ref, ker = _pair(shape, row_len, 20 * layers * batch * heads, 4321, gen)
+    status = torch.zeros(3, dtype=torch.int64)
+    for step in range(5):
+        n_new = torch.randint(0, 2 if step else 4 * tokens, (batch,), generator=gen)  # int64, as a step counts
+        if step == 2:
+            n_new[0] = 0  # a row without a token this step (padding, a finished request)
+        ref[1].grow(ref[1].token_demand(n_new, tokens), ref[0])
+        grant_token_pages(ker[1], n_new, tokens, ker[0], status, block=block)
+        assert ker[0].stale
+        _same(ref, ker)
+        # The stored tokens grow by the step's new ones, then some heads lose a few (pruning moves
+        # tokens between tiers), so demands differ from head to head.
+        for t in (ref[1], ker[1]):
+            t.lens[0] += n_new.view(1, -1, 1).to(torch.int32)
+        drop = torch.randint(0, 3, (layers, batch, heads), generator=gen, dtype=torch.int32)
+        for t in (ref[1], ker[1]):
+            t.lens[0] = (t.lens[0] - drop).clamp_min(0)
+    assert not status.any(), f"seed {seed}"
+    # The pool runs short of the next demand: the grant is refused whole and recorded once.
+    n_new = torch.full((batch,), tokens * (2 + int(ker[1].n_pages[0].max())), dtype=torch.int64)  # >= 2 pages a head
+    need, free = int(ker[1].token_demand(n_new, tokens).sum()), ker[0].num_free
+    if need <= free:  # pages held elsewhere (another table, say) until the demand no longer fits
+        ker[0].allocate(torch.tensor([free - need + 1]))
+        free = ker[0].num_free
+    assert need > free, f"seed {seed}: the refusal case does not refuse ({need} <= {free})"
+    snap = (ker[1].tables.clone(), ker[1].n_pages.clone(), ker[0].ring.clone())
+    grant_token_pages(ker[1], n_new, tokens, ker[0], status, block=block)
+    assert status.tolist() == [1, need, free], f"seed {seed}"
+    grant_token_pages(ker[1], n_new, tokens, ker[0], status, block=block)
+    assert status.tolist() == [1, need, free], "a second refusal overwrote the first record"
+    assert torch.equal(ker[1].tables, snap[0]) and torch.equal(ker[1].n_pages, snap[1])
+    assert torch.equal(ker[0].ring, snap[2]) and ker[0].num_free == free
+
+
+def test_token_grant_checks_its_inputs():
+    gen, _ = fresh_generator()
+    _ref, (fl, table) = _pair((2, 3, 2), 20, 100, 0, gen)
+    status = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="n_new must be"):
+        grant_token_pages(table, torch.ones(2, dtype=torch.int64), 4, fl, status)
+    with pytest.raises(ValueError, match="tokens_per_page"):
+        grant_token_pages(table, torch.ones(3, dtype=torch.int64), 0, fl, status)
+    assert not fl.stale and table.n_pages.sum() == 0
+
+
+@pytest.mark.parametrize("shape,block", [((2, 3, 5), 16), ((1, 4, 2), 1024), ((3, 1, 1), 8)])
+def test_release_rows_matches_the_deferred_shrink(shape, block):
+    """``release_rows`` (one single-program launch) leaves tables, page and token counts, ring and
+    counters as the deferred ``shrink_pages`` to zero pages for the released rows, plus zeroed
+    token counts, does; the other rows keep everything; releasing nothing moves nothing."""
+    gen, seed = fresh_generator()
+    batch = shape[1]
+    ref, ker = _pair(shape, 40, 600, 999, gen)
+    extra = torch.randint(0, 4, (2, *shape), generator=gen, dtype=torch.int32)
+    for fl, t in (ref, ker):
+        grow_pages(t, extra, fl)
+        t.lens.copy_(extra * 3)
+    for rows in (torch.rand(batch, generator=gen) < 0.5, torch.zeros(batch, dtype=torch.bool),
+                 torch.ones(batch, dtype=torch.bool)):
+        keep = torch.where(rows.view(1, 1, -1, 1), torch.zeros_like(ref[1].n_pages), ref[1].n_pages)
+        shrink_pages(ref[1], keep, ref[0], defer=True)
+        ref[1].lens.masked_fill_(rows.view(1, 1, -1, 1), 0)
+        release_rows(ker[1], rows, ker[0], block=block)
+        assert ker[0].stale
+        _same(ref, ker)
+        assert torch.equal(ref[1].lens, ker[1].lens), f"seed {seed}"
+    assert ker[1].n_pages.sum() == 0 and (ker[1].tables == -1).all()
+
+
+def test_release_rows_of_act_tables():
+    """The single-sided ACT table (one row per (layer, sequence), ``tiers=1``)."""
+    gen, seed = fresh_generator()
+    fls, tables = [], []
+    perm = torch.randperm(300, generator=gen).to(torch.int32)
+    for _ in range(2):
+        fl = FreePageList(300)
+        fl.ring.copy_(perm)
+        table = ActPageTable(3, 5, 64, 2, 8, "cpu")
+        grow_pages(table, torch.tensor([[1, 0, 2, 1, 3], [0, 2, 1, 1, 1], [2, 2, 0, 0, 1]], dtype=torch.int32) * 2,
+                   fl, tiers=1)
+        table.lens.copy_(table.n_pages * 3)
+        fls.append(fl)
+        tables.append(table)
+    rows = torch.tensor([True, False, True, False, False])
+    keep = torch.where(rows.view(1, -1), torch.zeros_like(tables[0].n_pages), tables[0].n_pages)
+    shrink_pages(tables[0], keep, fls[0], defer=True, tiers=1)
+    tables[0].lens.masked_fill_(rows.view(1, -1), 0)
+    release_rows(tables[1], rows, fls[1], tiers=1)
+    for name in ("tables", "n_pages", "lens"):
+        assert torch.equal(getattr(tables[0], name), getattr(tables[1], name)), f"{name} (seed {seed})"
+    assert torch.equal(fls[0].ring, fls[1].ring) and fls[0].num_free == fls[1].num_free
+    with pytest.raises(ValueError, match="rows must be"):
+        release_rows(tables[1], torch.ones(4, dtype=torch.bool), fls[1], tiers=1)
 
 
 def test_exhaustion_changes_nothing():

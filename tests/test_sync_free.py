@@ -297,6 +297,24 @@ def test_decode_layers_launch_only_kernels(name, spec, overrides):
         assert c.total("layer") == 0, f"{name} decode step {i}: leankit torch ops inside layers\n" + c.report()
 
 
+@pytest.mark.parametrize("name,spec,overrides,eos", [
+    ("K8V4", "K8V4", {"page_size": 256}, False), ("FP16", "FP16", {}, False),
+    ("K8V4-eos", "K8V4", {"page_size": 256, "eos_token_id": [2, 40]}, True)],
+    ids=["K8V4", "FP16", "K8V4-eos"])
+def test_decode_step_work_outside_layers_is_a_few_launches(name, spec, overrides, eos):
+    """Around its layers a single-tier decode step runs a handful of launches, not dozens: the
+    rows' state (real flags, positions, ended requests, cleared flags) is one launch
+    (``step_rows``), the grant for the new tokens one (``grant_token_pages``), the release of rows
+    that ended one (``release_rows``); what remains is the step's one read of its flags, the
+    lengths saved for a rollback and the running counts. (48 ops before, 59 with end ids.)"""
+    per_step = count_decode_syncs(spec, overrides, steps=3, counter_cls=LaunchCounter)
+    for i, c in enumerate(per_step):
+        assert c.total("step") <= 10, f"{name} decode step {i}: {c.total('step')} leankit ops outside layers\n" \
+            + c.report()
+        if eos:
+            assert any("release" in site for (_, _, site) in c.counts), c.report()
+
+
 def test_rotated_decode_layers_add_only_the_rotation():
     """``rotate=1``: the only torch ops inside a layer are the rotation's matmuls (query, key and
     value into the page basis, the output back)."""

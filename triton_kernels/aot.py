@@ -207,6 +207,20 @@ def cases() -> list[Case]:
     out.append(Case("page alloc shrink", "page_alloc", "_shrink_kernel",
                     {"drop_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32", "cnt_ptr": "*i64"},
                     {"BLOCK": ABLOCK}))
+    out.append(Case("page alloc token grant", "page_alloc", "_token_grant_kernel",
+                    {"lens_ptr": "*i32", "npages_ptr": "*i32", "nnew_ptr": "*i64", "tables_ptr": "*i32",
+                     "ring_ptr": "*i32", "cnt_ptr": "*i64", "status_ptr": "*i64"}, {"BLOCK": 1024}))
+    out.append(Case("page alloc release rows", "page_alloc", "_release_rows_kernel",
+                    {"rows_ptr": "*u8", "npages_ptr": "*i32", "lens_ptr": "*i32", "tables_ptr": "*i32",
+                     "ring_ptr": "*i32", "cnt_ptr": "*i64"}, {"BLOCK": 1024}))
+    from .step_rows import BLOCK as RBLOCK
+
+    out.append(Case("step rows", "step_rows", "_step_rows_kernel",
+                    {"mask_ptr": "*i64", "tok_ptr": "*i64", "eos_ptr": "*i64", "fin_ptr": "*u8", "pos_ptr": "*i64",
+                     "real_ptr": "*u8", "rank_ptr": "*i64", "nnew_ptr": "*i64", "qpos_ptr": "*i32",
+                     "qpos64_ptr": "*i64", "first_ptr": "*i64", "last_ptr": "*i64", "ended_ptr": "*u8",
+                     "err_ptr": "*i32", "status_ptr": "*i64"},
+                    {"HAS_MASK": True, "HAS_EOS": True, "HAS_POS": True, "BLOCK": RBLOCK}))
     return out
 
 

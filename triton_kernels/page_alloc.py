@@ -35,7 +35,7 @@ import triton.language as tl
 
 from leankit.allocator import FreePageList, PoolExhausted
 
-from .tiles import cdiv, kernel_for
+from .tiles import cdiv, flag_bytes, kernel_for
 
 BLOCK = 128
 
@@ -98,6 +98,87 @@ def _shrink_kernel(drop_ptr, npages_ptr, tables_ptr, ring_ptr, cnt_ptr, cap, N, 
     tl.store(npages_ptr + i, keep, mask=m)
 
 
+@triton.jit
+def _token_demand(lens_ptr, npages_ptr, nnew_ptr, i, m, BH, H, T):
+    """High-tier pages requester ``i`` (of the high tier's ``L*B*H``) lacks for its tokens plus
+    its row's new ones: ``max(ceil((lens[i] + n_new[b]) / T) - n_pages[i], 0)``, ``b = i // H % B``."""
+    n = tl.load(lens_ptr + i, mask=m, other=0) + tl.load(nnew_ptr + (i % BH) // H, mask=m, other=0).to(tl.int32)
+    need = (n + T - 1) // T - tl.load(npages_ptr + i, mask=m, other=0)
+    return tl.maximum(need, 0)
+
+
+@triton.jit
+def _token_grant_kernel(lens_ptr, npages_ptr, nnew_ptr, tables_ptr, ring_ptr, cnt_ptr, status_ptr, cap, LBH, BH, H,
+                        R, T, BLOCK: tl.constexpr):
+    """The step's deferred grant for its new tokens, whole, in one program (see
+    :func:`grant_token_pages`): the demand of every high-tier requester, its total against the
+    ring's free ids, the refusal record, the grant itself and the head counter. One program, so it
+    reads the head before anything moves it and no other program can see it half-advanced."""
+    r = tl.arange(0, BLOCK)
+    tot = tl.zeros([BLOCK], tl.int64)
+    for s in range(0, LBH, BLOCK):
+        i = s + r
+        tot += _token_demand(lens_ptr, npages_ptr, nnew_ptr, i, i < LBH, BH, H, T).to(tl.int64)
+    total = tl.sum(tot, 0)
+    head_count = tl.load(cnt_ptr)
+    free = tl.load(cnt_ptr + 1) - head_count
+    ok = total <= free
+    # The first refusal of the step records (1, pages needed, pages free) for end_step to raise.
+    first = (total > free) & (tl.load(status_ptr) == 0)
+    e = tl.arange(0, 4)
+    record = tl.where(e == 0, 1, tl.where(e == 1, total, free))
+    tl.store(status_ptr + e, record, mask=(e < 3) & ((e * 0 + first.to(tl.int32)) != 0))
+    grant = ok.to(tl.int32)  # a refused grant hands out nothing
+    head = head_count % cap
+    carry = total * 0
+    for s in range(0, LBH, BLOCK):
+        i = s + r
+        m = i < LBH
+        d = _token_demand(lens_ptr, npages_ptr, nnew_ptr, i, m, BH, H, T) * grant
+        excl = carry + (tl.cumsum(d, 0) - d).to(tl.int64)
+        npg = tl.load(npages_ptr + i, mask=m, other=0)
+        row = i.to(tl.int64) * R
+        for j in range(tl.max(d, 0)):
+            take = m & (j < d)
+            pid = tl.load(ring_ptr + (head + excl + j) % cap, mask=take, other=-1)
+            tl.store(tables_ptr + row + npg + j, pid, mask=take)
+        tl.store(npages_ptr + i, npg + d, mask=m)
+        carry += tl.sum(d, 0).to(tl.int64)
+    tl.store(cnt_ptr, head_count + total * grant)
+
+
+@triton.jit
+def _release_rows_kernel(rows_ptr, npages_ptr, lens_ptr, tables_ptr, ring_ptr, cnt_ptr, cap, N, LBH, BH, H, R,
+                         BLOCK: tl.constexpr):
+    """Every page of the sequences ``b`` with ``rows[b] != 0`` back to the ring tail, in one program
+    (see :func:`release_rows`): the same ring order as :func:`_shrink_kernel` with ``keep = 0`` for
+    those rows, their table entries cleared, page and token counts zeroed, the tail advanced."""
+    tail_count = tl.load(cnt_ptr + 1)
+    tail = tail_count % cap
+    r = tl.arange(0, BLOCK)
+    carry = tail_count * 0
+    for s in range(0, N, BLOCK):
+        i = s + r
+        m = i < N
+        rest = i % LBH
+        gone = m & (tl.load(rows_ptr + (rest % BH) // H, mask=m, other=0) != 0)
+        npg = tl.load(npages_ptr + i, mask=m, other=0)
+        d = tl.where(gone, npg, 0)
+        excl = carry + (tl.cumsum(d, 0) - d).to(tl.int64)
+        row = rest.to(tl.int64) * R
+        tier = i // LBH
+        for j in range(tl.max(d, 0)):
+            take = j < d
+            col = _column(tier, j, R)
+            pid = tl.load(tables_ptr + row + col, mask=take, other=-1)
+            tl.store(ring_ptr + (tail + excl + j) % cap, pid, mask=take)
+            tl.store(tables_ptr + row + col, tl.full([BLOCK], -1, tl.int32), mask=take)
+        tl.store(npages_ptr + i, npg - d, mask=m)
+        tl.store(lens_ptr + i, tl.zeros([BLOCK], tl.int32), mask=gone)
+        carry += tl.sum(d, 0).to(tl.int64)
+    tl.store(cnt_ptr + 1, tail_count + carry)
+
+
 def _check_tables(table) -> None:
     for name in ("tables", "n_pages"):
         t = getattr(table, name)
@@ -153,6 +234,62 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
                                                  n // tiers, table.row_len, BLOCK=block, num_warps=4)
     free_list.free_head += total
     return total
+
+
+def grant_token_pages(table, n_new: torch.Tensor, tokens_per_page: int, free_list: FreePageList,
+                      status: torch.Tensor, *, taken: int | None = None, block: int = 1024) -> None:
+    """Deferred grant of the high-tier pages a step's new tokens need, in one launch and no host read.
+
+    What :func:`grow_pages` with ``status`` does for ``extra = table.token_demand(n_new,
+    tokens_per_page)`` (:meth:`leankit.page_table.BidirectionalPageTable.token_demand`), with the demand, its total, the check against the free ids, the refusal
+    record in ``status`` (``(1, pages needed, pages free)``, first refusal only; a refused grant
+    moves nothing) and the head counter's advance all in one single-program kernel instead of a
+    dozen small tensor ops around the grant. ``n_new`` int ``[B]``: new tokens per row. ``taken``:
+    a host bound on the pages granted (see :func:`grow_pages`). The caller guarantees that no
+    page-table row can overflow.
+
+    One program walks every requester twice (``block`` at a time): a decode step's demand is a few
+    thousand requesters at most, which one program covers in a few iterations.
+    """
+    _check_tables(table)
+    if not table.lens.is_contiguous() or table.lens.dtype != torch.int32:
+        raise ValueError("page table lens must be a contiguous int32 tensor")
+    if n_new.dim() != 1 or n_new.shape[0] != table.lens.shape[2]:
+        raise ValueError(f"n_new must be [batch={table.lens.shape[2]}], got {tuple(n_new.shape)}")
+    if tokens_per_page < 1:
+        raise ValueError(f"tokens_per_page must be >= 1, got {tokens_per_page}")
+    _, n_layers, batch, heads = table.lens.shape
+    lbh = n_layers * batch * heads
+    cnt = free_list.device_counters()
+    kernel_for(_token_grant_kernel, table.tables.device)[(1,)](
+        table.lens, table.n_pages, n_new, table.tables, free_list.ring, cnt, status, free_list.capacity, lbh,
+        batch * heads, heads, table.row_len, tokens_per_page, BLOCK=block, num_warps=4)
+    free_list.mark_stale(taken)
+
+
+def release_rows(table, rows: torch.Tensor, free_list: FreePageList, *, tiers: int = 2, block: int = 1024) -> None:
+    """Deferred release of every page of the sequences where ``rows[b]`` is true, in one launch.
+
+    What ``shrink_pages(table, keep, free_list, defer=True)`` with ``keep`` 0 for those rows (their
+    own page counts elsewhere) does, plus zeroing their token counts, with no tensor op around the
+    launch: one program finds each requester's drop from its row's flag, returns the pages to the
+    ring tail in prefix-sum order, and advances the tail counter itself. ``table``: a
+    :class:`~leankit.page_table.BidirectionalPageTable` (``tiers=2``) or an
+    :class:`~leankit.page_table.ActPageTable` (``tiers=1``, one row per (layer, sequence)). The
+    free list's host counters are stale until it next syncs (a release only adds free pages).
+    """
+    _check_tables(table)
+    if not table.lens.is_contiguous() or table.lens.dtype != torch.int32 or table.lens.shape != table.n_pages.shape:
+        raise ValueError("page table lens must be a contiguous int32 tensor shaped like n_pages")
+    batch = table.n_pages.shape[-1] if tiers == 1 else table.n_pages.shape[2]
+    if rows.shape != (batch,):
+        raise ValueError(f"rows must be [batch={batch}], got {tuple(rows.shape)}")
+    heads = 1 if tiers == 1 else table.n_pages.shape[3]
+    n = table.n_pages.numel()
+    kernel_for(_release_rows_kernel, table.tables.device)[(1,)](
+        flag_bytes(rows), table.n_pages, table.lens, table.tables, free_list.ring, free_list.device_counters(),
+        free_list.capacity, n, n // tiers, batch * heads, heads, table.row_len, BLOCK=block, num_warps=4)
+    free_list.mark_stale(taken=0)
 
 
 def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK,
