@@ -173,6 +173,63 @@ def test_store_step_real_sizes(spec, b, hkv, f, nq, dtype):
     assert torch.equal(lens_gpu.cpu(), want_lens) and int(err) == 0
 
 
+@pytest.mark.parametrize("layers,batch,heads,tokens", [(32, 64, 8, 18), (30, 8, 3, 36), (2, 300, 1, 7)])
+def test_step_setup_kernels_real_sizes(layers, batch, heads, tokens):
+    """A decode step's setup launches at real sizes (Llama-3-8B's 32 x 8 heads at batch 64,
+    SmolLM2's, a wide batch): step_rows against its reference, grant_token_pages against the eager
+    grow of the same demand, release_rows against the deferred shrink to zero pages."""
+    from leankit_kernels import testing
+    from leankit_kernels.page_alloc import grant_token_pages, release_rows, shrink_pages
+    from leankit_kernels.step_rows import step_rows, step_rows_ref
+
+    from leankit.allocator import FreePageList
+    from leankit.page_table import BidirectionalPageTable
+
+    gen, seed = testing.fresh_generator()
+    dev = "cuda"
+    finished = (torch.rand(batch, generator=gen) < 0.1).to(dev)
+    mask = (torch.rand(batch, 40, generator=gen) < 0.9).long().to(dev)
+    pos = torch.randint(0, 8000, (batch, 1), generator=gen).to(dev)
+    tok = torch.randint(0, 100, (batch,), generator=gen).to(dev)
+    eos = torch.tensor([3, 17], device=dev)
+    err, status = torch.ones(layers + 1, dtype=torch.int32, device=dev), torch.ones(3, dtype=torch.int64, device=dev)
+    kw = {"attention_mask": mask, "position_ids": pos, "seen": 9, "last_tokens": tok, "eos_ids": eos, "no_pos": 1 << 30}
+    got, want = step_rows(batch, finished, err, status, **kw), step_rows_ref(batch, finished, **kw)
+    for name, ref in want.items():
+        assert torch.equal(got[name], ref), f"step_rows {name} (seed {seed})"
+    assert not err.any() and not status.any()
+
+    lens = torch.randint(0, 4000, (layers, batch, heads), generator=gen, dtype=torch.int32)
+    row_len = 4100 // tokens + 4
+    cap = int((lens // tokens + 3).sum()) + 100
+    perm = torch.randperm(cap, generator=gen).to(torch.int32)
+    pairs = []
+    for _ in range(2):
+        fl = FreePageList(cap, dev)
+        fl.ring.copy_(perm.to(dev))
+        fl.free_head, fl.free_tail = 0, cap
+        table = BidirectionalPageTable(layers, batch, heads, row_len, dev)
+        pairs.append((fl, table))
+    n_new = got["n_new"]
+    for step, (fl, table) in enumerate(pairs):
+        table.lens[0].copy_(lens.to(dev))
+        if step == 0:  # the eager grow of the demand (torch, then the many-program kernel)
+            table.grow(table.token_demand(n_new, tokens), fl)
+        else:
+            grant_token_pages(table, n_new, tokens, fl, status)
+    (fa, ta), (fb, tb) = pairs
+    assert torch.equal(ta.tables, tb.tables) and torch.equal(ta.n_pages, tb.n_pages), f"grant (seed {seed})"
+    assert fa.num_free == fb.num_free and not status.any()
+    rows = got["ended"] | (torch.rand(batch, generator=gen) < 0.3).to(dev)
+    keep = torch.where(rows.view(1, 1, -1, 1), torch.zeros_like(ta.n_pages), ta.n_pages)
+    shrink_pages(ta, keep, fa, defer=True)
+    ta.lens.masked_fill_(rows.view(1, 1, -1, 1), 0)
+    release_rows(tb, rows, fb)
+    for name in ("tables", "n_pages", "lens"):
+        assert torch.equal(getattr(ta, name), getattr(tb, name)), f"release {name} (seed {seed})"
+    assert torch.equal(fa.ring, fb.ring) and fa.num_free == fb.num_free
+
+
 def test_decode_kernel_launch_replays_in_a_cuda_graph():
     """With host page bounds the decode launch reads nothing from the device, so it can be captured
     in a CUDA graph; a replay on new queries matches an eager call."""
@@ -226,13 +283,13 @@ class _CudaSyncLog:
                    if ph.startswith(phase_prefix) and not (leankit_only and site == "outside leankit"))
 
 
-SYNC_CONFIGS = [("K8V4", {"page_size": 256}), ("FP16", {}),
+SYNC_CONFIGS = [("K8V4", {"page_size": 256}), ("FP16", {}), ("K8V4", {"page_size": 256, "eos_token_id": [7, 11]}),
                 ("K8V4-K4V2", {"th": 0.25, "tl": 0.0, "window": 3, "compress_every": 4, "page_size": 256}),
                 ("K8V4-K4V2", {"th": 0.3, "tl": 0.1, "window": 3, "compress_every": 1, "group_size": 8,
                                "page_size": 256})]
 
 
-@pytest.mark.parametrize("spec,overrides", SYNC_CONFIGS, ids=["K8V4", "FP16", "leankv", "leankv-prune"])
+@pytest.mark.parametrize("spec,overrides", SYNC_CONFIGS, ids=["K8V4", "FP16", "K8V4-eos", "leankv", "leankv-prune"])
 def test_decode_steps_do_not_sync_inside_layers(spec, overrides, monkeypatch):
     """Real CUDA sync detection (the driver-level counterpart of tests/test_sync_free.py): over 6
     decode steps of a fixed pool, no synchronizing CUDA call from leankit inside any decoder layer,
