@@ -262,7 +262,7 @@ def grant_token_pages(table, n_new: torch.Tensor, tokens_per_page: int, free_lis
     lbh = n_layers * batch * heads
     cnt = free_list.device_counters()
     kernel_for(_token_grant_kernel, table.tables.device)[(1,)](
-        table.lens, table.n_pages, n_new, table.tables, free_list.ring, cnt, status, free_list.capacity, lbh,
+        table.lens, table.n_pages, n_new.contiguous(), table.tables, free_list.ring, cnt, status, free_list.capacity, lbh,
         batch * heads, heads, table.row_len, tokens_per_page, BLOCK=block, num_warps=4)
     free_list.mark_stale(taken)
 
@@ -287,7 +287,7 @@ def release_rows(table, rows: torch.Tensor, free_list: FreePageList, *, tiers: i
     heads = 1 if tiers == 1 else table.n_pages.shape[3]
     n = table.n_pages.numel()
     kernel_for(_release_rows_kernel, table.tables.device)[(1,)](
-        flag_bytes(rows), table.n_pages, table.lens, table.tables, free_list.ring, free_list.device_counters(),
+        flag_bytes(rows.contiguous()), table.n_pages, table.lens, table.tables, free_list.ring, free_list.device_counters(),
         free_list.capacity, n, n // tiers, batch * heads, heads, table.row_len, BLOCK=block, num_warps=4)
     free_list.mark_stale(taken=0)
 

@@ -140,7 +140,8 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
     pos = position_ids[:, 0] if position_ids is not None else finished
     tok = last_tokens if has_eos else finished
     eos = eos_ids if has_eos else finished
-    fin = flag_bytes(finished)
+    fin = flag_bytes(finished.contiguous())
+    eos = eos.contiguous()
     kernel_for(_step_rows_kernel, dev)[(cdiv(batch, block),)](
         mask, mask.stride(0) if attention_mask is not None else 0, tok, tok.stride(0) if has_eos else 0, eos,
         eos.numel() if has_eos else 0, fin, pos, pos.stride(0) if position_ids is not None else 0,
