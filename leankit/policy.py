@@ -810,6 +810,7 @@ class LeanKVPolicy(_Base):
         # per head, the width of its fixed-shape compaction on the kernel backend.
         self.unclassified: torch.Tensor | None = None
         self._cand_bound: int | None = None
+        self._after = None  # (step, unclassified after it) as step_status computed it, for end_step
         self._grant_ok = None  # device flag of the last fixed-shape Algorithm 1 grant
 
     def _init_state(self, batch: int) -> None:
@@ -856,24 +857,27 @@ class LeanKVPolicy(_Base):
             self._init_state(cache.table.shape[1])
         has, q_first, q_last = self._query_span(step)
         self._span = (has, q_first, q_last)
-        gen = has & self.started
         if self._all_started:  # known on the host: no row stores a prompt (no device read)
             self._prompt_rows, self._direct = None, False
         else:
             self._prompt_rows = has & ~self.started
             # Every row with tokens stores its prompt: classify before writing (see store).
-            self._direct = not bool(gen.any()) and bool(has.any())
+            self._direct = not bool((has & self.started).any()) and bool(has.any())
+        skip, self._skip_next = self._skip_next and step.q_len == 1, False
+        if skip:  # the last step's read showed no row can be due now: nothing to plan
+            if not self._direct:  # a prompt-only step allocates per layer as it stores (store)
+                self._grow_for_new(step)
+            return
         # Candidates: stored tokens that leave the window (pos <= q_last - W), not yet classified.
         # Algorithm 1 runs for a row once `compress_every` of them are waiting (the last ones of
         # a request may stay high until it ends).
         cut = torch.minimum(q_last - self.window, q_first - 1)
-        gen = gen & (cut - self.watermark + 1 >= self.every)
-        skip, self._skip_next = self._skip_next and step.q_len == 1, False
+        gen = has & self.started & (cut - self.watermark + 1 >= self.every)
         # Kernel backend, every row generating: Algorithm 1 runs for the due rows at fixed shapes
         # with no device read (rows not due are masked out), the tokens it moves bounded per head
         # by the host's last read of the unclassified counts.
         fixed = self._all_started and use_triton(gen)
-        if skip or (not fixed and not bool(gen.any())):
+        if not fixed and not bool(gen.any()):
             if not self._direct:  # a prompt-only step allocates per layer as it stores (store)
                 self._grow_for_new(step)
             return
@@ -989,7 +993,9 @@ class LeanKVPolicy(_Base):
         k = (self.every - 1 + max(self.window, 1)) + wm - q_last
         k = torch.where(has & started, k, torch.zeros_like(k))
         k = torch.where(self.cache.finished, torch.full_like(k, _BIG), k)
-        return torch.cat([k.min().reshape(1), self._unclassified_after(step).max().reshape(1)])
+        after = self._unclassified_after(step)
+        self._after = (step, after)  # end_step keeps it (the same value: nothing changes in between)
+        return torch.cat([k.min().reshape(1), after.max().reshape(1)])
 
     def take_status(self, values: list[int]) -> None:
         self._skip_next = values[0] >= 2
@@ -1008,7 +1014,9 @@ class LeanKVPolicy(_Base):
     def end_step(self, step) -> None:
         super().end_step(step)
         if use_triton(step.n_new):  # the bound of the fixed-shape Algorithm 1 (kernel backend only)
-            self.unclassified = self._unclassified_after(step)
+            after = self._after
+            self.unclassified = after[1] if after is not None and after[0] is step else self._unclassified_after(step)
+        self._after = None
         if self._prompt_rows is not None:
             _, _, q_last = self._span
             self.watermark = torch.where(self._prompt_rows, q_last - self.window + 1, self.watermark)

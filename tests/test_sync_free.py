@@ -297,21 +297,24 @@ def test_decode_layers_launch_only_kernels(name, spec, overrides):
         assert c.total("layer") == 0, f"{name} decode step {i}: leankit torch ops inside layers\n" + c.report()
 
 
-@pytest.mark.parametrize("name,spec,overrides,eos", [
-    ("K8V4", "K8V4", {"page_size": 256}, False), ("FP16", "FP16", {}, False),
-    ("K8V4-eos", "K8V4", {"page_size": 256, "eos_token_id": [2, 40]}, True)],
-    ids=["K8V4", "FP16", "K8V4-eos"])
-def test_decode_step_work_outside_layers_is_a_few_launches(name, spec, overrides, eos):
-    """Around its layers a single-tier decode step runs a handful of launches, not dozens: the
-    rows' state (real flags, positions, ended requests, cleared flags) is one launch
-    (``step_rows``), the grant for the new tokens one (``grant_token_pages``), the release of rows
-    that ended one (``release_rows``); what remains is the step's one read of its flags, the
-    lengths saved for a rollback and the running counts. (48 ops before, 59 with end ids.)"""
-    per_step = count_decode_syncs(spec, overrides, steps=3, counter_cls=LaunchCounter)
-    for i, c in enumerate(per_step):
-        assert c.total("step") <= 10, f"{name} decode step {i}: {c.total('step')} leankit ops outside layers\n" \
+@pytest.mark.parametrize("name,spec,overrides,bound", [
+    ("K8V4", "K8V4", {"page_size": 256}, 10), ("FP16", "FP16", {}, 10),
+    ("K8V4-eos", "K8V4", {"page_size": 256, "eos_token_id": [2, 40]}, 10), (*CONFIGS[2], 24)],
+    ids=["K8V4", "FP16", "K8V4-eos", "leankv-tl0"])
+def test_decode_step_work_outside_layers_is_a_few_launches(name, spec, overrides, bound):
+    """Around its layers a decode step runs a handful of launches, not dozens: the rows' state
+    (real flags, positions, ended requests, cleared flags) is one launch (``step_rows``), the
+    grant for the new tokens one (``grant_token_pages``), the release of rows that ended one
+    (``release_rows``); what remains is the step's one read of its flags, the lengths saved for a
+    rollback and the running counts, and LeanKV's status for its next step. (Before: 48 ops for
+    K8V4, 59 with end ids, 73 for LeanKV. Steps that run Algorithm 1 are not bounded here.)"""
+    per_step = count_decode_syncs(spec, overrides, steps=5, counter_cls=LaunchCounter)
+    plain = [c for c in per_step if not c.compressed]
+    assert plain, "every counted step ran Algorithm 1"
+    for i, c in enumerate(plain):
+        assert c.total("step") <= bound, f"{name} decode step {i}: {c.total('step')} leankit ops outside layers\n" \
             + c.report()
-        if eos:
+        if "eos_token_id" in overrides:
             assert any("release" in site for (_, _, site) in c.counts), c.report()
 
 
