@@ -152,10 +152,17 @@ def _release_rows_kernel(rows_ptr, npages_ptr, lens_ptr, tables_ptr, ring_ptr, c
                          BLOCK: tl.constexpr):
     """Every page of the sequences ``b`` with ``rows[b] != 0`` back to the ring tail, in one program
     (see :func:`release_rows`): the same ring order as :func:`_shrink_kernel` with ``keep = 0`` for
-    those rows, their table entries cleared, page and token counts zeroed, the tail advanced."""
+    those rows, their table entries cleared, page and token counts zeroed, the tail advanced.
+    A step in which no row ended (the usual one) reads the ``B`` flags and stops there."""
+    r = tl.arange(0, BLOCK)
+    n_rows = BH // H
+    ended = tl.zeros([BLOCK], tl.int32)
+    for s in range(0, n_rows, BLOCK):
+        ended += (tl.load(rows_ptr + s + r, mask=s + r < n_rows, other=0) != 0).to(tl.int32)
+    if tl.sum(ended, 0) == 0:
+        return
     tail_count = tl.load(cnt_ptr + 1)
     tail = tail_count % cap
-    r = tl.arange(0, BLOCK)
     carry = tail_count * 0
     for s in range(0, N, BLOCK):
         i = s + r
