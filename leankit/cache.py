@@ -411,13 +411,7 @@ class LeanCache(Cache):
             real = torch.ones(batch, q_len, dtype=torch.bool, device=dev)
         if input_ids is not None and self._seen > 0 and self.eos_ids.numel():
             # A row whose previous token ended its request is finished: free its pages now.
-            ended = torch.isin(input_ids[:, 0].to(dev), self.eos_ids) & ~self.finished
-            if use_triton(self._kv_err) and self.offload is None:
-                # No host read on the kernel backend: the ended rows' pages go back in a deferred
-                # release (a no-op for rows that did not end), counted at the step's one read.
-                self.release(ended, defer=True)
-            elif bool(ended.any()):
-                self.release(ended)
+            self._release_ended(torch.isin(input_ids[:, 0].to(dev), self.eos_ids) & ~self.finished)
         real = real & ~self.finished.unsqueeze(1)
         if position_ids is None:
             q_pos = (torch.arange(q_len, device=dev) + self._seen).expand(batch, q_len)
@@ -452,17 +446,22 @@ class LeanCache(Cache):
                          position_ids=pos, seen=self._seen, no_pos=_NO_POS,
                          last_tokens=input_ids[:, 0].to(dev) if ends else None, eos_ids=self.eos_ids if ends else None)
         if rows["ended"] is not None:
-            # A row whose previous token ended its request is finished: free its pages now.
-            if self.offload is None:  # deferred: no host read (a no-op for rows that did not end)
-                self.release(rows["ended"], defer=True)
-            elif bool(rows["ended"].any()):
-                self.release(rows["ended"])
+            self._release_ended(rows["ended"])
         self._hw_tokens = max(self._hw_tokens, self._seen + 1)
         real = rows["real"]
         step = StepState(real, rows["rank"], rows["n_new"], rows["q_pos"], 1, real.view(-1), rows["q_first"],
                          rows["q_last"], self.table.lens, True)
         self._open_step(step)
         return rows["q_pos64"]
+
+    def _release_ended(self, ended: torch.Tensor) -> None:
+        """Free the pages of the rows whose previous token ended their request (bool ``[B]``)."""
+        if use_triton(self._kv_err) and self.offload is None:
+            # No host read on the kernel backend: the ended rows' pages go back in a deferred
+            # release (a no-op for rows that did not end), counted at the step's one read.
+            self.release(ended, defer=True)
+        elif bool(ended.any()):
+            self.release(ended)
 
     def _open_step(self, step: StepState) -> None:
         """Plan ``step``'s pages through the policy and make it the open step."""

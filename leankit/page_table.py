@@ -36,6 +36,11 @@ from .backend import use_triton
 HIGH, LOW = 0, 1
 
 
+def ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
+    """``ceil(a / b)`` elementwise for an int tensor ``a``: the pages that hold ``a`` tokens, ``b`` to a page."""
+    return -torch.div(-a, b, rounding_mode="floor")
+
+
 class BidirectionalPageTable:
     """Per-(layer, sequence, head) page rows plus per-tier token and page counts.
 
@@ -124,8 +129,7 @@ class BidirectionalPageTable:
         layer stores); :func:`leankit_kernels.page_alloc.grant_token_pages` computes the same
         demand inside its grant.
         """
-        total = self.lens[HIGH] + n_new.view(1, -1, 1).to(self.lens.dtype)
-        need = -torch.div(-total, tokens_per_page, rounding_mode="floor")  # ceil
+        need = ceil_div(self.lens[HIGH] + n_new.view(1, -1, 1).to(self.lens.dtype), tokens_per_page)
         extra = torch.zeros_like(self.n_pages)
         extra[HIGH] = (need - self.n_pages[HIGH]).clamp_min(0)
         return extra

@@ -43,7 +43,7 @@ from . import native
 from .allocator import exclusive_cumsum
 from .backend import use_triton
 from .decode_attention import LiveSlots
-from .page_table import HIGH, LOW
+from .page_table import HIGH, LOW, ceil_div
 
 KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
 _BIG = 1 << 30
@@ -209,10 +209,6 @@ def plan_unified(scores: torch.Tensor, tier: torch.Tensor, valid: torch.Tensor, 
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim where ``mask`` holds (dead slots may hold any bytes, NaN included)."""
     return torch.where(mask, x, torch.zeros_like(x)).sum(-1)
-
-
-def _ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
-    return -torch.div(-a, b, rounding_mode="floor")
 
 
 @dataclass
@@ -667,8 +663,8 @@ class _Base:
         side can take over (paper Fig. 5)."""
         cache, table = self.cache, self.cache.table
         res = torch.zeros_like(len_h) if reserve is None else reserve.view(1, -1, 1).to(len_h.dtype)
-        need_h = _ceil_div(len_h + res, cache.layouts[HIGH].tokens)
-        need_l = _ceil_div(len_l, cache.layouts[LOW].tokens) if len(cache.layouts) > 1 else torch.zeros_like(len_h)
+        need_h = ceil_div(len_h + res, cache.layouts[HIGH].tokens)
+        need_l = ceil_div(len_l, cache.layouts[LOW].tokens) if len(cache.layouts) > 1 else torch.zeros_like(len_h)
         cur_h = table.n_pages[HIGH].index_select(0, layers).long()
         cur_l = table.n_pages[LOW].index_select(0, layers).long()
         r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))

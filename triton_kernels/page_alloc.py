@@ -127,7 +127,8 @@ def _token_grant_kernel(lens_ptr, npages_ptr, nnew_ptr, tables_ptr, ring_ptr, cn
     first = (total > free) & (tl.load(status_ptr) == 0)
     e = tl.arange(0, 4)
     record = tl.where(e == 0, 1, tl.where(e == 1, total, free))
-    tl.store(status_ptr + e, record, mask=(e < 3) & ((e * 0 + first.to(tl.int32)) != 0))
+    first_v = (e * 0 + first.to(tl.int32)) != 0  # the scalar as a vector: the interpreter refuses a scalar bool here
+    tl.store(status_ptr + e, record, mask=(e < 3) & first_v)
     grant = ok.to(tl.int32)  # a refused grant hands out nothing
     head = head_count % cap
     carry = total * 0
@@ -186,11 +187,15 @@ def _release_rows_kernel(rows_ptr, npages_ptr, lens_ptr, tables_ptr, ring_ptr, c
     tl.store(cnt_ptr + 1, tail_count + carry)
 
 
-def _check_tables(table) -> None:
-    for name in ("tables", "n_pages"):
+def _check_tables(table, lens: bool = False) -> None:
+    """The table tensors a kernel indexes flat: contiguous int32 (``lens`` too, shaped like
+    ``n_pages``, where the kernel reads or writes token counts)."""
+    for name in ("tables", "n_pages") + (("lens",) if lens else ()):
         t = getattr(table, name)
         if not t.is_contiguous() or t.dtype != torch.int32:
             raise ValueError(f"page table {name} must be a contiguous int32 tensor")
+    if lens and table.lens.shape != table.n_pages.shape:
+        raise ValueError("page table lens must be shaped like n_pages")
 
 
 def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: int = BLOCK,
@@ -248,8 +253,8 @@ def grant_token_pages(table, n_new: torch.Tensor, tokens_per_page: int, free_lis
     """Deferred grant of the high-tier pages a step's new tokens need, in one launch and no host read.
 
     What :func:`grow_pages` with ``status`` does for ``extra = table.token_demand(n_new,
-    tokens_per_page)`` (:meth:`leankit.page_table.BidirectionalPageTable.token_demand`), with the demand, its total, the check against the free ids, the refusal
-    record in ``status`` (``(1, pages needed, pages free)``, first refusal only; a refused grant
+    tokens_per_page)`` (:meth:`leankit.page_table.BidirectionalPageTable.token_demand`), with the
+    demand, its total, the check against the free ids, the refusal record in ``status`` (``(1, pages needed, pages free)``, first refusal only; a refused grant
     moves nothing) and the head counter's advance all in one single-program kernel instead of a
     dozen small tensor ops around the grant. ``n_new`` int ``[B]``: new tokens per row. ``taken``:
     a host bound on the pages granted (see :func:`grow_pages`). The caller guarantees that no
@@ -258,9 +263,7 @@ def grant_token_pages(table, n_new: torch.Tensor, tokens_per_page: int, free_lis
     One program walks every requester twice (``block`` at a time): a decode step's demand is a few
     thousand requesters at most, which one program covers in a few iterations.
     """
-    _check_tables(table)
-    if not table.lens.is_contiguous() or table.lens.dtype != torch.int32:
-        raise ValueError("page table lens must be a contiguous int32 tensor")
+    _check_tables(table, lens=True)
     if n_new.dim() != 1 or n_new.shape[0] != table.lens.shape[2]:
         raise ValueError(f"n_new must be [batch={table.lens.shape[2]}], got {tuple(n_new.shape)}")
     if tokens_per_page < 1:
@@ -285,9 +288,7 @@ def release_rows(table, rows: torch.Tensor, free_list: FreePageList, *, tiers: i
     :class:`~leankit.page_table.ActPageTable` (``tiers=1``, one row per (layer, sequence)). The
     free list's host counters are stale until it next syncs (a release only adds free pages).
     """
-    _check_tables(table)
-    if not table.lens.is_contiguous() or table.lens.dtype != torch.int32 or table.lens.shape != table.n_pages.shape:
-        raise ValueError("page table lens must be a contiguous int32 tensor shaped like n_pages")
+    _check_tables(table, lens=True)
     batch = table.n_pages.shape[-1] if tiers == 1 else table.n_pages.shape[2]
     if rows.shape != (batch,):
         raise ValueError(f"rows must be [batch={batch}], got {tuple(rows.shape)}")

@@ -86,7 +86,7 @@ def step_rows_ref(batch: int, finished: torch.Tensor, *, attention_mask: torch.T
     real = real & ~fin.view(-1, 1)
     pos = (position_ids.long() if position_ids is not None
            else torch.full((batch, 1), seen, dtype=torch.long, device=dev)).expand(batch, 1)
-    flat = pos.view(-1) if pos.is_contiguous() else pos.reshape(-1)
+    flat = pos.reshape(-1)
     return {"real": real, "rank": real.long() - 1, "n_new": real.view(-1).long(), "q_pos": pos.to(torch.int32),
             "q_pos64": pos.clone(), "q_first": torch.where(real.view(-1), flat, no_pos),
             "q_last": torch.where(real.view(-1), flat, -no_pos), "ended": ended}
