@@ -11,11 +11,15 @@
 #   decode_*.json/md  bench/kernels.py tables (us, GB/s, fraction of copy bandwidth, x FP16, x SDPA)
 #   kernels.log       the benchmark's full output (the ACT->KV table included)
 #   prefill_*.json/md bench/prefill_kernels.py: prefill and significance pass against torch SDPA
+#   gpu_step.json/md  bench/gpu_step.py: whole-model prefill and decode steps against DynamicCache
+#                     (random-init models of SmolLM2's and Llama-3-8B's layer shapes), and decode
+#                     tokens/s at a fixed KV budget
 set -u
 PY=${GPU_PY:-python3}
 RES=${GPU_RESULTS:-results/gpu}
 TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-330}
 BENCH_TIMEOUT=${GPU_BENCH_TIMEOUT:-150}
+STEP_TIMEOUT=${GPU_STEP_TIMEOUT:-270}
 mkdir -p "$RES"
 failed=()
 
@@ -42,6 +46,8 @@ fi
 set -o pipefail
 timeout "$TEST_TIMEOUT" $PY -m pytest -q -p no:cacheprovider -m cuda -rA --durations=8 "${workers[@]}" \
   tests/test_cuda_kernels.py 2>&1 | tee "$RES/pytest.log" || failed+=("cuda tests")
+
+timeout "$STEP_TIMEOUT" $PY bench/gpu_step.py --steps 8 --out "$RES" 2>&1 | tee "$RES/gpu_step.log" || failed+=("bench step")
 
 : > "$RES/kernels.log"
 for shape in "64 3 3" "128 8 4"; do

@@ -404,6 +404,20 @@ def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, sc
 # enough to stay in the last-level cache between the passes over it (measured 1.7x faster than
 # 32 MB chunks for a batch-8, 1k-token prompt) and large enough to keep the op count low.
 STEP_CHUNK_ELEMS = 1 << 21
+# On a GPU the same loop is launch-bound at that size: each op of a chunk is a launch of a few
+# microseconds of host time for microseconds of device work. Measured on an H200
+# (bench/gpu_step.py), a batch-8 prompt of SmolLM2's shape took 17x DynamicCache's prefill at 1k
+# tokens and 57x at 4k with significance on (the LeanKV configs), at 586 chunks of ~10 launches a
+# layer for 4k tokens. There a chunk holds 64M scores (256 MB fp32): 19 chunks a layer for that prompt.
+STEP_CHUNK_ELEMS_GPU = 1 << 26
+
+
+def step_chunk_rows(b: int, hq: int, nq: int, device: torch.device) -> int:
+    """Query rows per chunk of :func:`step_attention` / :func:`step_received` for a step of ``nq``
+    queries (``b`` rows, ``hq`` query heads): the chunk's scores ``[B, Hq, rows, nq]`` stay near
+    :data:`STEP_CHUNK_ELEMS` on a CPU and :data:`STEP_CHUNK_ELEMS_GPU` elsewhere."""
+    elems = STEP_CHUNK_ELEMS if torch.device(device).type == "cpu" else STEP_CHUNK_ELEMS_GPU
+    return max(1, elems // max(1, b * hq * nq))
 
 
 def _step_bias(q_pos: torch.Tensor, k_real: torch.Tensor, group: int, q0: int, q1: int) -> torch.Tensor:
@@ -463,7 +477,7 @@ def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received):
     out = q.new_empty((b, hkv, g, nq, f), dtype=torch.float32)
     lse = q.new_empty((b, hkv, g, nq), dtype=torch.float32)
     recv = q.new_zeros((b, hkv, nq), dtype=torch.float32) if received else None
-    rows = max(1, STEP_CHUNK_ELEMS // max(1, b * hq * nq))
+    rows = step_chunk_rows(b, hq, nq, q.device)
     for q0 in range(0, nq, rows):
         q1 = min(nq, q0 + rows)
         nqc = q1 - q0
@@ -557,7 +571,7 @@ def step_received(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_real:
     qg = (q.float() * scale).view(b, hkv, g, nq, f)
     kt = k.float().transpose(-1, -2)  # [B, Hkv, F, Q]
     recv = q.new_zeros((b, hkv * g, 1, nq), dtype=torch.float32)
-    rows = max(1, STEP_CHUNK_ELEMS // max(1, b * hq * nq))
+    rows = step_chunk_rows(b, hq, nq, q.device)
     for q0 in range(0, nq, rows):
         q1 = min(nq, q0 + rows)
         nqc = q1 - q0
