@@ -13,6 +13,10 @@ config and prompt length:
 - ``significance us``: ``received_attention`` (``_received_kernel``, the second pass over the keys
   that turns the saved lse into each key's received probability), eager calls (it reads its page
   counts back to size its grid, which a CUDA graph cannot capture);
+- ``prompt significance us`` (per prompt length, the same for every config): a prompt's own
+  significance over its exact fp16 keys on the kernel backend
+  (``leankit_kernels.prompt_significance.prompt_received``, two launches, graph-timed), and
+  ``torch`` the chunked pass it replaced there (``leankit.attention.step_received``, eager);
 - ``TFLOP/s``: the causal attention's useful FLOPs (``2 B Hq n^2 F``: ``q k^T`` and ``p v`` over the
   lower triangle) over the prefill time;
 - ``x SDPA``: torch SDPA (``is_causal=True``, GQA) on dense fp16 K/V, graph-timed the same way,
@@ -62,6 +66,22 @@ def prefill_calls(spec: str, batch: int, n: int, shape: Shape, device):
             (q, kv, q_pos, scale))
 
 
+def prompt_significance_calls(batch: int, n: int, shape: Shape, device):
+    """``(kernel, torch)``: zero-argument calls of a prompt's significance over its own exact fp16
+    keys (positions ``0 .. n - 1``, every token real), by the kernel and by the torch pass."""
+    from leankit_kernels.prompt_significance import prompt_received
+
+    from leankit.attention import step_received
+
+    hq = shape.kv_heads * shape.group
+    q = torch.randn(batch, hq, n, shape.head_dim, device=device, dtype=torch.float16)
+    k = torch.randn(batch, shape.kv_heads, n, shape.head_dim, device=device, dtype=torch.float16)
+    pos = torch.arange(n, device=device).expand(batch, n)
+    real = torch.ones(batch, n, dtype=torch.bool, device=device)
+    scale = shape.head_dim ** -0.5
+    return (lambda: prompt_received(q, k, pos, real, scale)), (lambda: step_received(q, k, pos, real, scale, True))
+
+
 def run(shape: Shape, batch: int, prompts=PROMPTS, configs=CONFIGS, measure_cuda: bool | None = None) -> list[dict]:
     """One row per (prompt length, config); timings only with CUDA."""
     cuda = torch.cuda.is_available() if measure_cuda is None else measure_cuda
@@ -72,6 +92,14 @@ def run(shape: Shape, batch: int, prompts=PROMPTS, configs=CONFIGS, measure_cuda
     for n in prompts:
         flops = causal_flops(batch, n, shape)
         base = measure_sdpa(batch, n, shape, dev, queries=n) if cuda else None
+        if cuda:
+            sig_kernel, sig_torch = prompt_significance_calls(batch, n, shape, dev)
+            prompt_sig = {"prompt_sig_us": kernel_us(sig_kernel),
+                          "prompt_sig_torch_us": triton.testing.do_bench(sig_torch, warmup=5, rep=50,
+                                                                        return_mode="median") * 1e3}
+            del sig_kernel, sig_torch
+            print(f"prompt significance B{batch} n{n}: kernel {prompt_sig['prompt_sig_us']:9.1f} us, "
+                  f"torch pass {prompt_sig['prompt_sig_torch_us']:9.1f} us", flush=True)
         for spec in configs:
             r = {"config": spec, "batch": batch, "prompt": n, "flops": flops}
             if cuda:
@@ -85,6 +113,7 @@ def run(shape: Shape, batch: int, prompts=PROMPTS, configs=CONFIGS, measure_cuda
                 r["tflops"] = flops / (r["prefill_us"] * 1e-6) / 1e12
                 r["sdpa_us"] = base
                 r["x_sdpa"] = base / r["prefill_us"]
+                r.update(prompt_sig)
                 del prefill, significance
                 torch.cuda.empty_cache()
                 print(f"{spec:<10} B{batch} n{n}: prefill {r['prefill_us']:9.1f} us ({r['tflops']:6.1f} TFLOP/s, "
@@ -162,13 +191,15 @@ def markdown(rows: list[dict], shape: Shape, device: str, command: str) -> list[
             f"`python bench/prefill_kernels.py {command}`. Medians of CUDA-graph replays (of eager "
             "calls for the significance pass). x SDPA above 1: the "
             "paged kernel is faster than torch SDPA (causal, GQA) on dense fp16 K/V."), "",
-           "| config | B | prompt | prefill us | TFLOP/s | SDPA us | x SDPA | significance us | significance / prefill |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           ("| config | B | prompt | prefill us | TFLOP/s | SDPA us | x SDPA | significance us | significance / prefill "
+            "| prompt significance us (kernel / torch) |"),
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "prefill_us" in r:
             out.append(f"| {r['config']} | {r['batch']} | {r['prompt']} | {r['prefill_us']:.1f} | {r['tflops']:.1f} | "
                        f"{r['sdpa_us']:.1f} | {r['x_sdpa']:.2f} | {r['significance_us']:.1f} | "
-                       f"{r['significance_us'] / r['prefill_us']:.2f} |")
+                       f"{r['significance_us'] / r['prefill_us']:.2f} | "
+                       f"{r['prompt_sig_us']:.1f} / {r['prompt_sig_torch_us']:.1f} |")
     return out
 
 

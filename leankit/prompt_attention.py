@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from .attention import EXP_FLOOR, Workspace, step_received
+from .backend import use_triton
 
 # Added to a score that must not count (a padding key, a query that is not live): whatever q.k is,
 # the sum lands below EXP_FLOOR, so the term is floored like every masked score (padding keys are
@@ -390,7 +391,8 @@ def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
     Returns ``(out [B, Q, Hq, F], received [B, Hkv, Q] or None)``. The significance reuses the
     SDPA kernel's log-sum-exp where it ran PyTorch's CPU flash kernel on a prompt whose positions
-    increase; otherwise it is :func:`leankit.attention.step_received`'s own pass. ``ws``: the
+    increase; otherwise it is :func:`leankit.attention.step_received`'s own pass (on the kernel
+    backend, :func:`leankit_kernels.prompt_significance.prompt_received`'s two launches). ``ws``: the
     cache's scratch (:class:`~leankit.attention.Workspace`) for that pass. ``mask_memo``: the
     step's mask memo (:func:`_additive_mask`, :func:`causal_spans`), shared by its layers.
 
@@ -415,4 +417,8 @@ def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     lse = box.get("lse")
     if lse is not None and lse.shape == query.shape[:3]:
         return out, received_from_lse(query, key, lse, k_real, scaling, ws)
+    if use_triton(query):  # two launches (leankit_kernels.prompt_significance), not a chunk loop
+        from leankit_kernels.prompt_significance import prompt_received
+
+        return out, prompt_received(query, key, q_pos, k_real, scaling)
     return out, step_received(query, key, q_pos, k_real, scaling, ordered)

@@ -129,6 +129,29 @@ def test_own_token_merge_real_sizes(b, hkv, g, f, dtype):
         testing.assert_close_normwise(got, ref, torch.float32, f"{what} (seed {seed})")
 
 
+@pytest.mark.parametrize("b,hkv,g,f,nq", [(8, 3, 3, 64, 4096), (4, 8, 4, 128, 2048), (2, 2, 8, 80, 1000)])
+@pytest.mark.parametrize("dtype", [F16, BF16, torch.float32])
+def test_prompt_significance_real_sizes(b, hkv, g, f, nq, dtype):
+    """The prompt's significance in two launches against the chunked torch pass it replaces on a GPU
+    (left-padded rows, the model's [B, Q, H, F] layout transposed)."""
+    from leankit_kernels import testing
+    from leankit_kernels.prompt_significance import prompt_received
+
+    from leankit.attention import step_received
+
+    gen, seed = testing.fresh_generator()
+    q = torch.randn(b, nq, hkv * g, f, generator=gen).to(dtype).transpose(1, 2).cuda()
+    k = torch.randn(b, nq, hkv, f, generator=gen).to(dtype).transpose(1, 2).cuda()
+    real = torch.ones(b, nq, dtype=torch.bool)
+    for r in range(b):
+        real[r, : int(torch.randint(0, nq // 3, (1,), generator=gen))] = False
+    pos = (real.long().cumsum(1) - 1).clamp_min(0).cuda()
+    real = real.cuda()
+    got = prompt_received(q, k, pos, real, f ** -0.5)
+    want = step_received(q.float(), k.float(), pos, real, f ** -0.5, ordered=True)
+    testing.assert_close_normwise(got, want, dtype, f"received (seed {seed})")
+
+
 @pytest.mark.parametrize("spec,b,hkv,f,nq", [("K8V4", 32, 8, 128, 1), ("K4V2", 8, 3, 64, 1), ("FP16", 8, 8, 128, 1),
                                               ("K8V4", 4, 8, 128, 300)])
 @pytest.mark.parametrize("dtype", [F16, BF16, torch.float32])

@@ -63,3 +63,14 @@ def test_tile_sweep_tiles_agree_and_the_launch_plan_comes_back(bench, monkeypatc
     assert pf.prefill_config is real
     with pytest.raises(argparse.ArgumentTypeError):
         bench.parse_tile("64:24:4:2")
+
+
+def test_prompt_significance_calls_agree(bench):
+    """The two timed prompt-significance calls (kernel, torch pass) compute the same thing."""
+    torch.manual_seed(0)
+    kernel, torch_pass = bench.prompt_significance_calls(2, 70, bench.Shape(head_dim=32, kv_heads=2, group=3),
+                                                         torch.device("cpu"))
+    got, want = kernel(), torch_pass()
+    assert got.shape == want.shape == (2, 2, 70)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3)
+    torch.testing.assert_close(got.sum(-1), torch.full((2, 2), 70.0), rtol=1e-3, atol=0)

@@ -24,6 +24,7 @@ Exits with status 1 if any kernel fails to compile or spills inside a loop.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -189,6 +190,25 @@ def cases() -> list[Case]:
                         options={"num_warps": prefill_warps(f), "num_stages": 2},
                         arch={cc: received_config(f, (cc // 10, cc % 10), operand_bytes=dot.primitive_bitwidth // 8)
                               for cc in (80, 90)}))
+    # The prompt's significance over its exact keys (two passes), on the tiles its launcher takes
+    for model, dname in (("llama3", "fp16"), ("smollm2", "bf16"), ("smollm2", "fp32")):
+        f, g, _ = MODELS[model]
+        _, dot, ptr, prec = operands[dname]
+        pointers = {"q_ptr": ptr, "k_ptr": ptr, "pos_ptr": "*i32", "real_ptr": "*u8", "lse_ptr": "*fp32"}
+        tag = f"d{f} G{g}" + ("" if dname == "fp16" else f" {dname}")
+        strides = ("stride_qb", "stride_qh", "stride_qq", "stride_kb", "stride_kh", "stride_kq")
+        nbytes = dot.primitive_bitwidth // 8
+        for kernel, pick, extra in (
+                ("_prompt_lse_kernel", functools.partial(prefill_config, f, dense=True, operand_bytes=nbytes), {}),
+                ("_prompt_received_kernel", functools.partial(received_config, f, operand_bytes=nbytes),
+                 {"out_ptr": "*fp32"})):
+            base = pick(None)
+            out.append(Case(f"prompt significance {kernel.split('_')[2]} {tag}", "prompt_significance", kernel,
+                            dict(pointers, **extra),
+                            {"G": g, "F": f, "F_PAD": f, "BLOCK_M": base["BLOCK_M"], "BLOCK_N": base["BLOCK_N"],
+                             "DOT": dot, "PREC": prec}, divisible=strides,
+                            options={"num_warps": base["num_warps"], "num_stages": 2},
+                            arch={cc: pick((cc // 10, cc % 10)) for cc in (80, 90)}))
     for model, dname in (("llama3", "fp16"), ("smollm2", "fp32")):
         f, g, _ = MODELS[model]
         _, _, ptr, _ = operands[dname]
