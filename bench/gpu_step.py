@@ -3,6 +3,7 @@ DynamicCache side by side in one run, and decode tokens/s at a fixed KV budget.
 
     python bench/gpu_step.py --out results/gpu                  # both shapes, 1k and 4k tokens
     python bench/gpu_step.py --shapes smollm2 --contexts 1024 --batch 8
+    python bench/gpu_step.py --shapes smollm2 --contexts 1024 --profile neutral --out results/gpu
 
 No weights are needed: each shape is a random-init ``LlamaForCausalLM`` in bf16 with a real
 model's layer shapes (``smollm2``: SmolLM2-135M, all 30 layers; ``llama3-8b``: Llama-3-8B's layers,
@@ -26,6 +27,10 @@ and as many rows as its measured pages per row allow (from the batch run's peak 
 pool runs out the batch shrinks by one and runs again. Decode tokens/s = rows / median step time,
 reported against DynamicCache's ``--batch`` rows. Prefill is left out of that figure (it does
 not depend on the batch limit the way decode does; its ratio is in the first table).
+
+``--profile KV`` instead runs ``torch.profiler`` over one prefill and a few decode steps of each
+baseline and of LeanCache ``KV`` and writes the top ops (host and device time) to
+``gpu_step_profile.txt``.
 
 Report ratios; absolute times are printed for context. Random weights give the LeanKV policy
 attention patterns unlike a trained model's, so its high/low split (printed) is not a real one.
@@ -207,10 +212,11 @@ def measure(model, stock, shape: str, context: int, batch: int, kvs, steps: int,
 
 
 def profile(model, stock, context: int, batch: int, kv: str, steps: int = 3, top: int = 12) -> str:
-    """Where a decode step's time goes: ``torch.profiler`` over ``steps`` decode steps of
-    DynamicCache on the stock model, DynamicCache on the leankit-enabled model (leankit's hooks and
-    attention registration, no LeanCache) and LeanCache ``kv``; the wall time per step of each and
-    its top ops by self CPU time and by device time."""
+    """Where prefill and decode time go: ``torch.profiler`` over one prefill and ``steps`` decode
+    steps of DynamicCache on the stock model (SDPA without cuDNN, the baseline, and torch's default
+    choice), DynamicCache on the leankit-enabled model (leankit's hooks and attention registration,
+    no LeanCache) and LeanCache ``kv``; the wall time of each and its top ops by self CPU time and
+    by device time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     from transformers import DynamicCache
@@ -219,26 +225,39 @@ def profile(model, stock, context: int, batch: int, kv: str, steps: int = 3, top
     from leankit.cache import LeanCache
 
     ids, mask = prompts(batch, context, model.config.vocab_size, model.device)
-    kinds = {"DynamicCache, stock model": (stock, lambda: DynamicCache(config=stock.config)),
-             "DynamicCache, leankit-enabled model": (model, lambda: DynamicCache(config=model.config)),
-             f"LeanCache {kv}": (model, lambda: LeanCache(model, kv, max_seq_len=context + 3 * steps + 8))}
+    kinds = {"DynamicCache, stock model, SDPA without cuDNN": (stock, lambda: DynamicCache(config=stock.config),
+                                                                no_cudnn_sdpa),
+             "DynamicCache, stock model, default SDPA": (stock, lambda: DynamicCache(config=stock.config),
+                                                         contextlib.nullcontext),
+             "DynamicCache, leankit-enabled model": (model, lambda: DynamicCache(config=model.config),
+                                                     contextlib.nullcontext),
+             f"LeanCache {kv}": (model, lambda: LeanCache(model, kv, max_seq_len=context + 3 * steps + 8),
+                                 contextlib.nullcontext)}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     out = []
-    for name, (m, make) in kinds.items():
-        cache = make()
-        state = prefill(m, cache, ids, mask)
-        for _ in range(2 * steps):  # warm-up (compiles, allocator)
-            state = decode(m, cache, state)
-        walls = []
-        with torch_profile(activities=acts) as prof:
-            for _ in range(steps):
-                state, dt = timed(decode, m, cache, state)
-                walls.append(dt)
-        out.append(f"## {name}: {statistics.median(walls) * 1e3:.2f} ms per decode step (median of {steps})")
+
+    def report(title: str, prof, walls: list[float]) -> None:
+        out.append(f"## {title}: {statistics.median(walls) * 1e3:.2f} ms (median of {len(walls)})")
         ka = prof.key_averages()
         out.append(ka.table(sort_by="self_cpu_time_total", row_limit=top))
         if torch.cuda.is_available():
             out.append(ka.table(sort_by="self_cuda_time_total", row_limit=top // 2))
+
+    for name, (m, make, under) in kinds.items():
+        with under():
+            prefill(m, make(), ids, mask)  # warm-up (compiles, allocator)
+            cache = make()
+            with torch_profile(activities=acts) as prof:
+                state, dt = timed(prefill, m, cache, ids, mask)
+            report(f"{name}, prefill", prof, [dt])
+            for _ in range(2 * steps):  # warm-up
+                state = decode(m, cache, state)
+            walls = []
+            with torch_profile(activities=acts) as prof:
+                for _ in range(steps):
+                    state, dt = timed(decode, m, cache, state)
+                    walls.append(dt)
+            report(f"{name}, decode step", prof, walls)
     return "\n".join(out)
 
 

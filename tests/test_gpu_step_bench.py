@@ -55,3 +55,14 @@ def test_a_cpu_run_reports_every_config(bench, monkeypatch, tmp_path, capsys):
     md = (tmp_path / "gpu_step.md").read_text()
     assert md.count("| tiny (2) | 96 | 2 |") == 2
     assert "K4V2" in capsys.readouterr().out
+
+
+def test_profile_covers_every_kind_and_phase(bench, monkeypatch, tmp_path):
+    _tiny(bench, monkeypatch)
+    assert bench.main(["--cpu", "--shapes", "tiny", "--contexts", "64", "--batch", "2",
+                       "--profile", "K8V4:page_size=512", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "gpu_step_profile.txt").read_text()
+    heads = [line for line in text.splitlines() if line.startswith("## ")]
+    kinds = ("SDPA without cuDNN", "default SDPA", "leankit-enabled model", "LeanCache K8V4")
+    assert len(heads) == 8 and all(sum(k in h for h in heads) == 2 for k in kinds), heads
+    assert sum("prefill" in h for h in heads) == 4 and sum("decode step" in h for h in heads) == 4
