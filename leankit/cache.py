@@ -692,16 +692,26 @@ class LeanCache(Cache):
         else:
             self.pool.write_tokens(layout, page, off, k, v, score, pos, keep=keep)
 
-    def write_step_tokens(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, score=None) -> None:
+    def write_step_tokens(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, score=None, *,
+                          take: torch.Tensor | None = None, rank: torch.Tensor | None = None, tier: int = HIGH) -> None:
         """Kernel backend: the step's real new tokens of ``layer`` (``k``/``v`` ``[B, H, Q, F]``, the
         basis the pages hold) into the next high-tier slots of their heads, and the heads' token
         counts advanced by the step's, in one launch for a decode step
         (:func:`leankit_kernels.quant.store_step_tokens`). ``score``: the tokens' initial
         significance, None (0), ``[B, H, Q]`` or ``[B * Q * H]`` in token order. NaN/Inf K/V raise
-        the layer's device error flag, read once at the end of the step."""
+        the layer's device error flag, read once at the end of the step.
+
+        With ``take``/``rank`` (bool / int ``[B, H, Q]``: the tokens each head keeps in ``tier`` and
+        their ranks among them) only those tokens are written, into ``tier``'s next slots, and the
+        counts are left to the caller (a LeanKV prompt classified per head before it is stored)."""
         from leankit_kernels.quant import store_step_tokens
 
-        lens = self.table.lens[HIGH, layer]
+        lens = self.table.lens[tier, layer]
+        if take is not None:
+            store_step_tokens(self.pool.storage, self.layouts[tier], k, v, take, rank, step.q_pos, lens,
+                              self.table.tables[layer], self._kv_err[layer: layer + 1], score=score,
+                              low=tier == LOW, update_lens=False)
+            return
         store_step_tokens(self.pool.storage, self.layouts[HIGH], k, v, step.real, step.rank, step.q_pos, lens,
                           self.table.tables[layer], self._kv_err[layer: layer + 1], score=score)
         if k.shape[2] > 1:  # several queries per row: the kernel left the counts to add here

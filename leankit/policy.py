@@ -671,13 +671,16 @@ class _Base:
         return need_h, need_l, cur_h, cur_l, r
 
     def _plan_pages(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
-                    reserve: torch.Tensor | None):
+                    reserve: torch.Tensor | None, new_tokens: bool = False):
         """Grant the pages of :meth:`_fit_pages` before anything moves; returns ``(need_h, need_l, r,
         ok)``: ``r`` ``[L', B, H]`` high pages that :meth:`_move_tail_pages` hands to the low side
-        once they are empty, ``ok`` the device flag of the grant (``r`` is zero when refused)."""
+        once they are empty, ``ok`` the device flag of the grant (``r`` is zero when refused).
+        ``new_tokens``: the counts include tokens not stored yet (a prompt), so a single tier may
+        need pages too."""
         cache, table = self.cache, self.cache.table
         need_h, need_l, cur_h, cur_l, r = self._page_need(layers, len_h, len_l, reserve)
-        if reserve is None and len(cache.layouts) == 1:  # tokens only leave one tier: no head needs a page
+        if reserve is None and not new_tokens and len(cache.layouts) == 1:
+            # tokens only leave one tier: no head needs a page
             return need_h, need_l, r, torch.ones((), dtype=torch.bool, device=len_h.device)
         extra = torch.zeros_like(table.n_pages)
         extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
@@ -938,8 +941,12 @@ class LeanKVPolicy(_Base):
         layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
         lens = cache.table.lens[:, layer].long()  # [2, B, H]
         counts = [(valid & (cls == c)).sum(-1) for c in (KEEP_HIGH, KEEP_LOW)]
-        need_h, need_l = self._fit_pages(layers, (lens[HIGH] + counts[0]).unsqueeze(0),
-                                         (lens[LOW] + counts[1]).unsqueeze(0))
+        len_h, len_l = (lens[HIGH] + counts[0]).unsqueeze(0), (lens[LOW] + counts[1]).unsqueeze(0)
+        if use_triton(k):
+            self.pruned_mass[layer] += self._store_prompt_fixed(layer, layers, k, v, step, score, valid, cls,
+                                                                len_h, len_l)
+            return
+        need_h, need_l = self._fit_pages(layers, len_h, len_l)
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW)):
             take = valid & (cls == c)
             bi, hi, qi = take.nonzero(as_tuple=True)
@@ -948,8 +955,36 @@ class LeanKVPolicy(_Base):
                 cache.write_tokens(tier, layer, bi, hi, slot, k[bi, hi, qi], v[bi, hi, qi], pos[bi, hi, qi],
                                    score[bi, hi, qi])
         self.pruned_mass[layer] += _masked_sum(score, valid & (cls == PRUNED))
-        self._set_lens_and_shrink(layers, (lens[HIGH] + counts[0]).unsqueeze(0),
-                                  (lens[LOW] + counts[1]).unsqueeze(0), need_h, need_l)
+        self._set_lens_and_shrink(layers, len_h, len_l, need_h, need_l)
+
+    def _store_prompt_fixed(self, layer: int, layers: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,
+                            score: torch.Tensor, valid: torch.Tensor, cls: torch.Tensor, len_h: torch.Tensor,
+                            len_l: torch.Tensor) -> torch.Tensor:
+        """:meth:`store` of a classified prompt on the kernel backend, with no host read: the pages
+        as one deferred grant whose device flag ``ok`` gates everything after it (a refused grant
+        writes no token and changes no count; :meth:`LeanCache.end_step` raises
+        ``PoolExhausted``), surplus high pages to the low side by a dense rewrite of the table rows,
+        one store launch per tier straight from the model's ``[B, H, Q, F]`` K/V (each kept
+        token's slot is its head's count plus its rank among the head's tokens of that tier: no
+        list of the kept tokens and no gathered copy of them), a deferred recycle. Returns the
+        significance pruned (0 when refused)."""
+        cache, table = self.cache, self.cache.table
+        two = len(cache.layouts) > 1
+        need_h, need_l, r, ok = self._plan_pages(layers, len_h, len_l, None, new_tokens=True)
+        if two:
+            self._move_tail_pages(layers, r)
+        for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW))[: 1 + two]:
+            take = valid & (cls == c) & ok
+            rank = torch.cumsum(take.to(torch.int32), -1) - 1
+            cache.write_step_tokens(layer, k, v, step, score, take=take, rank=rank, tier=tier)
+        lens, n_pages = table.lens, table.n_pages
+        for tier, new in ((HIGH, len_h), (LOW, len_l)):
+            lens[tier, layers] = torch.where(ok, new, lens[tier].index_select(0, layers).long()).to(lens.dtype)
+        keep = n_pages.clone()
+        for tier, need in ((HIGH, need_h), (LOW, need_l)):
+            keep[tier, layers] = torch.where(ok, need, keep[tier].index_select(0, layers).long()).to(keep.dtype)
+        table.shrink(keep, cache.free_list, defer=True)
+        return _masked_sum(score, valid & (cls == PRUNED)) * ok
 
     def after_store(self, layer: int, step) -> None:
         """Prompt phase: classify ``layer``'s tokens of the rows that just stored their prompt."""

@@ -236,3 +236,45 @@ def test_padded_pages_keep_the_group_sizes_they_can(monkeypatch):
     assert kp.shape[-1] == qp.shape[-1] == 16 and torch.equal(kp[..., :12], k) and torch.equal(qp[..., :12], k)
     assert torch.equal(kp[..., 12:], k[..., :1].expand(2, 2, 3, 4)) and not qp[..., 12:].any()
     assert torch.equal(cache.from_page_basis(kp), k)
+
+
+def test_leankv_prompt_goes_to_its_tiers_in_one_launch_per_tier(monkeypatch):
+    """A LeanKV prompt, classified per head before it is stored, goes to its tiers with one store
+    launch per tier and layer on the kernel backend (no list of the kept tokens, which would read
+    the device, and no gathered copy of them), leaving the same slots, positions, scores and
+    dequantized K/V as the torch backend; pruned tokens are written nowhere."""
+    import leankit_kernels.quant as qu
+
+    from leankit.policy import read_tier_meta, read_tokens
+    from leankit.testing import left_padded_batch
+
+    _garbage_pool(monkeypatch)
+    model = _tiny_llama()
+    ids, mask = left_padded_batch(rows=3, width=40, pad_step=7, vocab=100)
+    kept = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LEANKIT_BACKEND", backend)
+        calls = {}
+        if backend == "triton":
+            _spy(monkeypatch, qu, "store_step_tokens", calls)
+            _spy(monkeypatch, qu, "quantize_into_pages", calls)
+        cache = LeanCache(model, "K8V4-K4V2", th=0.4, tl=0.1, window=4)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+        if backend == "triton":
+            assert calls == {"store_step_tokens": 2 * cache.num_layers}, calls
+        layers = torch.arange(cache.num_layers)
+        tiers = []
+        for tier, layout in enumerate(cache.layouts):
+            meta = read_tier_meta(cache, tier, layers)
+            slot = meta.valid.nonzero(as_tuple=True)
+            page = meta.ids.repeat_interleave(layout.tokens, -1)[slot]
+            k, v = read_tokens(cache.pool, layout, page, slot[-1] % layout.tokens)
+            tiers.append((meta.valid, meta.pos[slot], meta.score[slot], k, v))
+        kept[backend] = (tiers, cache.memory_report()["tokens_per_tier"])
+    (want, want_tiers), (got, got_tiers) = kept["torch"], kept["triton"]
+    assert got_tiers == want_tiers and want_tiers["low"] > 0 and want_tiers["pruned"] > 0, want_tiers
+    for tier, (w, g) in enumerate(zip(want, got)):
+        assert torch.equal(g[0], w[0]), f"tier {tier}: different slots hold tokens"
+        for what, a, b in zip(("position", "score", "k", "v"), g[1:], w[1:]):
+            assert torch.equal(a, b), f"tier {tier}: {what} differs"

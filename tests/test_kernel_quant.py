@@ -180,18 +180,22 @@ def _step_case(spec, dtype, bsz, heads, nq, head_dim, gen, **overrides):
     return lay, pool, table, lens, real, k, v, q_pos
 
 
-def _step_reference(pool, lay, table, lens, real, rank, k, v, q_pos, score):
+def _step_reference(pool, lay, table, lens, real, rank, k, v, q_pos, score, low=False):
     """Pool bytes after writing every real token with a page at slot lens[b, h] + rank[b, q]
-    through the reference PagePool.write_rows."""
+    (``real``/``rank`` ``[B, Q]``, or per head ``[B, H, Q]``) through the reference
+    PagePool.write_rows; ``low``: the tier's pages from the right of the table row."""
     bsz, heads, nq, _ = k.shape
+    if real.dim() == 2:
+        real, rank = (x.unsqueeze(1).expand(bsz, heads, nq) for x in (real, rank))
     pages, slots, rows = [], [], []
     for b in range(bsz):
         for q in range(nq):
             for h in range(heads):
-                if not real[b, q]:
+                if not real[b, h, q]:
                     continue
-                slot = int(lens[b, h]) + int(rank[b, q])
-                page = int(table[b, h, slot // lay.tokens])
+                slot = int(lens[b, h]) + int(rank[b, h, q])
+                col = slot // lay.tokens
+                page = int(table[b, h, table.shape[2] - 1 - col if low else col])
                 if page < 0:
                     continue
                 pages.append(page)
@@ -237,6 +241,33 @@ def test_store_step_tokens_matches_the_reference(spec, overrides, dtype, nq, sco
     assert diff.numel() == 0, f"seed {seed}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}"
     assert torch.equal(lens, want_lens), f"seed {seed}"
     assert int(err) == 0
+
+
+@pytest.mark.parametrize("spec,tier", [("K8V4-K4V2", 1), ("K8V4-K4V2", 0), ("K4V2-K2V1", 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_step_tokens_per_head_into_a_tier(spec, tier, dtype):
+    """A LeanKV prompt's store: each head keeps its own tokens (``real``/``rank`` ``[B, H, Q]``) in
+    one tier, the low tier's pages read from the right of the table row; counts left to the caller."""
+    from leankit_kernels.quant import store_step_tokens
+
+    gen, seed = fresh_generator()
+    bsz, heads, nq, head_dim = 3, 2, 9, 32
+    _, pool, table, lens, real, k, v, q_pos = _step_case("K8V4", dtype, bsz, heads, nq, head_dim, gen)
+    lay = PageLayout.build(KVConfig.parse(spec), tier, head_dim, dtype)
+    lens = torch.randint(0, 2 * lay.tokens, (bsz, heads), generator=gen, dtype=torch.int32)
+    cols = (int(lens.max()) + nq) // lay.tokens + 1
+    table = torch.randperm(pool.num_pages, generator=gen)[: bsz * heads * cols].to(torch.int32).reshape(bsz, heads, cols)
+    take = real.unsqueeze(1) & (torch.rand(bsz, heads, nq, generator=gen) < 0.6)  # per head: some pruned
+    rank = torch.cumsum(take.int(), -1) - 1
+    score = torch.rand(bsz, heads, nq, generator=gen)
+    want = _step_reference(pool, lay, table, lens, take, rank, k, v, q_pos, score, low=tier == 1)
+    before = lens.clone()
+    err = torch.zeros(1, dtype=torch.int32)
+    store_step_tokens(pool.storage, lay, k, v, take, rank, q_pos, lens, table, err, score=score, low=tier == 1,
+                      update_lens=False)
+    diff = (pool.storage != want).nonzero()
+    assert diff.numel() == 0, f"seed {seed}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}"
+    assert torch.equal(lens, before) and int(err) == 0, f"seed {seed}"
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy sees the NaN too

@@ -708,3 +708,66 @@ if __name__ == "__main__":
         print(f"{name:14s} per decode step: {totals} in all, {layers} inside layers")
         if "-v" in sys.argv:
             print(per_step[-1].report())
+
+
+# A prompt's attention on a CPU runs CPU-only helpers (its causal spans are listed on the host);
+# on a GPU it is SDPA plus the significance kernels. What a LeanKV prompt adds is its store.
+_CPU_PROMPT_SITES = ("prompt_attention.py",)
+
+
+@pytest.mark.parametrize("spec,overrides", [("K8V4-K4V2", {"th": 0.4, "tl": 0.1, "window": 4}),
+                                            ("K8V4-K4V2", {"th": 0.25, "tl": 0.0, "group_size": 8, "rotate": 1}),
+                                            ("K8V4", {"policy": "leankv", "tl": 0.2, "window": 4})])
+def test_leankv_prompt_store_reads_nothing_back_inside_layers(spec, overrides, monkeypatch):
+    """A LeanKV prompt, classified per head, is stored on the kernel backend with no host read in
+    any layer: its pages come from a deferred grant, its tokens from one store launch per tier, the
+    recycle is deferred (before: a nonzero per tier, a grant, a relabel and a shrink read the device
+    in every layer)."""
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    model = tiny_model("llama-gqa", num_hidden_layers=3)
+    ids, mask = left_padded_batch(rows=3, width=30, pad_step=5)
+    cache = LeanCache(model, spec, num_pages=300, **overrides)
+    counter = SyncCounter()
+    handles = layer_phase_hooks(model, counter)
+    try:
+        with torch.no_grad(), counter:
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    ours = [(ph, op, site) for (ph, op, site) in counter.counts
+            if ph.startswith("layer") and not any(s in site for s in _CPU_PROMPT_SITES)]
+    assert not ours, counter.report()
+    report = cache.memory_report()
+    assert report["tokens_per_tier"]["pruned"] > 0 or overrides.get("tl") == 0.0, report["tokens_per_tier"]
+
+
+def test_short_pool_for_a_leankv_prompt_raises_and_stores_nothing(monkeypatch):
+    """A LeanKV prompt whose pages do not fit a fixed pool: PoolExhausted at the end of the step,
+    no token stored and nothing pruned (the pages earlier layers were granted stay with their
+    heads, as a dropped step's reserved pages do, and every page is either free or owned once); the
+    cache goes on: a smaller batch fits after a reset."""
+    from leankit import PoolExhausted
+
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    model = tiny_model("llama-gqa", num_hidden_layers=3)
+    ids, mask = left_padded_batch(rows=3, width=30, pad_step=5)
+    kw = {"th": 0.4, "tl": 0.1, "window": 4, "page_size": 256}
+    probe = LeanCache(model, "K8V4-K4V2", **kw)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, probe), use_cache=True)
+    need = probe.memory_report()["pages_used"]
+    cache = LeanCache(model, "K8V4-K4V2", num_pages=need - 1, **kw)
+    with pytest.raises(PoolExhausted), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+    assert int(cache.table.lens.sum()) == 0 and float(cache.policy.pruned_mass.sum()) == 0.0
+    owned = cache.table.tables[cache.table.tables >= 0]
+    assert owned.numel() == int(cache.table.n_pages.sum()) and owned.unique().numel() == owned.numel()
+    fl = cache.free_list
+    fl.sync()
+    assert fl.capacity == need - 1 and fl.num_free == fl.capacity - owned.numel()
+    assert not set(fl.free_ids().tolist()) & set(owned.tolist())
+    cache.reset()
+    with torch.no_grad():  # two of the three rows fit
+        model(input_ids=ids[:2], attention_mask=mask[:2], **cache_kwargs(model, cache), use_cache=True)
+    assert cache.memory_report()["tokens_per_tier"]["low"] > 0

@@ -103,7 +103,8 @@ def cases() -> list[Case]:
                         dict(layout_constexprs(lay), BLOCK_N=quant_block_n(128)),
                         options={"num_warps": 4, "num_stages": 2, "enable_fp_fusion": False}))
     # A step's store straight from [B, H, Q, F] K/V: a decode step (one query: counts advanced in the
-    # kernel, received significance) and a prompt (flat scores), fp16 and fp32 models
+    # kernel, received significance) and a prompt (flat scores) into the low tier's pages (a LeanKV
+    # prompt's classified tokens), fp16 and fp32 models
     for spec, model, dname, score, one in (("K8V4", "llama3", "fp16", 1, True), ("K4V2", "smollm2", "fp32", 2, False)):
         lay = _layouts(spec, model, operands[dname][0])[0]
         ptr = operands[dname][2]
@@ -111,7 +112,7 @@ def cases() -> list[Case]:
                         {"k_ptr": ptr, "v_ptr": ptr, "real_ptr": "*u8", "rank_ptr": "*i64", "qpos_ptr": "*i32",
                          "score_ptr": "*fp32", "lens_ptr": "*i32", "tab_ptr": "*i32", "pool": "*u8", "err": "*i32"},
                         dict(layout_constexprs(lay), BLOCK_N=quant_block_n(lay.head_dim), SCORE=score,
-                             UPDATE_LENS=one), divisible=("skb", "skh", "skq", "svb", "svh", "svq"),
+                             UPDATE_LENS=one, LOW=not one), divisible=("skb", "skh", "skq", "svb", "svh", "svq"),
                         options={"num_warps": 4, "num_stages": 2, "enable_fp_fusion": False}))
     lay = _layouts("K4V2", "llama3")[0]
     out.append(Case("dequantize K4V2 d128", "quant", "_dequantize_kernel",

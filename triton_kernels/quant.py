@@ -173,15 +173,16 @@ STORE_DYNAMIC = ("n", "H", "Q", "R", "ssb", "ssh", "ssq", "srb", "srq", "sxb", "
 
 
 @triton.jit(**tiles.jit_options(STORE_DYNAMIC))
-def _store_step_kernel(k_ptr, v_ptr, skb, skh, skq, svb, svh, svq, real_ptr, srb, srq, rank_ptr, sxb, sxq,
+def _store_step_kernel(k_ptr, v_ptr, skb, skh, skq, svb, svh, svq, real_ptr, srb, srh, srq, rank_ptr, sxb, sxh, sxq,
                        qpos_ptr, sqb, sqq, score_ptr, ssb, ssh, ssq, lens_ptr, tab_ptr, pool, err, n, H, Q, R,
                        F: tl.constexpr, PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, TIER: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SCORE: tl.constexpr, UPDATE_LENS: tl.constexpr):
+                       BLOCK_N: tl.constexpr, SCORE: tl.constexpr, UPDATE_LENS: tl.constexpr, LOW: tl.constexpr):
     """Store a step's new tokens of one layer straight from the model's ``[B, H, Q, F]`` K/V.
 
     Token ``i`` of the ``n = B * Q * H`` is (row ``b``, query ``q``, KV head ``h``), ``i = (b Q + q) H
-    + h``. A real token (``real[b, q]``) goes to high-tier slot ``lens[b, h] + rank[b, q]`` of its
-    head, whose page the table names (§5.2 bidirectional row, high pages from the left). ``SCORE``:
+    + h``. A token to store (``real[b, h, q]``; ``srh = 0`` when every head stores the same tokens)
+    goes to slot ``lens[b, h] + rank[b, h, q]`` of its head in this tier, whose page the table
+    names (§5.2 bidirectional row: high pages from the left, ``LOW`` pages from the right). ``SCORE``:
     0 stores significance 0, 1 reads ``score[b, h, q]`` (strided), 2 reads ``score[i]``.
     ``UPDATE_LENS`` (one query per row: each head's count belongs to one token): ``lens[b, h] +=
     real[b, 0]`` here, so the step's token count needs no launch of its own.
@@ -192,11 +193,11 @@ def _store_step_kernel(k_ptr, v_ptr, skb, skh, skq, svb, svh, svq, real_ptr, srb
     bq = i // H
     q = bq % Q
     b = (bq // Q).to(tl.int64)
-    keep = inb & (tl.load(real_ptr + b * srb + q * srq, mask=inb, other=0) != 0)
+    keep = inb & (tl.load(real_ptr + b * srb + h * srh + q * srq, mask=inb, other=0) != 0)
     bh = b * H + h
     lens = tl.load(lens_ptr + bh, mask=inb, other=0)
-    slot = lens + tl.load(rank_ptr + b * sxb + q * sxq, mask=keep, other=0).to(tl.int32)
-    page, row = tiles.slot_pages(tab_ptr + bh * R, slot, keep, R, TIER.T, False)
+    slot = lens + tl.load(rank_ptr + b * sxb + h * sxh + q * sxq, mask=keep, other=0).to(tl.int32)
+    page, row = tiles.slot_pages(tab_ptr + bh * R, slot, keep, R, TIER.T, LOW)
     # A page the step could not get is -1 in the table: the token is skipped (the step's refused
     # grant raises at its end), as in quantize_into_pages.
     valid = keep & (page >= 0)
@@ -299,8 +300,8 @@ def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.T
 def store_step_tokens(storage: torch.Tensor, layout: PageLayout, k: torch.Tensor, v: torch.Tensor,
                       real: torch.Tensor, rank: torch.Tensor, q_pos: torch.Tensor, lens: torch.Tensor,
                       table: torch.Tensor, err: torch.Tensor, *, score: torch.Tensor | None = None,
-                      block_n: int | None = None) -> None:
-    """Quantize a step's new tokens of one layer into their next high-tier slots, in one launch.
+                      low: bool = False, update_lens: bool | None = None, block_n: int | None = None) -> None:
+    """Quantize a step's new tokens of one layer into their next slots of one tier, in one launch.
 
     Byte-for-byte what :func:`quantize_into_pages` writes for the same tokens, without the index
     ops that would list them, look their pages up and gather their rows first (a decode step's
@@ -308,15 +309,18 @@ def store_step_tokens(storage: torch.Tensor, layout: PageLayout, k: torch.Tensor
 
     Args:
         storage: the pool's uint8 ``[num_pages, page_size]`` tensor (written in place).
-        layout: the high tier's :class:`~leankit.pages.PageLayout`.
+        layout: the tier's :class:`~leankit.pages.PageLayout` (the high tier's unless ``low``).
         k, v: ``[B, H, Q, F]`` the step's keys and values in the basis the pages hold (any
             strides, last dim contiguous).
-        real: bool ``[B, Q]``: the tokens to store; rank: int ``[B, Q]``: each real token's index
-            among its row's real new tokens; q_pos: int ``[B, Q]`` positions.
-        lens: int32 ``[B, H]`` (contiguous) tokens each head holds before the step; with one query
-            per row (``Q == 1``) it is advanced in place by ``real``, otherwise the caller adds the
-            step's counts.
-        table: int32 ``[B, H, R]`` (contiguous) the layer's page table (high pages from the left).
+        real: bool ``[B, Q]`` (every head stores the same tokens) or ``[B, H, Q]`` (per head: a
+            LeanKV prompt whose tokens each head classified): the tokens to store; rank: int of
+            the same shape, each stored token's index among its head's stored new tokens; q_pos:
+            int ``[B, Q]`` positions.
+        lens: int32 ``[B, H]`` (contiguous) tokens each head holds in the tier before the step;
+            with ``update_lens`` (default: one query per row, ``Q == 1``) it is advanced in place
+            by ``real``, otherwise the caller sets the counts.
+        table: int32 ``[B, H, R]`` (contiguous) the layer's page table (high pages from the left,
+            low pages from the right: ``low`` writes into those).
         err: the layer's int32 device error flag (raised on NaN/Inf or an fp16 overflow of the
             metadata; see :func:`quantize_into_pages`).
         score: initial significance: None (0), ``[B, H, Q]`` float, or ``[B * Q * H]`` float in
@@ -329,8 +333,8 @@ def store_step_tokens(storage: torch.Tensor, layout: PageLayout, k: torch.Tensor
     check_head_dim(f)
     if v.shape != k.shape or f != layout.head_dim:
         raise ValueError(f"k and v must be [B, H, Q, {layout.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if real.shape != (bsz, nq) or rank.shape != (bsz, nq) or q_pos.shape != (bsz, nq):
-        raise ValueError(f"real, rank and q_pos must be [{bsz}, {nq}]")
+    if real.shape not in ((bsz, nq), (bsz, heads, nq)) or rank.shape != real.shape or q_pos.shape != (bsz, nq):
+        raise ValueError(f"real and rank must both be [{bsz}, {nq}] or [{bsz}, {heads}, {nq}], q_pos [{bsz}, {nq}]")
     if lens.shape != (bsz, heads) or not lens.is_contiguous() or lens.dtype != torch.int32:
         raise ValueError(f"lens must be a contiguous int32 [{bsz}, {heads}] tensor")
     if table.shape[:2] != (bsz, heads) or not table.is_contiguous() or table.dtype != torch.int32:
@@ -341,6 +345,9 @@ def store_step_tokens(storage: torch.Tensor, layout: PageLayout, k: torch.Tensor
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     real = tiles.flag_bytes(real)
+    # [B, Q] flags and ranks are shared by the heads: stride 0 along H
+    rstr = real.stride() if real.dim() == 3 else (real.stride(0), 0, real.stride(1))
+    xstr = rank.stride() if rank.dim() == 3 else (rank.stride(0), 0, rank.stride(1))
     if score is None:
         mode, score, sstr = 0, lens, (0, 0, 0)
     elif score.dim() == 3:
@@ -353,9 +360,10 @@ def store_step_tokens(storage: torch.Tensor, layout: PageLayout, k: torch.Tensor
         mode, score, sstr = 2, score.reshape(-1).contiguous(), (0, 0, 0)
     bn = block_n or quant_block_n(f)
     kernel_for(_store_step_kernel, storage.device)[(tiles.cdiv(n, bn),)](
-        k, v, *k.stride()[:3], *v.stride()[:3], real, *real.stride(), rank, *rank.stride(), q_pos, *q_pos.stride(),
+        k, v, *k.stride()[:3], *v.stride()[:3], real, *rstr, rank, *xstr, q_pos, *q_pos.stride(),
         score, *sstr, lens, table, storage, err, n, heads, nq, table.shape[2],
-        BLOCK_N=bn, SCORE=mode, UPDATE_LENS=nq == 1, num_warps=4, enable_fp_fusion=False, **layout_constexprs(layout))
+        BLOCK_N=bn, SCORE=mode, UPDATE_LENS=nq == 1 if update_lens is None else update_lens, LOW=low, num_warps=4,
+        enable_fp_fusion=False, **layout_constexprs(layout))
 
 
 # What a raised error flag means (the kernel does not tell the two causes apart).
