@@ -643,17 +643,7 @@ class _Base:
                                torch.zeros_like(lo_slot)).reshape(-1)
             cache.write_tokens(LOW, lay, bi, hi, slot, k, v, mv_pos, mv_score, keep=keep)
         # 5. token counts and one deferred recycle, both kept as they were when the grant was refused
-        lens = table.lens
-        len_h = torch.where(ok, len_h, lens[HIGH].index_select(0, layers).long())
-        final_l = torch.where(ok, final_l, lens[LOW].index_select(0, layers).long())
-        lens[HIGH, layers] = len_h.to(lens.dtype)
-        lens[LOW, layers] = final_l.to(lens.dtype)
-        keep_pages = table.n_pages.clone()
-        keep_pages[HIGH, layers] = torch.where(ok, need_h, keep_pages[HIGH].index_select(0, layers).long()).to(
-            keep_pages.dtype)
-        keep_pages[LOW, layers] = torch.where(ok, need_l, keep_pages[LOW].index_select(0, layers).long()).to(
-            keep_pages.dtype)
-        table.shrink(keep_pages, cache.free_list, defer=True)
+        self._set_lens_and_shrink(layers, len_h, final_l, need_h, need_l, ok=ok)
         return pruned * ok
 
     def _page_need(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
@@ -750,15 +740,20 @@ class _Base:
         cache.grow_pages(extra)
         return need_h, need_l
 
-    def _set_lens_and_shrink(self, layers, len_h, len_l, need_h, need_l) -> None:
-        """Record the tiers' new token counts and recycle every page past ``need_*`` in one call."""
+    def _set_lens_and_shrink(self, layers, len_h, len_l, need_h, need_l, ok: torch.Tensor | None = None) -> None:
+        """Record the tiers' new token counts and recycle every page past ``need_*`` in one call.
+
+        ``ok``: the device flag of a deferred grant (kernel backend): where it is false the counts
+        and pages stay as they were, and the recycle is deferred too (no host read)."""
         table = self.cache.table
-        table.lens[HIGH, layers] = len_h.to(table.lens.dtype)
-        table.lens[LOW, layers] = len_l.to(table.lens.dtype)
-        keep = table.n_pages.clone()
-        keep[HIGH, layers] = need_h.to(keep.dtype)
-        keep[LOW, layers] = need_l.to(keep.dtype)
-        table.shrink(keep, self.cache.free_list)
+        lens, keep = table.lens, table.n_pages.clone()
+        for tier, new, need in ((HIGH, len_h, need_h), (LOW, len_l, need_l)):
+            if ok is not None:
+                new = torch.where(ok, new, lens[tier].index_select(0, layers).long())
+                need = torch.where(ok, need, keep[tier].index_select(0, layers).long())
+            lens[tier, layers] = new.to(lens.dtype)
+            keep[tier, layers] = need.to(keep.dtype)
+        table.shrink(keep, self.cache.free_list, defer=ok is not None)
 
 
 class FullPolicy(_Base):
@@ -968,7 +963,7 @@ class LeanKVPolicy(_Base):
         token's slot is its head's count plus its rank among the head's tokens of that tier: no
         list of the kept tokens and no gathered copy of them), a deferred recycle. Returns the
         significance pruned (0 when refused)."""
-        cache, table = self.cache, self.cache.table
+        cache = self.cache
         two = len(cache.layouts) > 1
         need_h, need_l, r, ok = self._plan_pages(layers, len_h, len_l, None, new_tokens=True)
         if two:
@@ -977,13 +972,7 @@ class LeanKVPolicy(_Base):
             take = valid & (cls == c) & ok
             rank = torch.cumsum(take.to(torch.int32), -1) - 1
             cache.write_step_tokens(layer, k, v, step, score, take=take, rank=rank, tier=tier)
-        lens, n_pages = table.lens, table.n_pages
-        for tier, new in ((HIGH, len_h), (LOW, len_l)):
-            lens[tier, layers] = torch.where(ok, new, lens[tier].index_select(0, layers).long()).to(lens.dtype)
-        keep = n_pages.clone()
-        for tier, need in ((HIGH, need_h), (LOW, need_l)):
-            keep[tier, layers] = torch.where(ok, need, keep[tier].index_select(0, layers).long()).to(keep.dtype)
-        table.shrink(keep, cache.free_list, defer=True)
+        self._set_lens_and_shrink(layers, len_h, len_l, need_h, need_l, ok=ok)
         return _masked_sum(score, valid & (cls == PRUNED)) * ok
 
     def after_store(self, layer: int, step) -> None:

@@ -166,10 +166,11 @@ def _finish_tokens(valid, pool, page, row, err, bad, score_src, pos_src, HAS_SCO
 
 
 # Runtime integers of the step-store kernel that change from step to step or batch to batch
-# (tokens, heads, queries, table width, the strides of the [B, Q] step tensors and the scores): not
-# specialized on (a variant compile each). The K/V strides are: all multiples of 16 for any
-# head_dim the kernels take, so the rows load as 16-byte vectors, and their class never changes.
-STORE_DYNAMIC = ("n", "H", "Q", "R", "ssb", "ssh", "ssq", "srb", "srq", "sxb", "sxq", "sqb", "sqq")
+# (tokens, heads, queries, table width, the strides of the [B, Q] or [B, H, Q] step tensors and
+# the scores): not specialized on (a variant compile each). The K/V strides are: all multiples of
+# 16 for any head_dim the kernels take, so the rows load as 16-byte vectors, and their class never
+# changes.
+STORE_DYNAMIC = ("n", "H", "Q", "R", "ssb", "ssh", "ssq", "srb", "srh", "srq", "sxb", "sxh", "sxq", "sqb", "sqq")
 
 
 @triton.jit(**tiles.jit_options(STORE_DYNAMIC))
