@@ -233,13 +233,50 @@ def test_split_sizing_by_occupancy_and_per_head_work():
     skewed = choose_splits(8, 20000, g, f, ps, sms, total_pages=20000 + 7 * 100, resident=2)
     longest = choose_splits(8, 20000, g, f, ps, sms, resident=2)
     assert skewed > 4 * longest
-    # non-empty programs (pages per split = ceil(20000 / splits)) fill about the resident slots
+    # the programs that find pages (pages per split = ceil(20000 / splits)) fit the resident slots
     pps = -(-20000 // skewed)
     busy = -(-20000 // pps) + 7 * -(-100 // pps)
-    assert 2 * sms * 0.9 <= busy <= 2 * sms * 1.1, busy
+    assert 2 * sms * 0.8 <= busy <= 2 * sms, busy
     # short contexts: a split never reads fewer pages than the partials' traffic bound allows
     assert -(-1000 // choose_splits(8, 1000, g, f, ps, sms, 1070, resident=2)) >= 16
     # more resident programs per SM, more splits; the partials' traffic bound still holds
     assert choose_splits(8, 1000, g, f, ps, sms, 8 * 1000, resident=4) >= uniform
     assert choose_splits(1, 3, g, f, ps, sms, 3, resident=4) <= 3
     assert choose_splits(2, 40, g, f, ps, None) == 2 and choose_splits(2, 9, g, f, ps, None) == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_splits_never_spill_a_few_programs_into_another_wave(seed):
+    """A launch whose programs overflow the resident slots by a few runs a nearly empty second wave
+    (on an H100, d64 x 96 heads x 16k: 5 splits = 480 programs for 396 slots took 1.43x as long
+    as 4 splits = 384). The split count is the least modelled time ``waves x (pages per split +
+    overhead)`` (the fewest splits among equals) over every count the traffic bound allows whose
+    launch takes at most four waves more than one split per head (checked against all of them, on
+    random layer shapes), and for heads of equal length it is the most splits of that many
+    waves."""
+    import random
+
+    from leankit_kernels.paged_attention import SPLIT_BYTES_RATIO, choose_splits, split_time
+
+    rng = random.Random(seed)
+    for _ in range(200):
+        bh, max_pages = rng.randint(1, 600), rng.randint(1, 5000)
+        g, f, ps, sms, res = rng.choice([1, 3, 4, 8]), rng.choice([64, 128]), rng.choice([2048, 4096]), 132, rng.randint(1, 8)
+        total = rng.choice([None, rng.randint(max_pages, bh * max_pages)])
+        s = choose_splits(bh, max_pages, g, f, ps, sms, total, res)
+        work = total if total is not None else bh * max_pages
+        min_pages = max(1, -(-SPLIT_BYTES_RATIO * 8 * g * (f + 2) // ps))
+        cap = max(1, -(-max_pages // min_pages))
+        assert 1 <= s <= cap
+        slots = res * sms
+        w0 = -(-split_time(bh, max_pages, work, slots, 1)[1] // slots)
+        # every split count whose launch takes at most four waves more than one split per head's
+        shortlist = {k: split_time(bh, max_pages, work, slots, k) for k in range(1, cap + 1)}
+        shortlist = {k: t for k, (t, busy) in shortlist.items() if -(-busy // slots) <= w0 + 4}
+        best = min(shortlist.values())
+        assert shortlist[s] == best and s == min(k for k, t in shortlist.items() if t == best), \
+            (bh, max_pages, g, f, ps, res, total, s, shortlist[s], best)
+        pps = -(-max_pages // s)
+        if total is None and pps > 1:  # equal heads: no split count of as many waves has shorter programs
+            shorter = -(-max_pages // (pps - 1))  # the fewest splits with fewer pages each
+            assert shorter > cap or bh * shorter > -(-bh * s // slots) * slots, (bh, max_pages, s, slots)

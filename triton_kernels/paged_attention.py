@@ -49,6 +49,7 @@ registers, and quantize/pack writes whole rows).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -554,21 +555,66 @@ def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: 
                   total_pages: int | None = None, resident: int = CTAS_PER_SM) -> int:
     """Flash-decoding split factor for ``bh`` (sequence, KV head) programs of up to ``max_pages`` pages.
 
-    Pages per split are sized by the layer's whole work, ``total_pages`` summed over its heads
-    (default: every head as long as the longest): enough splits that the non-empty programs fill
-    every resident slot once (``resident * sms``: short contexts at small batch need split-K to
-    use the GPU at all), so heads with more pages get more splits and a few long heads do not
-    dictate the split of all. Never splits so small that the partials' traffic (``8 G (F + 2)``
-    bytes per split: fp32 written, then read by the reduce) exceeds ``1 / SPLIT_BYTES_RATIO`` of
-    the page bytes the split reads. Programs past their head's pages find an empty range and exit
-    at once. ``sms=None`` (interpreter): 2 splits.
+    The decode kernels are latency-bound, so a program's time is about its pages whatever else
+    runs beside it, and a launch takes ``waves x pages per split``, where a wave is one program in
+    each of the ``resident * sms`` slots. A launch that spills a few programs into a second wave
+    takes nearly twice as long as one that fits in the first (measured on an H100:
+    ``results/gpu-h100/decode_sweep_*``). So the split count is the one with the least modelled
+    time, ``ceil(busy / slots) * ceil(max_pages / splits)``, fewer splits on a tie (less partial
+    traffic and fewer reduce reads), among launches of at most four waves more than one split per
+    head needs (measured: one and two; many short programs pay their fixed work and the reduce
+    more often than the model charges). ``busy`` counts the programs that find pages: ``bh * splits``
+    for heads of equal length, at most ``total_pages / pages per split + bh`` when ``total_pages``
+    (summed over the layer's heads) says that most heads are shorter than the longest, so one long
+    head among short ones is split finer. Never splits so small that the partials' traffic
+    (``8 G (F + 2)`` bytes per split: fp32 written, then read by the reduce) exceeds
+    ``1 / SPLIT_BYTES_RATIO`` of the page bytes the split reads. Programs past their head's pages
+    find an empty range and exit at once. ``sms=None`` (interpreter): 2 splits.
     """
     min_pages = max(1, tiles.cdiv(SPLIT_BYTES_RATIO * 8 * g * (f + 2), page_size))
     if not sms:
         return max(1, min(2, tiles.cdiv(max_pages, min_pages)))
     work = total_pages if total_pages is not None else bh * max_pages
-    pps = max(min_pages, tiles.cdiv(max(1, work), resident * sms))
-    return max(1, tiles.cdiv(max_pages, pps))
+    return _fewest_waves_split(bh, max(1, max_pages), max(1, work), resident * sms,
+                               max(1, tiles.cdiv(max_pages, min_pages)))
+
+
+# A program's fixed work (query, table row, the partials it writes), in pages of reading.
+SPLIT_OVERHEAD_PAGES = 1
+
+
+def split_time(bh: int, max_pages: int, work: int, slots: int, splits: int) -> tuple[int, int]:
+    """``(modelled time in pages, busy programs)`` of a decode launch cut into ``splits`` per head
+    (:func:`choose_splits`): ``ceil(busy / slots)`` waves of ``ceil(max_pages / splits)`` pages
+    plus a program's fixed work (:data:`SPLIT_OVERHEAD_PAGES`)."""
+    pps = tiles.cdiv(max_pages, splits)
+    busy = min(bh * splits, tiles.cdiv(work, pps) + bh)
+    return tiles.cdiv(busy, slots) * (pps + SPLIT_OVERHEAD_PAGES), busy
+
+
+@functools.lru_cache(maxsize=4096)
+def _fewest_waves_split(bh: int, max_pages: int, work: int, slots: int, cap: int) -> int:
+    """The split count in ``1..cap`` of least :func:`split_time` (the fewest splits among equals).
+
+    Within ``w`` waves more splits only shorten the programs, so the best count for ``w`` waves
+    is the largest whose busy programs fit ``w * slots`` (busy grows with the splits): a binary
+    search per wave count, from the waves one split per head needs to four more. Cached: the
+    launcher asks once per layer and step, and the page bounds change every few steps."""
+    best, best_t = 1, split_time(bh, max_pages, work, slots, 1)[0]
+    w0 = tiles.cdiv(split_time(bh, max_pages, work, slots, 1)[1], slots)
+    for w in range(w0, w0 + 5):
+        lo, hi = 1, cap  # largest s in [1, cap] with busy(s) <= w * slots (s = 1 always qualifies here)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if split_time(bh, max_pages, work, slots, mid)[1] <= w * slots:
+                lo = mid
+            else:
+                hi = mid - 1
+        lo = tiles.cdiv(max_pages, tiles.cdiv(max_pages, lo))  # the fewest splits of that split size
+        t = split_time(bh, max_pages, work, slots, lo)[0]
+        if t < best_t or (t == best_t and lo < best):
+            best, best_t = lo, t
+    return best
 
 
 @dataclass(frozen=True)
