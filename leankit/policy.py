@@ -127,15 +127,14 @@ def significance_cutoffs(scores: torch.Tensor, eligible: torch.Tensor, total: to
     z = total.float()
     z = torch.where(z > 0, z, torch.ones_like(z)).unsqueeze(-1)
     cum = (pruned_mass.float().unsqueeze(-1) + torch.cumsum(mass, dim=-1)) / z
-    out = []
-    for t in thresholds:
-        reach = (cum >= t) & finite
-        first = reach.to(torch.int8).argmax(dim=-1, keepdim=True)
-        tau = torch.gather(sorted_s, -1, first).squeeze(-1)
-        out.append(torch.where(reach.any(-1), tau, inf))
-    if not out:
+    if not len(thresholds):
         return scores.new_zeros((*scores.shape[:-1], 0))
-    return torch.stack(out, dim=-1)
+    # the thresholds side by side, [..., T, S], then one pass for all: a comparison with a Python
+    # scalar each (a threshold tensor would be a host-to-device copy)
+    reach = torch.stack([cum >= float(t) for t in thresholds], dim=-2) & finite.unsqueeze(-2)
+    first = reach.to(torch.int8).argmax(dim=-1)  # [..., T]: the first sorted score reaching each threshold
+    tau = torch.gather(sorted_s, -1, first)
+    return torch.where(reach.any(-1), tau, inf)
 
 
 def _rank(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -159,7 +158,8 @@ def plan_unified(scores: torch.Tensor, tier: torch.Tensor, valid: torch.Tensor, 
         valid: ``[..., S]`` slot holds a token.
         cand: ``[..., S]`` the token leaves the recent window now and must be placed: the
             candidate ``t_c`` of Algorithm 1 (in the prompt phase, every token outside the window).
-        proc: ``[..., S]`` the token left the window earlier (already classified).
+        proc: ``[..., S]`` the token left the window earlier (already classified); ``None`` when
+            nothing is classified yet (the prompt phase: no victims, and ``tier`` may be one int).
         total, pruned_mass: ``[...]`` see :func:`significance_cutoffs`.
         th, tl: cumulative thresholds ``Th`` and ``Tl`` (``tl <= th``).
 
@@ -185,15 +185,18 @@ def plan_unified(scores: torch.Tensor, tier: torch.Tensor, valid: torch.Tensor, 
     victim exists and the result is the prompt-phase rule: with the candidates sorted by
     significance, cumulative ``< Tl`` pruned, ``< Th`` low, the rest high.
     """
-    eligible = valid & (cand | proc)
+    cand = cand & valid
+    eligible = cand if proc is None else valid & (cand | proc)
     cut = significance_cutoffs(scores, eligible, total, pruned_mass, (tl, th))
     tau_l, tau_h = cut[..., 0], cut[..., 1]
     tl_, th_ = tau_l.unsqueeze(-1), tau_h.unsqueeze(-1)
     cls = torch.where(scores >= th_, KEEP_HIGH, torch.where(scores >= tl_, KEEP_LOW, PRUNED))
+    if proc is None:  # the prompt phase: nothing classified yet, so no victims (see above)
+        return torch.where(cand, cls, torch.where(valid, int(tier), -1)), tau_l, tau_h
     new = torch.where(valid, tier.to(cls.dtype), torch.full_like(cls, -1))
-    new = torch.where(cand & valid, cls, new)
-    k_h = (cand & valid & (cls == KEEP_HIGH)).sum(-1, keepdim=True)
-    k_l = (cand & valid & (cls == KEEP_LOW)).sum(-1, keepdim=True)
+    new = torch.where(cand, cls, new)
+    k_h = (cand & (cls == KEEP_HIGH)).sum(-1, keepdim=True)
+    k_l = (cand & (cls == KEEP_LOW)).sum(-1, keepdim=True)
     # Algorithm 1 lines 7-12: victims among the classified high tokens below tau_h.
     pool_h = valid & proc & ~cand & (tier == HIGH) & (scores < th_)
     victim_h = pool_h & (_rank(scores, pool_h) < k_h)
@@ -925,17 +928,17 @@ class LeanKVPolicy(_Base):
         _, q_first, q_last = self._span
         b, h, q = received.shape
         pos = step.q_pos.long().view(b, 1, q).expand(b, h, q)
-        score = update_significance(torch.zeros_like(received), pos, received, q_first.view(b, 1, 1),
-                                    q_last.view(b, 1, 1))
+        # update_significance from a zero score is the received mass over the queries that saw the
+        # token (the same bits, with fewer launches)
+        score = received / (q_last.view(b, 1, 1) - pos + 1).clamp_min(1).to(received.dtype)
         score = score.to(torch.float16).float()  # classify on the value the page keeps
         valid = step.real.view(b, 1, q).expand(b, h, q)
         cand = valid & (pos <= (q_last - self.window).view(b, 1, 1))
         total = _masked_sum(score, valid) + self.pruned_mass[layer]
-        cls, _, _ = plan_unified(score, torch.full_like(pos, HIGH), valid, cand, torch.zeros_like(valid), total,
-                                 self.pruned_mass[layer], self.th, self.tl)
+        cls, _, _ = plan_unified(score, HIGH, valid, cand, None, total, self.pruned_mass[layer], self.th, self.tl)
         layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
         lens = cache.table.lens[:, layer].long()  # [2, B, H]
-        counts = [(valid & (cls == c)).sum(-1) for c in (KEEP_HIGH, KEEP_LOW)]
+        counts = [(cls == c).sum(-1) for c in (KEEP_HIGH, KEEP_LOW)]  # cls is -1 on invalid slots
         len_h, len_l = (lens[HIGH] + counts[0]).unsqueeze(0), (lens[LOW] + counts[1]).unsqueeze(0)
         if use_triton(k):
             self.pruned_mass[layer] += self._store_prompt_fixed(layer, layers, k, v, step, score, valid, cls,
@@ -969,11 +972,11 @@ class LeanKVPolicy(_Base):
         if two:
             self._move_tail_pages(layers, r)
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW))[: 1 + two]:
-            take = valid & (cls == c) & ok
+            take = (cls == c) & ok  # cls is -1 on invalid slots
             rank = torch.cumsum(take.to(torch.int32), -1) - 1
             cache.write_step_tokens(layer, k, v, step, score, take=take, rank=rank, tier=tier)
         self._set_lens_and_shrink(layers, len_h, len_l, need_h, need_l, ok=ok)
-        return _masked_sum(score, valid & (cls == PRUNED)) * ok
+        return _masked_sum(score, cls == PRUNED) * ok
 
     def after_store(self, layer: int, step) -> None:
         """Prompt phase: classify ``layer``'s tokens of the rows that just stored their prompt."""

@@ -257,3 +257,26 @@ def test_prompt_significance_is_the_mean_over_later_queries():
     s = update_significance(torch.zeros(n), torch.arange(n), received, torch.tensor(0), torch.tensor(n - 1))
     expected = torch.stack([p[i:, i].mean() for i in range(n)])
     torch.testing.assert_close(s, expected)
+
+
+@FAST
+@given(st.integers(0, 2**31 - 1), st.integers(1, 40), thresholds, st.floats(0.0, 0.5))
+def test_prompt_phase_shortcut_classifies_as_the_general_rule(seed, n, ths, pruned):
+    """``proc=None`` (nothing classified yet: the prompt phase, which skips the victim search) gives
+    the classes and cut-offs of the general rule with ``proc`` all false, on batched random heads
+    with dead slots and ties; and the cut-offs of several thresholds at once equal one at a time."""
+    th, tl = ths
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(2, 3, n, generator=g)
+    scores = torch.where(torch.rand(2, 3, n, generator=g) < 0.2, scores.roll(1, -1), scores)  # ties
+    valid = torch.rand(2, 3, n, generator=g) < 0.9
+    cand = valid & (torch.rand(2, 3, n, generator=g) < 0.8)
+    z = torch.where(valid, scores, 0).sum(-1) + pruned
+    pm = torch.full((2, 3), pruned)
+    general = plan_unified(scores, torch.full((2, 3, n), HIGH), valid, cand, torch.zeros_like(cand), z, pm, th, tl)
+    shortcut = plan_unified(scores, HIGH, valid, cand, None, z, pm, th, tl)
+    for a, b in zip(general, shortcut):
+        assert torch.equal(a, b)
+    both = significance_cutoffs(scores, valid, z, pm, (tl, th))
+    for i, t in enumerate((tl, th)):
+        assert torch.equal(both[..., i], significance_cutoffs(scores, valid, z, pm, (t,))[..., 0])

@@ -742,6 +742,29 @@ def test_leankv_prompt_store_reads_nothing_back_inside_layers(spec, overrides, m
     assert report["tokens_per_tier"]["pruned"] > 0 or overrides.get("tl") == 0.0, report["tokens_per_tier"]
 
 
+def test_leankv_prompt_store_launches_at_most_190_ops_a_layer(monkeypatch):
+    """What a LeanKV prompt's store launches around its kernels, per layer (each op a launch of
+    several microseconds of host time on a GPU, where this step is host-bound: about 290 launches a
+    layer at SmolLM2's shape on an H100, results/gpu-h100). The prompt phase classifies without the
+    victim search of Algorithm 1 (nothing is classified yet), both cut-offs come from one pass and
+    a token's first significance is one division: 245 ops a layer before, 180 after."""
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    model = tiny_model("llama-gqa", num_hidden_layers=3)
+    ids, mask = left_padded_batch(rows=3, width=30, pad_step=5)
+    cache = LeanCache(model, "K8V4-K4V2", num_pages=300, th=0.25, tl=0.0, group_size=8, rotate=1)
+    counter = LaunchCounter()
+    handles = layer_phase_hooks(model, counter)
+    try:
+        with torch.no_grad(), counter:
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    ours = sum(n for (ph, op, site), n in counter.counts.items()
+               if ph.startswith("layer") and not any(s in site for s in _CPU_PROMPT_SITES))
+    assert 0 < ours <= 190 * 3, f"{ours / 3:.0f} ops a layer\n" + counter.report()
+
+
 def test_short_pool_for_a_leankv_prompt_raises_and_stores_nothing(monkeypatch):
     """A LeanKV prompt whose pages do not fit a fixed pool: PoolExhausted at the end of the step,
     no token stored and nothing pruned (the pages earlier layers were granted stay with their
