@@ -925,7 +925,7 @@ class LeanKVPolicy(_Base):
         if not self._direct or received is None:
             return super().store(layer, k, v, step, received)
         cache = self.cache
-        _, q_first, q_last = self._span
+        q_last = self._span[2]
         b, h, q = received.shape
         pos = step.q_pos.long().view(b, 1, q).expand(b, h, q)
         # update_significance from a zero score is the received mass over the queries that saw the
