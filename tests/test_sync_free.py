@@ -715,19 +715,14 @@ if __name__ == "__main__":
 _CPU_PROMPT_SITES = ("prompt_attention.py",)
 
 
-@pytest.mark.parametrize("spec,overrides", [("K8V4-K4V2", {"th": 0.4, "tl": 0.1, "window": 4}),
-                                            ("K8V4-K4V2", {"th": 0.25, "tl": 0.0, "group_size": 8, "rotate": 1}),
-                                            ("K8V4", {"policy": "leankv", "tl": 0.2, "window": 4})])
-def test_leankv_prompt_store_reads_nothing_back_inside_layers(spec, overrides, monkeypatch):
-    """A LeanKV prompt, classified per head, is stored on the kernel backend with no host read in
-    any layer: its pages come from a deferred grant, its tokens from one store launch per tier, the
-    recycle is deferred (before: a nonzero per tier, a grant, a relabel and a shrink read the device
-    in every layer)."""
+def _count_leankv_prompt(monkeypatch, counter, spec: str, overrides: dict):
+    """A left-padded prompt through a 3-layer GQA model and a fixed-pool LeanCache on the kernel
+    backend, under ``counter`` per layer phase; returns ``(cache, counter, the (phase, op, site)
+    keys of leankit's ops inside layers)``, the prompt's CPU-only attention helpers left out."""
     monkeypatch.setenv("LEANKIT_BACKEND", "triton")
     model = tiny_model("llama-gqa", num_hidden_layers=3)
     ids, mask = left_padded_batch(rows=3, width=30, pad_step=5)
     cache = LeanCache(model, spec, num_pages=300, **overrides)
-    counter = SyncCounter()
     handles = layer_phase_hooks(model, counter)
     try:
         with torch.no_grad(), counter:
@@ -737,6 +732,18 @@ def test_leankv_prompt_store_reads_nothing_back_inside_layers(spec, overrides, m
             h.remove()
     ours = [(ph, op, site) for (ph, op, site) in counter.counts
             if ph.startswith("layer") and not any(s in site for s in _CPU_PROMPT_SITES)]
+    return cache, counter, ours
+
+
+@pytest.mark.parametrize("spec,overrides", [("K8V4-K4V2", {"th": 0.4, "tl": 0.1, "window": 4}),
+                                            ("K8V4-K4V2", {"th": 0.25, "tl": 0.0, "group_size": 8, "rotate": 1}),
+                                            ("K8V4", {"policy": "leankv", "tl": 0.2, "window": 4})])
+def test_leankv_prompt_store_reads_nothing_back_inside_layers(spec, overrides, monkeypatch):
+    """A LeanKV prompt, classified per head, is stored on the kernel backend with no host read in
+    any layer: its pages come from a deferred grant, its tokens from one store launch per tier, the
+    recycle is deferred (before: a nonzero per tier, a grant, a relabel and a shrink read the device
+    in every layer)."""
+    cache, counter, ours = _count_leankv_prompt(monkeypatch, SyncCounter(), spec, overrides)
     assert not ours, counter.report()
     report = cache.memory_report()
     assert report["tokens_per_tier"]["pruned"] > 0 or overrides.get("tl") == 0.0, report["tokens_per_tier"]
@@ -748,21 +755,10 @@ def test_leankv_prompt_store_launches_at_most_190_ops_a_layer(monkeypatch):
     layer at SmolLM2's shape on an H100, results/gpu-h100). The prompt phase classifies without the
     victim search of Algorithm 1 (nothing is classified yet), both cut-offs come from one pass and
     a token's first significance is one division: 245 ops a layer before, 180 after."""
-    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
-    model = tiny_model("llama-gqa", num_hidden_layers=3)
-    ids, mask = left_padded_batch(rows=3, width=30, pad_step=5)
-    cache = LeanCache(model, "K8V4-K4V2", num_pages=300, th=0.25, tl=0.0, group_size=8, rotate=1)
-    counter = LaunchCounter()
-    handles = layer_phase_hooks(model, counter)
-    try:
-        with torch.no_grad(), counter:
-            model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
-    finally:
-        for h in handles:
-            h.remove()
-    ours = sum(n for (ph, op, site), n in counter.counts.items()
-               if ph.startswith("layer") and not any(s in site for s in _CPU_PROMPT_SITES))
-    assert 0 < ours <= 190 * 3, f"{ours / 3:.0f} ops a layer\n" + counter.report()
+    _, counter, ours = _count_leankv_prompt(monkeypatch, LaunchCounter(), "K8V4-K4V2",
+                                            {"th": 0.25, "tl": 0.0, "group_size": 8, "rotate": 1})
+    n = sum(counter.counts[key] for key in ours)
+    assert 0 < n <= 190 * 3, f"{n / 3:.0f} ops a layer\n" + counter.report()
 
 
 def test_short_pool_for_a_leankv_prompt_raises_and_stores_nothing(monkeypatch):
