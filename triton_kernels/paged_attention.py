@@ -555,12 +555,13 @@ def choose_splits(bh: int, max_pages: int, g: int, f: int, page_size: int, sms: 
                   total_pages: int | None = None, resident: int = CTAS_PER_SM) -> int:
     """Flash-decoding split factor for ``bh`` (sequence, KV head) programs of up to ``max_pages`` pages.
 
-    The decode kernels are latency-bound, so a program's time is about its pages whatever else
-    runs beside it, and a launch takes ``waves x pages per split``, where a wave is one program in
-    each of the ``resident * sms`` slots. A launch that spills a few programs into a second wave
-    takes nearly twice as long as one that fits in the first (measured on an H100:
-    ``results/gpu-h100/decode_sweep_*``). So the split count is the one with the least modelled
-    time, ``ceil(busy / slots) * ceil(max_pages / splits)``, fewer splits on a tie (less partial
+    The decode kernels are latency-bound, so a program's time is roughly its pages whatever else
+    runs beside it, and a launch takes about ``waves x pages per split``, where a wave is one
+    program in each of the ``resident * sms`` slots. A launch that spills a few programs into a
+    second wave pays for much of that wave (on an H100, ``results/gpu-h100/decode_splits.md``: up
+    to 1.43x slower than the count that fits one wave). So the split count is the one with the
+    least modelled time, ``ceil(busy / slots) * (ceil(max_pages / splits) +``
+    :data:`SPLIT_OVERHEAD_PAGES` ``)`` (:func:`split_time`), fewer splits on a tie (less partial
     traffic and fewer reduce reads), among launches of at most four waves more than one split per
     head needs (measured: one and two; many short programs pay their fixed work and the reduce
     more often than the model charges). ``busy`` counts the programs that find pages: ``bh * splits``
