@@ -750,12 +750,14 @@ class _Base:
         and pages stay as they were, and the recycle is deferred too (no host read)."""
         table = self.cache.table
         lens, keep = table.lens, table.n_pages.clone()
-        for tier, new, need in ((HIGH, len_h, need_h), (LOW, len_l, need_l)):
-            if ok is not None:
-                new = torch.where(ok, new, lens[tier].index_select(0, layers).long())
-                need = torch.where(ok, need, keep[tier].index_select(0, layers).long())
-            lens[tier, layers] = new.to(lens.dtype)
-            keep[tier, layers] = need.to(keep.dtype)
+        # both tiers at once, [2, L', B, H] (HIGH, LOW): a few launches a call, not a few per tier
+        new = torch.stack((len_h, len_l)).to(lens.dtype)
+        need = torch.stack((need_h, need_l)).to(keep.dtype)
+        if ok is not None:
+            new = torch.where(ok, new, lens.index_select(1, layers))
+            need = torch.where(ok, need, keep.index_select(1, layers))
+        lens.index_copy_(1, layers, new)
+        keep.index_copy_(1, layers, need)
         table.shrink(keep, self.cache.free_list, defer=ok is not None)
 
 
