@@ -943,8 +943,7 @@ class LeanKVPolicy(_Base):
         counts = [(cls == c).sum(-1) for c in (KEEP_HIGH, KEEP_LOW)]  # cls is -1 on invalid slots
         len_h, len_l = (lens[HIGH] + counts[0]).unsqueeze(0), (lens[LOW] + counts[1]).unsqueeze(0)
         if use_triton(k):
-            self.pruned_mass[layer] += self._store_prompt_fixed(layer, layers, k, v, step, score, valid, cls,
-                                                                len_h, len_l)
+            self.pruned_mass[layer] += self._store_prompt_fixed(layer, layers, k, v, step, score, cls, len_h, len_l)
             return
         need_h, need_l = self._fit_pages(layers, len_h, len_l)
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW)):
@@ -958,7 +957,7 @@ class LeanKVPolicy(_Base):
         self._set_lens_and_shrink(layers, len_h, len_l, need_h, need_l)
 
     def _store_prompt_fixed(self, layer: int, layers: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,
-                            score: torch.Tensor, valid: torch.Tensor, cls: torch.Tensor, len_h: torch.Tensor,
+                            score: torch.Tensor, cls: torch.Tensor, len_h: torch.Tensor,
                             len_l: torch.Tensor) -> torch.Tensor:
         """:meth:`store` of a classified prompt on the kernel backend, with no host read: the pages
         as one deferred grant whose device flag ``ok`` gates everything after it (a refused grant

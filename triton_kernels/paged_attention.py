@@ -601,8 +601,8 @@ def _fewest_waves_split(bh: int, max_pages: int, work: int, slots: int, cap: int
     is the largest whose busy programs fit ``w * slots`` (busy grows with the splits): a binary
     search per wave count, from the waves one split per head needs to four more. Cached: the
     launcher asks once per layer and step, and the page bounds change every few steps."""
-    best, best_t = 1, split_time(bh, max_pages, work, slots, 1)[0]
-    w0 = tiles.cdiv(split_time(bh, max_pages, work, slots, 1)[1], slots)
+    best_t, busy1 = split_time(bh, max_pages, work, slots, 1)
+    best, w0 = 1, tiles.cdiv(busy1, slots)
     for w in range(w0, w0 + 5):
         lo, hi = 1, cap  # largest s in [1, cap] with busy(s) <= w * slots (s = 1 always qualifies here)
         while lo < hi:
