@@ -928,6 +928,17 @@ class LeanKVPolicy(_Base):
             return super().store(layer, k, v, step, received)
         cache = self.cache
         q_last = self._span[2]
+        layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
+        if use_triton(k):
+            # the rule below in one launch (leankit_kernels.prompt_plan), then the store
+            from leankit_kernels.prompt_plan import prompt_classes
+
+            score, cls, rank, new_lens, pruned = prompt_classes(
+                received, step.q_pos, step.real, q_last, self.pruned_mass[layer], cache.table.lens[:, layer],
+                self.window, self.th, self.tl)
+            self.pruned_mass[layer] += self._store_prompt_fixed(layer, layers, k, v, step, score, cls, rank,
+                                                                new_lens[HIGH], new_lens[LOW], pruned)
+            return
         b, h, q = received.shape
         pos = step.q_pos.long().view(b, 1, q).expand(b, h, q)
         # update_significance from a zero score is the received mass over the queries that saw the
@@ -938,13 +949,9 @@ class LeanKVPolicy(_Base):
         cand = valid & (pos <= (q_last - self.window).view(b, 1, 1))
         total = _masked_sum(score, valid) + self.pruned_mass[layer]
         cls, _, _ = plan_unified(score, HIGH, valid, cand, None, total, self.pruned_mass[layer], self.th, self.tl)
-        layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
         lens = cache.table.lens[:, layer].long()  # [2, B, H]
         counts = [(cls == c).sum(-1) for c in (KEEP_HIGH, KEEP_LOW)]  # cls is -1 on invalid slots
         len_h, len_l = (lens[HIGH] + counts[0]).unsqueeze(0), (lens[LOW] + counts[1]).unsqueeze(0)
-        if use_triton(k):
-            self.pruned_mass[layer] += self._store_prompt_fixed(layer, layers, k, v, step, score, cls, len_h, len_l)
-            return
         need_h, need_l = self._fit_pages(layers, len_h, len_l)
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW)):
             take = valid & (cls == c)
@@ -957,8 +964,8 @@ class LeanKVPolicy(_Base):
         self._set_lens_and_shrink(layers, len_h, len_l, need_h, need_l)
 
     def _store_prompt_fixed(self, layer: int, layers: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,
-                            score: torch.Tensor, cls: torch.Tensor, len_h: torch.Tensor,
-                            len_l: torch.Tensor) -> torch.Tensor:
+                            score: torch.Tensor, cls: torch.Tensor, rank: torch.Tensor, len_h: torch.Tensor,
+                            len_l: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
         """:meth:`store` of a classified prompt on the kernel backend, with no host read: the pages
         as one deferred grant whose device flag ``ok`` gates everything after it (a refused grant
         writes no token and changes no count; :meth:`LeanCache.end_step` raises
@@ -974,10 +981,9 @@ class LeanKVPolicy(_Base):
             self._move_tail_pages(layers, r)
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW))[: 1 + two]:
             take = (cls == c) & ok  # cls is -1 on invalid slots
-            rank = torch.cumsum(take.to(torch.int32), -1) - 1
             cache.write_step_tokens(layer, k, v, step, score, take=take, rank=rank, tier=tier)
         self._set_lens_and_shrink(layers, len_h, len_l, need_h, need_l, ok=ok)
-        return _masked_sum(score, cls == PRUNED) * ok
+        return pruned * ok
 
     def after_store(self, layer: int, step) -> None:
         """Prompt phase: classify ``layer``'s tokens of the rows that just stored their prompt."""

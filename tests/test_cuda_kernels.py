@@ -196,6 +196,40 @@ def test_store_step_real_sizes(spec, b, hkv, f, nq, dtype):
     assert torch.equal(lens_gpu.cpu(), want_lens) and int(err) == 0
 
 
+@pytest.mark.parametrize("batch,heads,nq", [(8, 3, 1024), (4, 8, 4096), (2, 2, 200), (1, 4, 16384)])
+@pytest.mark.parametrize("th,tl", [(0.25, 0.0), (0.4, 0.1)])
+def test_prompt_classes_real_sizes(batch, heads, nq, th, tl):
+    """LeanKV's one-launch prompt classification at prompt lengths from 200 to 16k tokens against
+    the torch rule (sort and cumulative sum), on the GPU's own summation order: the classes may
+    differ only for a token whose cumulative significance lies within fp32 rounding of a cut-off,
+    so at most a few per thousand; counts, ranks and the pruned mass follow the kernel's classes."""
+    from leankit_kernels import testing
+    from leankit_kernels.prompt_plan import PRUNED, prompt_classes, prompt_classes_ref
+
+    gen, seed = testing.fresh_generator()
+    pad = torch.randint(0, nq // 4, (batch,), generator=gen)
+    real = torch.arange(nq).view(1, -1) >= pad.view(-1, 1)
+    pos = (torch.cumsum(real.long(), 1) - 1).clamp_min(0)
+    q_last = pos[:, -1].clone()
+    received = torch.rand(batch, heads, nq, generator=gen) ** 6 * 20
+    pm = torch.rand(batch, heads, generator=gen)
+    lens = torch.zeros(2, batch, heads, dtype=torch.int32)
+    args = (received, pos.int(), real, q_last, pm, lens, 16, th, tl)
+    got = prompt_classes(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
+    want = prompt_classes_ref(*args)
+    score, cls, rank, new_lens, pruned = (t.cpu() for t in got)
+    valid = real.unsqueeze(1).expand_as(cls)
+    assert torch.equal(score[valid], want[0][valid]), f"seed {seed}"
+    differ = int((cls != want[1]).sum())
+    assert differ <= max(2, cls.numel() // 1000), f"{differ} classes differ (seed {seed})"
+    for c in range(2):  # counts and ranks are the kernel's classes' own
+        take = cls == c
+        assert torch.equal(new_lens[c, 0], lens[c].long() + take.sum(-1)), f"seed {seed}"
+        assert torch.equal(rank[take], (torch.cumsum(take.long(), -1) - 1)[take]), f"seed {seed}"
+    want_pruned = torch.where(cls == PRUNED, score, torch.zeros_like(score)).sum(-1)
+    torch.testing.assert_close(pruned, want_pruned, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("layers,batch,heads,tokens", [(32, 64, 8, 18), (30, 8, 3, 36), (2, 300, 1, 7)])
 def test_step_setup_kernels_real_sizes(layers, batch, heads, tokens):
     """A decode step's setup launches at real sizes (Llama-3-8B's 32 x 8 heads at batch 64,

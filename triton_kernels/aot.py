@@ -242,6 +242,14 @@ def cases() -> list[Case]:
                      "qpos64_ptr": "*i64", "first_ptr": "*i64", "last_ptr": "*i64", "ended_ptr": "*u8",
                      "err_ptr": "*i32", "status_ptr": "*i64"},
                     {"HAS_MASK": True, "HAS_EOS": True, "HAS_POS": True, "BLOCK": RBLOCK}))
+    from .prompt_plan import BISECT_STEPS, INF_BITS, MAX_BLOCK
+
+    # LeanKV's prompt classification at the longest tile (prompts of 2k tokens or more), 8 warps
+    out.append(Case("prompt classes", "prompt_plan", "_prompt_classes_kernel",
+                    {"rec_ptr": "*fp32", "pos_ptr": "*i32", "real_ptr": "*u8", "last_ptr": "*i64", "pm_ptr": "*fp32",
+                     "lens_ptr": "*i32", "score_ptr": "*fp32", "cls_ptr": "*i8", "rank_ptr": "*i64",
+                     "newlens_ptr": "*i64", "pruned_ptr": "*fp32"},
+                    {"INF_B": INF_BITS, "STEPS": BISECT_STEPS, "BLOCK": MAX_BLOCK}, options={"num_warps": 8}))
     return out
 
 
