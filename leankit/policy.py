@@ -590,7 +590,7 @@ class _Base:
             slot = len_l[li, bi, hi] + rank
             cache.write_tokens(LOW, lay, bi, hi, slot, k, v, mv_pos, mv_score)
         # 5. one batched recycle of every page left empty
-        self._set_lens_and_shrink(layers, len_h, final_l, need_h, need_l)
+        self._set_lens_and_shrink(layers, torch.stack((len_h, final_l)), torch.stack((need_h, need_l)))
         return pruned
 
     def _apply_classes_fixed(self, layers: torch.Tensor, metas: list[TierMeta], news: list[torch.Tensor],
@@ -620,7 +620,8 @@ class _Base:
             len_l = torch.zeros_like(len_h)
         final_l = len_l + to_low.sum(-1)
         # 1. page plan: one deferred grant; emptied high pages join the low side after compaction
-        need_h, need_l, r, ok = self._plan_pages(layers, len_h, final_l, reserve)
+        new_lens = torch.stack((len_h, final_l))
+        need, r, ok = self._plan_pages(layers, new_lens[: 1 + two], reserve)
         self._grant_ok = ok
         # 2. read the tokens going low before compaction may overwrite their slots
         t_h = cache.layouts[HIGH].tokens
@@ -646,7 +647,7 @@ class _Base:
                                torch.zeros_like(lo_slot)).reshape(-1)
             cache.write_tokens(LOW, lay, bi, hi, slot, k, v, mv_pos, mv_score, keep=keep)
         # 5. token counts and one deferred recycle, both kept as they were when the grant was refused
-        self._set_lens_and_shrink(layers, len_h, final_l, need_h, need_l, ok=ok)
+        self._set_lens_and_shrink(layers, new_lens, need, ok=ok)
         return pruned * ok
 
     def _page_need(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
@@ -663,47 +664,37 @@ class _Base:
         r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
         return need_h, need_l, cur_h, cur_l, r
 
-    def _plan_pages(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
-                    reserve: torch.Tensor | None, new_tokens: bool = False):
-        """Grant the pages of :meth:`_fit_pages` before anything moves; returns ``(need_h, need_l, r,
-        ok)``: ``r`` ``[L', B, H]`` high pages that :meth:`_move_tail_pages` hands to the low side
-        once they are empty, ``ok`` the device flag of the grant (``r`` is zero when refused).
-        ``new_tokens``: the counts include tokens not stored yet (a prompt), so a single tier may
-        need pages too."""
-        cache, table = self.cache, self.cache.table
-        need_h, need_l, cur_h, cur_l, r = self._page_need(layers, len_h, len_l, reserve)
+    def _plan_pages(self, layers: torch.Tensor, lens: torch.Tensor, reserve: torch.Tensor | None,
+                    new_tokens: bool = False):
+        """Grant the pages of :meth:`_fit_pages` before anything moves (kernel backend: the plan is one
+        launch, :func:`leankit_kernels.page_alloc.plan_tier_pages`, and the grant is deferred);
+        ``lens`` ``[tiers, L', B, H]`` the heads' token counts per tier after the change. Returns
+        ``(need, r, ok)``: ``need`` ``[2, L', B, H]`` the pages each tier keeps, ``r`` ``[L', B, H]``
+        high pages that :meth:`_move_tail_pages` hands to the low side once they are empty, ``ok``
+        the device flag of the grant (``r`` is zero when refused). ``new_tokens``: the counts
+        include tokens not stored yet (a prompt), so a single tier may need pages too."""
+        from leankit_kernels.page_alloc import plan_tier_pages
+
+        cache = self.cache
+        need, r, extra = plan_tier_pages(cache.table, layers, lens, tuple(lay.tokens for lay in cache.layouts),
+                                         reserve)
         if reserve is None and not new_tokens and len(cache.layouts) == 1:
             # tokens only leave one tier: no head needs a page
-            return need_h, need_l, r, torch.ones((), dtype=torch.bool, device=len_h.device)
-        extra = torch.zeros_like(table.n_pages)
-        extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
-        extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
+            return need, r, torch.ones((), dtype=torch.bool, device=lens.device)
         # The grown low pages take the columns next to the low side's current ones and the moved
         # pages the ones after them: the grown ones never reach a high column (the final extents
         # fit the row), only the moved ones may, which _move_tail_pages handles.
         ok = cache.grow_pages(extra, defer=True)
         if ok is None:  # an eager grant (elastic pool) raised or succeeded
-            ok = torch.ones((), dtype=torch.bool, device=len_h.device)
-        return need_h, need_l, r * ok, ok
+            ok = torch.ones((), dtype=torch.bool, device=lens.device)
+        return need, r * ok, ok
 
     def _move_tail_pages(self, layers: torch.Tensor, r: torch.Tensor) -> None:
         """Hand the last ``r`` (emptied) high pages of each head to its low side (Fig. 5 reuse), as
-        :meth:`_relabel` does, by one dense rewrite of the heads' page-table rows (no host read)."""
-        table = self.cache.table
-        rlen = table.row_len
-        rows = table.tables.index_select(0, layers)
-        cur_h = table.n_pages[HIGH].index_select(0, layers).long().unsqueeze(-1)
-        cur_l = table.n_pages[LOW].index_select(0, layers).long().unsqueeze(-1)
-        rr = r.long().unsqueeze(-1)
-        col = torch.arange(rlen, device=rows.device)
-        cleared = (col >= cur_h - rr) & (col < cur_h)  # the high pages that leave
-        i = rlen - 1 - col - cur_l  # index among the low side's new pages of a column
-        filled = (i >= 0) & (i < rr)  # new page i is high page cur_h - 1 - i
-        moved = rows.gather(-1, (cur_h - 1 - i).clamp(0, rlen - 1))
-        rows = torch.where(filled, moved, torch.where(cleared, torch.full_like(rows, -1), rows))
-        table.tables.index_copy_(0, layers, rows)
-        table.n_pages[HIGH, layers] -= r.to(table.n_pages.dtype)
-        table.n_pages[LOW, layers] += r.to(table.n_pages.dtype)
+        :meth:`_relabel` does, in one launch with no host read (kernel backend only)."""
+        from leankit_kernels.page_alloc import move_tail_pages
+
+        move_tail_pages(self.cache.table, layers, r)
 
     def _compact_fixed(self, tier: int, layers: torch.Tensor, valid: torch.Tensor, alive: torch.Tensor,
                        cap: int, ok: torch.Tensor) -> None:
@@ -743,20 +734,21 @@ class _Base:
         cache.grow_pages(extra)
         return need_h, need_l
 
-    def _set_lens_and_shrink(self, layers, len_h, len_l, need_h, need_l, ok: torch.Tensor | None = None) -> None:
-        """Record the tiers' new token counts and recycle every page past ``need_*`` in one call.
+    def _set_lens_and_shrink(self, layers, lens: torch.Tensor, need: torch.Tensor,
+                             ok: torch.Tensor | None = None) -> None:
+        """Record the tiers' new token counts ``lens`` and recycle every page past ``need`` (both
+        ``[2, L', B, H]``: high, low) in one call: a few launches a call, not a few per tier.
 
         ``ok``: the device flag of a deferred grant (kernel backend): where it is false the counts
         and pages stay as they were, and the recycle is deferred too (no host read)."""
         table = self.cache.table
-        lens, keep = table.lens, table.n_pages.clone()
-        # both tiers at once, [2, L', B, H] (HIGH, LOW): a few launches a call, not a few per tier
-        new = torch.stack((len_h, len_l)).to(lens.dtype)
-        need = torch.stack((need_h, need_l)).to(keep.dtype)
+        keep = table.n_pages.clone()
+        new = lens.to(table.lens.dtype)
+        need = need.to(keep.dtype)
         if ok is not None:
-            new = torch.where(ok, new, lens.index_select(1, layers))
+            new = torch.where(ok, new, table.lens.index_select(1, layers))
             need = torch.where(ok, need, keep.index_select(1, layers))
-        lens.index_copy_(1, layers, new)
+        table.lens.index_copy_(1, layers, new)
         keep.index_copy_(1, layers, need)
         table.shrink(keep, self.cache.free_list, defer=ok is not None)
 
@@ -936,8 +928,8 @@ class LeanKVPolicy(_Base):
             score, cls, rank, new_lens, pruned = prompt_classes(
                 received, step.q_pos, step.real, q_last, self.pruned_mass[layer], cache.table.lens[:, layer],
                 self.window, self.th, self.tl)
-            self.pruned_mass[layer] += self._store_prompt_fixed(layer, layers, k, v, step, score, cls, rank,
-                                                                new_lens[HIGH], new_lens[LOW], pruned)
+            self.pruned_mass[layer] += self._store_prompt_fixed(layer, layers, k, v, step, score, cls, rank, new_lens,
+                                                                pruned)
             return
         b, h, q = received.shape
         pos = step.q_pos.long().view(b, 1, q).expand(b, h, q)
@@ -961,11 +953,11 @@ class LeanKVPolicy(_Base):
                 cache.write_tokens(tier, layer, bi, hi, slot, k[bi, hi, qi], v[bi, hi, qi], pos[bi, hi, qi],
                                    score[bi, hi, qi])
         self.pruned_mass[layer] += _masked_sum(score, valid & (cls == PRUNED))
-        self._set_lens_and_shrink(layers, len_h, len_l, need_h, need_l)
+        self._set_lens_and_shrink(layers, torch.stack((len_h, len_l)), torch.stack((need_h, need_l)))
 
     def _store_prompt_fixed(self, layer: int, layers: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,
-                            score: torch.Tensor, cls: torch.Tensor, rank: torch.Tensor, len_h: torch.Tensor,
-                            len_l: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
+                            score: torch.Tensor, cls: torch.Tensor, rank: torch.Tensor, new_lens: torch.Tensor,
+                            pruned: torch.Tensor) -> torch.Tensor:
         """:meth:`store` of a classified prompt on the kernel backend, with no host read: the pages
         as one deferred grant whose device flag ``ok`` gates everything after it (a refused grant
         writes no token and changes no count; :meth:`LeanCache.end_step` raises
@@ -973,16 +965,17 @@ class LeanKVPolicy(_Base):
         one store launch per tier straight from the model's ``[B, H, Q, F]`` K/V (each kept
         token's slot is its head's count plus its rank among the head's tokens of that tier: no
         list of the kept tokens and no gathered copy of them), a deferred recycle. Returns the
-        significance pruned (0 when refused)."""
+        significance pruned (0 when refused). ``new_lens`` ``[2, 1, B, H]``: the heads' token counts
+        per tier once the kept tokens are stored."""
         cache = self.cache
         two = len(cache.layouts) > 1
-        need_h, need_l, r, ok = self._plan_pages(layers, len_h, len_l, None, new_tokens=True)
+        need, r, ok = self._plan_pages(layers, new_lens[: 1 + two], None, new_tokens=True)
         if two:
             self._move_tail_pages(layers, r)
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW))[: 1 + two]:
             take = (cls == c) & ok  # cls is -1 on invalid slots
             cache.write_step_tokens(layer, k, v, step, score, take=take, rank=rank, tier=tier)
-        self._set_lens_and_shrink(layers, len_h, len_l, need_h, need_l, ok=ok)
+        self._set_lens_and_shrink(layers, new_lens, need, ok=ok)
         return pruned * ok
 
     def after_store(self, layer: int, step) -> None:

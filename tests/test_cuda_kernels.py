@@ -230,6 +230,68 @@ def test_prompt_classes_real_sizes(batch, heads, nq, th, tl):
     torch.testing.assert_close(pruned, want_pruned, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("layers,batch,heads,row_len", [(32, 64, 8, 300), (30, 8, 3, 2000), (2, 300, 1, 40)])
+def test_retiering_page_kernels_real_sizes(layers, batch, heads, row_len):
+    """The page plan of a re-tiering, its deferred grant and the hand-over of emptied high pages to
+    the low side at real sizes, against their torch references: rows with and without free columns between the
+    sides (a full row moves pages into columns its high side leaves, where the kernel's barrier
+    orders each tile's reads before its writes) and hundreds of moves per row (several tiles)."""
+    from leankit_kernels import testing
+    from leankit_kernels.page_alloc import (
+        grow_pages,
+        move_tail_pages,
+        move_tail_pages_ref,
+        plan_tier_pages,
+        plan_tier_pages_ref,
+    )
+
+    from leankit.allocator import FreePageList
+    from leankit.page_table import BidirectionalPageTable
+
+    gen, seed = testing.fresh_generator()
+    shape = (layers, batch, heads)
+    cur_h = torch.randint(0, row_len + 1, shape, generator=gen)
+    room = row_len - cur_h
+    full = torch.rand(shape, generator=gen) < 0.5
+    cur_l = torch.where(full, room, (torch.rand(shape, generator=gen) * (room + 1)).long().clamp_max(room))
+    col = torch.arange(row_len)
+    used = (col < cur_h.unsqueeze(-1)) | (col >= row_len - cur_l.unsqueeze(-1))
+    ids = torch.arange(used.numel(), dtype=torch.int32).view(*shape, row_len)
+    tabs = []
+    for dev in ("cpu", "cuda"):
+        t = BidirectionalPageTable(layers, batch, heads, row_len, dev)
+        t.tables.copy_(torch.where(used, ids, torch.full_like(ids, -1)))
+        t.n_pages.copy_(torch.stack([cur_h, cur_l]).to(torch.int32))
+        tabs.append(t)
+    layers_sel = torch.randperm(layers, generator=gen)[: max(1, layers // 2)]
+    lens = torch.randint(0, 4 * row_len, (2, layers_sel.numel(), batch, heads), generator=gen)
+    reserve = torch.randint(0, 2, (batch,), generator=gen)
+    want = plan_tier_pages_ref(tabs[0], layers_sel, lens, (9, 17), reserve)
+    got = plan_tier_pages(tabs[1], layers_sel.cuda(), lens.cuda(), (9, 17), reserve.cuda())
+    for name, g, w in zip(("need", "r", "extra"), got, want):
+        assert torch.equal(g.cpu(), w), f"plan {name} (seed {seed})"
+    # the deferred grant of that plan (one program up to SINGLE_GRANT_MAX requesters) against the
+    # eager grow, on rows with room for it
+    extra = torch.minimum(want[2], (row_len - tabs[0].n_pages.sum(0)).clamp_min(0) // 2)
+    cap = int(extra.sum()) + 50
+    perm = torch.randperm(cap, generator=gen).to(torch.int32)
+    lists = [FreePageList(cap, dev) for dev in ("cpu", "cuda")]
+    for fl in lists:
+        fl.ring.copy_(perm.to(fl.ring.device))
+        fl.free_head, fl.free_tail = 0, cap
+    status = torch.zeros(3, dtype=torch.int64, device="cuda")
+    tabs[0].grow(extra, lists[0])
+    assert bool(grow_pages(tabs[1], extra.cuda(), lists[1], status=status)) and not status.any()
+    assert torch.equal(tabs[1].tables.cpu(), tabs[0].tables) and torch.equal(tabs[1].n_pages.cpu(), tabs[0].n_pages)
+    assert lists[1].num_free == lists[0].num_free, f"seed {seed}"
+    r = torch.minimum((torch.rand(layers_sel.numel(), batch, heads, generator=gen) * (cur_h[layers_sel] + 1)).long(),
+                      cur_h[layers_sel])
+    move_tail_pages_ref(tabs[0], layers_sel, r)
+    move_tail_pages(tabs[1], layers_sel.cuda(), r.cuda())
+    assert torch.equal(tabs[1].n_pages.cpu(), tabs[0].n_pages), f"seed {seed}"
+    assert torch.equal(tabs[1].tables.cpu(), tabs[0].tables), f"seed {seed}"
+
+
 @pytest.mark.parametrize("layers,batch,heads,tokens", [(32, 64, 8, 18), (30, 8, 3, 36), (2, 300, 1, 7)])
 def test_step_setup_kernels_real_sizes(layers, batch, heads, tokens):
     """A decode step's setup launches at real sizes (Llama-3-8B's 32 x 8 heads at batch 64,

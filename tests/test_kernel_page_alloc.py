@@ -6,7 +6,16 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton / leankit_kernels are impo
 
 import pytest
 import torch
-from leankit_kernels.page_alloc import grant_token_pages, grow_pages, release_rows, shrink_pages
+from leankit_kernels.page_alloc import (
+    grant_token_pages,
+    grow_pages,
+    move_tail_pages,
+    move_tail_pages_ref,
+    plan_tier_pages,
+    plan_tier_pages_ref,
+    release_rows,
+    shrink_pages,
+)
 from leankit_kernels.testing import fresh_generator
 
 from leankit.allocator import FreePageList, PoolExhausted
@@ -56,10 +65,17 @@ def test_grow_and_shrink_match_torch_path(shape, block):
 
 
 @pytest.mark.parametrize("shape,block", [((2, 3, 5), 16), ((1, 2, 3), 128)])
-def test_deferred_grow_and_shrink_match_torch_path(shape, block):
+@pytest.mark.parametrize("single", [True, False], ids=["one-program", "many-program"])
+def test_deferred_grow_and_shrink_match_torch_path(shape, block, single, monkeypatch):
     """``status=`` grants and ``defer=True`` recycles move only the device counters; once the host
     syncs, tables, page counts, ring and counters equal the eager torch path's. A grant that does not
-    fit returns a false flag, records itself in ``status`` and hands out nothing."""
+    fit returns a false flag, records itself in ``status`` and hands out nothing. Both grants: the
+    one-program kernel (up to ``SINGLE_GRANT_MAX`` requesters; ``SINGLE_GRANT_BLOCK`` below the
+    requester count makes it loop) and the many-program grow with its torch check."""
+    from leankit_kernels import page_alloc
+
+    monkeypatch.setattr(page_alloc, "SINGLE_GRANT_MAX", 1 << 16 if single else 0)
+    monkeypatch.setattr(page_alloc, "SINGLE_GRANT_BLOCK", 16)
     gen, seed = fresh_generator()
     row_len = 30
     ref, ker = _pair(shape, row_len, 300, 77, gen)
@@ -220,3 +236,66 @@ def test_page_table_dispatches_to_kernels(monkeypatch):
     ker[1].shrink(keep, ker[0])
     assert calls == ["grow", "shrink"]
     _same(ref, ker)
+
+
+@pytest.mark.parametrize("shape,row_len,block", [((3, 4, 3), 20, 256), ((2, 2, 5), 33, 4), ((1, 1, 1), 6, 2)])
+@pytest.mark.parametrize("full_rows", [False, True])
+def test_move_tail_pages_matches_the_dense_rewrite(shape, row_len, block, full_rows):
+    """The one-launch hand-over of emptied high pages to the low side equals the torch rewrite of
+    the rows, for any page counts, rows with no free column between the sides (a moved page lands
+    in a column a high page leaves), several tiles per row (``block`` below ``r``) and a subset of
+    the layers in any order."""
+    gen, seed = fresh_generator()
+    n_layers, batch, heads = shape
+    tables = []
+    for _ in range(2):
+        t = BidirectionalPageTable(n_layers, batch, heads, row_len, "cpu")
+        tables.append(t)
+    cur_h = torch.randint(0, row_len + 1, shape, generator=gen)
+    room = row_len - cur_h
+    cur_l = room if full_rows else (torch.rand(shape, generator=gen) * (room + 1)).long().clamp_max(room)
+    ids = torch.randperm(n_layers * batch * heads * row_len, generator=gen).view(*shape, row_len).to(torch.int32)
+    col = torch.arange(row_len)
+    used = (col < cur_h.unsqueeze(-1)) | (col >= row_len - cur_l.unsqueeze(-1))
+    for t in tables:
+        t.tables.copy_(torch.where(used, ids, torch.full_like(ids, -1)))
+        t.n_pages[0].copy_(cur_h)
+        t.n_pages[1].copy_(cur_l)
+    layers = torch.randperm(n_layers, generator=gen)[: max(1, n_layers - 1)]
+    r = (torch.rand(layers.numel(), batch, heads, generator=gen) * (cur_h[layers] + 1)).long()
+    r = torch.minimum(r, cur_h[layers])
+    move_tail_pages_ref(tables[0], layers, r)
+    move_tail_pages(tables[1], layers, r.to(torch.int32), block=block)
+    assert torch.equal(tables[0].n_pages, tables[1].n_pages), f"seed {seed}"
+    assert torch.equal(tables[0].tables, tables[1].tables), f"seed {seed}"
+    assert int(r.sum()) > 0 or r.numel() < 4, f"seed {seed}: nothing moved"
+    with pytest.raises(ValueError, match="r must be"):
+        move_tail_pages(tables[1], layers, r[:, :1, :1].expand(-1, 1, 1) if batch > 1 else r[:0])
+
+
+@pytest.mark.parametrize("shape,tokens", [((3, 4, 3), (5, 9)), ((2, 2, 5), (1, 3)), ((1, 1, 1), (7, 7)),
+                                          ((2, 3, 2), (4,))])
+@pytest.mark.parametrize("with_reserve", [False, True])
+def test_plan_tier_pages_matches_torch(shape, tokens, with_reserve):
+    """Pages needed, surplus high pages for the low side and the grant of a re-tiering, one
+    launch against the torch accounting, for one or two tiers, with and without reserved high
+    slots, on a subset of the layers (the others get no grant)."""
+    gen, seed = fresh_generator()
+    n_layers, batch, heads = shape
+    table = BidirectionalPageTable(n_layers, batch, heads, 64, "cpu")
+    table.n_pages.copy_(torch.randint(0, 12, table.n_pages.shape, generator=gen, dtype=torch.int32))
+    if len(tokens) == 1:
+        table.n_pages[1].zero_()
+    layers = torch.randperm(n_layers, generator=gen)[: max(1, n_layers - 1)]
+    lens = torch.randint(0, 60, (len(tokens), layers.numel(), batch, heads), generator=gen)
+    reserve = torch.randint(0, 3, (batch,), generator=gen) if with_reserve else None
+    if len(tokens) > 1:  # one head at least downgrades: high pages emptied, the low side short
+        lens[:, 0, 0, 0] = torch.tensor([0, 60])
+        table.n_pages[:, layers[0], 0, 0] = torch.tensor([5, 0], dtype=torch.int32)
+    got = plan_tier_pages(table, layers, lens, tokens, reserve, block=4)
+    want = plan_tier_pages_ref(table, layers, lens, tokens, reserve)
+    for name, g, w in zip(("need", "r", "extra"), got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"{name} (seed {seed})"
+    assert int(got[1].sum()) > 0 or len(tokens) == 1, f"seed {seed}: no page moves"
+    with pytest.raises(ValueError, match="lens must be"):
+        plan_tier_pages(table, layers, lens[..., :0], tokens)

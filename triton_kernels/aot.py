@@ -228,12 +228,21 @@ def cases() -> list[Case]:
     out.append(Case("page alloc shrink", "page_alloc", "_shrink_kernel",
                     {"drop_ptr": "*i32", "npages_ptr": "*i32", "tables_ptr": "*i32", "ring_ptr": "*i32", "cnt_ptr": "*i64"},
                     {"BLOCK": ABLOCK}))
-    out.append(Case("page alloc token grant", "page_alloc", "_token_grant_kernel",
-                    {"lens_ptr": "*i32", "npages_ptr": "*i32", "nnew_ptr": "*i64", "tables_ptr": "*i32",
-                     "ring_ptr": "*i32", "cnt_ptr": "*i64", "status_ptr": "*i64"}, {"BLOCK": 1024}))
+    single = {"extra_ptr": "*i32", "lens_ptr": "*i32", "npages_ptr": "*i32", "nnew_ptr": "*i64", "tables_ptr": "*i32",
+              "ring_ptr": "*i32", "cnt_ptr": "*i64", "status_ptr": "*i64", "ok_ptr": "*u8"}
+    out.append(Case("page alloc token grant", "page_alloc", "_single_grant_kernel", single,
+                    {"TOKENS": True, "BLOCK": 1024}))
+    out.append(Case("page alloc deferred grow", "page_alloc", "_single_grant_kernel", single,
+                    {"TOKENS": False, "BLOCK": 1024}))
     out.append(Case("page alloc release rows", "page_alloc", "_release_rows_kernel",
                     {"rows_ptr": "*u8", "npages_ptr": "*i32", "lens_ptr": "*i32", "tables_ptr": "*i32",
                      "ring_ptr": "*i32", "cnt_ptr": "*i64"}, {"BLOCK": 1024}))
+    out.append(Case("page alloc move tail", "page_alloc", "_move_tail_kernel",
+                    {"layers_ptr": "*i64", "r_ptr": "*i64", "npages_ptr": "*i32", "tables_ptr": "*i32"},
+                    {"BLOCK": 256}))
+    out.append(Case("page alloc tier plan", "page_alloc", "_tier_plan_kernel",
+                    {"layers_ptr": "*i64", "len_ptr": "*i64", "res_ptr": "*i64", "npages_ptr": "*i32", "need_ptr": "*i64",
+                     "r_ptr": "*i64", "extra_ptr": "*i32"}, {"HAS_RES": True, "TWO": True, "BLOCK": 256}))
     from .step_rows import BLOCK as RBLOCK
 
     out.append(Case("step rows", "step_rows", "_step_rows_kernel",

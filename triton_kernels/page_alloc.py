@@ -38,6 +38,12 @@ from leankit.allocator import FreePageList, PoolExhausted
 from .tiles import cdiv, flag_bytes, kernel_for
 
 BLOCK = 128
+# A deferred grant of up to this many requesters runs as one program (two passes of
+# SINGLE_GRANT_BLOCK at a time) instead of the many-program grow and a dozen torch ops around it:
+# 2 * L * B * H is 1,440 at SmolLM2's 30 layers x 3 heads and batch 8, 32,768 at Llama-3-8B's 32
+# x 8 heads and batch 64.
+SINGLE_GRANT_MAX = 1 << 16
+SINGLE_GRANT_BLOCK = 1024
 
 
 @triton.jit
@@ -108,44 +114,64 @@ def _token_demand(lens_ptr, npages_ptr, nnew_ptr, i, m, BH, H, T):
 
 
 @triton.jit
-def _token_grant_kernel(lens_ptr, npages_ptr, nnew_ptr, tables_ptr, ring_ptr, cnt_ptr, status_ptr, cap, LBH, BH, H,
-                        R, T, BLOCK: tl.constexpr):
-    """The step's deferred grant for its new tokens, whole, in one program (see
-    :func:`grant_token_pages`): the demand of every high-tier requester, its total against the
-    ring's free ids, the refusal record, the grant itself and the head counter. One program, so it
-    reads the head before anything moves it and no other program can see it half-advanced."""
-    r = tl.arange(0, BLOCK)
-    tot = tl.zeros([BLOCK], tl.int64)
-    for s in range(0, LBH, BLOCK):
-        i = s + r
-        tot += _token_demand(lens_ptr, npages_ptr, nnew_ptr, i, i < LBH, BH, H, T).to(tl.int64)
-    total = tl.sum(tot, 0)
+def _grant_check(total, cnt_ptr, status_ptr):
+    """A deferred grant of ``total`` pages against the ring's free ids: ``(head counter, 1 if granted
+    else 0)``. The first refusal of the step records ``(1, pages needed, pages free)`` in ``status``
+    for end_step to raise; a refused grant hands out nothing."""
     head_count = tl.load(cnt_ptr)
     free = tl.load(cnt_ptr + 1) - head_count
-    ok = total <= free
-    # The first refusal of the step records (1, pages needed, pages free) for end_step to raise.
     first = (total > free) & (tl.load(status_ptr) == 0)
     e = tl.arange(0, 4)
     record = tl.where(e == 0, 1, tl.where(e == 1, total, free))
     first_v = (e * 0 + first.to(tl.int32)) != 0  # the scalar as a vector: the interpreter refuses a scalar bool here
     tl.store(status_ptr + e, record, mask=(e < 3) & first_v)
-    grant = ok.to(tl.int32)  # a refused grant hands out nothing
+    return head_count, (total <= free).to(tl.int32)
+
+
+@triton.jit
+def _single_grant_kernel(extra_ptr, lens_ptr, npages_ptr, nnew_ptr, tables_ptr, ring_ptr, cnt_ptr, status_ptr, ok_ptr,
+                         cap, N, LBH, BH, H, R, T, TOKENS: tl.constexpr, BLOCK: tl.constexpr):
+    """A deferred grant whole, in one program: the demand of every requester, its total against the
+    ring's free ids and the refusal record (:func:`_grant_check`), the grant in prefix-sum order
+    (as :func:`_grow_kernel`), the head counter's advance and the ``ok`` flag. One program, so it
+    reads the head before anything moves it and no other program can see it half-advanced.
+
+    The demand is ``extra[i]`` for the ``N`` requesters of both tiers (:func:`grow_pages` with
+    ``status``), or with ``TOKENS`` what the high tier's ``N = L*B*H`` requesters lack for their
+    tokens and their rows' new ones (:func:`_token_demand`, :func:`grant_token_pages`)."""
+    r = tl.arange(0, BLOCK)
+    tot = tl.zeros([BLOCK], tl.int64)
+    for s in range(0, N, BLOCK):
+        i = s + r
+        tot += _demand(extra_ptr, lens_ptr, npages_ptr, nnew_ptr, i, i < N, BH, H, T, TOKENS).to(tl.int64)
+    total = tl.sum(tot, 0)
+    head_count, grant = _grant_check(total, cnt_ptr, status_ptr)
     head = head_count % cap
     carry = total * 0
-    for s in range(0, LBH, BLOCK):
+    for s in range(0, N, BLOCK):
         i = s + r
-        m = i < LBH
-        d = _token_demand(lens_ptr, npages_ptr, nnew_ptr, i, m, BH, H, T) * grant
+        m = i < N
+        d = _demand(extra_ptr, lens_ptr, npages_ptr, nnew_ptr, i, m, BH, H, T, TOKENS) * grant
         excl = carry + (tl.cumsum(d, 0) - d).to(tl.int64)
         npg = tl.load(npages_ptr + i, mask=m, other=0)
-        row = i.to(tl.int64) * R
+        tier = i // LBH
+        row = (i % LBH).to(tl.int64) * R
         for j in range(tl.max(d, 0)):
             take = m & (j < d)
             pid = tl.load(ring_ptr + (head + excl + j) % cap, mask=take, other=-1)
-            tl.store(tables_ptr + row + npg + j, pid, mask=take)
+            tl.store(tables_ptr + row + _column(tier, npg + j, R), pid, mask=take)
         tl.store(npages_ptr + i, npg + d, mask=m)
         carry += tl.sum(d, 0).to(tl.int64)
     tl.store(cnt_ptr, head_count + total * grant)
+    tl.store(ok_ptr, grant.to(tl.int8))
+
+
+@triton.jit
+def _demand(extra_ptr, lens_ptr, npages_ptr, nnew_ptr, i, m, BH, H, T, TOKENS: tl.constexpr):
+    """Pages requester ``i`` is granted: ``extra[i]``, or with ``TOKENS`` :func:`_token_demand`."""
+    if TOKENS:
+        return _token_demand(lens_ptr, npages_ptr, nnew_ptr, i, m, BH, H, T)
+    return tl.load(extra_ptr + i, mask=m, other=0)
 
 
 @triton.jit
@@ -187,6 +213,66 @@ def _release_rows_kernel(rows_ptr, npages_ptr, lens_ptr, tables_ptr, ring_ptr, c
     tl.store(cnt_ptr + 1, tail_count + carry)
 
 
+@triton.jit
+def _move_tail_kernel(layers_ptr, r_ptr, npages_ptr, tables_ptr, LBH, BH, R, BLOCK: tl.constexpr):
+    """One program per (listed layer, sequence, head) row: its last ``r`` high pages become its
+    newest low pages (the bidirectional table's Fig. 5 reuse). High page ``cur_h - 1 - i`` goes to
+    the low column ``R - 1 - cur_l - i``, i.e. to high column ``cur_h - 1 - i + gap`` with the
+    row's free gap ``gap = R - cur_l - cur_h >= 0``: a destination is the source of a smaller or
+    equal ``i``, so a tile's sources are read before any of its writes (the barrier) and no later
+    tile reads what an earlier one wrote. A source is cleared to ``-1`` unless a move fills it
+    (``i + gap < r``), so no column is written twice."""
+    pid = tl.program_id(0)
+    lp = pid // BH
+    rest = pid % BH
+    lay = tl.load(layers_ptr + lp).to(tl.int64)
+    head = lay * BH + rest  # the row among the table's L * B * H
+    rr = tl.load(r_ptr + pid).to(tl.int32)
+    cur_h = tl.load(npages_ptr + head)
+    cur_l = tl.load(npages_ptr + LBH + head)
+    gap = R - cur_l - cur_h
+    row = tables_ptr + head * R
+    for i0 in range(0, rr, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < rr
+        page = tl.load(row + (cur_h - 1 - i), mask=m, other=-1)
+        tl.debug_barrier()
+        tl.store(row + (R - 1 - cur_l - i), page, mask=m)
+        tl.store(row + (cur_h - 1 - i), tl.full([BLOCK], -1, tl.int32), mask=m & (i + gap >= rr))
+    tl.store(npages_ptr + head, cur_h - rr)
+    tl.store(npages_ptr + LBH + head, cur_l + rr)
+
+
+@triton.jit
+def _tier_plan_kernel(layers_ptr, len_ptr, s_lt, res_ptr, npages_ptr, need_ptr, r_ptr, extra_ptr, N, LBH, BH, H,
+                      T_H, T_L, HAS_RES: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr):
+    """Heads ``[pid * BLOCK, pid * BLOCK + BLOCK)`` of the ``N = L' * B * H`` listed (layer, sequence,
+    head) rows: the pages each tier needs, the surplus high pages its low side takes over and the
+    pages to grant (see :func:`plan_tier_pages`)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    lp = i // BH
+    rest = i % BH
+    head = tl.load(layers_ptr + lp, mask=m, other=0).to(tl.int64) * BH + rest  # row among L * B * H
+    len_h = tl.load(len_ptr + i, mask=m, other=0).to(tl.int64)
+    if HAS_RES:
+        len_h += tl.load(res_ptr + rest // H, mask=m, other=0).to(tl.int64)
+    need_h = (len_h + T_H - 1) // T_H
+    cur_h = tl.load(npages_ptr + head, mask=m, other=0).to(tl.int64)
+    if TWO:
+        need_l = (tl.load(len_ptr + s_lt + i, mask=m, other=0).to(tl.int64) + T_L - 1) // T_L
+        cur_l = tl.load(npages_ptr + LBH + head, mask=m, other=0).to(tl.int64)
+    else:
+        need_l = tl.zeros([BLOCK], tl.int64)
+        cur_l = tl.zeros([BLOCK], tl.int64)
+    r = tl.minimum(tl.maximum(cur_h - need_h, 0), tl.maximum(need_l - cur_l, 0))
+    tl.store(need_ptr + i, need_h, mask=m)
+    tl.store(need_ptr + N + i, need_l, mask=m)
+    tl.store(r_ptr + i, r, mask=m)
+    tl.store(extra_ptr + head, tl.maximum(need_h - cur_h, 0).to(tl.int32), mask=m)
+    tl.store(extra_ptr + LBH + head, tl.maximum(need_l - cur_l - r, 0).to(tl.int32), mask=m)
+
+
 def _check_tables(table, lens: bool = False) -> None:
     """The table tensors a kernel indexes flat: contiguous int32 (``lens`` too, shaped like
     ``n_pages``, where the kernel reads or writes token counts)."""
@@ -224,6 +310,13 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
     n = extra.numel()
     cap = free_list.capacity
     grid = (cdiv(n, block),)
+    if status is not None and n <= SINGLE_GRANT_MAX:  # one launch, no torch op around it
+        ok = torch.empty((), dtype=torch.bool, device=extra.device)
+        kernel_for(_single_grant_kernel, extra.device)[(1,)](
+            extra, extra, table.n_pages, extra, table.tables, free_list.ring, cnt, status, ok.view(torch.uint8), cap, n,
+            n // tiers, 1, 1, table.row_len, 1, TOKENS=False, BLOCK=SINGLE_GRANT_BLOCK, num_warps=4)
+        free_list.mark_stale(taken)
+        return ok
     if status is not None:
         total = extra.sum(dtype=torch.int64)
         free = cnt[1] - cnt[0]
@@ -271,9 +364,11 @@ def grant_token_pages(table, n_new: torch.Tensor, tokens_per_page: int, free_lis
     _, n_layers, batch, heads = table.lens.shape
     lbh = n_layers * batch * heads
     cnt = free_list.device_counters()
-    kernel_for(_token_grant_kernel, table.tables.device)[(1,)](
-        table.lens, table.n_pages, n_new.contiguous(), table.tables, free_list.ring, cnt, status, free_list.capacity, lbh,
-        batch * heads, heads, table.row_len, tokens_per_page, BLOCK=block, num_warps=4)
+    ok = torch.empty((), dtype=torch.bool, device=table.tables.device)  # the status records a refusal
+    kernel_for(_single_grant_kernel, table.tables.device)[(1,)](
+        table.lens, table.lens, table.n_pages, n_new.contiguous(), table.tables, free_list.ring, cnt, status,
+        ok.view(torch.uint8), free_list.capacity, lbh, lbh, batch * heads, heads, table.row_len, tokens_per_page,
+        TOKENS=True, BLOCK=block, num_warps=4)
     free_list.mark_stale(taken)
 
 
@@ -337,3 +432,95 @@ def shrink_pages(table, keep: torch.Tensor, free_list: FreePageList, *, block: i
                                              num_warps=4)
     free_list.free_tail += total
     return total
+
+
+def move_tail_pages(table, layers: torch.Tensor, r: torch.Tensor, *, block: int = 256) -> None:
+    """Hand the last ``r[l', b, h]`` (emptied) high pages of each head of ``layers`` to its low
+    side, newest low pages first in the order they were high (LeanKV Fig. 5: a downgrade reuses the
+    pages it empties), in one launch and with no host read. ``layers`` int ``[L']`` (distinct),
+    ``r`` int ``[L', B, H]`` with ``0 <= r <= n_pages[HIGH]``. What :func:`move_tail_pages_ref` does
+    with torch ops."""
+    _check_tables(table)
+    n_layers, batch, heads = table.tables.shape[:3]
+    if r.shape != (layers.numel(), batch, heads):
+        raise ValueError(f"r must be [{layers.numel()}, {batch}, {heads}], got {tuple(r.shape)}")
+    if r.numel() == 0:
+        return
+    kernel_for(_move_tail_kernel, r.device)[(r.numel(),)](
+        layers.contiguous(), r.contiguous(), table.n_pages, table.tables, n_layers * batch * heads, batch * heads,
+        table.row_len, BLOCK=block, num_warps=4)
+
+
+def move_tail_pages_ref(table, layers: torch.Tensor, r: torch.Tensor) -> None:
+    """Plain-PyTorch reference of :func:`move_tail_pages`: one dense rewrite of the heads' rows."""
+    from leankit.page_table import HIGH, LOW
+
+    rlen = table.row_len
+    rows = table.tables.index_select(0, layers)
+    cur_h = table.n_pages[HIGH].index_select(0, layers).long().unsqueeze(-1)
+    cur_l = table.n_pages[LOW].index_select(0, layers).long().unsqueeze(-1)
+    rr = r.long().unsqueeze(-1)
+    col = torch.arange(rlen, device=rows.device)
+    cleared = (col >= cur_h - rr) & (col < cur_h)  # the high pages that leave
+    i = rlen - 1 - col - cur_l  # index among the low side's new pages of a column
+    filled = (i >= 0) & (i < rr)  # new page i is high page cur_h - 1 - i
+    moved = rows.gather(-1, (cur_h - 1 - i).clamp(0, rlen - 1))
+    rows = torch.where(filled, moved, torch.where(cleared, torch.full_like(rows, -1), rows))
+    table.tables.index_copy_(0, layers, rows)
+    table.n_pages[HIGH, layers] -= r.to(table.n_pages.dtype)
+    table.n_pages[LOW, layers] += r.to(table.n_pages.dtype)
+
+
+def plan_tier_pages(table, layers: torch.Tensor, lens: torch.Tensor, tokens: tuple[int, ...],
+                    reserve: torch.Tensor | None = None, *, block: int = 256):
+    """The page accounting of a re-tiering, in one launch (LeanKV §5.3 and Fig. 5): for every head
+    of ``layers`` that will hold ``lens[t]`` tokens in tier ``t`` (plus ``reserve[b]`` high slots),
+
+    * ``need[t] = ceil(tokens_t / T_t)`` pages, ``T_t`` = ``tokens[t]`` per page;
+    * ``r = min((cur_h - need_h)+, (need_l - cur_l)+)`` high pages the low side takes over once
+      they are empty (``cur_t`` the pages it owns);
+    * ``extra``, the grant: ``(need_h - cur_h)+`` high and ``(need_l - cur_l - r)+`` low pages,
+      zero outside ``layers``.
+
+    ``layers`` int ``[L']`` (distinct), ``lens`` int ``[tiers, L', B, H]`` (last three dims
+    contiguous), ``tokens`` one count per tier (a single tier needs and gets no low pages),
+    ``reserve`` int ``[B]`` or None. Returns ``(need int64 [2, L', B, H], r int64 [L', B, H], extra
+    int32 [2, L, B, H])``: what :func:`plan_tier_pages_ref` computes with torch ops. No host read.
+    """
+    _check_tables(table)
+    n_layers, batch, heads = table.tables.shape[:3]
+    tiers = len(tokens)
+    if lens.shape != (tiers, layers.numel(), batch, heads) or not lens[0].is_contiguous():
+        raise ValueError(f"lens must be [{tiers}, {layers.numel()}, {batch}, {heads}] with its last three dims "
+                         f"contiguous, got {tuple(lens.shape)}")
+    if reserve is not None and reserve.shape != (batch,):
+        raise ValueError(f"reserve must be [{batch}], got {tuple(reserve.shape)}")
+    dev = lens.device
+    n = layers.numel() * batch * heads
+    need = torch.empty((2, layers.numel(), batch, heads), dtype=torch.int64, device=dev)
+    r = torch.empty((layers.numel(), batch, heads), dtype=torch.int64, device=dev)
+    extra = torch.zeros_like(table.n_pages)
+    if n:
+        res = reserve.contiguous() if reserve is not None else r
+        kernel_for(_tier_plan_kernel, dev)[(cdiv(n, block),)](
+            layers.contiguous(), lens, lens.stride(0) if tiers > 1 else 0, res, table.n_pages, need, r, extra, n,
+            n_layers * batch * heads, batch * heads, heads, tokens[0], tokens[-1], HAS_RES=reserve is not None,
+            TWO=tiers > 1, BLOCK=block, num_warps=4)
+    return need, r, extra
+
+
+def plan_tier_pages_ref(table, layers: torch.Tensor, lens: torch.Tensor, tokens: tuple[int, ...],
+                        reserve: torch.Tensor | None = None):
+    """Plain-PyTorch reference of :func:`plan_tier_pages`."""
+    from leankit.page_table import HIGH, LOW, ceil_div
+
+    len_h = lens[HIGH].long() + (0 if reserve is None else reserve.view(1, -1, 1).long())
+    need_h = ceil_div(len_h, tokens[0])
+    need_l = ceil_div(lens[LOW].long(), tokens[1]) if len(tokens) > 1 else torch.zeros_like(need_h)
+    cur_h = table.n_pages[HIGH].index_select(0, layers).long()
+    cur_l = table.n_pages[LOW].index_select(0, layers).long() if len(tokens) > 1 else torch.zeros_like(need_h)
+    r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
+    extra = torch.zeros_like(table.n_pages)
+    extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
+    extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
+    return torch.stack([need_h, need_l]), r, extra
