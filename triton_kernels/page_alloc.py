@@ -35,7 +35,7 @@ import triton.language as tl
 
 from leankit.allocator import FreePageList, PoolExhausted
 
-from .tiles import cdiv, flag_bytes, kernel_for
+from .tiles import cdiv, flag_bytes, jit_options, kernel_for
 
 BLOCK = 128
 # A deferred grant of up to this many requesters runs as one program (two passes of
@@ -44,6 +44,11 @@ BLOCK = 128
 # x 8 heads and batch 64.
 SINGLE_GRANT_MAX = 1 << 16
 SINGLE_GRANT_BLOCK = 1024
+# Runtime integers that change with the batch and the step: no compiled variant per value class
+# (a compile stalls a GPU step for about a second).
+SINGLE_GRANT_DYNAMIC = ("cap", "N", "LBH", "BH", "H", "R", "T")
+MOVE_TAIL_DYNAMIC = ("LBH", "BH", "R")
+TIER_PLAN_DYNAMIC = ("s_lt", "N", "LBH", "BH", "H", "T_H", "T_L")
 
 
 @triton.jit
@@ -128,7 +133,7 @@ def _grant_check(total, cnt_ptr, status_ptr):
     return head_count, (total <= free).to(tl.int32)
 
 
-@triton.jit
+@triton.jit(**jit_options(SINGLE_GRANT_DYNAMIC))
 def _single_grant_kernel(extra_ptr, lens_ptr, npages_ptr, nnew_ptr, tables_ptr, ring_ptr, cnt_ptr, status_ptr, ok_ptr,
                          cap, N, LBH, BH, H, R, T, TOKENS: tl.constexpr, BLOCK: tl.constexpr):
     """A deferred grant whole, in one program: the demand of every requester, its total against the
@@ -213,7 +218,7 @@ def _release_rows_kernel(rows_ptr, npages_ptr, lens_ptr, tables_ptr, ring_ptr, c
     tl.store(cnt_ptr + 1, tail_count + carry)
 
 
-@triton.jit
+@triton.jit(**jit_options(MOVE_TAIL_DYNAMIC))
 def _move_tail_kernel(layers_ptr, r_ptr, npages_ptr, tables_ptr, LBH, BH, R, BLOCK: tl.constexpr):
     """One program per (listed layer, sequence, head) row: its last ``r`` high pages become its
     newest low pages (the bidirectional table's Fig. 5 reuse). High page ``cur_h - 1 - i`` goes to
@@ -243,7 +248,7 @@ def _move_tail_kernel(layers_ptr, r_ptr, npages_ptr, tables_ptr, LBH, BH, R, BLO
     tl.store(npages_ptr + LBH + head, cur_l + rr)
 
 
-@triton.jit
+@triton.jit(**jit_options(TIER_PLAN_DYNAMIC))
 def _tier_plan_kernel(layers_ptr, len_ptr, s_lt, res_ptr, npages_ptr, need_ptr, r_ptr, extra_ptr, N, LBH, BH, H,
                       T_H, T_L, HAS_RES: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr):
     """Heads ``[pid * BLOCK, pid * BLOCK + BLOCK)`` of the ``N = L' * B * H`` listed (layer, sequence,
