@@ -143,6 +143,72 @@ class BidirectionalPageTable:
 
         grant_token_pages(self, n_new, tokens_per_page, free_list, status, taken=taken)
 
+    def tier_plan(self, layers: torch.Tensor, lens: torch.Tensor, tokens: tuple[int, ...],
+                  reserve: torch.Tensor | None = None):
+        """The page accounting of a re-tiering (LeanKV §5.3 and Fig. 5): for every head of ``layers``
+        that will hold ``lens[t]`` tokens in tier ``t`` (plus ``reserve[b]`` high slots),
+
+        * ``need[t] = ceil(tokens_t / T_t)`` pages, ``T_t`` = ``tokens[t]`` per page;
+        * ``r = min((cur_h - need_h)+, (need_l - cur_l)+)`` high pages the low side takes over once
+          they are empty (``cur_t`` the pages it owns; :meth:`move_tail`);
+        * ``extra``, the grant for :meth:`grow`: ``(need_h - cur_h)+`` high and
+          ``(need_l - cur_l - r)+`` low pages, zero outside ``layers``.
+
+        ``layers`` int ``[L']`` (distinct), ``lens`` int ``[tiers, L', B, H]``, ``tokens`` one count
+        per tier (a single tier needs and gets no low pages), ``reserve`` int ``[B]`` or None.
+        Returns ``(need int64 [2, L', B, H], r int64 [L', B, H], extra int32 [2, L, B, H])``. On the
+        kernel backend one launch (:func:`leankit_kernels.page_alloc.plan_tier_pages`); no host read
+        either way.
+        """
+        if use_triton(self.tables):
+            from leankit_kernels.page_alloc import plan_tier_pages
+
+            return plan_tier_pages(self, layers, lens, tokens, reserve)
+        len_h = lens[HIGH].long() + (0 if reserve is None else reserve.view(1, -1, 1).long())
+        need_h = ceil_div(len_h, tokens[0])
+        two = len(tokens) > 1
+        need_l = ceil_div(lens[LOW].long(), tokens[1]) if two else torch.zeros_like(need_h)
+        cur_h = self.n_pages[HIGH].index_select(0, layers).long()
+        cur_l = self.n_pages[LOW].index_select(0, layers).long() if two else torch.zeros_like(need_h)
+        r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
+        extra = torch.zeros_like(self.n_pages)
+        extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
+        extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
+        return torch.stack([need_h, need_l]), r, extra
+
+    def move_tail(self, layers: torch.Tensor, r: torch.Tensor) -> None:
+        """Hand the last ``r[l', b, h]`` (emptied) high pages of each head of ``layers`` to its low
+        side, newest low pages first in the order they were high (LeanKV Fig. 5: a downgrade reuses
+        the pages it empties). ``layers`` int ``[L']`` (distinct), ``0 <= r <= n_pages[HIGH]``.
+
+        On the kernel backend one launch with no host read
+        (:func:`leankit_kernels.page_alloc.move_tail_pages`); the torch path reads the total once.
+        """
+        if use_triton(self.tables):
+            from leankit_kernels.page_alloc import move_tail_pages
+
+            move_tail_pages(self, layers, r)
+            return
+        total = int(r.sum())
+        if total == 0:
+            return
+        flat = r.reshape(-1).long()
+        owner = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat)
+        i = torch.arange(total, device=flat.device) - exclusive_cumsum(flat)[owner]
+        li, bi, hi = torch.unravel_index(owner, r.shape)
+        lay = layers[li]
+        cur_h = self.n_pages[HIGH][lay, bi, hi].long()
+        cur_l = self.n_pages[LOW][lay, bi, hi].long()
+        src = self.column(HIGH, cur_h - 1 - i, self.row_len)
+        dst = self.column(LOW, cur_l + i, self.row_len)
+        ids = self.tables[lay, bi, hi, src].clone()
+        # Clear before writing: the moved high columns and the new low columns may overlap (the
+        # final high and low extents never do, since a row's pages never exceed its length).
+        self.tables[lay, bi, hi, src] = -1
+        self.tables[lay, bi, hi, dst] = ids
+        self.n_pages[HIGH, layers] -= r.to(self.n_pages.dtype)
+        self.n_pages[LOW, layers] += r.to(self.n_pages.dtype)
+
     def shrink(self, keep: torch.Tensor, free_list: FreePageList, defer: bool = False) -> torch.Tensor | int | None:
         """Recycle pages so that tier ``t`` of each head keeps ``keep[t, l, b, h]`` pages.
 

@@ -40,10 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .allocator import exclusive_cumsum
 from .backend import use_triton
 from .decode_attention import LiveSlots
-from .page_table import HIGH, LOW, ceil_div
+from .page_table import HIGH, LOW
 
 KEEP_HIGH, KEEP_LOW, PRUNED = 0, 1, 2
 _BIG = 1 << 30
@@ -516,29 +515,6 @@ class _Base:
             cache.pool.copy_slots(layout, sp, so, dp, do)
         return new_len.squeeze(-1)
 
-    def _relabel(self, layers: torch.Tensor, r: torch.Tensor) -> None:
-        """Hand the last ``r`` (emptied) high pages of each head to its low side (Fig. 5 reuse)."""
-        total = int(r.sum())
-        if total == 0:
-            return
-        table = self.cache.table
-        flat = r.reshape(-1).long()
-        owner = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat)
-        i = torch.arange(total, device=flat.device) - exclusive_cumsum(flat)[owner]
-        li, bi, hi = torch.unravel_index(owner, r.shape)
-        lay = layers[li]
-        cur_h = table.n_pages[HIGH][lay, bi, hi].long()
-        cur_l = table.n_pages[LOW][lay, bi, hi].long()
-        src = table.column(HIGH, cur_h - 1 - i, table.row_len)
-        dst = table.column(LOW, cur_l + i, table.row_len)
-        ids = table.tables[lay, bi, hi, src].clone()
-        # Clear before writing: the moved high columns and the new low columns may overlap (the
-        # final high and low extents never do, since a row's pages never exceed its length).
-        table.tables[lay, bi, hi, src] = -1
-        table.tables[lay, bi, hi, dst] = ids
-        table.n_pages[HIGH, layers] -= r.to(table.n_pages.dtype)
-        table.n_pages[LOW, layers] += r.to(table.n_pages.dtype)
-
     def apply_classes(self, layers: torch.Tensor, metas: list[TierMeta], news: list[torch.Tensor],
                       reserve: torch.Tensor | None = None, cap: int | None = None) -> torch.Tensor:
         """Execute per-slot decisions for ``layers`` with real reclaim; returns pruned mass ``[L', B, H]``.
@@ -582,15 +558,15 @@ class _Base:
             len_l = self._compact(LOW, layers, ml.valid, alive_l)
         else:
             len_l = torch.zeros_like(len_h)
-        final_l = len_l + to_low.sum(-1)
+        new_lens = torch.stack((len_h, len_l + to_low.sum(-1)))
         # 3. page plan: reuse emptied high pages on the low side, then one grow
-        need_h, need_l = self._fit_pages(layers, len_h, final_l, reserve)
+        need = self._fit_pages(layers, new_lens[: 1 + two], reserve)
         # 4. re-quantize the downgraded tokens into the low tier
         if li.numel():
             slot = len_l[li, bi, hi] + rank
             cache.write_tokens(LOW, lay, bi, hi, slot, k, v, mv_pos, mv_score)
         # 5. one batched recycle of every page left empty
-        self._set_lens_and_shrink(layers, torch.stack((len_h, final_l)), torch.stack((need_h, need_l)))
+        self._set_lens_and_shrink(layers, new_lens, need)
         return pruned
 
     def _apply_classes_fixed(self, layers: torch.Tensor, metas: list[TierMeta], news: list[torch.Tensor],
@@ -641,7 +617,7 @@ class _Base:
             self._compact_fixed(LOW, layers, ml.valid, alive_l, cap, ok)
         # 4. emptied high pages to the low side (Fig. 5 reuse), then the downgraded tokens re-quantized
         if two:
-            self._move_tail_pages(layers, r)
+            table.move_tail(layers, r)
         if c:
             slot = torch.where(lo_has, len_l.unsqueeze(-1) + torch.arange(c, device=lo_has.device),
                                torch.zeros_like(lo_slot)).reshape(-1)
@@ -650,51 +626,28 @@ class _Base:
         self._set_lens_and_shrink(layers, new_lens, need, ok=ok)
         return pruned * ok
 
-    def _page_need(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
-                   reserve: torch.Tensor | None):
-        """``(need_h, need_l, cur_h, cur_l, r)`` ``[L', B, H]``: pages each tier needs for ``len_*``
-        tokens (plus ``reserve[b]`` high slots), pages it owns, and the surplus high pages the low
-        side can take over (paper Fig. 5)."""
-        cache, table = self.cache, self.cache.table
-        res = torch.zeros_like(len_h) if reserve is None else reserve.view(1, -1, 1).to(len_h.dtype)
-        need_h = ceil_div(len_h + res, cache.layouts[HIGH].tokens)
-        need_l = ceil_div(len_l, cache.layouts[LOW].tokens) if len(cache.layouts) > 1 else torch.zeros_like(len_h)
-        cur_h = table.n_pages[HIGH].index_select(0, layers).long()
-        cur_l = table.n_pages[LOW].index_select(0, layers).long()
-        r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
-        return need_h, need_l, cur_h, cur_l, r
-
     def _plan_pages(self, layers: torch.Tensor, lens: torch.Tensor, reserve: torch.Tensor | None,
                     new_tokens: bool = False):
-        """Grant the pages of :meth:`_fit_pages` before anything moves (kernel backend: the plan is one
-        launch, :func:`leankit_kernels.page_alloc.plan_tier_pages`, and the grant is deferred);
+        """Grant the pages of :meth:`_fit_pages` before anything moves (kernel backend: the plan
+        (:meth:`~leankit.page_table.BidirectionalPageTable.tier_plan`) is one launch and the grant
+        is deferred);
         ``lens`` ``[tiers, L', B, H]`` the heads' token counts per tier after the change. Returns
         ``(need, r, ok)``: ``need`` ``[2, L', B, H]`` the pages each tier keeps, ``r`` ``[L', B, H]``
-        high pages that :meth:`_move_tail_pages` hands to the low side once they are empty, ``ok``
+        high pages that ``table.move_tail`` hands to the low side once they are empty, ``ok``
         the device flag of the grant (``r`` is zero when refused). ``new_tokens``: the counts
         include tokens not stored yet (a prompt), so a single tier may need pages too."""
-        from leankit_kernels.page_alloc import plan_tier_pages
-
         cache = self.cache
-        need, r, extra = plan_tier_pages(cache.table, layers, lens, tuple(lay.tokens for lay in cache.layouts),
-                                         reserve)
+        need, r, extra = cache.table.tier_plan(layers, lens, tuple(lay.tokens for lay in cache.layouts), reserve)
         if reserve is None and not new_tokens and len(cache.layouts) == 1:
             # tokens only leave one tier: no head needs a page
             return need, r, torch.ones((), dtype=torch.bool, device=lens.device)
         # The grown low pages take the columns next to the low side's current ones and the moved
         # pages the ones after them: the grown ones never reach a high column (the final extents
-        # fit the row), only the moved ones may, which _move_tail_pages handles.
+        # fit the row), only the moved ones may, which table.move_tail handles.
         ok = cache.grow_pages(extra, defer=True)
         if ok is None:  # an eager grant (elastic pool) raised or succeeded
             ok = torch.ones((), dtype=torch.bool, device=lens.device)
         return need, r * ok, ok
-
-    def _move_tail_pages(self, layers: torch.Tensor, r: torch.Tensor) -> None:
-        """Hand the last ``r`` (emptied) high pages of each head to its low side (Fig. 5 reuse), as
-        :meth:`_relabel` does, in one launch with no host read (kernel backend only)."""
-        from leankit_kernels.page_alloc import move_tail_pages
-
-        move_tail_pages(self.cache.table, layers, r)
 
     def _compact_fixed(self, tier: int, layers: torch.Tensor, valid: torch.Tensor, alive: torch.Tensor,
                        cap: int, ok: torch.Tensor) -> None:
@@ -717,22 +670,18 @@ class _Base:
         sp, so = locate_slots(cache.table, tier, lay, bi, hi, ms.reshape(-1), t)
         _copy_slots_masked(cache.pool, cache.layouts[tier], sp, so, dp, do, has.reshape(-1))
 
-    def _fit_pages(self, layers: torch.Tensor, len_h: torch.Tensor, len_l: torch.Tensor,
-                   reserve: torch.Tensor | None = None):
-        """Give every head of ``layers`` the pages for ``len_h`` high / ``len_l`` low tokens.
+    def _fit_pages(self, layers: torch.Tensor, lens: torch.Tensor, reserve: torch.Tensor | None = None):
+        """Give every head of ``layers`` the pages for ``lens`` ``[tiers, L', B, H]`` tokens per tier.
 
         Surplus high pages are handed to the low side first (paper Fig. 5), then one batched
-        allocation covers the rest. Returns the page counts ``(need_h, need_l)`` ``[L', B, H]``
-        that :meth:`_set_lens_and_shrink` trims to once the tokens are written.
+        allocation covers the rest. Returns the page counts ``need`` ``[2, L', B, H]`` that
+        :meth:`_set_lens_and_shrink` trims to once the tokens are written.
         """
         cache, table = self.cache, self.cache.table
-        need_h, need_l, cur_h, cur_l, r = self._page_need(layers, len_h, len_l, reserve)
-        self._relabel(layers, r)
-        extra = torch.zeros_like(table.n_pages)
-        extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
-        extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
+        need, r, extra = table.tier_plan(layers, lens, tuple(lay.tokens for lay in cache.layouts), reserve)
+        table.move_tail(layers, r)
         cache.grow_pages(extra)
-        return need_h, need_l
+        return need
 
     def _set_lens_and_shrink(self, layers, lens: torch.Tensor, need: torch.Tensor,
                              ok: torch.Tensor | None = None) -> None:
@@ -944,7 +893,8 @@ class LeanKVPolicy(_Base):
         lens = cache.table.lens[:, layer].long()  # [2, B, H]
         counts = [(cls == c).sum(-1) for c in (KEEP_HIGH, KEEP_LOW)]  # cls is -1 on invalid slots
         len_h, len_l = (lens[HIGH] + counts[0]).unsqueeze(0), (lens[LOW] + counts[1]).unsqueeze(0)
-        need_h, need_l = self._fit_pages(layers, len_h, len_l)
+        new_lens = torch.stack((len_h, len_l))
+        need = self._fit_pages(layers, new_lens[: len(cache.layouts)])
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW)):
             take = valid & (cls == c)
             bi, hi, qi = take.nonzero(as_tuple=True)
@@ -953,7 +903,7 @@ class LeanKVPolicy(_Base):
                 cache.write_tokens(tier, layer, bi, hi, slot, k[bi, hi, qi], v[bi, hi, qi], pos[bi, hi, qi],
                                    score[bi, hi, qi])
         self.pruned_mass[layer] += _masked_sum(score, valid & (cls == PRUNED))
-        self._set_lens_and_shrink(layers, torch.stack((len_h, len_l)), torch.stack((need_h, need_l)))
+        self._set_lens_and_shrink(layers, new_lens, need)
 
     def _store_prompt_fixed(self, layer: int, layers: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,
                             score: torch.Tensor, cls: torch.Tensor, rank: torch.Tensor, new_lens: torch.Tensor,
@@ -961,7 +911,7 @@ class LeanKVPolicy(_Base):
         """:meth:`store` of a classified prompt on the kernel backend, with no host read: the pages
         as one deferred grant whose device flag ``ok`` gates everything after it (a refused grant
         writes no token and changes no count; :meth:`LeanCache.end_step` raises
-        ``PoolExhausted``), surplus high pages to the low side by a dense rewrite of the table rows,
+        ``PoolExhausted``), surplus high pages to the low side in one launch (``table.move_tail``),
         one store launch per tier straight from the model's ``[B, H, Q, F]`` K/V (each kept
         token's slot is its head's count plus its rank among the head's tokens of that tier: no
         list of the kept tokens and no gathered copy of them), a deferred recycle. Returns the
@@ -971,7 +921,7 @@ class LeanKVPolicy(_Base):
         two = len(cache.layouts) > 1
         need, r, ok = self._plan_pages(layers, new_lens[: 1 + two], None, new_tokens=True)
         if two:
-            self._move_tail_pages(layers, r)
+            cache.table.move_tail(layers, r)
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW))[: 1 + two]:
             take = (cls == c) & ok  # cls is -1 on invalid slots
             cache.write_step_tokens(layer, k, v, step, score, take=take, rank=rank, tier=tier)

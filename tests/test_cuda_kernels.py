@@ -240,9 +240,7 @@ def test_retiering_page_kernels_real_sizes(layers, batch, heads, row_len):
     from leankit_kernels.page_alloc import (
         grow_pages,
         move_tail_pages,
-        move_tail_pages_ref,
         plan_tier_pages,
-        plan_tier_pages_ref,
     )
 
     from leankit.allocator import FreePageList
@@ -266,7 +264,7 @@ def test_retiering_page_kernels_real_sizes(layers, batch, heads, row_len):
     layers_sel = torch.randperm(layers, generator=gen)[: max(1, layers // 2)]
     lens = torch.randint(0, 4 * row_len, (2, layers_sel.numel(), batch, heads), generator=gen)
     reserve = torch.randint(0, 2, (batch,), generator=gen)
-    want = plan_tier_pages_ref(tabs[0], layers_sel, lens, (9, 17), reserve)
+    want = tabs[0].tier_plan(layers_sel, lens, (9, 17), reserve)  # the CPU table: the torch path
     got = plan_tier_pages(tabs[1], layers_sel.cuda(), lens.cuda(), (9, 17), reserve.cuda())
     for name, g, w in zip(("need", "r", "extra"), got, want):
         assert torch.equal(g.cpu(), w), f"plan {name} (seed {seed})"
@@ -286,7 +284,7 @@ def test_retiering_page_kernels_real_sizes(layers, batch, heads, row_len):
     assert lists[1].num_free == lists[0].num_free, f"seed {seed}"
     r = torch.minimum((torch.rand(layers_sel.numel(), batch, heads, generator=gen) * (cur_h[layers_sel] + 1)).long(),
                       cur_h[layers_sel])
-    move_tail_pages_ref(tabs[0], layers_sel, r)
+    tabs[0].move_tail(layers_sel, r)
     move_tail_pages(tabs[1], layers_sel.cuda(), r.cuda())
     assert torch.equal(tabs[1].n_pages.cpu(), tabs[0].n_pages), f"seed {seed}"
     assert torch.equal(tabs[1].tables.cpu(), tabs[0].tables), f"seed {seed}"

@@ -10,9 +10,7 @@ from leankit_kernels.page_alloc import (
     grant_token_pages,
     grow_pages,
     move_tail_pages,
-    move_tail_pages_ref,
     plan_tier_pages,
-    plan_tier_pages_ref,
     release_rows,
     shrink_pages,
 )
@@ -240,11 +238,11 @@ def test_page_table_dispatches_to_kernels(monkeypatch):
 
 @pytest.mark.parametrize("shape,row_len,block", [((3, 4, 3), 20, 256), ((2, 2, 5), 33, 4), ((1, 1, 1), 6, 2)])
 @pytest.mark.parametrize("full_rows", [False, True])
-def test_move_tail_pages_matches_the_dense_rewrite(shape, row_len, block, full_rows):
-    """The one-launch hand-over of emptied high pages to the low side equals the torch rewrite of
-    the rows, for any page counts, rows with no free column between the sides (a moved page lands
-    in a column a high page leaves), several tiles per row (``block`` below ``r``) and a subset of
-    the layers in any order."""
+def test_move_tail_pages_matches_the_torch_path(shape, row_len, block, full_rows):
+    """The one-launch hand-over of emptied high pages to the low side equals the torch path of
+    ``BidirectionalPageTable.move_tail``, for any page counts, rows with no free column between the
+    sides (a moved page lands in a column a high page leaves), several tiles per row (``block``
+    below ``r``) and a subset of the layers in any order."""
     gen, seed = fresh_generator()
     n_layers, batch, heads = shape
     tables = []
@@ -264,7 +262,7 @@ def test_move_tail_pages_matches_the_dense_rewrite(shape, row_len, block, full_r
     layers = torch.randperm(n_layers, generator=gen)[: max(1, n_layers - 1)]
     r = (torch.rand(layers.numel(), batch, heads, generator=gen) * (cur_h[layers] + 1)).long()
     r = torch.minimum(r, cur_h[layers])
-    move_tail_pages_ref(tables[0], layers, r)
+    tables[0].move_tail(layers, r)  # CPU tables: the torch path
     move_tail_pages(tables[1], layers, r.to(torch.int32), block=block)
     assert torch.equal(tables[0].n_pages, tables[1].n_pages), f"seed {seed}"
     assert torch.equal(tables[0].tables, tables[1].tables), f"seed {seed}"
@@ -293,7 +291,7 @@ def test_plan_tier_pages_matches_torch(shape, tokens, with_reserve):
         lens[:, 0, 0, 0] = torch.tensor([0, 60])
         table.n_pages[:, layers[0], 0, 0] = torch.tensor([5, 0], dtype=torch.int32)
     got = plan_tier_pages(table, layers, lens, tokens, reserve, block=4)
-    want = plan_tier_pages_ref(table, layers, lens, tokens, reserve)
+    want = table.tier_plan(layers, lens, tokens, reserve)  # CPU table: the torch path
     for name, g, w in zip(("need", "r", "extra"), got, want):
         assert g.dtype == w.dtype and torch.equal(g, w), f"{name} (seed {seed})"
     assert int(got[1].sum()) > 0 or len(tokens) == 1, f"seed {seed}: no page moves"

@@ -107,3 +107,12 @@ def test_prompt_classes_check_shapes():
         prompt_classes(received, pos, real, q_last[:1], pm, lens, 1, 0.3, 0.1)
     with pytest.raises(ValueError, match="lens"):
         prompt_classes(received, pos, real, q_last, pm, lens[0], 1, 0.3, 0.1)
+
+
+def test_prompt_classes_of_an_empty_prompt_keep_the_counts():
+    """No token (``Q == 0``) or no head: nothing launches, the counts stay, nothing is pruned."""
+    lens = torch.tensor([[[3, 4]], [[5, 6]]], dtype=torch.int32)
+    got = prompt_classes(torch.rand(1, 2, 0), torch.zeros(1, 0, dtype=torch.int32), torch.ones(1, 0, dtype=torch.bool),
+                         torch.zeros(1, dtype=torch.long), torch.zeros(1, 2), lens, 3, 0.3, 0.1)
+    assert got[0].shape == (1, 2, 0) and torch.equal(got[3], lens.long().unsqueeze(1))
+    assert not got[4].any()

@@ -763,7 +763,7 @@ def test_leankv_prompt_store_launches_at_most_30_ops_a_layer(monkeypatch):
     n = sum(counter.counts[key] for key in ours)
     assert 0 < n <= 30 * 3, f"{n / 3:.0f} ops a layer\n" + counter.report()
     sites = {site for (_, _, site) in ours}
-    assert not any(f in site for site in sites for f in ("significance_cutoffs", "plan_unified", "_page_need",
+    assert not any(f in site for site in sites for f in ("significance_cutoffs", "plan_unified", "(tier_plan)",
                                                           "grow_pages")), sites
 
 

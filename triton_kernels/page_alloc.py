@@ -443,8 +443,8 @@ def move_tail_pages(table, layers: torch.Tensor, r: torch.Tensor, *, block: int 
     """Hand the last ``r[l', b, h]`` (emptied) high pages of each head of ``layers`` to its low
     side, newest low pages first in the order they were high (LeanKV Fig. 5: a downgrade reuses the
     pages it empties), in one launch and with no host read. ``layers`` int ``[L']`` (distinct),
-    ``r`` int ``[L', B, H]`` with ``0 <= r <= n_pages[HIGH]``. What :func:`move_tail_pages_ref` does
-    with torch ops."""
+    ``r`` int ``[L', B, H]`` with ``0 <= r <= n_pages[HIGH]``. Kernel path of
+    :meth:`leankit.page_table.BidirectionalPageTable.move_tail`."""
     _check_tables(table)
     n_layers, batch, heads = table.tables.shape[:3]
     if r.shape != (layers.numel(), batch, heads):
@@ -456,41 +456,12 @@ def move_tail_pages(table, layers: torch.Tensor, r: torch.Tensor, *, block: int 
         table.row_len, BLOCK=block, num_warps=4)
 
 
-def move_tail_pages_ref(table, layers: torch.Tensor, r: torch.Tensor) -> None:
-    """Plain-PyTorch reference of :func:`move_tail_pages`: one dense rewrite of the heads' rows."""
-    from leankit.page_table import HIGH, LOW
-
-    rlen = table.row_len
-    rows = table.tables.index_select(0, layers)
-    cur_h = table.n_pages[HIGH].index_select(0, layers).long().unsqueeze(-1)
-    cur_l = table.n_pages[LOW].index_select(0, layers).long().unsqueeze(-1)
-    rr = r.long().unsqueeze(-1)
-    col = torch.arange(rlen, device=rows.device)
-    cleared = (col >= cur_h - rr) & (col < cur_h)  # the high pages that leave
-    i = rlen - 1 - col - cur_l  # index among the low side's new pages of a column
-    filled = (i >= 0) & (i < rr)  # new page i is high page cur_h - 1 - i
-    moved = rows.gather(-1, (cur_h - 1 - i).clamp(0, rlen - 1))
-    rows = torch.where(filled, moved, torch.where(cleared, torch.full_like(rows, -1), rows))
-    table.tables.index_copy_(0, layers, rows)
-    table.n_pages[HIGH, layers] -= r.to(table.n_pages.dtype)
-    table.n_pages[LOW, layers] += r.to(table.n_pages.dtype)
-
-
 def plan_tier_pages(table, layers: torch.Tensor, lens: torch.Tensor, tokens: tuple[int, ...],
                     reserve: torch.Tensor | None = None, *, block: int = 256):
-    """The page accounting of a re-tiering, in one launch (LeanKV §5.3 and Fig. 5): for every head
-    of ``layers`` that will hold ``lens[t]`` tokens in tier ``t`` (plus ``reserve[b]`` high slots),
-
-    * ``need[t] = ceil(tokens_t / T_t)`` pages, ``T_t`` = ``tokens[t]`` per page;
-    * ``r = min((cur_h - need_h)+, (need_l - cur_l)+)`` high pages the low side takes over once
-      they are empty (``cur_t`` the pages it owns);
-    * ``extra``, the grant: ``(need_h - cur_h)+`` high and ``(need_l - cur_l - r)+`` low pages,
-      zero outside ``layers``.
-
-    ``layers`` int ``[L']`` (distinct), ``lens`` int ``[tiers, L', B, H]`` (last three dims
-    contiguous), ``tokens`` one count per tier (a single tier needs and gets no low pages),
-    ``reserve`` int ``[B]`` or None. Returns ``(need int64 [2, L', B, H], r int64 [L', B, H], extra
-    int32 [2, L, B, H])``: what :func:`plan_tier_pages_ref` computes with torch ops. No host read.
+    """Kernel path of :meth:`leankit.page_table.BidirectionalPageTable.tier_plan` (one launch, no
+    host read): the pages each tier of the heads of ``layers`` needs for ``lens`` ``[tiers, L', B,
+    H]`` tokens (last three dims contiguous), the surplus high pages the low side takes over and the
+    grant. Returns ``(need int64 [2, L', B, H], r int64 [L', B, H], extra int32 [2, L, B, H])``.
     """
     _check_tables(table)
     n_layers, batch, heads = table.tables.shape[:3]
@@ -512,20 +483,3 @@ def plan_tier_pages(table, layers: torch.Tensor, lens: torch.Tensor, tokens: tup
             n_layers * batch * heads, batch * heads, heads, tokens[0], tokens[-1], HAS_RES=reserve is not None,
             TWO=tiers > 1, BLOCK=block, num_warps=4)
     return need, r, extra
-
-
-def plan_tier_pages_ref(table, layers: torch.Tensor, lens: torch.Tensor, tokens: tuple[int, ...],
-                        reserve: torch.Tensor | None = None):
-    """Plain-PyTorch reference of :func:`plan_tier_pages`."""
-    from leankit.page_table import HIGH, LOW, ceil_div
-
-    len_h = lens[HIGH].long() + (0 if reserve is None else reserve.view(1, -1, 1).long())
-    need_h = ceil_div(len_h, tokens[0])
-    need_l = ceil_div(lens[LOW].long(), tokens[1]) if len(tokens) > 1 else torch.zeros_like(need_h)
-    cur_h = table.n_pages[HIGH].index_select(0, layers).long()
-    cur_l = table.n_pages[LOW].index_select(0, layers).long() if len(tokens) > 1 else torch.zeros_like(need_h)
-    r = torch.minimum((cur_h - need_h).clamp_min(0), (need_l - cur_l).clamp_min(0))
-    extra = torch.zeros_like(table.n_pages)
-    extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
-    extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
-    return torch.stack([need_h, need_l]), r, extra

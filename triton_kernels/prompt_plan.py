@@ -49,7 +49,12 @@ PLAN_UNALIGNED = ("rec_ptr", "pos_ptr", "real_ptr", "last_ptr", "pm_ptr", "lens_
 @triton.jit
 def _tile_scores(rec_ptr, s_rb, s_rh, s_rq, pos_ptr, s_pb, real_ptr, s_mb, b, h, q_last, q0, Q, window,
                  BLOCK: tl.constexpr):
-    """Tokens ``q0 .. q0 + BLOCK - 1`` of head ``(b, h)``: ``(q, valid, candidate, score, fp16 bits)``."""
+    """Tokens ``q0 .. q0 + BLOCK - 1`` of head ``(b, h)``: ``(q, valid, candidate, score, fp16 bits)``.
+
+    Every pass of the kernel recomputes these from the loaded inputs rather than reading back the
+    scores an earlier pass stored: a program's own global stores are not ordered before its later
+    loads by other threads without a barrier, and the recompute is three cached loads and a
+    division a token."""
     q = q0 + tl.arange(0, BLOCK)
     inq = q < Q
     valid = inq & (tl.load(real_ptr + b * s_mb + q, mask=inq, other=0) != 0)
@@ -180,13 +185,13 @@ def prompt_classes(received: torch.Tensor, q_pos: torch.Tensor, real: torch.Tens
     new_lens = empty((2, 1, bsz, heads), torch.int64, dev)
     pruned = empty((bsz, heads), torch.float32, dev)
     if bsz * heads == 0 or nq == 0:
-        new_lens.copy_(lens.view(2, 1, bsz, heads))
+        new_lens.copy_(lens.unsqueeze(1))
         pruned.zero_()
         return score, cls, rank, new_lens, pruned
     q_pos = q_pos if q_pos.stride(-1) == 1 else q_pos.contiguous()
     real = flag_bytes(real if real.stride(-1) == 1 else real.contiguous())
     pm = pruned_mass.float().contiguous()
-    if lens.stride(-1) != 1 or lens.stride(1) != heads:
+    if lens.stride(-1) != 1:  # the kernel takes the other two strides
         lens = lens.contiguous()
     # two tile sizes, so prompts of every length share two compiled variants
     blk = block or (SHORT_BLOCK if nq <= SHORT_BLOCK else MAX_BLOCK)
