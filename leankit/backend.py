@@ -17,11 +17,21 @@ _CHOICES = ("auto", "triton", "torch")
 
 
 def backend_name() -> str:
-    """The requested backend: ``auto`` (default), ``triton`` or ``torch``."""
-    name = os.environ.get("LEANKIT_BACKEND", "auto").strip().lower() or "auto"
-    if name not in _CHOICES:
-        raise ValueError(f"LEANKIT_BACKEND={name!r} is not one of {_CHOICES}")
-    return name
+    """The requested backend: ``auto`` (default), ``triton`` or ``torch``.
+
+    Read from the environment at every call (a process may switch it), parsed once per value:
+    launchers ask several times per layer of every step."""
+    global _PARSED
+    raw = os.environ.get("LEANKIT_BACKEND")
+    if raw is not _PARSED[0] and raw != _PARSED[0]:
+        name = (raw or "auto").strip().lower() or "auto"
+        if name not in _CHOICES:
+            raise ValueError(f"LEANKIT_BACKEND={name!r} is not one of {_CHOICES}")
+        _PARSED = (raw, name)
+    return _PARSED[1]
+
+
+_PARSED: tuple = (None, "auto")  # (the raw LEANKIT_BACKEND value last parsed, its backend name)
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -30,7 +40,7 @@ def use_triton(t: torch.Tensor) -> bool:
     if name == "torch":
         return False
     if name == "triton":
-        if not t.is_cuda:
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+        if not t.is_cuda and "TRITON_INTERPRET" not in os.environ:
+            os.environ["TRITON_INTERPRET"] = "1"
         return True
     return t.is_cuda

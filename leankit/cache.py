@@ -317,6 +317,8 @@ class LeanCache(Cache):
         # Kernel backend: int32 error flag per layer (and one for tokens a policy moves between
         # tiers), raised by the quantize kernel on NaN/Inf K/V and read once per step in end_step.
         self._kv_err = torch.zeros(self.num_layers + 1, dtype=torch.int32, device=self.device)
+        self._err_views = None  # (_kv_err, its one-element views per layer): see _layer_err
+        self._bounds_memo = None  # ((tokens fed, row length), page_bounds()): see page_bounds
         # (refused, pages needed, pages free) of the step's first refused deferred allocation
         self._alloc_status = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._hw_tokens = 0  # most tokens any row may hold (host bound: tokens fed so far, this step's included)
@@ -554,8 +556,12 @@ class LeanCache(Cache):
         bounds instead of reading the page counts (no host sync); heads with less work exit early.
         """
         r = self.row_len
-        high, low, total = self._page_bounds()
-        return min(r, high), min(r, low), min(r, total)
+        key = (self._hw_tokens, r)
+        memo = self._bounds_memo
+        if memo is None or memo[0] != key:  # asked by every layer of a step: worked out once
+            high, low, total = self._page_bounds()
+            memo = self._bounds_memo = (key, (min(r, high), min(r, low), min(r, total)))
+        return memo[1]
 
     def _page_bounds(self) -> tuple[int, int, int]:
         n = self._hw_tokens
@@ -706,16 +712,23 @@ class LeanCache(Cache):
         counts are left to the caller (a LeanKV prompt classified per head before it is stored)."""
         from leankit_kernels.quant import store_step_tokens
 
-        lens = self.table.lens[tier, layer]
+        views = self.table.layer_views(layer)
+        lens, err = views.tier_lens[tier], self._layer_err(layer)
         if take is not None:
             store_step_tokens(self.pool.storage, self.layouts[tier], k, v, take, rank, step.q_pos, lens,
-                              self.table.tables[layer], self._kv_err[layer: layer + 1], score=score,
-                              low=tier == LOW, update_lens=False)
+                              views.tables, err, score=score, low=tier == LOW, update_lens=False)
             return
         store_step_tokens(self.pool.storage, self.layouts[HIGH], k, v, step.real, step.rank, step.q_pos, lens,
-                          self.table.tables[layer], self._kv_err[layer: layer + 1], score=score)
+                          views.tables, err, score=score)
         if k.shape[2] > 1:  # several queries per row: the kernel left the counts to add here
             lens += step.n_new.view(-1, 1).to(lens.dtype)
+
+    def _layer_err(self, layer: int) -> torch.Tensor:
+        """The device error flag of ``layer`` (index ``num_layers``: tokens moved between tiers), a
+        one-element view of ``_kv_err``; the views are cut once, not at every store."""
+        if self._err_views is None or self._err_views[0] is not self._kv_err:
+            self._err_views = (self._kv_err, [self._kv_err[i: i + 1] for i in range(self._kv_err.numel())])
+        return self._err_views[1][layer]
 
     def paged_kv(self, layer: int) -> PagedKV:
         """The page view attention reads for ``layer``."""

@@ -28,6 +28,8 @@ pages come from the same :class:`~leankit.allocator.FreePageList` as KV pages.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .allocator import FreePageList, exclusive_cumsum
@@ -39,6 +41,15 @@ HIGH, LOW = 0, 1
 def ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
     """``ceil(a / b)`` elementwise for an int tensor ``a``: the pages that hold ``a`` tokens, ``b`` to a page."""
     return -torch.div(-a, b, rounding_mode="floor")
+
+
+class LayerViews(NamedTuple):
+    """Views of one layer of a :class:`BidirectionalPageTable` (they share its storage)."""
+
+    tables: torch.Tensor  # int32 [B, H, R]
+    n_pages: torch.Tensor  # int32 [2, B, H]
+    lens: torch.Tensor  # int32 [2, B, H]
+    tier_lens: tuple  # lens[t] per tier: int32 [B, H] each
 
 
 class BidirectionalPageTable:
@@ -55,6 +66,24 @@ class BidirectionalPageTable:
         self.tables = torch.full((num_layers, batch, heads, row_len), -1, dtype=torch.int32, device=device)
         self.n_pages = torch.zeros((2, num_layers, batch, heads), dtype=torch.int32, device=device)
         self.lens = torch.zeros((2, num_layers, batch, heads), dtype=torch.int32, device=device)
+        self._views: tuple = ((), {})  # (the tensors the memo was cut from, {layer: LayerViews})
+
+    def layer_views(self, layer: int) -> LayerViews:
+        """One layer's views of the table (:class:`LayerViews`), memoized.
+
+        A decode step slices the same layer out of the same three tensors in every launcher of
+        every layer (a few microseconds of host time each); the views are cut once and reused for
+        as long as ``tables``, ``n_pages`` and ``lens`` are the tensors they were cut from (the
+        memo starts over when any of them is replaced, e.g. by :meth:`select_sequences`)."""
+        src, memo = self._views
+        if len(src) != 3 or src[0] is not self.tables or src[1] is not self.n_pages or src[2] is not self.lens:
+            src, memo = (self.tables, self.n_pages, self.lens), {}
+            self._views = (src, memo)
+        views = memo.get(layer)
+        if views is None:
+            lens = self.lens[:, layer]
+            views = memo[layer] = LayerViews(self.tables[layer], self.n_pages[:, layer], lens, tuple(lens.unbind(0)))
+        return views
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -72,6 +72,19 @@ class PageLayout:
     seg_bytes: tuple[int, ...]
     seg_offsets: tuple[int, ...]
 
+    def __hash__(self) -> int:
+        # Kernel launchers look their constants up by layout at every launch: hash the fields once.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.precision, self.head_dim, self.group_size, self.page_size, self.dense_dtype,
+                      self.tokens, self.seg_bytes, self.seg_offsets))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # the memoized hash is this process's (dtype hashes differ between processes): not pickled
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @classmethod
     def build(cls, cfg: KVConfig, tier: int, head_dim: int, dense_dtype: torch.dtype) -> PageLayout:
         """Lay out tier ``tier`` of ``cfg`` for heads of ``head_dim`` channels."""

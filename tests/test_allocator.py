@@ -116,3 +116,24 @@ def test_pointers_wrap():
         fl.release(ids)
     assert fl.free_head > 5 and fl.free_tail > 10
     assert sorted(fl.free_ids().tolist()) == list(range(5))
+
+
+def test_layer_views_are_memoized_and_follow_replaced_tensors():
+    """``layer_views`` hands out the same views of a layer until the table's tensors are replaced
+    (a beam reorder, ``select_sequences``); the views always share the table's current storage."""
+    table = BidirectionalPageTable(num_layers=3, batch=4, heads=2, row_len=5, device="cpu")
+    first = table.layer_views(1)
+    assert table.layer_views(1) is first
+    assert table.layer_views(2) is not first
+    table.lens[LOW, 1, 2, 1] = 7
+    table.tables[1, 3, 0, 4] = 11
+    assert int(first.tier_lens[LOW][2, 1]) == 7 and int(first.lens[LOW, 2, 1]) == 7
+    assert int(first.tables[3, 0, 4]) == 11 and first.n_pages.shape == (2, 4, 2)
+    table.select_sequences(torch.tensor([2, 0]))
+    moved = table.layer_views(1)
+    assert moved is not first and moved.tables.shape == (2, 2, 5)
+    assert int(moved.tier_lens[LOW][0, 1]) == 7  # row 2 is now row 0
+    moved.tier_lens[HIGH][1, 0] = 3  # a write through a view lands in the table
+    assert int(table.lens[HIGH, 1, 1, 0]) == 3
+    table.lens = table.lens.clone()  # any one tensor replaced: fresh views
+    assert table.layer_views(1).lens.data_ptr() == table.lens[:, 1].data_ptr()

@@ -318,3 +318,25 @@ def test_compiled_decode_step_equals_the_torch_composition(monkeypatch, spec, dt
     assert err <= tol, f"logits differ by {float(err):.2e} (normwise) over the first {steps} steps"
     if dtype == torch.float32:
         assert torch.equal(seq_a, seq_b) and pages_a == pages_b
+
+
+def test_backend_choice_follows_the_environment_at_every_call(monkeypatch):
+    """``LEANKIT_BACKEND`` is read at every call (parsed once per value), so a process may switch
+    backends; a value that names no backend raises every time it is asked for."""
+    from leankit.backend import backend_name, use_triton
+
+    t = torch.zeros(1)
+    monkeypatch.setenv("LEANKIT_BACKEND", "torch")
+    assert backend_name() == "torch" and not use_triton(t)
+    monkeypatch.setenv("LEANKIT_BACKEND", " Triton ")
+    assert backend_name() == "triton" and use_triton(t)
+    monkeypatch.delenv("LEANKIT_BACKEND")
+    assert backend_name() == "auto" and not use_triton(t)
+    monkeypatch.setenv("LEANKIT_BACKEND", "")
+    assert backend_name() == "auto"
+    monkeypatch.setenv("LEANKIT_BACKEND", "cuda")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="LEANKIT_BACKEND"):
+            backend_name()
+    monkeypatch.setenv("LEANKIT_BACKEND", "torch")
+    assert backend_name() == "torch"

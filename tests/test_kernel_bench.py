@@ -77,3 +77,18 @@ def test_host_grid_arithmetic_matches_triton():
             assert tiles.cdiv(a, b) == triton.cdiv(a, b), (a, b)
     for n in range(5000):
         assert tiles.next_power_of_2(n) == triton.next_power_of_2(n), n
+
+
+def test_layer_host_time_runs_each_config_in_its_own_process(bench_script, capsys):
+    """bench/layer_host.py times leankit's decode-layer host work with every launch stubbed; each
+    config runs in a child process (a stubbed run leaves unwritten buffers behind), whose figures
+    the parent prints, with DynamicCache's SDPA beside them."""
+    layer_host = bench_script("layer_host")
+    assert layer_host.best_round([5.0] * 8 + [1.0] * 8 + [3.0]) == 1.0
+    layer_host.main(["--kv", "K8V4", "--steps", "12", "--layers", "2", "--context", "9", "--batch", "2"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("K8V4 "))
+    layer_us, step_us = (float(x) for x in row.split()[1:])
+    assert 0 < layer_us < 1e6 and 0 < step_us < 1e6
+    sdpa = next(line for line in out.splitlines() if line.startswith("DynamicCache"))
+    assert float(sdpa.split()[-1]) > 0

@@ -117,3 +117,20 @@ def test_k4v2_page_holds_about_twice_k8v4():
     hi = PageLayout.build(cfg, 0, 64, torch.float16)
     lo = PageLayout.build(cfg, 1, 64, torch.float16)
     assert lo.tokens > hi.tokens and 1.6 <= lo.tokens / hi.tokens <= 2.0
+
+
+def test_layout_hash_is_memoized_but_not_pickled():
+    """A layout's hash is computed once (launchers look constants up by layout at every launch),
+    equals the hash of an equal layout, and is not carried into a pickle (dtype hashes are per
+    process)."""
+    import pickle
+
+    cfg = KVConfig.parse("K8V4-K4V2")
+    a = PageLayout.build(cfg, 0, 64, torch.float16)
+    b = PageLayout.build(cfg, 0, 64, torch.float16)
+    assert a is not b and a == b and hash(a) == hash(b) == hash(a)
+    assert {a: 1}[b] == 1
+    c = pickle.loads(pickle.dumps(a))
+    assert c == a and "_hash" not in c.__dict__ and hash(c) == hash(a)
+    assert copy.deepcopy(a) == a
+    assert PageLayout.build(cfg, 1, 64, torch.float16) != a

@@ -733,9 +733,12 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     if keep:
         logits = tiles.empty((bh, 2, g, lg_n), dtype=torch.float32, device=dev)
     else:
-        logits, lg_n = tiles.empty(1, dtype=torch.float32, device=dev), 0
-    part_acc = tiles.empty((bh, s, g, f) if not direct else (1,), dtype=torch.float32, device=dev)
-    part_ml = tiles.empty((bh, s, g, 2) if not direct else (1,), dtype=torch.float32, device=dev)
+        logits, lg_n = tiles.unused_buffer(dev), 0
+    if direct:  # the kernel writes the output itself: no partials (never read or written)
+        part_acc = part_ml = tiles.unused_buffer(dev)
+    else:
+        part_acc = tiles.empty((bh, s, g, f), dtype=torch.float32, device=dev)
+        part_ml = tiles.empty((bh, s, g, 2), dtype=torch.float32, device=dev)
     gp = plan.g_pad
     compiled = kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
@@ -781,9 +784,12 @@ def apply_score_update(kv: PagedKV, saved: DecodeLogits | None, lse: torch.Tenso
     targs = tiles.tier_args(kv.layouts)
     if q_valid is None:
         qv = torch.ones(b, dtype=torch.int32, device=dev)
-    else:  # the kernel reads one flag per row (!= 0)
-        qv = tiles.flag_bytes(q_valid.reshape(b, -1)[:, 0].to(dev)).contiguous()
-    lse = lse.to(device=dev, dtype=torch.float32).contiguous()
+    else:  # the kernel reads one flag per row (!= 0), row b's at element b
+        if q_valid.numel() != b or not q_valid.is_contiguous() or q_valid.device != dev:
+            q_valid = q_valid.reshape(b, -1)[:, 0].to(dev).contiguous()
+        qv = tiles.flag_bytes(q_valid)
+    if lse.dtype != torch.float32 or not lse.is_contiguous() or lse.device != dev:
+        lse = lse.to(device=dev, dtype=torch.float32).contiguous()
     q_pos = saved.q_pos if q_pos is None else q_pos.to(device=dev, dtype=torch.int32)
     sblk = 64
     kernel_for(_score_update_kernel, dev)[(b * hkv, tiles.cdiv(saved.n, sblk), 2 if targs["HAS_LOW"] else 1)](

@@ -236,8 +236,17 @@ def _dequantize_kernel(pool, page_ptr, slot_ptr, k_out, v_out, score_out, pos_ou
 
 
 def layout_constexprs(layout: PageLayout) -> dict:
-    """Compile-time constants describing one tier's page layout (shared with the AOT script)."""
-    return dict(page_constexprs(layout), TIER=tier_constexprs(layout))
+    """Compile-time constants describing one tier's page layout (shared with the AOT script).
+
+    Memoized per layout, as every store launch asks for them: the dict is shared, callers must not
+    modify it."""
+    args = _LAYOUT_CONSTEXPRS.get(layout)
+    if args is None:
+        args = _LAYOUT_CONSTEXPRS[layout] = dict(page_constexprs(layout), TIER=tier_constexprs(layout))
+    return args
+
+
+_LAYOUT_CONSTEXPRS: dict = {}
 
 
 def quant_block_n(head_dim: int) -> int:

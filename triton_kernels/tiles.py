@@ -31,6 +31,7 @@ reach an accumulator.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -102,8 +103,9 @@ class Tier(NamedTuple):
     POSOFF: int
 
 
+@functools.cache
 def tier_constexprs(layout) -> Tier:
-    """The :class:`Tier` of one page layout."""
+    """The :class:`Tier` of one page layout (memoized: launchers ask for it at every launch)."""
     p = layout.precision
     return Tier(T=layout.tokens, NG=layout.groups, KBITS=p.k_bits, VBITS=p.v_bits, KOFF=layout.offset("k_data"),
                 KMOFF=layout.offset("k_meta"), VOFF=layout.offset("v_data"), VMOFF=layout.offset("v_meta"),
@@ -389,7 +391,17 @@ POISON = False
 def flag_bytes(flags: torch.Tensor) -> torch.Tensor:
     """Flags as a kernel reads them (one element per flag, tested ``!= 0``): a bool tensor viewed
     as its bytes, with no conversion launch; any other dtype as it is."""
-    return flags.view(torch.uint8) if flags.dtype == torch.bool else flags
+    if flags.dtype != torch.bool:
+        return flags
+    last = _LAST_FLAGS
+    if last[0] is flags:  # the step's flags go to several launches in every layer: one view of them
+        return last[1]
+    view = flags.view(torch.uint8)
+    _LAST_FLAGS[:] = [flags, view]
+    return view
+
+
+_LAST_FLAGS: list = [None, None]  # [the flags last viewed, their byte view]
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -398,6 +410,18 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     if POISON:
         t.fill_(float("nan") if dtype.is_floating_point else -7777)
     return t
+
+
+def unused_buffer(device) -> torch.Tensor:
+    """A one-element fp32 tensor on ``device`` for a pointer argument the launched variant never
+    dereferences (a constexpr switches its use off); one per device, not one allocation per launch."""
+    buf = _UNUSED.get(device)
+    if buf is None:
+        buf = _UNUSED[device] = torch.zeros(1, dtype=torch.float32, device=device)
+    return buf
+
+
+_UNUSED: dict = {}
 
 
 def dot_config(dtype: torch.dtype, device: torch.device | None = None):
@@ -414,11 +438,12 @@ def dot_config(dtype: torch.dtype, device: torch.device | None = None):
 
 
 def layer_views(kv):
-    """Per-layer views of the page table: ``(tables [B,H,R], n_pages [2,B,H], lens [2,B,H], tier_stride)``."""
-    table, layer = kv.table, kv.layer
-    tables = table.tables[layer]
-    n_pages = table.n_pages[:, layer]
-    lens = table.lens[:, layer]
+    """Per-layer views of the page table: ``(tables [B,H,R], n_pages [2,B,H], lens [2,B,H], tier_stride)``.
+
+    The views come from the table's own memo (:meth:`leankit.page_table.BidirectionalPageTable.layer_views`),
+    so a decode step does not slice the same three tensors again in every launcher of every layer."""
+    views = kv.table.layer_views(kv.layer)
+    tables, n_pages, lens = views.tables, views.n_pages, views.lens
     if not tables.is_contiguous() or n_pages.stride()[1:] != lens.stride()[1:] or n_pages.stride(2) != 1:
         raise ValueError("page-table tensors must be contiguous")
     assert n_pages.stride(0) == lens.stride(0)
