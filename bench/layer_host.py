@@ -13,6 +13,8 @@ is replaced by a stub (nothing runs, no interpreter) and decode steps are timed:
 
     layer   µs of leankit's attention function per decoder layer (what repeats per layer)
     step    µs of the step's own open and close (the pre- and post-forward hooks)
+    launches  Triton launches per layer (inside the attention function) and per step (its open
+            and close): on a GPU each costs Triton's own launch work on top of the µs above
     sdpa    µs of transformers' SDPA attention per layer on DynamicCache, same model and
             shapes, run for real on the CPU (a yardstick: its own update plus the attention)
 
@@ -53,8 +55,16 @@ class _Compiled:
 
 
 class _Launcher:
+    """Stands in for ``kernel_for(kernel, device)``: a launch that runs nothing, counted."""
+
+    launches = 0  # every stubbed launch of the process
+
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: _Compiled()
+        def launch(*args, **kwargs):
+            _Launcher.launches += 1
+            return _Compiled()
+
+        return launch
 
 
 def _model(layers: int):
@@ -71,12 +81,14 @@ class _Timed:
     """Wraps a callable and records each call's wall time in µs."""
 
     def __init__(self, fn):
-        self.fn, self.us = fn, []
+        self.fn, self.us, self.launches = fn, [], 0
 
     def __call__(self, *args, **kwargs):
+        n = _Launcher.launches
         t = time.perf_counter()
         out = self.fn(*args, **kwargs)
         self.us.append((time.perf_counter() - t) * 1e6)
+        self.launches += _Launcher.launches - n
         return out
 
 
@@ -115,6 +127,7 @@ def measure(spec: str, batch: int, context: int, steps: int, layers: int, profil
                 if s == 1:  # warm-up steps dropped
                     for t in (attend, begin, end):
                         t.us.clear()
+                        t.launches = 0
             if profile:
                 _profile(model, cache, nxt, pos, layers, profile)
     finally:
@@ -123,7 +136,9 @@ def measure(spec: str, batch: int, context: int, steps: int, layers: int, profil
     del hf
     step = [b + e for b, e in zip(begin.us, end.us)]
     per_step = [sum(attend.us[i * layers:(i + 1) * layers]) / layers for i in range(len(step))]
-    return {"layer": best_round(per_step), "step": best_round(step)}
+    return {"layer": best_round(per_step), "step": best_round(step),
+            "layer_launches": attend.launches / len(attend.us),
+            "step_launches": (begin.launches + end.launches) / len(step)}
 
 
 ROUND_STEPS = 8
@@ -217,7 +232,7 @@ def main(argv=None) -> None:
         return
     print(f"batch {args.batch}, prompt {args.context} tokens, {args.steps} steps (2 dropped), "
           f"{args.layers} layers, kernels stubbed")
-    print(f"{'config':52s} {'layer µs':>9} {'step µs':>9}")
+    print(f"{'config':52s} {'layer µs':>9} {'step µs':>9} {'launches a layer':>17} {'a step':>7}")
     for i, spec in enumerate(kvs):
         prof = ["--profile", str(args.profile)] if args.profile and i == len(kvs) - 1 else []
         run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--kv", spec, *shape, *prof],
@@ -226,7 +241,8 @@ def main(argv=None) -> None:
         r = json.loads(next(x for x in lines if x.startswith("RESULT "))[7:])
         if prof:
             profile_text = "\n".join(x for x in lines if not x.startswith("RESULT "))
-        print(f"{spec:52s} {r['layer']:9.0f} {r['step']:9.0f}", flush=True)
+        print(f"{spec:52s} {r['layer']:9.0f} {r['step']:9.0f} {r['layer_launches']:17.1f} "
+              f"{r['step_launches']:7.1f}", flush=True)
     print(f"{'DynamicCache + SDPA (real, CPU)':52s} {sdpa_us(args.batch, args.context, args.steps, args.layers):9.0f}")
     if args.profile:
         print(f"\nProfile of {kvs[-1]}:\n{profile_text}")
