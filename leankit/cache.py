@@ -292,6 +292,8 @@ class LeanCache(Cache):
         # rotate=1: pages hold K/V in a Hadamard basis; queries are rotated to match and the
         # attention output is rotated back (leankit.rotation).
         self.rotation = hadamard(self.head_dim, self.device, self.dtype) if self.cfg.rotate else None
+        # the same matrix in fp32 for rotating outputs back (in fp32): converted once, not per layer
+        self._unrotation = None if self.rotation is None else self.rotation.float()
         # Channels per head in the pages (padded at this boundary where needed, :meth:`to_page_basis`)
         self.page_head_dim = padded_head_dim(self.cfg, self.head_dim, use_triton(torch.empty(0, device=self.device)))
         # the config as the pages hold it: group sizes restated for the padded heads
@@ -825,7 +827,7 @@ class LeanCache(Cache):
         if self.page_head_dim != self.head_dim:
             out = out[..., : self.head_dim]
         if self.rotation is not None:
-            out = unrotate(out.float(), self.rotation)
+            out = unrotate(out.float(), self._unrotation)
         return out
 
     def _attend_pages(self, layer: int, kv: PagedKV, query: torch.Tensor, q_pages: torch.Tensor,
@@ -833,7 +835,9 @@ class LeanCache(Cache):
         """:meth:`_attend` of a step after a prompt, on the paged kernels (Triton) or the torch
         path: paged attention over the earlier tokens, exact attention over the step's own, merged
         by log-sum-exp; the running significance of the stored tokens is updated. Returns
-        ``(out [B, Q, Hq, F] fp32, lse [B, Hkv, G*Q], received_new)``."""
+        ``(out [B, Q, Hq, F], lse [B, Hkv, G*Q], received_new)``; ``out`` is fp32, or the model's
+        dtype from a kernel-backend decode step without ACT blocks (the merge kernel rounds it as
+        it stores)."""
         st, policy = self._step, self.policy
         sig = policy.uses_significance
         nq = query.shape[2]
@@ -843,8 +847,10 @@ class LeanCache(Cache):
             from leankit_kernels.paged_attention import paged_attention
 
             if nq == 1:  # decode: grids from host bounds (no sync); logits kept for the fused score update
+                # rotated pages: the output goes on in fp32 (rotated back), so it is written in fp32
                 res = paged_attention(q_pages, kv, st.q_pos, scaling, save_logits=sig,
-                                      page_bounds=self.page_bounds())
+                                      page_bounds=self.page_bounds(),
+                                      out_dtype=torch.float32 if self.rotation is not None else None)
                 out_old, lse_old, saved = res if sig else (*res, None)
             else:
                 out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
@@ -857,8 +863,14 @@ class LeanCache(Cache):
         if nq == 1 and use_triton(query):  # the step's own token and the merge in one launch, not ~20
             from leankit_kernels.own_token import merge_own_token
 
-            out, lse, received_new = merge_own_token(query, k_new, v_new, out_old, lse_old, st.real, scaling,
-                                                     received=sig)
+            # The merged output leaves in the model's dtype (one rounding, in the kernel's store, no
+            # conversion launch) unless ACT blocks merge more attention into it. Not for bf16 in
+            # Triton's interpreter, which truncates fp32 to bf16 where a GPU and torch round to
+            # nearest even.
+            narrow = self.act_store is None and (query.is_cuda or query.dtype != torch.bfloat16)
+            out, lse, received_new = merge_own_token(
+                query, k_new, v_new, out_old, lse_old, st.real, scaling, received=sig,
+                out_dtype=query.dtype if narrow else torch.float32)
         else:
             out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
                                                             lse_other=lse_old, received=sig)

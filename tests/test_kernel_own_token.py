@@ -69,3 +69,22 @@ def test_own_token_merge_rejects_steps_with_several_tokens():
         merge_own_token(torch.cat([q, q], 2), k, v, out_old, lse_old, real, 0.1)
     with pytest.raises(ValueError, match="shapes do not match"):
         merge_own_token(q, k, v, out_old[:, :, :3], lse_old, real, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_own_token_merge_stores_in_the_asked_dtype(dtype):
+    """``out_dtype``: the merge runs in fp32 and rounds once as it stores, so a 16-bit output is
+    the fp32 output rounded to that dtype; lse and received are fp32 either way. Rounded as torch
+    rounds, bit for bit, for fp16; Triton's interpreter truncates fp32 to bf16 where a GPU rounds to
+    nearest even, so bf16 is held to one unit in the last place here."""
+    gen, seed = testing.fresh_generator()
+    q, k, v, out_old, lse_old, real, _ = _case(gen, 3, 2, 3, 64, dtype)
+    scale = 64 ** -0.5
+    wide, lse, recv = merge_own_token(q, k, v, out_old, lse_old, real, scale, received=True)
+    narrow, lse2, recv2 = merge_own_token(q, k, v, out_old, lse_old, real, scale, received=True, out_dtype=dtype)
+    assert wide.dtype == F32 and narrow.dtype == dtype and lse2.dtype == F32
+    if dtype == F16:
+        assert torch.equal(narrow, wide.to(dtype)), f"seed {seed}"
+    else:
+        assert ((narrow.float() - wide).abs() <= wide.abs() * 2.0 ** -7).all(), f"seed {seed}"
+    assert torch.equal(lse, lse2) and torch.equal(recv, recv2)

@@ -198,17 +198,20 @@ def _next_inputs(logits, mask, pos):
 
 
 def count_decode_syncs(spec: str, overrides: dict, steps: int = 5, layers: int = 3, num_pages: int = 160,
-                       model: dict | None = None, counter_cls: type = SyncCounter):
+                       model: dict | None = None, counter_cls: type = SyncCounter, dtype: torch.dtype | None = None):
     """Run a prompt and ``steps`` decode steps of a tiny model through a fixed-pool LeanCache on the
     kernel backend; returns one :class:`SyncCounter` per decode step (the prompt is not counted).
     A counter's ``compressed`` is true when Algorithm 1 ran in its step, ``grew`` when the pool
     grew (``num_pages=None``: an elastic pool). ``model``: :func:`tiny_model` kind and settings
-    (default: the GQA Llama). ``counter_cls``: what to count (a :class:`SyncCounter` subclass)."""
+    (default: the GQA Llama). ``counter_cls``: what to count (a :class:`SyncCounter` subclass).
+    ``dtype``: the model's dtype (default fp32)."""
     patch = pytest.MonkeyPatch()
     try:
         patch.setenv("LEANKIT_BACKEND", "triton")
         kw = dict(model or {"kind": "llama-gqa"})
         model = tiny_model(kw.pop("kind"), num_hidden_layers=layers, **kw)
+        if dtype is not None:
+            model = model.to(dtype)
         cache = LeanCache(model, spec, num_pages=num_pages, **overrides)
         out = []
         with torch.no_grad():
@@ -325,6 +328,28 @@ def test_rotated_decode_layers_add_only_the_rotation():
     for c in per_step:
         ops = {(op, site.split(":")[0]) for (ph, op, site) in c.counts if ph.startswith("layer")}
         assert ops and ops <= {("mm", "leankit/rotation.py"), ("bmm", "leankit/rotation.py")}, c.report()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_16bit_decode_layers_convert_nothing(dtype):
+    """A 16-bit model's decode layer converts nothing around the kernels: the merge kernel writes
+    the output in the model's dtype, and with ``rotate=1`` the paged output is written in fp32
+    for its rotation back, whose fp32 matrix is made once. So the only torch ops in a layer are
+    the rotation's four matmuls (query, key and value in, the output back), none without it.
+    (bf16 under Triton's interpreter, which truncates where a GPU rounds, keeps one conversion
+    of the output per layer: counted here as allowed.)"""
+    cast = {"_to_copy"} if dtype == torch.bfloat16 else set()
+    for overrides, allowed in (({"page_size": 256}, cast),
+                               ({"page_size": 256, "rotate": 1}, {"mm", "bmm"} | cast)):
+        per_step = count_decode_syncs("K8V4", overrides, steps=2, counter_cls=LaunchCounter, dtype=dtype)
+        for c in per_step:
+            ops = [(op, site.split(":")[0]) for (ph, op, site) in c.counts for _ in range(c.counts[(ph, op, site)])
+                   if ph.startswith("layer")]
+            rotation = [op for op, site in ops if op != "_to_copy"]
+            assert {op for op, _ in ops} == allowed, c.report()
+            assert all(site == "leankit/rotation.py" for op, site in ops if op != "_to_copy"), c.report()
+            assert len(rotation) == (12 if "mm" in allowed else 0), c.report()  # 4 a layer, 3 layers
+            assert len(ops) - len(rotation) == 3 * len(cast), c.report()
 
 
 @pytest.mark.parametrize("name,spec,overrides", ACT_CONFIGS, ids=[c[0] for c in ACT_CONFIGS])

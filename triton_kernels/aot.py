@@ -215,8 +215,10 @@ def cases() -> list[Case]:
         _, _, ptr, _ = operands[dname]
         out.append(Case(f"own token d{f} G{g}" + ("" if dname == "fp16" else f" {dname}"), "own_token",
                         "_own_token_kernel",
-                        {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "old_ptr": "*fp32", "lse_old_ptr": "*fp32",
-                         "real_ptr": "*u8", "out_ptr": "*fp32", "lse_ptr": "*fp32", "recv_ptr": "*fp32"},
+                        # as a decode step runs it: the paged output and the merged one in the model's
+                        # dtype (a rotated cache's paged output is fp32: only the load's conversion differs)
+                        {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "old_ptr": ptr, "lse_old_ptr": "*fp32",
+                         "real_ptr": "*u8", "out_ptr": ptr, "lse_ptr": "*fp32", "recv_ptr": "*fp32"},
                         {"G": g, "G_PAD": group_pad(g), "F_PAD": f, "RECEIVED": True}, floats=("scale",),
                         options={"num_warps": 1, "num_stages": 1}))
     out += act_to_kv_cases()

@@ -65,7 +65,7 @@ def _own_token_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kb, stri
     norm = tl.maximum(total, 1e-30)
     old = tl.load(old_ptr + b * stride_ob + head[:, None] * stride_oh + f[None, :], mask=tile, other=0.0)
     out = old.to(tl.float32) * (w_old / norm)[:, None] + v[None, :] * (w_new / norm)[:, None]
-    tl.store(out_ptr + (b * HKV * G + head[:, None]) * F + f[None, :], out, mask=tile)
+    tl.store(out_ptr + (b * HKV * G + head[:, None]) * F + f[None, :], out.to(out_ptr.dtype.element_ty), mask=tile)
     tl.store(lse_ptr + bh * G + g, lse, mask=gmask)
     if RECEIVED:
         real = tl.load(real_ptr + b).to(tl.float32)
@@ -74,7 +74,8 @@ def _own_token_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kb, stri
 
 
 def merge_own_token(query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, out_old: torch.Tensor,
-                    lse_old: torch.Tensor, real: torch.Tensor, scale: float, received: bool = False):
+                    lse_old: torch.Tensor, real: torch.Tensor, scale: float, received: bool = False,
+                    out_dtype: torch.dtype = torch.float32):
     """A decode step's exact attention to its own token, merged with the paged attention.
 
     Kernel mirror of ``merge_attention(out_old, lse_old, *step_attention(query, k_new, v_new, ...)[:2])``
@@ -88,9 +89,11 @@ def merge_own_token(query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
         real: bool ``[B, 1]``: the row's token is real (only used for ``received``).
         scale: the softmax scale.
         received: also return each new token's initial significance.
+        out_dtype: the output's dtype. The merge runs in fp32 and rounds once as it stores; the
+            model's dtype here saves the caller a conversion launch.
 
     Returns:
-        ``(out [B, 1, Hq, F] fp32, lse [B, Hkv, G] fp32, received [B, Hkv, 1] fp32 or None)``.
+        ``(out [B, 1, Hq, F] out_dtype, lse [B, Hkv, G] fp32, received [B, Hkv, 1] fp32 or None)``.
     """
     b, hq, nq, f = query.shape
     hkv = k_new.shape[1]
@@ -112,7 +115,7 @@ def merge_own_token(query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     if real.numel() != b or not real.is_contiguous():  # the kernel reads row b's flag at element b
         real = real.reshape(b).contiguous()
     real = tiles.flag_bytes(real)
-    out = tiles.empty((b, 1, hq, f), dtype=torch.float32, device=dev)
+    out = tiles.empty((b, 1, hq, f), dtype=out_dtype, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
     recv = tiles.empty((b, hkv, 1), dtype=torch.float32, device=dev) if received else lse
     kernel_for(_own_token_kernel, dev)[(b * hkv,)](

@@ -668,7 +668,8 @@ class DecodeLogits:
 def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, *,
                     update_scores: bool = False, q_valid: torch.Tensor | None = None,
                     num_splits: int | None = None,
-                    page_bounds: tuple[int, ...] | None = None, save_logits: bool = False):
+                    page_bounds: tuple[int, ...] | None = None, save_logits: bool = False,
+                    out_dtype: torch.dtype | None = None):
     """Attention of ``q`` ``[B, Hq, Q, F]`` over the layer's unified pages (kernel mirror of
     :func:`leankit.attention.paged_attention_ref`).
 
@@ -691,16 +692,19 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         save_logits: decode only; also return a :class:`DecodeLogits` for a later
             :func:`apply_score_update` with an lse the caller supplies (e.g. after merging more
             keys into the softmax).
+        out_dtype: decode only; the output's dtype (default ``q.dtype``). fp32 spares a caller
+            that goes on in fp32 (an output rotated back to the model's basis) a conversion launch
+            and the rounding to 16 bits.
 
     Returns:
-        ``(out [B, Q, Hq, F] in q.dtype, lse fp32 [B, Hkv, G*Q])``, plus the :class:`DecodeLogits`
+        ``(out [B, Q, Hq, F] in out_dtype, lse fp32 [B, Hkv, G*Q])``, plus the :class:`DecodeLogits`
         (``None`` when no key can be seen) with ``save_logits=True``.
     """
     b, hq, nq, f = q.shape
     if nq > 1:
-        if update_scores or save_logits:
-            raise ValueError("update_scores / save_logits are decode (Q == 1) features; use received_attention "
-                             f"for prefill (got {nq} queries)")
+        if update_scores or save_logits or out_dtype is not None:
+            raise ValueError("update_scores / save_logits / out_dtype are decode (Q == 1) features; use "
+                             f"received_attention for prefill (got {nq} queries)")
         return prefill_attention(q, kv, q_pos, scale)
     q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
@@ -710,7 +714,7 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         raise ValueError(f"page_bounds must be (max high, max low, max total[, sum]) pages, got {page_bounds!r}")
     max_h, max_l, max_pages = bounds[:3]
     total_pages = bounds[3] if len(bounds) == 4 else None
-    out = tiles.empty((b, 1, hq, f), dtype=q.dtype, device=dev)
+    out = tiles.empty((b, 1, hq, f), dtype=out_dtype or q.dtype, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
     if max_pages == 0:
         out.zero_()

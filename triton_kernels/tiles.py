@@ -417,7 +417,7 @@ def unused_buffer(device) -> torch.Tensor:
     dereferences (a constexpr switches its use off); one per device, not one allocation per launch."""
     buf = _UNUSED.get(device)
     if buf is None:
-        buf = _UNUSED[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        buf = _UNUSED[device] = torch.empty(1, dtype=torch.float32, device=device)
     return buf
 
 
