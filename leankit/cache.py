@@ -775,7 +775,8 @@ class LeanCache(Cache):
                                                       received=sig)
         else:
             kv = self.paged_kv(layer)
-            fused = nq == 1 and not use_triton(query) and decode_attention.serves_decode_step(kv, group, query.device)
+            kernels = use_triton(query)
+            fused = nq == 1 and not kernels and decode_attention.serves_decode_step(kv, group, query.device)
             if fused and self.rotation is not None and query.dtype != torch.float32:
                 # the step's own token stays exact: rotated in fp32, not rounded to the model dtype
                 q_pages = self.to_page_basis(query.float(), query=True)
@@ -792,7 +793,8 @@ class LeanCache(Cache):
                 if sig:
                     policy.update_scores(layer, st, live)
             else:
-                out, lse, received_new = self._attend_pages(layer, kv, query, q_pages, k_new, v_new, scaling)
+                out, lse, received_new = self._attend_pages(layer, kv, query, q_pages, k_new, v_new, scaling,
+                                                            kernels)
         if self.act_store is not None:  # ACT blocks: merge attention over recomputed K/V, store the step's
             out = self.act_store.attend(layer, query, scaling, st, out, None if self._seen == 0 else lse)
         try:
@@ -831,19 +833,21 @@ class LeanCache(Cache):
         return out
 
     def _attend_pages(self, layer: int, kv: PagedKV, query: torch.Tensor, q_pages: torch.Tensor,
-                      k_new: torch.Tensor, v_new: torch.Tensor, scaling: float):
+                      k_new: torch.Tensor, v_new: torch.Tensor, scaling: float, kernels: bool | None = None):
         """:meth:`_attend` of a step after a prompt, on the paged kernels (Triton) or the torch
         path: paged attention over the earlier tokens, exact attention over the step's own, merged
         by log-sum-exp; the running significance of the stored tokens is updated. Returns
         ``(out [B, Q, Hq, F], lse [B, Hkv, G*Q], received_new)``; ``out`` is fp32, or the model's
         dtype from a kernel-backend decode step without ACT blocks (the merge kernel rounds it as
-        it stores)."""
+        it stores). ``kernels``: the caller's ``use_triton(query)``, if it has it."""
+        if kernels is None:
+            kernels = use_triton(query)
         st, policy = self._step, self.policy
         sig = policy.uses_significance
         nq = query.shape[2]
         group = query.shape[1] // self.num_kv_heads
         logits = saved = None
-        if use_triton(query):
+        if kernels:
             from leankit_kernels.paged_attention import paged_attention
 
             if nq == 1:  # decode: grids from host bounds (no sync); logits kept for the fused score update
@@ -860,7 +864,7 @@ class LeanCache(Cache):
         else:
             out_old, lse_old = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling)
         out_old = self.from_page_basis(out_old)
-        if nq == 1 and use_triton(query):  # the step's own token and the merge in one launch, not ~20
+        if nq == 1 and kernels:  # the step's own token and the merge in one launch, not ~20
             from leankit_kernels.own_token import merge_own_token
 
             # The merged output leaves in the model's dtype (one rounding, in the kernel's store, no
@@ -886,7 +890,7 @@ class LeanCache(Cache):
                 received_old = received_from_logits(logits, lse, group, st.real)
             else:
                 received_attention = received_attention_ref
-                if use_triton(query):
+                if kernels:
                     from leankit_kernels.prefill_attention import received_attention
                 received_old = received_attention(q_pages, kv, st.q_pos, scaling, lse, q_valid=st.real)
             policy.update_scores(layer, st, received_old)

@@ -78,9 +78,15 @@ def kernel_head_dim(f: int) -> int:
 
 def check_head_dim(f: int) -> None:
     """The kernels tile head_dim as one power-of-two block (Llama-family 64/128 heads)."""
+    if f in _TILED_HEAD_DIMS:  # every launcher checks, at every launch
+        return
     if f != kernel_head_dim(f):
         raise ValueError(f"leankit Triton kernels need a power-of-two head_dim >= {MIN_HEAD_DIM}, got {f}; "
                          f"pad the heads to {kernel_head_dim(f)} (LeanCache does) or use LEANKIT_BACKEND=torch")
+    _TILED_HEAD_DIMS.add(f)
+
+
+_TILED_HEAD_DIMS: set = set()  # head_dims check_head_dim has passed
 
 
 class Tier(NamedTuple):
