@@ -23,7 +23,7 @@ def backend_name() -> str:
     launchers ask several times per layer of every step."""
     global _PARSED
     raw = os.environ.get("LEANKIT_BACKEND")
-    if raw is not _PARSED[0] and raw != _PARSED[0]:
+    if raw != _PARSED[0]:
         name = (raw or "auto").strip().lower() or "auto"
         if name not in _CHOICES:
             raise ValueError(f"LEANKIT_BACKEND={name!r} is not one of {_CHOICES}")

@@ -695,7 +695,7 @@ class LeanCache(Cache):
                 page = torch.where(keep, page, torch.full_like(page, -1))
             flag = self.num_layers if isinstance(layer, torch.Tensor) else layer
             in_step = self._step is not None or self._planning
-            err = self._kv_err[flag: flag + 1] if in_step else None  # outside a step: raise now
+            err = self._layer_err(flag) if in_step else None  # outside a step: raise now
             quantize_into_pages(self.pool.storage, layout, page, off, k, v, pos, score, err=err)
         else:
             self.pool.write_tokens(layout, page, off, k, v, score, pos, keep=keep)
@@ -833,15 +833,13 @@ class LeanCache(Cache):
         return out
 
     def _attend_pages(self, layer: int, kv: PagedKV, query: torch.Tensor, q_pages: torch.Tensor,
-                      k_new: torch.Tensor, v_new: torch.Tensor, scaling: float, kernels: bool | None = None):
+                      k_new: torch.Tensor, v_new: torch.Tensor, scaling: float, kernels: bool):
         """:meth:`_attend` of a step after a prompt, on the paged kernels (Triton) or the torch
         path: paged attention over the earlier tokens, exact attention over the step's own, merged
         by log-sum-exp; the running significance of the stored tokens is updated. Returns
         ``(out [B, Q, Hq, F], lse [B, Hkv, G*Q], received_new)``; ``out`` is fp32, or the model's
         dtype from a kernel-backend decode step without ACT blocks (the merge kernel rounds it as
-        it stores). ``kernels``: the caller's ``use_triton(query)``, if it has it."""
-        if kernels is None:
-            kernels = use_triton(query)
+        it stores). ``kernels``: the caller's ``use_triton(query)``."""
         st, policy = self._step, self.policy
         sig = policy.uses_significance
         nq = query.shape[2]

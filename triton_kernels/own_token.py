@@ -112,9 +112,7 @@ def merge_own_token(query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     query, k_new, v_new, out_old = rows(query), rows(k_new), rows(v_new), rows(out_old)
     if lse_old.dtype != torch.float32 or lse_old.dim() != 3 or not lse_old.is_contiguous():
         lse_old = lse_old.to(torch.float32).reshape(b, hkv, g).contiguous()
-    if real.numel() != b or not real.is_contiguous():  # the kernel reads row b's flag at element b
-        real = real.reshape(b).contiguous()
-    real = tiles.flag_bytes(real)
+    real = tiles.row_flags(real, b, dev)
     out = tiles.empty((b, 1, hq, f), dtype=out_dtype, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
     recv = tiles.empty((b, hkv, 1), dtype=torch.float32, device=dev) if received else lse

@@ -788,10 +788,8 @@ def apply_score_update(kv: PagedKV, saved: DecodeLogits | None, lse: torch.Tenso
     targs = tiles.tier_args(kv.layouts)
     if q_valid is None:
         qv = torch.ones(b, dtype=torch.int32, device=dev)
-    else:  # the kernel reads one flag per row (!= 0), row b's at element b
-        if q_valid.numel() != b or not q_valid.is_contiguous() or q_valid.device != dev:
-            q_valid = q_valid.reshape(b, -1)[:, 0].to(dev).contiguous()
-        qv = tiles.flag_bytes(q_valid)
+    else:  # the kernel reads one flag per row (!= 0)
+        qv = tiles.row_flags(q_valid, b, dev)
     if lse.dtype != torch.float32 or not lse.is_contiguous() or lse.device != dev:
         lse = lse.to(device=dev, dtype=torch.float32).contiguous()
     q_pos = saved.q_pos if q_pos is None else q_pos.to(device=dev, dtype=torch.int32)

@@ -37,6 +37,8 @@ waits on the host).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -235,18 +237,13 @@ def _dequantize_kernel(pool, page_ptr, slot_ptr, k_out, v_out, score_out, pos_ou
     tl.store(pos_out + tok, ps, mask=valid)
 
 
+@functools.cache
 def layout_constexprs(layout: PageLayout) -> dict:
     """Compile-time constants describing one tier's page layout (shared with the AOT script).
 
     Memoized per layout, as every store launch asks for them: the dict is shared, callers must not
     modify it."""
-    args = _LAYOUT_CONSTEXPRS.get(layout)
-    if args is None:
-        args = _LAYOUT_CONSTEXPRS[layout] = dict(page_constexprs(layout), TIER=tier_constexprs(layout))
-    return args
-
-
-_LAYOUT_CONSTEXPRS: dict = {}
+    return dict(page_constexprs(layout), TIER=tier_constexprs(layout))
 
 
 def quant_block_n(head_dim: int) -> int:

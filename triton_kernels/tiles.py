@@ -410,6 +410,15 @@ def flag_bytes(flags: torch.Tensor) -> torch.Tensor:
 _LAST_FLAGS: list = [None, None]  # [the flags last viewed, their byte view]
 
 
+def row_flags(flags: torch.Tensor, rows: int, device) -> torch.Tensor:
+    """One flag per row as a kernel reads them, row ``b``'s at element ``b`` (:func:`flag_bytes`):
+    the first flag of each row of ``flags`` (``[rows]`` or ``[rows, n]``) on ``device``, copied only
+    when it is not already laid out that way."""
+    if flags.numel() != rows or not flags.is_contiguous() or flags.device != device:
+        flags = flags.reshape(rows, -1)[:, 0].to(device).contiguous()
+    return flag_bytes(flags)
+
+
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.empty`` for kernel outputs; poisoned (NaN / ``-7777``) when :data:`POISON` is set."""
     t = torch.empty(shape, dtype=dtype, device=device)
