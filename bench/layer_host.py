@@ -5,8 +5,9 @@
 
 On a GPU an eager decode step is host-bound at small batch (``results/gpu-h100/gpu_step.md``:
 SmolLM2's step costs about 1 ms a layer in Python and launches, against tens of µs of device
-work). What leankit adds to each layer is its attention function: the step store, the paged
-attention launcher, the own-token merge and (LeanKV) the fused score update. This measures that
+work). What leankit adds to each layer is its attention function: the step store, the decode
+launcher (the pages and the step's own token; a rotated cache merges its own token in a launch of
+its own) and (LeanKV) the fused score update. This measures that
 Python work on any machine: a tiny Llama model with SmolLM2's head layout (9 query heads, 3 KV
 heads, head_dim 64) runs a real prompt on the kernel backend, then every Triton launch of leankit
 is replaced by a stub (nothing runs, no interpreter) and decode steps are timed:

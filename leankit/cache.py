@@ -793,8 +793,8 @@ class LeanCache(Cache):
                 if sig:
                     policy.update_scores(layer, st, live)
             else:
-                out, lse, received_new = self._attend_pages(layer, kv, query, q_pages, k_new, v_new, scaling,
-                                                            kernels)
+                out, lse, received_new = self._attend_pages(layer, kv, query, q_pages, k_new, v_new, k_att, v_att,
+                                                            scaling, kernels)
         if self.act_store is not None:  # ACT blocks: merge attention over recomputed K/V, store the step's
             out = self.act_store.attend(layer, query, scaling, st, out, None if self._seen == 0 else lse)
         try:
@@ -833,18 +833,39 @@ class LeanCache(Cache):
         return out
 
     def _attend_pages(self, layer: int, kv: PagedKV, query: torch.Tensor, q_pages: torch.Tensor,
-                      k_new: torch.Tensor, v_new: torch.Tensor, scaling: float, kernels: bool):
+                      k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                      scaling: float, kernels: bool):
         """:meth:`_attend` of a step after a prompt, on the paged kernels (Triton) or the torch
         path: paged attention over the earlier tokens, exact attention over the step's own, merged
         by log-sum-exp; the running significance of the stored tokens is updated. Returns
         ``(out [B, Q, Hq, F], lse [B, Hkv, G*Q], received_new)``; ``out`` is fp32, or the model's
-        dtype from a kernel-backend decode step without ACT blocks (the merge kernel rounds it as
-        it stores). ``kernels``: the caller's ``use_triton(query)``."""
+        dtype from a kernel-backend decode step without ACT blocks (the kernel that merges the own
+        token rounds it as it stores). ``k_pages``/``v_pages``: the new K/V in the pages' basis
+        (:meth:`to_page_basis`).
+        ``kernels``: the caller's ``use_triton(query)``."""
         st, policy = self._step, self.policy
         sig = policy.uses_significance
         nq = query.shape[2]
         group = query.shape[1] // self.num_kv_heads
         logits = saved = None
+        # The merged output leaves the kernels in the model's dtype (one rounding, in the kernel's
+        # store, no conversion launch) unless ACT blocks merge more attention into it. Not for bf16
+        # in Triton's interpreter, which truncates fp32 to bf16 where a GPU and torch round to
+        # nearest even.
+        narrow = self.act_store is None and (query.is_cuda or query.dtype != torch.bfloat16)
+        if kernels and nq == 1 and self.rotation is None:
+            from leankit_kernels.paged_attention import apply_score_update, decode_step_attention
+
+            # Pages and the step's own token in the decode launch (grids from host bounds, no
+            # sync), its logits kept for the fused score update; both K/V and query in the pages'
+            # basis (head padding: the query's padded channels are 0, the output's are cut off).
+            out, lse, saved, received_new = decode_step_attention(
+                q_pages, kv, st.q_pos, scaling, k_pages, v_pages, st.real, significance=sig,
+                page_bounds=self.page_bounds(), out_dtype=query.dtype if narrow else torch.float32)
+            out = self.from_page_basis(out)
+            if sig:  # LeanKV §4 running significance from the decode kernel's own logits
+                apply_score_update(kv, saved, lse, st.q_pos, st.real)
+            return out, lse, received_new
         if kernels:
             from leankit_kernels.paged_attention import paged_attention
 
@@ -865,11 +886,8 @@ class LeanCache(Cache):
         if nq == 1 and kernels:  # the step's own token and the merge in one launch, not ~20
             from leankit_kernels.own_token import merge_own_token
 
-            # The merged output leaves in the model's dtype (one rounding, in the kernel's store, no
-            # conversion launch) unless ACT blocks merge more attention into it. Not for bf16 in
-            # Triton's interpreter, which truncates fp32 to bf16 where a GPU and torch round to
-            # nearest even.
-            narrow = self.act_store is None and (query.is_cuda or query.dtype != torch.bfloat16)
+            # rotated pages: the paged output was rotated back first, the own token merges in the
+            # model's basis (exact, unrotated) and the merge rounds to the model's dtype
             out, lse, received_new = merge_own_token(
                 query, k_new, v_new, out_old, lse_old, st.real, scaling, received=sig,
                 out_dtype=query.dtype if narrow else torch.float32)

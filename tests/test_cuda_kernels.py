@@ -129,6 +129,36 @@ def test_own_token_merge_real_sizes(b, hkv, g, f, dtype):
         testing.assert_close_normwise(got, ref, torch.float32, f"{what} (seed {seed})")
 
 
+@pytest.mark.parametrize("spec", ["K8V4", "K8V4-K4V2"])
+@pytest.mark.parametrize("f,hkv,g", [(64, 3, 3), (128, 8, 4)])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("splits", [1, None])
+def test_decode_step_attention_real_sizes(spec, f, hkv, g, dtype, splits):
+    """The decode launch that takes the step's own token itself (one split: the decode kernel; several:
+    the split reduce) against the torch composition it replaces (paged attention, the own token's
+    exact attention, the log-sum-exp merge), with each new token's significance."""
+    from leankit_kernels import testing
+    from leankit_kernels.paged_attention import decode_step_attention
+
+    from leankit.attention import merge_attention, paged_attention_ref, step_attention
+
+    fc, q, q_pos, seed = _case(spec, [16384, 1000, 4097], hkv, g, f, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    b = q.shape[0]
+    k_new = torch.randn(b, 1, hkv, f, generator=gen).to(dtype).transpose(1, 2).cuda()
+    v_new = torch.randn(b, 1, hkv, f, generator=gen).to(dtype).transpose(1, 2).cuda()
+    real = torch.tensor([[True], [False], [True]], device="cuda")
+    out, lse, saved, recv = decode_step_attention(q, fc.kv, q_pos, f ** -0.5, k_new, v_new, real, significance=True,
+                                                  num_splits=splits, out_dtype=torch.float32)
+    out_old, lse_old = paged_attention_ref(q.float(), fc.kv, q_pos, f ** -0.5)
+    out_new, lse_new, ref_recv = step_attention(q, k_new, v_new, q_pos, real, f ** -0.5, lse_other=lse_old,
+                                                received=True)
+    ref_out, ref_lse = merge_attention(out_old, lse_old, out_new, lse_new)
+    assert saved is not None
+    for got, ref, what in ((out, ref_out, "out"), (lse, ref_lse, "lse"), (recv, ref_recv, "received")):
+        testing.assert_close_normwise(got, ref, dtype, f"{what} (seed {seed})")
+
+
 @pytest.mark.parametrize("b,hkv,g,f,nq", [(8, 3, 3, 64, 4096), (4, 8, 4, 128, 2048), (2, 2, 8, 80, 1000)])
 @pytest.mark.parametrize("dtype", [F16, BF16, torch.float32])
 def test_prompt_significance_real_sizes(b, hkv, g, f, nq, dtype):

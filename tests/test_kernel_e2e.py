@@ -92,6 +92,7 @@ def test_triton_backend_generates_same_tokens(spec, overrides, monkeypatch):
     ref, ref_cache = _generate(model, spec, "torch", monkeypatch, **overrides)
     calls = {}
     spied = ((qu, "store_step_tokens"), (qu, "quantize_into_pages"), (pa_attn, "paged_attention"),
+             (pa_attn, "decode_step_attention"),
              (pa, "grow_pages"), (pa, "grant_token_pages"), (pf, "received_attention"),
              (pa_attn, "apply_score_update"))
     for mod, name in spied:
@@ -100,13 +101,16 @@ def test_triton_backend_generates_same_tokens(spec, overrides, monkeypatch):
     # a step's new tokens: one grant launch per step for their pages, one store launch per layer;
     # quantize_into_pages (and a grant of its own) only for the tokens Algorithm 1 moves into the
     # low tier
-    expected = {"store_step_tokens", "paged_attention", "grant_token_pages"}
+    # decode: the pages and the step's own token in one launcher (a rotated cache rotates the
+    # paged output back first and merges its own token apart, in the model's basis)
+    attention = "paged_attention" if overrides.get("rotate") else "decode_step_attention"
+    expected = {"store_step_tokens", attention, "grant_token_pages"}
     t_high = cache.layouts[0].tokens
     if -(-(t_high - 1 + 7) // t_high) > 2:  # the 7-token prompt needs more than two pages per head:
         expected.add("grow_pages")  # the many-program grant
     if cache.cfg.policy == "leankv":  # decode significance: the kernel's fused update, no second pass;
         # Algorithm 1 runs every step here and reserves the new tokens' pages with its own grant
-        expected = {"store_step_tokens", "paged_attention", "apply_score_update", "quantize_into_pages", "grow_pages"}
+        expected = {"store_step_tokens", attention, "apply_score_update", "quantize_into_pages", "grow_pages"}
     assert set(calls) == expected, calls
     assert len(set(ref.flatten().tolist())) > 2, "degenerate generation"
     assert torch.equal(got, ref), f"{spec}: triton {got.tolist()} != torch {ref.tolist()}"
@@ -205,10 +209,11 @@ def test_head_dim_the_kernels_do_not_tile_is_padded(hidden, heads, kv_heads, spe
     model = _tiny_llama(hidden, heads, kv_heads)
     ref, ref_cache = _generate(model, spec, "torch", monkeypatch, **overrides)
     calls = {}
-    for mod, name in ((qu, "store_step_tokens"), (pa_attn, "paged_attention")):
+    for mod, name in ((qu, "store_step_tokens"), (pa_attn, "paged_attention"), (pa_attn, "decode_step_attention")):
         _spy(monkeypatch, mod, name, calls)
     got, cache = _generate(model, spec, "triton", monkeypatch, **overrides)
-    assert calls.get("store_step_tokens", 0) > 0 and calls.get("paged_attention", 0) > 0, calls
+    attention = "paged_attention" if overrides.get("rotate") else "decode_step_attention"
+    assert calls.get("store_step_tokens", 0) > 0 and calls.get(attention, 0) > 0, calls
     assert ref_cache.page_head_dim == hidden // heads and cache.page_head_dim == page_head_dim
     assert all(lay.head_dim == page_head_dim for lay in cache.layouts)
     assert len(set(ref.flatten().tolist())) > 2, "degenerate generation"

@@ -299,3 +299,97 @@ def test_decode_output_in_fp32_for_a_16bit_query(splits):
     q4 = torch.cat([q] * 4, dim=2)
     with pytest.raises(ValueError, match="decode"):
         paged_attention(q4, fc.kv, q_pos.expand(-1, 4), 0.125, out_dtype=F32)
+
+
+def _own_token_reference(q, kv, q_pos, scale, k_new, v_new, real):
+    """The torch composition a decode step runs without the fused own token: paged attention over
+    the earlier tokens, the step's exact attention to its own key, merged by log-sum-exp."""
+    from leankit.attention import merge_attention, step_attention
+
+    out_old, lse_old = paged_attention_ref(q.float(), kv, q_pos, scale)
+    out_new, lse_new, recv = step_attention(q, k_new, v_new, q_pos, real, scale, lse_other=lse_old, received=True)
+    out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
+    return out, lse, recv
+
+
+# spec, dtype, kv heads, GQA ratio, context per sequence, splits, prune fraction
+OWN_TOKEN_CASES = [
+    ("K8V4", F16, 3, 3, [65, 7], 1, 0.0),
+    ("K8V4", F32, 2, 7, [130, 1, 33], 3, 0.1),
+    ("K8V4-K4V2", F32, 3, 3, [65, 7], None, 0.1),
+    ("K4V2", F16, 1, 5, [257], 4, 0.2),
+    ("FP16", F16, 3, 1, [63, 20], 2, 0.0),
+    ("K8V4-K4V2", BF16, 2, 3, [40, 9], 1, 0.1),
+]
+
+
+@pytest.mark.parametrize("case", OWN_TOKEN_CASES, ids=lambda c: f"{testing.case_id(*c[:5])}-s{c[5]}")
+def test_decode_step_attention_folds_the_own_token_into_the_launch(case):
+    """:func:`decode_step_attention` (the own token merged by the decode kernel or the split reduce)
+    equals the torch composition it replaces and the two-launch kernel path (paged attention, then
+    :func:`merge_own_token`), for one split and several, with pad rows (no significance) and a row
+    whose query sees no stored key; its lse drives the same score update."""
+    from leankit_kernels.own_token import merge_own_token
+    from leankit_kernels.paged_attention import apply_score_update, decode_step_attention
+
+    spec, dtype, hkv, g, ctx, splits, prune = case
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, 1, dtype=dtype, prune_frac=prune)
+    b, f = len(ctx), q.shape[-1]
+    q_pos[-1] = -1  # the last row sees no stored key: its own token alone
+    k_new = torch.randn(b, 1, hkv, f, generator=gen).to(dtype).transpose(1, 2)  # a model's head views
+    v_new = torch.randn(b, 1, hkv, f, generator=gen).to(dtype).transpose(1, 2)
+    real = torch.rand(b, 1, generator=gen) < 0.7
+    real[0] = True
+    before = fc.kv.pool.storage.clone()
+    out, lse, saved, recv = decode_step_attention(q, fc.kv, q_pos, 0.125, k_new, v_new, real, significance=True,
+                                                  num_splits=splits, out_dtype=F32)
+    assert torch.equal(fc.kv.pool.storage, before), "the decode launch must not write the pool"
+    ref_out, ref_lse, ref_recv = _own_token_reference(q, fc.kv, q_pos, 0.125, k_new, v_new, real)
+    msg = f"(seed {seed})"
+    assert out.shape == ref_out.shape and out.dtype == F32 and recv.shape == ref_recv.shape
+    testing.assert_close_normwise(out, ref_out, dtype, "out " + msg)
+    testing.assert_close_normwise(lse, ref_lse, dtype, "lse " + msg)
+    testing.assert_close_normwise(recv, ref_recv, dtype, "received " + msg)
+    assert torch.isfinite(lse).all() and torch.equal(recv[~real.view(-1)], torch.zeros_like(recv[~real.view(-1)]))
+    # the same numbers as the two-launch path (paged attention, then the merge kernel)
+    old_out, old_lse, old_saved = paged_attention(q, fc.kv, q_pos, 0.125, save_logits=True, num_splits=splits,
+                                                  out_dtype=F32)
+    two_out, two_lse, two_recv = merge_own_token(q, k_new, v_new, old_out, old_lse, real, 0.125, received=True)
+    torch.testing.assert_close(out, two_out, rtol=1e-5, atol=1e-6, msg=msg)
+    torch.testing.assert_close(lse, two_lse, rtol=1e-5, atol=1e-6, msg=msg)
+    torch.testing.assert_close(recv, two_recv, rtol=1e-5, atol=1e-7, msg=msg)
+    # in the model's dtype: the fp32 result rounded once
+    narrow, lse2, _, recv2 = decode_step_attention(q, fc.kv, q_pos, 0.125, k_new, v_new, real, num_splits=splits)
+    assert narrow.dtype == dtype and recv2 is None and torch.equal(lse2, lse)
+    if dtype != BF16:  # the interpreter truncates to bf16 where a GPU rounds to nearest
+        assert torch.equal(narrow, out.to(dtype)), msg
+    # the saved logits with this lse update the scores as the reference update does
+    apply_score_update(fc.kv, saved, lse, q_pos, real)
+    got = fc.kv.pool.storage.clone()
+    fc.kv.pool.storage.copy_(before)
+    apply_score_update(fc.kv, old_saved, two_lse, q_pos, real)
+    torch.testing.assert_close(got.view(torch.float16).float(), fc.kv.pool.storage.view(torch.float16).float(),
+                               rtol=2e-3, atol=1e-7, equal_nan=True, msg=msg)
+
+
+def test_decode_step_attention_over_an_empty_cache_and_bad_shapes():
+    """No page to read: the output is the own token's value, its probability 1; a step with two
+    tokens per row, or new K/V of another shape, is refused."""
+    from leankit_kernels.paged_attention import decode_step_attention
+
+    gen, seed = testing.fresh_generator()
+    q = torch.randn(2, 6, 1, 64, generator=gen)
+    empty = testing.build_paged_kv("K8V4", 2, 3, 64, torch.tensor([0, 0]), generator=gen)
+    k_new, v_new = torch.randn(2, 3, 1, 64, generator=gen), torch.randn(2, 3, 1, 64, generator=gen)
+    real = torch.tensor([[True], [False]])
+    q_pos = torch.tensor([[4], [9]])
+    out, lse, saved, recv = decode_step_attention(q, empty.kv, q_pos, 0.125, k_new, v_new, real, significance=True)
+    expect = v_new.transpose(1, 2).repeat_interleave(2, dim=2)  # [B, 1, Hq, F]: each head's group shares v
+    torch.testing.assert_close(out, expect, msg=f"seed {seed}")
+    torch.testing.assert_close(recv.view(-1), torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]), msg=f"seed {seed}")
+    assert saved is None and torch.isfinite(lse).all()
+    with pytest.raises(ValueError, match="one query and one new token"):
+        decode_step_attention(torch.cat([q, q], 2), empty.kv, q_pos, 0.125, k_new, v_new, real)
+    with pytest.raises(ValueError, match="one query and one new token"):
+        decode_step_attention(q, empty.kv, q_pos, 0.125, k_new[:, :2], v_new, real)

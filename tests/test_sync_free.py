@@ -291,10 +291,10 @@ class LaunchCounter(SyncCounter):
 
 @pytest.mark.parametrize("name,spec,overrides", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_decode_layers_launch_only_kernels(name, spec, overrides):
-    """Inside a decoder layer of a decode step, leankit runs its Triton kernels (paged attention,
-    the own-token merge, the step store, the fused score update) and no torch op of its own: a
-    decode step's store finds slots and pages in its kernel, and a new token's significance is what
-    the merge kernel computed. (Step-level work, once per step, is not counted here.)"""
+    """Inside a decoder layer of a decode step, leankit runs its Triton kernels (paged attention
+    with the step's own token, the step store, the fused score update) and no torch op of its own:
+    a decode step's store finds slots and pages in its kernel, and a new token's significance is
+    what the decode launch computed. (Step-level work, once per step, is not counted here.)"""
     per_step = count_decode_syncs(spec, overrides, steps=3, counter_cls=LaunchCounter)
     for i, c in enumerate(per_step):
         assert c.total("layer") == 0, f"{name} decode step {i}: leankit torch ops inside layers\n" + c.report()
@@ -332,8 +332,9 @@ def test_rotated_decode_layers_add_only_the_rotation():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_16bit_decode_layers_convert_nothing(dtype):
-    """A 16-bit model's decode layer converts nothing around the kernels: the merge kernel writes
-    the output in the model's dtype, and with ``rotate=1`` the paged output is written in fp32
+    """A 16-bit model's decode layer converts nothing around the kernels: the decode launch (or,
+    rotated, the merge kernel) writes the output in the model's dtype, and with ``rotate=1`` the
+    paged output is written in fp32
     for its rotation back, whose fp32 matrix is made once. So the only torch ops in a layer are
     the rotation's four matmuls (query, key and value in, the output back), none without it.
     (bf16 under Triton's interpreter, which truncates where a GPU rounds, keeps one conversion

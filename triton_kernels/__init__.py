@@ -14,9 +14,13 @@ position), addressed through the bidirectional page table of :mod:`leankit.page_
   fly, the G query heads of a GQA group sharing every K/V tile through ``tl.dot``, online
   softmax, flash-decoding split-K + reduce, and an optional fused running-significance update of
   the pages' score segments. ``paged_attention(q, kv, q_pos, scale) -> (out, lse)`` is the entry
-  point LeanCache calls; ``Q > 1`` goes to the prefill kernel.
-* :mod:`.own_token` -- a decode step's exact attention to its own new token, merged with the
-  paged attention by log-sum-exp (and the token's initial significance), in one launch.
+  point for attention over the pages (``Q > 1`` goes to the prefill kernel);
+  ``decode_step_attention`` is a decode step's, which also takes the step's own new token (exact
+  K/V) into the same launch: a one-split program starts its softmax with it, the split reduce
+  merges it.
+* :mod:`.own_token` -- a decode step's exact attention to its own new token, merged with a
+  finished paged attention by log-sum-exp (and the token's initial significance), in one launch:
+  the path of a rotated cache, whose paged output is rotated back before the merge.
 * :mod:`.prefill_attention` -- causal FlashAttention-style prefill over the pages (prompt plus
   cached prefix) with causal tile skipping by stored position, and the significance pass
   ``received_attention`` (probability each key received, recomputed from the saved lse).

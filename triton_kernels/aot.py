@@ -119,19 +119,26 @@ def cases() -> list[Case]:
                     {"pool": "*u8", "page_ptr": "*i32", "slot_ptr": "*i32", "k_out": "*fp32", "v_out": "*fp32",
                          "score_out": "*fp32", "pos_out": "*i32"}, dict(layout_constexprs(lay), BLOCK_N=16)))
 
-    def decode(spec, model, dname="fp16", save=False, direct=False, low_group_size=None):
+    # A decode step's own token (paged_attention.decode_step_attention): its K/V rows in the model's
+    # dtype, the row flags and, with significance, the new tokens' scores
+    def own_pointers(ptr):
+        return {"kn_ptr": ptr, "vn_ptr": ptr, "real_ptr": "*u8", "recv_ptr": "*fp32"}
+
+    def decode(spec, model, dname="fp16", save=False, direct=False, low_group_size=None, own=False):
         f, g, _ = MODELS[model]
         dtype, dot_t, ptr, prec = operands[dname]
         targs = tier_args(_layouts(spec, model, dtype, low_group_size=low_group_size))
-        tag = ("+scores" if save else "") + (" direct" if direct else "") + ("" if dname == "fp16" else f" {dname}")
+        tag = ("+scores" if save else "") + (" direct" if direct else "") + (" own" if own else "")
+        tag += "" if dname == "fp16" else f" {dname}"
         tag += "" if low_group_size is None else f" low-gs{low_group_size}"
         lays = _layouts(spec, model, dtype, low_group_size=low_group_size)
         metric = len(lays) == 1 and not save and dname == "fp16"
         return Case(f"decode {spec} d{f} G{g}{tag}", "paged_attention", "_decode_kernel",
                     {"q_ptr": ptr, "qpos_ptr": "*i32", "pool": "*u8", "tab_ptr": "*i32", "np_ptr": "*i32",
                          "len_ptr": "*i32", "part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": ptr, "lse_ptr": "*fp32",
-                         "lg_ptr": "*fp32"},
+                         "lg_ptr": "*fp32", **(own_pointers(ptr) if own else {})},
                     dict(targs, G=g, G_PAD=group_pad(g), DOT=dot_t, PREC=prec, SAVE_LOGITS=save, DIRECT=direct,
+                         OWN=own, RECEIVED=own and save,
                          **decode_tiling(targs, dot_t.primitive_bitwidth // 8, gpu=True)),
                     options={"num_warps": DECODE_WARPS, "num_stages": DECODE_STAGES},
                     loop_tokens=decode_loop_tokens(lays[0]) if metric else 0,
@@ -150,9 +157,14 @@ def cases() -> list[Case]:
     out.append(decode("K8V4-K4V2", "llama3", dname="fp32"))
     out.append(decode("K8V4-K4V2", "llama3", dname="bf16"))
     out.append(decode("K8V4-K4V2", "gemma3"))
-    out.append(Case("decode reduce d128 G4", "paged_attention", "_decode_reduce_kernel",
-                    {"part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": "*fp16", "lse_ptr": "*fp32"},
-                    {"G": 4, "G_PAD": 16, "F": 128}))
+    # the one-split variants a decode step runs, its own token folded in (with significance: LeanKV)
+    out.append(decode("K8V4", "llama3", direct=True, own=True))
+    out.append(decode("K8V4-K4V2", "smollm2", save=True, direct=True, own=True))
+    for own in (False, True):  # the reduce after several splits merges the step's own token (LeanKV: and scores it)
+        out.append(Case("decode reduce d128 G4" + (" own" if own else ""), "paged_attention", "_decode_reduce_kernel",
+                        {"part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": "*fp16", "lse_ptr": "*fp32",
+                         "q_ptr": "*fp16", **(own_pointers("*fp16") if own else {})},
+                        {"G": 4, "G_PAD": 4, "F": 128, "OWN": own, "RECEIVED": own}))
     targs = tier_args(_layouts("K8V4-K4V2", "llama3"))
     out.append(Case("score update K8V4-K4V2", "paged_attention", "_score_update_kernel",
                     {"lg_ptr": "*fp32", "lse_ptr": "*fp32", "qpos_ptr": "*i32", "qvalid_ptr": "*u8", "pool": "*u8",
@@ -219,7 +231,7 @@ def cases() -> list[Case]:
                         # dtype (a rotated cache's paged output is fp32: only the load's conversion differs)
                         {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "old_ptr": ptr, "lse_old_ptr": "*fp32",
                          "real_ptr": "*u8", "out_ptr": ptr, "lse_ptr": "*fp32", "recv_ptr": "*fp32"},
-                        {"G": g, "G_PAD": group_pad(g), "F_PAD": f, "RECEIVED": True}, floats=("scale",),
+                        {"G": g, "G_PAD": group_pad(g), "F_PAD": f, "RECEIVED": True},
                         options={"num_warps": 1, "num_stages": 1}))
     out += act_to_kv_cases()
     from .page_alloc import BLOCK as ABLOCK

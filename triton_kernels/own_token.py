@@ -10,6 +10,10 @@ flash-decoding split merge):
     m = max(lse_old, s),  w_old = e^(lse_old - m),  w_new = e^(s - m)
     out = (w_old out_old + w_new v) / (w_old + w_new),  lse = m + log(w_old + w_new)
 
+(computed in base 2, as the decode kernels' softmax, with the same logit and score helpers
+:func:`own_logit` and :func:`own_received` that the decode launch uses when it takes the own token
+itself: :func:`leankit_kernels.paged_attention.decode_step_attention`)
+
 and, for policies that track significance (LeanKV §4), the new token's initial score is the
 probability its own queries give it under their final softmax, averaged over the ``G`` query heads
 of its KV head: ``received = real * sum_g e^(s_g - lse_g) / G``.
@@ -31,14 +35,46 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .tiles import kernel_for
+from .tiles import LOG2E, kernel_for
+
+LN2 = tl.constexpr(0.6931471805599453)
+_LOG2E = tl.constexpr(LOG2E)
 
 __all__ = ["merge_own_token"]
 
 
 @triton.jit
+def own_logit(q_row, k_row, sm_scale, F, G: tl.constexpr, G_PAD: tl.constexpr, F_PAD: tl.constexpr,
+              MASK_F: tl.constexpr):
+    """Base-2 logit ``q . k * sm_scale`` ``[G_PAD]`` of each query row of a KV head's group (rows at
+    ``q_row``, a ``[G_PAD, 1]`` pointer tile) for the step's own key (``F`` channels at ``k_row``,
+    masked to them in a ``F_PAD`` tile when ``MASK_F``), in fp32 from the model's values; 0 on padded
+    rows."""
+    g = tl.arange(0, G_PAD)
+    f = tl.arange(0, F_PAD)
+    if MASK_F:
+        fmask = f < F
+        q = tl.load(q_row + f[None, :], mask=(g < G)[:, None] & fmask[None, :], other=0.0).to(tl.float32)
+        k = tl.load(k_row + f, mask=fmask, other=0.0).to(tl.float32)
+    else:
+        q = tl.load(q_row + f[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_row + f).to(tl.float32)
+    return tl.sum(q * k[None, :], 1) * sm_scale
+
+
+@triton.jit
+def own_received(s, m, l, real_ptr, recv_ptr, G: tl.constexpr, G_PAD: tl.constexpr):
+    """The new token's initial significance (LeanKV §4) from its base-2 logit ``s`` and its queries'
+    final softmax (base-2 max ``m``, sum ``l`` relative to it): the probability they give it,
+    averaged over the group, times the row's real flag: ``real * sum_g 2^(s_g - m_g) / l_g / G``."""
+    g = tl.arange(0, G_PAD)
+    p = tl.where(g < G, tl.exp2(s - m) / tl.maximum(l, 1e-30), 0.0)
+    tl.store(recv_ptr, tl.load(real_ptr).to(tl.float32) * tl.sum(p, 0) / G)
+
+
+@triton.jit
 def _own_token_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kb, stride_kh, stride_vb, stride_vh,
-                      old_ptr, stride_ob, stride_oh, lse_old_ptr, real_ptr, out_ptr, lse_ptr, recv_ptr, scale,
+                      old_ptr, stride_ob, stride_oh, lse_old_ptr, real_ptr, out_ptr, lse_ptr, recv_ptr, sm_scale,
                       HKV, F, G: tl.constexpr, G_PAD: tl.constexpr, F_PAD: tl.constexpr,
                       RECEIVED: tl.constexpr):
     bh = tl.program_id(0)
@@ -50,27 +86,23 @@ def _own_token_kernel(q_ptr, stride_qb, stride_qh, k_ptr, v_ptr, stride_kb, stri
     fmask = f < F
     tile = gmask[:, None] & fmask[None, :]
     head = h * G + g  # query head of row g of this KV head's group
-    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + f[None, :], mask=tile, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + f, mask=fmask, other=0.0).to(tl.float32)
+    # the new key's logit (base 2): its own attention's log-sum-exp (one key, probability 1, output v)
+    s = own_logit(q_ptr + b * stride_qb + head[:, None] * stride_qh, k_ptr + b * stride_kb + h * stride_kh,
+                  sm_scale, F, G, G_PAD, F_PAD, True)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + f, mask=fmask, other=0.0).to(tl.float32)
-    # the new key's logit: its own attention's log-sum-exp (one key, probability 1, output v)
-    s = tl.sum(q * k[None, :], 1) * scale
-    lse_old = tl.load(lse_old_ptr + bh * G + g, mask=gmask, other=0.0)
+    lse_old = tl.load(lse_old_ptr + bh * G + g, mask=gmask, other=0.0) * _LOG2E
     m = tl.maximum(lse_old, s)
     m_safe = tl.where(tl.abs(m) < float("inf"), m, 0.0)  # rows that saw no key at all merge around 0
-    w_old = tl.exp(lse_old - m_safe)
-    w_new = tl.exp(s - m_safe)
+    w_old = tl.exp2(lse_old - m_safe)
+    w_new = tl.exp2(s - m_safe)
     total = w_old + w_new
-    lse = m_safe + tl.log(total)
     norm = tl.maximum(total, 1e-30)
     old = tl.load(old_ptr + b * stride_ob + head[:, None] * stride_oh + f[None, :], mask=tile, other=0.0)
     out = old.to(tl.float32) * (w_old / norm)[:, None] + v[None, :] * (w_new / norm)[:, None]
     tl.store(out_ptr + (b * HKV * G + head[:, None]) * F + f[None, :], out.to(out_ptr.dtype.element_ty), mask=tile)
-    tl.store(lse_ptr + bh * G + g, lse, mask=gmask)
+    tl.store(lse_ptr + bh * G + g, (m_safe + tl.log2(total)) * LN2, mask=gmask)
     if RECEIVED:
-        real = tl.load(real_ptr + b).to(tl.float32)
-        p = tl.where(gmask, tl.exp(s - lse), 0.0)
-        tl.store(recv_ptr + bh, real * tl.sum(p, 0) / G)
+        own_received(s, m_safe, total, real_ptr + b, recv_ptr + bh, G, G_PAD)
 
 
 def merge_own_token(query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, out_old: torch.Tensor,
@@ -118,7 +150,7 @@ def merge_own_token(query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     recv = tiles.empty((b, hkv, 1), dtype=torch.float32, device=dev) if received else lse
     kernel_for(_own_token_kernel, dev)[(b * hkv,)](
         query, query.stride(0), query.stride(1), k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0),
-        v_new.stride(1), out_old, out_old.stride(0), out_old.stride(2), lse_old, real, out, lse, recv, float(scale),
-        hkv, f, G=g, G_PAD=tiles.next_power_of_2(g), F_PAD=tiles.next_power_of_2(f), RECEIVED=received,
-        num_warps=1)
+        v_new.stride(1), out_old, out_old.stride(0), out_old.stride(2), lse_old, real, out, lse, recv,
+        float(scale) * LOG2E, hkv, f, G=g, G_PAD=tiles.next_power_of_2(g), F_PAD=tiles.next_power_of_2(f),
+        RECEIVED=received, num_warps=1)
     return out, lse, (recv if received else None)

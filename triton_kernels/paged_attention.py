@@ -35,6 +35,9 @@ Kernels
     ``tl.dot`` pads the MMA itself), with an online softmax in base 2 whose sums stay per slot
     until the end of each tier. With one split it writes the output directly.
     ``_decode_reduce_kernel``: merges the S partials of a (sequence, KV head) (log-sum-exp merge).
+    A decode step's own token (:func:`decode_step_attention`) is the first key of a one-split
+    program's softmax, or one more split in the reduce (``_own_token_state``), so the step's exact
+    attention to its new key needs no launch of its own.
     ``_score_update_kernel``: after the reduce, turns the saved logits and the final lse into
     ``p_bar`` and updates the score segment of live slots (one program per (head, slot tile, tier)).
 
@@ -69,6 +72,7 @@ from .codes import (
     side_tile,
     word_unpack,
 )
+from .own_token import merge_own_token, own_logit, own_received
 from .prefill_attention import prefill_attention, received_attention
 from .tiles import (
     LOG2E,
@@ -85,7 +89,8 @@ from .tiles import (
     softmax_output,
 )
 
-__all__ = ["DecodeLogits", "apply_score_update", "paged_attention", "received_attention", "score_update_ref"]
+__all__ = ["DecodeLogits", "apply_score_update", "decode_step_attention", "paged_attention", "received_attention",
+           "score_update_ref"]
 
 # Warps of a decode program. The slot tile is one 2-D block with one running max / sum /
 # accumulator: independent softmax lanes (a batched 3-D tl.dot per lane) issued as much per KB with
@@ -313,11 +318,15 @@ def _store_logits(lg_ptr, LG_N, s, slot, valid, G: tl.constexpr, G_PAD: tl.const
 # row length and table width change as a generation grows, and Triton would compile a variant for
 # each value class (== 1, % 16 == 0) it sees, a stall of about a second each; strides are read once
 # per program, so specializing on their alignment buys nothing.
-DECODE_DYNAMIC = ("stride_qb", "stride_qh", "stride_pb", "stride_tier", "H", "R", "PPS", "NSPLIT", "LG_N")
+DECODE_DYNAMIC = ("stride_qb", "stride_qh", "stride_pb", "stride_tier", "H", "R", "PPS", "NSPLIT", "LG_N",
+                  "stride_knb", "stride_knh", "stride_vnb", "stride_vnh")
 # Pointers read or written a few scalars/rows per program (views such as one layer's slice of the
 # page table change alignment from layer to layer): their alignment buys no vector access.
-DECODE_UNALIGNED = ("q_ptr", "qpos_ptr", "tab_ptr", "np_ptr", "len_ptr", "lse_ptr", "lg_ptr")
-REDUCE_DYNAMIC = ("H", "NSPLIT")
+# The step's own token (_own_token_state): one K and one V row, one flag and one score per program.
+OWN_UNALIGNED = ("kn_ptr", "vn_ptr", "real_ptr", "recv_ptr")
+DECODE_UNALIGNED = ("q_ptr", "qpos_ptr", "tab_ptr", "np_ptr", "len_ptr", "lse_ptr", "lg_ptr") + OWN_UNALIGNED
+REDUCE_DYNAMIC = ("H", "NSPLIT", "stride_qb", "stride_qh", "stride_knb", "stride_knh", "stride_vnb", "stride_vnh")
+REDUCE_UNALIGNED = ("q_ptr", "lse_ptr") + OWN_UNALIGNED
 SCORE_DYNAMIC = ("stride_pb", "stride_tier", "H", "R", "LG_N")
 SCORE_UNALIGNED = ("lg_ptr", "lse_ptr", "qpos_ptr", "qvalid_ptr", "tab_ptr", "len_ptr")
 
@@ -325,10 +334,15 @@ SCORE_UNALIGNED = ("lg_ptr", "lse_ptr", "qpos_ptr", "qvalid_ptr", "tab_ptr", "le
 @triton.jit(**tiles.jit_options(DECODE_DYNAMIC, DECODE_UNALIGNED))
 def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_ptr, np_ptr, len_ptr, stride_tier,
                    part_acc, part_ml, out_ptr, lse_ptr, lg_ptr, H, R, PPS, NSPLIT, LG_N, sm_scale,
+                   kn_ptr, vn_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh, real_ptr, recv_ptr,
                    G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, DENSE: tl.constexpr, NB_HI: tl.constexpr, NB_LO: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, HAS_LOW: tl.constexpr,
-                   SAVE_LOGITS: tl.constexpr, DIRECT: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr):
-    """One (sequence, KV head, split): high-tier pages of the split, then its low-tier pages."""
+                   SAVE_LOGITS: tl.constexpr, DIRECT: tl.constexpr, HI: tl.constexpr, LO: tl.constexpr,
+                   OWN: tl.constexpr = False, RECEIVED: tl.constexpr = False):
+    """One (sequence, KV head, split): high-tier pages of the split, then its low-tier pages. With
+    ``DIRECT`` (one split) the program writes the output itself; then ``OWN`` starts its softmax
+    with the step's own token (:func:`_own_token_state`) and ``RECEIVED`` stores that token's
+    score. With several splits the reduce takes the own token."""
     bh, b, h = program_head(H)
     split = tl.program_id(1)
     g = tl.arange(0, G_PAD)
@@ -341,6 +355,9 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([F, G_PAD], tl.float32)
+    if OWN:  # one split: its softmax starts with the step's own token (_own_token_state)
+        s_own, m, l, acc = _own_token_state(q_row, kn_ptr + b * stride_knb + h * stride_knh,
+                                            vn_ptr + b * stride_vnb + h * stride_vnh, sm_scale, G, G_PAD, F)
     v0 = split * PPS
     v1 = v0 + PPS
     nh = tl.load(np_ptr + bh)
@@ -360,6 +377,8 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     acc = tl.trans(acc)  # [G_PAD, F]
     gmask = g < G
     if DIRECT:
+        if RECEIVED:
+            own_received(s_own, m, l, real_ptr + b, recv_ptr + bh, G, G_PAD)
         _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)
     else:
         base = (bh * NSPLIT + split) * G + g
@@ -381,10 +400,15 @@ def _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G: tl.constexpr, G_PAD: tl
     tl.store(lse_ptr + bh * G + g, softmax_lse(m, l), mask=gmask)
 
 
-@triton.jit(do_not_specialize=REDUCE_DYNAMIC)
+@triton.jit(**tiles.jit_options(REDUCE_DYNAMIC, REDUCE_UNALIGNED))
 def _decode_reduce_kernel(part_acc, part_ml, out_ptr, lse_ptr, H, NSPLIT,
-                          G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr):
-    """Merge the splits of one (sequence, KV head): ``out = sum_s w_s acc_s / sum_s w_s l_s``."""
+                          q_ptr, stride_qb, stride_qh, kn_ptr, vn_ptr, stride_knb, stride_knh, stride_vnb,
+                          stride_vnh, real_ptr, recv_ptr, sm_scale,
+                          G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr,
+                          OWN: tl.constexpr = False, RECEIVED: tl.constexpr = False):
+    """Merge the splits of one (sequence, KV head): ``out = sum_s w_s acc_s / sum_s w_s l_s``. With
+    ``OWN`` the step's own token is merged last, as one more split (:func:`_own_token_state`),
+    and with ``RECEIVED`` its score is stored."""
     bh, b, h = program_head(H)
     g = tl.arange(0, G_PAD)
     f = tl.arange(0, F)
@@ -402,7 +426,41 @@ def _decode_reduce_kernel(part_acc, part_ml, out_ptr, lse_ptr, H, NSPLIT,
         l = l * alpha + ls * beta
         acc = acc * alpha[:, None] + a * beta[:, None]
         m = m_new
+    if OWN:
+        q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh
+        s_own, ms, ls, a = _own_token_state(q_row, kn_ptr + b * stride_knb + h * stride_knh,
+                                            vn_ptr + b * stride_vnb + h * stride_vnh, sm_scale, G, G_PAD, F)
+        m_new = tl.maximum(m, ms)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        beta = tl.exp2(ms - m_safe)
+        l = l * alpha + ls * beta
+        acc = acc * alpha[:, None] + tl.trans(a) * beta[:, None]
+        m = m_new
+        if RECEIVED:
+            own_received(s_own, m, l, real_ptr + b, recv_ptr + bh, G, G_PAD)
     _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)
+
+
+@triton.jit
+def _own_token_state(q_row, k_row, v_row, sm_scale, G: tl.constexpr, G_PAD: tl.constexpr, F: tl.constexpr):
+    """The step's own token as a softmax of its own: its base-2 logit ``s`` and the state
+    ``(m, l, acc [F, G_PAD])`` of an online softmax that has seen it alone.
+
+    A decode query attends to its new key and value exactly as the model produced them (never their
+    stored codes; :func:`leankit.attention.step_attention`, as HF ``QuantizedCache`` and the LeanKV
+    paper's prompt phase do). One key's softmax is ``m = s``, ``l = 1``, ``acc = v``. A one-split
+    decode program starts from it and merges the pages into it as any later tile, and the split
+    reduce merges it as one more split: both are the log-sum-exp merge of
+    :func:`leankit.attention.merge_attention` (the flash-decoding split merge). Taken before the
+    loop, the query, key and value are dead by the time the loop needs its registers (the same
+    state merged after the loop held them across it: 142 -> about 180 registers for LeanKV at d64
+    on sm_90a, one program fewer per SM)."""
+    s = own_logit(q_row, k_row, sm_scale, F, G, G_PAD, F, False)
+    v = tl.load(v_row + tl.arange(0, F)).to(tl.float32)
+    l = tl.full([G_PAD], 1.0, tl.float32)
+    acc = v[:, None] + tl.zeros([F, G_PAD], tl.float32)
+    return s, s, l, acc
 
 
 @triton.jit
@@ -700,12 +758,58 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
         ``(out [B, Q, Hq, F] in out_dtype, lse fp32 [B, Hkv, G*Q])``, plus the :class:`DecodeLogits`
         (``None`` when no key can be seen) with ``save_logits=True``.
     """
-    b, hq, nq, f = q.shape
+    nq = q.shape[2]
     if nq > 1:
         if update_scores or save_logits or out_dtype is not None:
             raise ValueError("update_scores / save_logits / out_dtype are decode (Q == 1) features; use "
                              f"received_attention for prefill (got {nq} queries)")
         return prefill_attention(q, kv, q_pos, scale)
+    out, lse, saved, _ = _paged_decode(q, kv, q_pos, scale, keep=update_scores or save_logits,
+                                       num_splits=num_splits, page_bounds=page_bounds, out_dtype=out_dtype)
+    if update_scores:
+        apply_score_update(kv, saved, lse, q_valid=q_valid)
+    return (out, lse, saved) if save_logits else (out, lse)
+
+
+def decode_step_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, k_new: torch.Tensor,
+                          v_new: torch.Tensor, real: torch.Tensor, *, significance: bool = False,
+                          num_splits: int | None = None, page_bounds: tuple[int, ...] | None = None,
+                          out_dtype: torch.dtype | None = None):
+    """A decode step's attention: the layer's pages (the earlier tokens) and the step's own token at
+    its exact K/V, merged by log-sum-exp, in the decode launch itself (the one-split decode program,
+    or the split reduce): the kernel mirror of :func:`paged_attention` followed by
+    :func:`leankit_kernels.own_token.merge_own_token`, one launch fewer.
+
+    Args:
+        q: ``[B, Hq, 1, F]`` the queries, in the pages' basis (any strides, last dim contiguous).
+        k_new, v_new: ``[B, Hkv, 1, F]`` the step's new keys and values as the model produced them,
+            in the pages' basis (last dim contiguous).
+        real: bool ``[B, 1]``: the row's token is real (scales its initial significance).
+        significance: also keep the logits for :func:`apply_score_update` and return each new
+            token's initial significance (LeanKV §4).
+        num_splits, page_bounds, out_dtype: as in :func:`paged_attention`.
+
+    Returns:
+        ``(out [B, 1, Hq, F] out_dtype, lse fp32 [B, Hkv, G], saved DecodeLogits or None,
+        received fp32 [B, Hkv, 1] or None)``; ``lse`` counts the own token (the lse a score update
+        of the stored tokens needs).
+    """
+    b, _, nq, f = q.shape
+    hkv = k_new.shape[1]
+    if nq != 1 or tuple(k_new.shape) != (b, hkv, 1, f) or tuple(v_new.shape) != (b, hkv, 1, f):
+        raise ValueError(f"decode_step_attention serves one query and one new token per row: got query "
+                         f"{tuple(q.shape)}, new keys {tuple(k_new.shape)}, new values {tuple(v_new.shape)}")
+    k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+    v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+    return _paged_decode(q, kv, q_pos, scale, keep=significance, num_splits=num_splits, page_bounds=page_bounds,
+                         out_dtype=out_dtype, own=(k_new, v_new, real, significance))
+
+
+def _paged_decode(q, kv, q_pos, scale, *, keep: bool, num_splits, page_bounds, out_dtype, own=None):
+    """The decode launches (split-K decode, then the split reduce when there are several splits):
+    ``(out, lse, saved logits or None, received or None)``. ``own``: ``(k_new, v_new, real,
+    received)`` folds the step's own token into the softmax before the output is written."""
+    b, hq, _, f = q.shape
     q, tables, n_pages, lens, stride_tier, g, targs = layer_launch(q, kv)
     hkv, r = tables.shape[1], tables.shape[2]
     dev = q.device
@@ -717,12 +821,18 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     out = tiles.empty((b, 1, hq, f), dtype=out_dtype or q.dtype, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
     if max_pages == 0:
+        if own is not None:  # no page to read: the own token alone (the merge with an empty softmax)
+            k_new, v_new, real, received = own
+            out.zero_()
+            lse.fill_(float("-inf"))
+            out, lse, recv = merge_own_token(q, k_new, v_new, out, lse, real, scale, received=received,
+                                             out_dtype=out_dtype or q.dtype)
+            return out, lse, None, recv
         out.zero_()
         lse.fill_(float("-inf"))
-        return (out, lse, None) if save_logits else (out, lse)
+        return out, lse, None, None
     q_pos = q_pos.to(device=dev, dtype=torch.int32)
     bh = b * hkv
-    keep = update_scores or save_logits
     plan = _decode_plan(kv.layouts, targs, q.dtype, dev, g, keep)
     dot_t, prec, tiling, variant, sms = plan.dot_t, plan.prec, plan.tiling, plan.variant, plan.sms
     if not num_splits:
@@ -743,23 +853,39 @@ def paged_attention(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: fl
     else:
         part_acc = tiles.empty((bh, s, g, f), dtype=torch.float32, device=dev)
         part_ml = tiles.empty((bh, s, g, 2), dtype=torch.float32, device=dev)
+    own_args, recv = _own_args(own, b, hkv, dev)
     gp = plan.g_pad
+    sm_scale = float(scale) * LOG2E
     compiled = kernel_for(_decode_kernel, dev)[(bh, s)](
         q, q.stride(0), q.stride(1), q_pos, q_pos.stride(0), kv.pool.storage, tables, n_pages, lens, stride_tier,
-        part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, float(scale) * LOG2E,
+        part_acc, part_ml, out, lse, logits, hkv, r, pps, s, lg_n, sm_scale, *own_args,
         G=g, G_PAD=gp, DOT=dot_t, PREC=prec, SAVE_LOGITS=keep, DIRECT=direct, num_warps=plan.warps,
-        num_stages=plan.stages, **tiling, **targs)
+        num_stages=plan.stages, OWN=own is not None and direct, RECEIVED=recv is not None and direct,
+        **tiling, **targs)
     if dev.type == "cuda" and variant not in _RESIDENT and getattr(compiled, "n_regs", 0):
         props = torch.cuda.get_device_properties(dev)
         _RESIDENT[variant] = resident_programs(compiled.n_regs, int(compiled.metadata.shared), plan.warps,
                                                getattr(props, "shared_memory_per_multiprocessor", 0))
     if not direct:
-        kernel_for(_decode_reduce_kernel, dev)[(bh,)](part_acc, part_ml, out, lse, hkv, s, G=g, G_PAD=gp, F=f,
-                                                      num_warps=4)
+        kernel_for(_decode_reduce_kernel, dev)[(bh,)](
+            part_acc, part_ml, out, lse, hkv, s, q, q.stride(0), q.stride(1), *own_args, sm_scale, G=g, G_PAD=gp,
+            F=f, OWN=own is not None, RECEIVED=recv is not None, num_warps=4)
     saved = DecodeLogits(logits, lg_n, g, q_pos) if keep else None
-    if update_scores:
-        apply_score_update(kv, saved, lse, q_valid=q_valid)
-    return (out, lse, saved) if save_logits else (out, lse)
+    return out, lse, saved, recv
+
+
+def _own_args(own, b: int, hkv: int, dev: torch.device) -> tuple[tuple, torch.Tensor | None]:
+    """The own-token arguments of the decode and reduce kernels (``kn_ptr`` ... ``recv_ptr``) and the
+    received buffer (None unless asked for). Without an own token, one unused buffer stands for
+    every pointer (never read or written) and the strides are 0."""
+    if own is None:
+        unused = tiles.unused_buffer(dev)
+        return (unused, unused, 0, 0, 0, 0, unused, unused), None
+    k_new, v_new, real, received = own
+    real = tiles.row_flags(real, b, dev)
+    recv = tiles.empty((b, hkv, 1), dtype=torch.float32, device=dev) if received else None
+    return (k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), real,
+            recv if recv is not None else tiles.unused_buffer(dev)), recv
 
 
 def apply_score_update(kv: PagedKV, saved: DecodeLogits | None, lse: torch.Tensor,
