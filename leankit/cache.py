@@ -869,11 +869,10 @@ class LeanCache(Cache):
         if kernels:
             from leankit_kernels.paged_attention import paged_attention
 
-            if nq == 1:  # decode: grids from host bounds (no sync); logits kept for the fused score update
-                # rotated pages: the output goes on in fp32 (rotated back), so it is written in fp32
+            if nq == 1:  # rotated decode: grids from host bounds (no sync); logits kept for the score update
+                # the output goes on in fp32 (rotated back), so it is written in fp32
                 res = paged_attention(q_pages, kv, st.q_pos, scaling, save_logits=sig,
-                                      page_bounds=self.page_bounds(),
-                                      out_dtype=torch.float32 if self.rotation is not None else None)
+                                      page_bounds=self.page_bounds(), out_dtype=torch.float32)
                 out_old, lse_old, saved = res if sig else (*res, None)
             else:
                 out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)

@@ -86,6 +86,7 @@ from .tiles import (
     slot_tile,
     softmax_init,
     softmax_lse,
+    softmax_merge,
     softmax_output,
 )
 
@@ -419,24 +420,12 @@ def _decode_reduce_kernel(part_acc, part_ml, out_ptr, lse_ptr, H, NSPLIT,
         ms = tl.load(part_ml + base * 2, mask=gmask, other=float("-inf"))
         ls = tl.load(part_ml + base * 2 + 1, mask=gmask, other=0.0)
         a = tl.load(part_acc + base.to(tl.int64)[:, None] * F + f[None, :], mask=gmask[:, None], other=0.0)
-        m_new = tl.maximum(m, ms)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        beta = tl.exp2(ms - m_safe)
-        l = l * alpha + ls * beta
-        acc = acc * alpha[:, None] + a * beta[:, None]
-        m = m_new
+        m, l, acc = softmax_merge(m, l, acc, ms, ls, a)
     if OWN:
         q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh
         s_own, ms, ls, a = _own_token_state(q_row, kn_ptr + b * stride_knb + h * stride_knh,
                                             vn_ptr + b * stride_vnb + h * stride_vnh, sm_scale, G, G_PAD, F)
-        m_new = tl.maximum(m, ms)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        beta = tl.exp2(ms - m_safe)
-        l = l * alpha + ls * beta
-        acc = acc * alpha[:, None] + tl.trans(a) * beta[:, None]
-        m = m_new
+        m, l, acc = softmax_merge(m, l, acc, ms, ls, tl.trans(a))
         if RECEIVED:
             own_received(s_own, m, l, real_ptr + b, recv_ptr + bh, G, G_PAD)
     _finish(m, l, acc, out_ptr, lse_ptr, bh, b, h, H, G, G_PAD, F)
@@ -820,17 +809,15 @@ def _paged_decode(q, kv, q_pos, scale, *, keep: bool, num_splits, page_bounds, o
     total_pages = bounds[3] if len(bounds) == 4 else None
     out = tiles.empty((b, 1, hq, f), dtype=out_dtype or q.dtype, device=dev)
     lse = tiles.empty((b, hkv, g), dtype=torch.float32, device=dev)
-    if max_pages == 0:
-        if own is not None:  # no page to read: the own token alone (the merge with an empty softmax)
-            k_new, v_new, real, received = own
-            out.zero_()
-            lse.fill_(float("-inf"))
-            out, lse, recv = merge_own_token(q, k_new, v_new, out, lse, real, scale, received=received,
-                                             out_dtype=out_dtype or q.dtype)
-            return out, lse, None, recv
+    if max_pages == 0:  # no page to read: an empty softmax
         out.zero_()
         lse.fill_(float("-inf"))
-        return out, lse, None, None
+        if own is None:
+            return out, lse, None, None
+        k_new, v_new, real, received = own  # the own token alone: its merge with the empty softmax
+        out, lse, recv = merge_own_token(q, k_new, v_new, out, lse, real, scale, received=received,
+                                         out_dtype=out_dtype or q.dtype)
+        return out, lse, None, recv
     q_pos = q_pos.to(device=dev, dtype=torch.int32)
     bh = b * hkv
     plan = _decode_plan(kv.layouts, targs, q.dtype, dev, g, keep)

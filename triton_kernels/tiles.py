@@ -288,6 +288,18 @@ def softmax_init(M: tl.constexpr, F: tl.constexpr):
 
 
 @triton.jit
+def softmax_merge(m, l, acc, ms, ls, a):
+    """Merge the base-2 online-softmax state ``(ms, ls, a [M, F])`` of other keys into ``(m, l, acc)``
+    (the flash-decoding split merge, :func:`leankit.attention.merge_attention`): both rescaled to
+    the larger max; a side that saw no key (``-inf``) adds nothing."""
+    m_new = tl.maximum(m, ms)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    beta = tl.exp2(ms - m_safe)
+    return m_new, l * alpha + ls * beta, acc * alpha[:, None] + a * beta[:, None]
+
+
+@triton.jit
 def softmax_output(l, acc):
     """Normalized output rows ``acc / l``; 0 for a row that saw no key."""
     has = l > 0.0
