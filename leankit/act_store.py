@@ -429,7 +429,9 @@ class ActStore:
         slots = dict(rep["slots_per_tier"])
         slots["pruned"] = max(slots["pruned"] - act_tokens * cache.num_kv_heads, 0)
         tiers = dict(rep["tokens_per_tier"])
-        tiers["pruned"] = max(tiers["pruned"] - act_tokens / cache.num_layers, 0.0)
+        # a model whose layers all slide has no cached layer, and then no ACT token either
+        per_layer = act_tokens / cache.num_layers if cache.num_layers else 0.0
+        tiers["pruned"] = max(tiers["pruned"] - per_layer, 0.0)
         total = rep["total_bytes"] + act_table  # the pool pages already count the ACT pages
         out = dict(rep)
         out.update(config=f"{rep['config']}:act={self.frac:g},act_order={self.order}",

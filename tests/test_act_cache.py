@@ -151,6 +151,21 @@ def test_k8v4_act_only_is_lossless_and_half_generates():
     assert 0 < rep["act_tokens"] < held and rep["tokens_per_tier"]["pruned"] == 0
 
 
+@pytest.mark.parametrize("spec", ["FP16:act=0.5", "K8V4:act=1"])
+def test_act_on_a_model_whose_every_layer_slides(spec):
+    """Sliding layers keep transformers' own cache, so such a model has no layer for ACT blocks:
+    the tokens are DynamicCache's and the memory report counts no ACT token (it divided by the
+    zero cached layers before)."""
+    model = tiny_model("mistral-sliding", seed=2)
+    ids, mask = _batch(2)
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config), new=6)
+    cache = lean(model, spec)
+    assert torch.equal(_generate(model, ids, mask, cache, new=6), ref)
+    rep = cache.memory_report()
+    assert cache.num_layers == 0 and rep["act_tokens"] == 0 and rep["act_bytes"] == 0
+    assert rep["plain_layers"] == model.config.num_hidden_layers and rep["total_bytes"] == rep["plain_bytes"] > 0
+
+
 def test_beam_search_with_act_matches_dynamic_cache():
     model = model_of("llama-mha", 5)
     ids, mask = _batch(5, rows=2)
