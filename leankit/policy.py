@@ -388,10 +388,13 @@ class _Base:
         if rows is None:
             return
         b_rep, h_idx, q_rep, keep, rank, pos, q_first, q_last = rows
+        # A decode step whose rows are all real (the usual one) lists every (row, head) in order, so
+        # the per-token gathers below are plain views of k, v, received and the lengths.
+        whole = not dense and k.shape[2] == 1 and b_rep.shape[0] == k.shape[0] * k.shape[1]
         if received is None:
             score = torch.zeros(b_rep.shape[0], device=k.device)
         elif k.shape[2] == 1:  # decode: the token is its row's one query, so n = m = 1 below and s = received
-            score = received[b_rep, h_idx, q_rep].float()
+            score = (received.reshape(-1) if whole else received[b_rep, h_idx, q_rep]).float()
         else:  # the running mean of a token no query has seen yet, after this step's queries (§4)
             score = update_significance(torch.zeros(b_rep.shape[0], device=k.device), pos,
                                         received[b_rep, h_idx, q_rep], q_first, q_last)
@@ -399,9 +402,11 @@ class _Base:
             cache.write_step_tokens(layer, k, v, step, score)
             return
         lens = cache.table.lens[HIGH, layer]
-        slot = lens[b_rep, h_idx] + rank
-        cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, k[b_rep, h_idx, q_rep], v[b_rep, h_idx, q_rep], pos, score,
-                           keep=keep)
+        if whole:
+            slot, k_rows, v_rows = lens.reshape(-1) + rank, k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
+        else:
+            slot, k_rows, v_rows = lens[b_rep, h_idx] + rank, k[b_rep, h_idx, q_rep], v[b_rep, h_idx, q_rep]
+        cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, k_rows, v_rows, pos, score, keep=keep)
         lens += step.n_new.view(-1, 1).to(lens.dtype)
 
     def _store_rows(self, step, batch: int, heads: int, q_len: int, device, dense: bool):
