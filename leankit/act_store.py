@@ -74,7 +74,7 @@ from .config import act_kv_token_bytes
 from .hf import cache_argument
 from .page_table import ActPageTable
 from .pages import ActLayout
-from .recompute import _decoder_layers, act_to_kv, model_params, rope_tables
+from .recompute import _decoder_layers, act_to_kv, layer_params, rope_tables
 
 COMPOSES_WITH = ("full",)  # placement policies ACT blocks compose with (see the module docstring)
 QUERY_CHUNK = 256  # queries per ACT attention pass (bounds the Q x N logits of long chunks)
@@ -209,10 +209,15 @@ class ActStore:
         cfg = cache.cfg
         self.cache = cache
         self.frac, self.order = float(cfg.act), cfg.act_order
-        self.params = model_params(model)  # stacked [Wk Wv] (+ biases, norms, RoPE) per layer
-        self.layout = ActLayout.build(self.params[0].hidden_size, cache.dtype, cfg.page_size)
+        # The store, like the page table, indexes the compressed layers only: a model with sliding
+        # layers (Gemma3, Qwen2 with max_window_layers) keeps their own cache, so page-table layer t
+        # is decoder layer compressed[t]. Captures arrive under the decoder index (see capture).
+        self.compressed = [g for g, t in enumerate(cache.table_index) if t is not None]
+        # stacked [Wk Wv] (+ biases, norms, RoPE) per compressed layer
+        self.params = [layer_params(model, g) for g in self.compressed]
+        self.layout = ActLayout.build(cache.act_hidden, cache.dtype, cfg.page_size)
         self.block = self.layout.tokens
-        self.bytes = token_bytes(cache, self.params[0].hidden_size)
+        self.bytes = token_bytes(cache, cache.act_hidden)
         self.table: ActPageTable | None = None
         self.n_real: torch.Tensor | None = None  # long [B]: real tokens stored per row (KV + ACT)
         self.n_act: torch.Tensor | None = None  # long [B]: ACT tokens stored per row
@@ -291,14 +296,16 @@ class ActStore:
         if self._n_max > 0 and self.cache._seen > 0:  # the condition under which attend() reads them
             self._ahead[layer] = self._keys(layer)
 
-    def capture(self, layer: int, hidden: torch.Tensor) -> None:
-        """Keep ``layer``'s input hidden state ``[B, Q, D]`` of the step's ACT tokens (pre-hook).
+    def capture(self, decoder_layer: int, hidden: torch.Tensor) -> None:
+        """Keep decoder layer ``decoder_layer``'s input hidden state ``[B, Q, D]`` of the step's ACT
+        tokens (pre-hook), under its page-table index; a sliding layer kept plain has no ACT tokens.
 
         The kernel backend keeps the whole ``[B, Q, D]`` state (a reference, no copy: the layer
         computes its residual out of place): picking the ACT rows with the bool mask would read the
         mask back to the host. :meth:`_store` gathers them with the step's dense index instead.
         """
-        if self._mask is not None and self.cache._step is not None:
+        layer = self.cache.table_index[decoder_layer]
+        if layer is not None and self._mask is not None and self.cache._step is not None:
             self._stash[layer] = hidden.detach() if self._dense else hidden.detach()[self._mask]
 
     # -------------------------------------------------------------- attention

@@ -3,10 +3,11 @@
 HybridServe (§3.3, Eq. 1) and CAPTURE store a layer's *input activation* ``A`` (the hidden state
 before the layer's input norm) instead of its K/V, and rebuild them when attention needs them::
 
-    X      = norm(A)                         RMSNorm (Llama, Qwen) or LayerNorm (OPT)
+    X      = norm(A)                         RMSNorm (Llama, Qwen, Phi-3, Gemma3) or LayerNorm (OPT)
     [K V]  = X [Wk Wv]^T (+ [bk bv])         one GEMM against the stacked projection weights
-    K      = k_norm(K)                       per head, where the model has one (Qwen3)
-    K      = RoPE(K, position)               rotate-half at each token's own position (none for OPT)
+    K      = k_norm(K)                       per head, where the model has one (Qwen3, Gemma3)
+    K      = RoPE(K, position)               rotate-half at each token's own position (none for OPT),
+                                             over the first rotary_dim channels (all but partial-rotary Phi)
 
 KVPR (§3) recomputes a prefix of the KV the same way. Nothing here touches the cache: the
 functions take tensors and an :class:`ActToKVParams` read once from an HF decoder layer by
@@ -42,8 +43,12 @@ class ActToKVParams:
         num_kv_heads, head_dim: ``Hkv`` and ``F``.
         k_norm_weight: ``[F]`` per-head RMSNorm weight applied to K before RoPE, or ``None``.
         k_norm_eps: its epsilon.
-        inv_freq: ``[F / 2]`` fp32 RoPE inverse frequencies, or ``None`` for no RoPE (OPT).
+        inv_freq: ``[R / 2]`` fp32 RoPE inverse frequencies of the first ``R <= F`` channels
+            (``R = F`` but for partial-rotary models), or ``None`` for no RoPE (OPT).
         rope_scaling: the rotary ``attention_scaling`` that multiplies cos and sin.
+        norm_weight_fp32: Gemma's RMSNorms (input norm and ``k_norm``): the weight, held in fp32
+            as ``1 + w``, multiplies the fp32 normalized value before it is rounded to the model
+            dtype. Llama's (``False``) round first and multiply in the model dtype.
     """
 
     norm: str
@@ -58,6 +63,7 @@ class ActToKVParams:
     k_norm_eps: float = 1e-6
     inv_freq: torch.Tensor | None = None
     rope_scaling: float = 1.0
+    norm_weight_fp32: bool = False
 
     def __post_init__(self):
         if self.norm not in NORMS:
@@ -74,8 +80,8 @@ class ActToKVParams:
             raise ValueError(f"LayerNorm needs norm_bias of shape [{d}]")
         if self.k_norm_weight is not None and self.k_norm_weight.shape != (self.head_dim,):
             raise ValueError(f"k_norm_weight must be [{self.head_dim}], got {tuple(self.k_norm_weight.shape)}")
-        if self.inv_freq is not None and (self.head_dim % 2 or self.inv_freq.shape != (self.head_dim // 2,)):
-            raise ValueError(f"inv_freq must be [{self.head_dim // 2}] (full rotary over an even head_dim), "
+        if self.inv_freq is not None and (self.inv_freq.dim() != 1 or not 1 <= self.inv_freq.shape[0] <= self.head_dim // 2):
+            raise ValueError(f"inv_freq must be [R / 2] for a rotary width R of 2 to head_dim {self.head_dim}, "
                              f"got {tuple(self.inv_freq.shape)}")
 
     @property
@@ -90,6 +96,11 @@ class ActToKVParams:
     def has_rope(self) -> bool:
         return self.inv_freq is not None
 
+    @property
+    def rotary_dim(self) -> int:
+        """Channels RoPE rotates (the first ``rotary_dim`` of each head; 0 without RoPE)."""
+        return 0 if self.inv_freq is None else 2 * self.inv_freq.shape[0]
+
 
 # ---------------------------------------------------------------------------- extraction
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -103,12 +114,55 @@ def _decoder_layers(model):
     return base, layers
 
 
+_SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
+
+
+def _kv_weight(mtype: str, cfg, attn) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The stacked ``[Wk; Wv]`` (and ``[bk; bv]``) of one attention module, copied once."""
+    if mtype == "phi3":  # one fused qkv_proj: rows [q | k | v]
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        f = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        rows = slice(hq * f, (hq + 2 * hkv) * f)
+        return w[rows].detach().contiguous(), None if b is None else b[rows].detach().contiguous()
+    weight = torch.cat([attn.k_proj.weight, attn.v_proj.weight], 0).detach().contiguous()
+    kb, vb = attn.k_proj.bias, attn.v_proj.bias
+    if (kb is None) != (vb is None):
+        raise ValueError("k_proj and v_proj must both have a bias or both have none")
+    return weight, None if kb is None else torch.cat([kb, vb]).detach().contiguous()
+
+
+def _rope_of(base, cfg, layer_idx: int, mtype: str) -> tuple[torch.Tensor, float]:
+    """``(inv_freq fp32, attention_scaling)`` of the rotary embedding layer ``layer_idx`` uses.
+
+    Gemma3 keeps one table per layer type in one module (``{type}_inv_freq``); earlier versions
+    kept a second module for sliding layers (``rotary_emb_local``).
+    """
+    kind = (getattr(cfg, "layer_types", None) or [None] * (layer_idx + 1))[layer_idx]
+    rot = getattr(base, "rotary_emb", None)
+    if kind == "sliding_attention" and getattr(base, "rotary_emb_local", None) is not None:
+        rot = base.rotary_emb_local
+    if rot is None:
+        raise ValueError(f"{mtype} model has no rotary_emb module")
+    inv_freq = getattr(rot, f"{kind}_inv_freq", None) if kind else None
+    if inv_freq is not None:
+        rope_type = rot.rope_type[kind] if isinstance(rot.rope_type, dict) else rot.rope_type
+        scaling = getattr(rot, f"{kind}_attention_scaling")
+    else:
+        inv_freq, rope_type, scaling = rot.inv_freq, getattr(rot, "rope_type", "default"), rot.attention_scaling
+    if rope_type not in _STATIC_ROPE:
+        raise ValueError(f"RoPE type {rope_type!r} changes its frequencies with the sequence length; "
+                         f"recomputation supports {_STATIC_ROPE}")
+    return inv_freq.detach().float(), float(scaling)
+
+
 def layer_params(model, layer_idx: int) -> ActToKVParams:
     """Read the norm, ``[Wk Wv]`` (+ biases), ``k_norm`` and rotary parameters of one decoder layer.
 
-    Supports Llama-family (Llama, Mistral, SmolLM2), Qwen2 (biases), Qwen3 (``k_norm``) and OPT
-    (LayerNorm, biases, no RoPE). The weights are stacked into new tensors once; call this once
-    per layer and reuse the result.
+    Supports Llama-family (Llama, Mistral, SmolLM2), Qwen2 (biases), Qwen3 (``k_norm``), Phi-3
+    (a fused ``qkv_proj``, partial rotary), Gemma3 (``1 + w`` norms in fp32, ``k_norm``, a RoPE
+    table per layer type) and OPT (LayerNorm, biases, no RoPE). The weights are stacked into new
+    tensors once; call this once per layer and reuse the result.
 
     Raises:
         ValueError: an unsupported architecture, a layer index out of range, or a RoPE variant
@@ -116,19 +170,15 @@ def layer_params(model, layer_idx: int) -> ActToKVParams:
     """
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     mtype = getattr(cfg, "model_type", None)
-    if mtype not in ("llama", "mistral", "qwen2", "qwen3", "opt"):  # before any module is read
-        raise ValueError(f"act->kv recomputation supports llama, mistral, qwen2, qwen3 and opt; got {mtype!r}")
+    if mtype not in _SUPPORTED:  # before any module is read
+        raise ValueError(f"act->kv recomputation supports {', '.join(_SUPPORTED)}; got {mtype!r}")
     base, layers = _decoder_layers(model)
     if not 0 <= layer_idx < len(layers):
         raise ValueError(f"layer_idx {layer_idx} out of range for {len(layers)} layers")
     layer = layers[layer_idx]
     attn = layer.self_attn
     with torch.no_grad():
-        weight = torch.cat([attn.k_proj.weight, attn.v_proj.weight], 0).detach().contiguous()
-        kb, vb = attn.k_proj.bias, attn.v_proj.bias
-        if (kb is None) != (vb is None):
-            raise ValueError("k_proj and v_proj must both have a bias or both have none")
-        bias = None if kb is None else torch.cat([kb, vb]).detach().contiguous()
+        weight, bias = _kv_weight(mtype, cfg, attn)
     if mtype == "opt":
         hkv = cfg.num_attention_heads
         f = cfg.hidden_size // hkv
@@ -142,18 +192,22 @@ def layer_params(model, layer_idx: int) -> ActToKVParams:
     f = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     ln = layer.input_layernorm
     k_norm = getattr(attn, "k_norm", None)
-    rot = getattr(base, "rotary_emb", None)
-    if rot is None:
-        raise ValueError(f"{mtype} model has no rotary_emb module")
-    rope_type = getattr(rot, "rope_type", "default")
-    if rope_type not in _STATIC_ROPE:
-        raise ValueError(f"RoPE type {rope_type!r} changes its frequencies with the sequence length; "
-                         f"recomputation supports {_STATIC_ROPE}")
+    inv_freq, scaling = _rope_of(base, cfg, layer_idx, mtype)
+    gemma = mtype == "gemma3_text"  # output = (x_fp32 * rstd * (1 + w_fp32)).to(dtype)
+
+    def norm_weight(module):
+        w = module.weight.detach()
+        return 1.0 + w.float() if gemma else w
+
+    def eps_of(module):
+        eps = getattr(module, "variance_epsilon", None)
+        return float(module.eps if eps is None else eps)
+
     return ActToKVParams(
-        "rms", ln.weight.detach(), None, float(ln.variance_epsilon), weight, bias, hkv, f,
-        k_norm_weight=None if k_norm is None else k_norm.weight.detach(),
-        k_norm_eps=1e-6 if k_norm is None else float(k_norm.variance_epsilon),
-        inv_freq=rot.inv_freq.detach().float(), rope_scaling=float(rot.attention_scaling))
+        "rms", norm_weight(ln), None, eps_of(ln), weight, bias, hkv, f,
+        k_norm_weight=None if k_norm is None else norm_weight(k_norm),
+        k_norm_eps=1e-6 if k_norm is None else eps_of(k_norm),
+        inv_freq=inv_freq, rope_scaling=scaling, norm_weight_fp32=gemma)
 
 
 def model_params(model) -> list[ActToKVParams]:
@@ -164,7 +218,7 @@ def model_params(model) -> list[ActToKVParams]:
 
 # ---------------------------------------------------------------------------- reference
 def rope_tables(params: ActToKVParams, positions: torch.Tensor, dtype: torch.dtype | None = None):
-    """``(cos, sin)`` ``[n, F / 2]`` in the model dtype for int ``positions`` ``[n]``.
+    """``(cos, sin)`` ``[n, R / 2]`` in the model dtype for int ``positions`` ``[n]`` (``R``: the rotary width).
 
     HF builds ``cat(freqs, freqs)``; both halves are equal, so one half is kept. As in HF, the
     angles are computed in fp32 and cast after the ``attention_scaling`` product. One table
@@ -180,10 +234,13 @@ def rope_tables(params: ActToKVParams, positions: torch.Tensor, dtype: torch.dty
     return cos.to(dtype), sin.to(dtype)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: statistics in fp32, the weight product in the input dtype."""
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = False) -> torch.Tensor:
+    """HF's RMSNorm: statistics in fp32, the weight product in the input dtype (Llama), or in
+    fp32 before the cast with ``weight_fp32`` (Gemma)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_fp32:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -209,7 +266,7 @@ def act_to_kv_ref(act: torch.Tensor, positions: torch.Tensor | None, params: Act
     check_act(act, positions, params)
     n, h, f = act.shape[0], params.num_kv_heads, params.head_dim
     if params.norm == "rms":
-        x = _rms(act, params.norm_weight, params.norm_eps)
+        x = _rms(act, params.norm_weight, params.norm_eps, params.norm_weight_fp32)
     elif params.norm == "layer":
         x = F.layer_norm(act, (params.hidden_size,), params.norm_weight, params.norm_bias, params.norm_eps)
     else:
@@ -217,28 +274,32 @@ def act_to_kv_ref(act: torch.Tensor, positions: torch.Tensor | None, params: Act
     kv = F.linear(x, params.weight, params.bias)  # one GEMM for K and V (HybridServe Eq. 1)
     k, v = kv.view(n, 2, h, f).unbind(1)
     if params.k_norm_weight is not None:
-        k = _rms(k, params.k_norm_weight, params.k_norm_eps)
+        k = _rms(k, params.k_norm_weight, params.k_norm_eps, params.norm_weight_fp32)
     if params.has_rope:
         cos, sin = rope if rope is not None else rope_tables(params, positions, act.dtype)
         cos = torch.cat([cos, cos], -1)[:, None, :]
         sin = torch.cat([sin, sin], -1)[:, None, :]
-        rot = torch.cat([-k[..., f // 2:], k[..., : f // 2]], -1)
-        k = (k * cos) + (rot * sin)
+        r = params.rotary_dim  # HF rotates the first r channels and passes the rest through
+        k_rot, k_pass = k[..., :r], k[..., r:]
+        turned = torch.cat([-k_rot[..., r // 2:], k_rot[..., : r // 2]], -1)
+        k = (k_rot * cos) + (turned * sin)
+        if r < f:
+            k = torch.cat([k, k_pass], -1)
     return k.contiguous(), v.contiguous()
 
 
 def act_to_kv(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKVParams,
               rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``act_to_kv_ref`` on CPU, the fused Triton kernel where :func:`leankit.backend.use_triton` says so
-    and the kernel tiles the head (a power-of-two head_dim >= 32; other heads take the reference on
-    any device, a host-side choice that reads nothing back)."""
+    and the kernel tiles the head (a power-of-two head_dim >= 32, RoPE over the whole head or none;
+    other heads take the reference on any device, a host-side choice that reads nothing back)."""
     from .backend import use_triton
 
     if use_triton(act):
         from leankit_kernels.act_to_kv import act_kernel_tiles
         from leankit_kernels.act_to_kv import act_to_kv as kernel
 
-        if act_kernel_tiles(params.head_dim):
+        if act_kernel_tiles(params.head_dim) and params.rotary_dim in (0, params.head_dim):
             return kernel(act, positions, params, rope=rope)
     return act_to_kv_ref(act, positions, params, rope=rope)
 

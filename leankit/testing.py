@@ -35,11 +35,14 @@ def tiny_config(kind: str = "llama-gqa", **kw):
     if kind == "gemma3":
         # three layers: sliding, full, sliding; a window of 8 so short tests cross it
         common["num_hidden_layers"] = kw.get("num_hidden_layers", 3)
-        return Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        head_dim = kw.get("head_dim", 16)
+        return Gemma3TextConfig(num_attention_heads=4, num_key_value_heads=kw.get("num_key_value_heads", 1),
+                                head_dim=head_dim, query_pre_attn_scalar=head_dim,
                                 sliding_window=kw.get("sliding_window", 8),
                                 layer_types=kw.get("layer_types", ["sliding_attention", "full_attention",
                                                                    "sliding_attention"]),
-                                **{k: v for k, v in common.items() if k not in ("sliding_window", "layer_types")})
+                                **{k: v for k, v in common.items()
+                                   if k not in ("sliding_window", "layer_types", "head_dim", "num_key_value_heads")})
     if kind == "mistral-sliding":  # every layer slides: nothing to compress, still served
         return MistralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=kw.get("sliding_window", 8),
                              **{k: v for k, v in common.items() if k != "sliding_window"})

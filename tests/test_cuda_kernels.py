@@ -129,6 +129,45 @@ def test_own_token_merge_real_sizes(b, hkv, g, f, dtype):
         testing.assert_close_normwise(got, ref, torch.float32, f"{what} (seed {seed})")
 
 
+# name: (hidden, KV heads, head_dim, input norm, bias, k_norm, RoPE, Gemma's fp32 (1 + w) norms)
+ACT_LAYERS = {"llama3-8b": (4096, 8, 128, "rms", False, False, True, False),
+              "qwen3-8b": (4096, 8, 128, "rms", False, True, True, False),
+              "opt-13b": (5120, 40, 128, "layer", True, False, False, False),
+              "smollm2": (576, 3, 64, "rms", False, False, True, False),
+              "gemma3-270m": (640, 1, 256, "rms", False, True, True, True)}
+
+
+@pytest.mark.parametrize("layer", list(ACT_LAYERS))
+@pytest.mark.parametrize("n", [1, 37, 1000])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_act_to_kv_real_sizes(layer, n, dtype):
+    """The fused ACT->KV projection at real layer shapes against its torch reference, on the GPU."""
+    from leankit_kernels import testing
+    from leankit_kernels.act_to_kv import act_to_kv
+
+    from leankit.recompute import ActToKVParams, act_to_kv_ref
+
+    d, h, f, norm, bias, k_norm, rope, gemma = ACT_LAYERS[layer]
+    gen, seed = testing.fresh_generator()
+
+    def r(*shape, scale=1.0, shift=0.0, fp32=False):
+        t = torch.randn(*shape, generator=gen) * scale + shift
+        return t.to(torch.float32 if fp32 else dtype).cuda()
+
+    params = ActToKVParams(
+        norm, r(d, scale=0.3, shift=1.0, fp32=gemma), r(d, scale=0.2) if norm == "layer" else None, 1e-6,
+        r(2 * h * f, d, scale=d ** -0.5), r(2 * h * f, scale=0.5) if bias else None, h, f,
+        k_norm_weight=r(f, scale=0.3, shift=1.0, fp32=gemma) if k_norm else None,
+        inv_freq=(1.0 / 10000 ** (torch.arange(0, f, 2).float() / f)).cuda() if rope else None,
+        norm_weight_fp32=gemma)
+    act = (torch.randn(n, d, generator=gen) * 2 + torch.randn(n, 1, generator=gen)).to(dtype).cuda()
+    pos = torch.randint(0, 16384, (n,), generator=gen).cuda()
+    k_ref, v_ref = act_to_kv_ref(act, pos, params)
+    k, v = act_to_kv(act, pos, params)
+    for got, ref, what in ((k, k_ref, "K"), (v, v_ref, "V")):
+        testing.assert_close_normwise(got, ref, dtype, f"{layer} {what} (seed {seed})", testing.ACT_TO_KV_TOL[dtype])
+
+
 @pytest.mark.parametrize("spec", ["K8V4", "K8V4-K4V2"])
 @pytest.mark.parametrize("f,hkv,g", [(64, 3, 3), (128, 8, 4)])
 @pytest.mark.parametrize("dtype", [F16, BF16])

@@ -5,6 +5,7 @@ step), GQA and MHA, with and without bias, k_norm, RoPE, for every input norm, i
 with fresh random data each run (the seed is printed on failure).
 """
 
+import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton / leankit_kernels are imported: kernels run on CPU
@@ -12,20 +13,20 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton / leankit_kernels are impo
 import pytest
 import torch
 from leankit_kernels.act_to_kv import act_to_kv, check_act_head_dim
-from leankit_kernels.testing import fresh_generator, poison_outputs
+from leankit_kernels.testing import ACT_TO_KV_TOL, fresh_generator, poison_outputs
 
 from leankit.recompute import ActToKVParams, act_to_kv_ref, rope_tables
 
 _poison = pytest.fixture(autouse=True)(poison_outputs)
 
-# Relative (to the output's max magnitude) tolerance per dtype: fp32 differs only by summation
-# order; fp16 by the rounding of tensor-core operands and of each intermediate the HF order casts.
-TOL = {torch.float32: 5e-6, torch.float16: 2e-3, torch.bfloat16: 3e-2}
+TOL = ACT_TO_KV_TOL  # relative to the output's max magnitude, per dtype (why: leankit_kernels.testing)
 
 
-def make_params(gen, d, h, f, dtype, norm="rms", bias=False, k_norm=False, rope=True) -> ActToKVParams:
+def make_params(gen, d, h, f, dtype, norm="rms", bias=False, k_norm=False, rope=True, gemma=False) -> ActToKVParams:
+    """Random layer parameters; ``gemma``: Gemma3's norms (``1 + w`` held in fp32, the product
+    taken before the cast)."""
     def r(*shape, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, generator=gen) * scale + shift).to(dtype)
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(torch.float32 if gemma and shift else dtype)
 
     w = r(2 * h * f, d, scale=d ** -0.5)
     return ActToKVParams(
@@ -41,6 +42,7 @@ def make_params(gen, d, h, f, dtype, norm="rms", bias=False, k_norm=False, rope=
         k_norm_eps=1e-6,
         inv_freq=(1.0 / 10000 ** (torch.arange(0, f, 2).float() / f)) if rope else None,
         rope_scaling=1.0,
+        norm_weight_fp32=gemma,
     )
 
 
@@ -68,13 +70,35 @@ def _check(n, d, h, f, dtype, **kw):
     (17, 136, 2, 32, {"norm": "layer", "bias": True, "rope": False}),  # OPT: LayerNorm, biases, no RoPE
     (5, 48, 1, 32, {"norm": "none", "bias": True, "rope": False}),   # OPT post-LN layer: no input norm
     (33, 80, 1, 32, {"bias": True, "k_norm": True}),                 # everything, two token blocks + tail
-], ids=["llama-decode", "qwen2", "qwen3", "opt", "opt-post", "all"])
+    (21, 40, 1, 64, {"k_norm": True, "gemma": True}),                # Gemma3: fp32 (1 + w) norms, k_norm
+], ids=["llama-decode", "qwen2", "qwen3", "opt", "opt-post", "all", "gemma3"])
 def test_kernel_matches_reference(n, d, h, f, kw, dtype):
     _check(n, d, h, f, dtype, **kw)
 
 
 def test_kernel_bf16_matches_reference():
     _check(9, 72, 2, 32, torch.bfloat16, bias=True)
+
+
+def test_kernel_bf16_gemma_norms_match_reference():
+    _check(12, 56, 2, 32, torch.bfloat16, k_norm=True, gemma=True)
+
+
+def test_partial_rotary_takes_the_reference(monkeypatch):
+    """A head RoPE rotates only in part (Phi's partial_rotary_factor) is refused by the kernel
+    and served by the reference through leankit.recompute.act_to_kv, on any backend."""
+    from leankit.recompute import act_to_kv as dispatch
+
+    gen, _ = fresh_generator()
+    p = make_params(gen, 64, 2, 32, torch.float32)
+    p = dataclasses.replace(p, inv_freq=p.inv_freq[:8])  # the first 16 of 32 channels rotate
+    act, pos = torch.randn(5, 64, generator=gen), torch.arange(5)
+    with pytest.raises(ValueError, match="rotates 16 of 32"):
+        act_to_kv(act, pos, p)
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    k, v = dispatch(act, pos, p)
+    k_ref, v_ref = act_to_kv_ref(act, pos, p)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
 def test_shared_rope_tables_and_strided_input():

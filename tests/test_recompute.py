@@ -8,14 +8,20 @@ recorded K/V.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import (
     DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -43,6 +49,17 @@ def build(kind: str, seed: int, dtype=torch.float32):
     elif kind == "qwen3":
         m = Qwen3ForCausalLM(Qwen3Config(hidden_size=56, intermediate_size=64, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=16, **COMMON))
+    elif kind == "phi3":  # one fused qkv_proj
+        m = Phi3ForCausalLM(Phi3Config(hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, **COMMON))
+    elif kind == "phi3-partial":  # RoPE over the first half of each head only
+        m = Phi3ForCausalLM(Phi3Config(hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, partial_rotary_factor=0.5, **COMMON))
+    elif kind == "gemma3":  # (1 + w) norms in fp32, k_norm, a RoPE table per layer type
+        m = Gemma3ForCausalLM(Gemma3TextConfig(
+            hidden_size=48, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            query_pre_attn_scalar=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+            **COMMON))
     elif kind == "opt":
         m = OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=64, num_attention_heads=3, word_embed_proj_dim=48,
                                      **COMMON))
@@ -122,7 +139,7 @@ def _check_model(model, seed):
     assert checked == 2 * len(params)
 
 
-KINDS = ["llama-mha", "llama-gqa", "qwen2", "qwen3", "opt", "opt-post"]
+KINDS = ["llama-mha", "llama-gqa", "qwen2", "qwen3", "phi3", "phi3-partial", "gemma3", "opt", "opt-post"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -130,10 +147,34 @@ def test_reference_reproduces_layer_kv_exactly(kind):
     _check_model(build(kind, seed=len(kind)), seed=17)
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "opt"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3", "gemma3", "phi3-partial", "opt"])
 def test_reference_reproduces_layer_kv_exactly_fp16(kind):
     """fp16 weights and activations: the reference keeps HF's casts, so equality still holds."""
     _check_model(build(kind, seed=5, dtype=torch.float16), seed=23)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3"])
+def test_reference_reproduces_layer_kv_exactly_bf16(kind):
+    """bf16, where Gemma's order (the norm weight product before the cast) and Llama's (after)
+    round differently: each model's own order is kept."""
+    _check_model(build(kind, seed=6, dtype=torch.bfloat16), seed=29)
+
+
+def test_gemma_norms_round_in_their_own_order():
+    """Reading Gemma3's norms the Llama way (weight product after the cast) changes K in bf16:
+    the order the flag selects is the one the exact test above depends on."""
+    m = build("gemma3", seed=6, dtype=torch.bfloat16)
+    p = layer_params(m, 1)
+    assert p.norm_weight_fp32 and p.norm_weight.dtype == torch.float32
+    assert torch.equal(p.norm_weight, 1.0 + m.model.layers[1].input_layernorm.weight.float())
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(64, 48, generator=g) * 3).to(torch.bfloat16)
+    pos = torch.arange(64)
+    k, _ = act_to_kv_ref(a, pos, p)
+    llama_order = dataclasses.replace(p, norm_weight=p.norm_weight.to(torch.bfloat16),
+                                      k_norm_weight=p.k_norm_weight.to(torch.bfloat16), norm_weight_fp32=False)
+    k_llama, _ = act_to_kv_ref(a, pos, llama_order)
+    assert not torch.equal(k, k_llama)
 
 
 def test_extracted_parameters():
@@ -148,6 +189,15 @@ def test_extracted_parameters():
     assert layer_params(build("opt-post", 1), 0).norm == "none"
     q2 = layer_params(build("qwen2", 1), 0)
     assert q2.bias is not None and q2.k_norm_weight is None and q2.has_rope
+    phi = build("phi3", 1)
+    p3 = layer_params(phi, 1)
+    qkv = phi.model.layers[1].self_attn.qkv_proj.weight  # rows [q (4 x 16) | k (2 x 16) | v (2 x 16)]
+    assert torch.equal(p3.weight, qkv[64:]) and p3.rotary_dim == 16 and not p3.norm_weight_fp32
+    assert layer_params(build("phi3-partial", 1), 0).rotary_dim == 8
+    gm = build("gemma3", 1)
+    local, full = layer_params(gm, 0), layer_params(gm, 1)  # sliding: theta 1e4; full: 1e6
+    assert local.inv_freq[1] > full.inv_freq[1] and torch.equal(full.inv_freq, gm.model.rotary_emb.full_attention_inv_freq)
+    assert torch.equal(full.k_norm_weight, 1.0 + gm.model.layers[1].self_attn.k_norm.weight.float())
 
 
 def test_bad_inputs_raise():

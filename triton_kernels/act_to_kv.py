@@ -4,15 +4,16 @@ For ``n`` tokens of one layer, from their stored input activations ``A`` ``[n, D
 state before the layer's input norm), computes the post-RoPE keys and values the HF layer would
 hand to ``Cache.update``::
 
-    X     = norm(A)                        NORM = 1: RMSNorm (Llama, Qwen); 2: LayerNorm (OPT); 0: none
+    X     = norm(A)                        NORM = 1: RMSNorm (Llama, Qwen, Gemma3); 2: LayerNorm (OPT); 0: none
     K, V  = X Wk^T (+ bk), X Wv^T (+ bv)   tl.dot against the stacked [Wk; Wv] rows
-    K     = k_norm(K)                      per-head RMSNorm (Qwen3), HAS_KNORM
+    K     = k_norm(K)                      per-head RMSNorm (Qwen3, Gemma3), HAS_KNORM
     K     = K cos + rotate_half(K) sin     HAS_ROPE, at each token's own position
 
 Reads
     ``a`` ``[n, D]`` (row stride ``stride_a``), model dtype;
     ``w`` ``[2 H F, D]`` stacked ``[Wk; Wv]`` (``nn.Linear`` layout, contiguous), ``b`` ``[2 H F]``;
-    ``nw``/``nb`` ``[D]`` input-norm weight/bias, ``knw`` ``[F]`` k_norm weight;
+    ``nw``/``nb`` ``[D]`` input-norm weight/bias, ``knw`` ``[F]`` k_norm weight (Gemma3: ``1 + w``
+    in fp32, ``NORM_W32``);
     ``cos``/``sin`` ``[n, F / 2]`` RoPE tables in the model dtype (HF's ``cat(freqs, freqs)`` has two
     equal halves, so one half is passed; one table serves every layer of a step).
 Writes
@@ -28,8 +29,8 @@ columns. The activation tile is re-read by each of the ``H`` head programs (from
 weights, which dominate the bytes for decode, are read exactly once.
 
 Rounding follows the HF layers: norm statistics in fp32, the normalized activation rounded to
-the model dtype before the norm-weight product, the projection rounded to the model dtype
-before ``k_norm`` and RoPE.
+the model dtype before the norm-weight product (after it with ``NORM_W32``, as Gemma's RMSNorm
+does), the projection rounded to the model dtype before ``k_norm`` and RoPE.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _row_stats(a_ptr, stride_a, tok, valid, eps, D: tl.constexpr, NORM: tl.const
 def _act_to_kv_kernel(a_ptr, w_ptr, b_ptr, nw_ptr, nb_ptr, knw_ptr, cos_ptr, sin_ptr, k_out, v_out,
                       n, stride_a, eps, k_eps,
                       D: tl.constexpr, H: tl.constexpr, F: tl.constexpr, NORM: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, HAS_KNORM: tl.constexpr, HAS_ROPE: tl.constexpr,
+                      NORM_W32: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KNORM: tl.constexpr, HAS_ROPE: tl.constexpr,
                       DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """K and V of ``BLOCK_M`` tokens for one KV head (grid: token blocks x heads)."""
     ADT = a_ptr.dtype.element_ty
@@ -100,9 +101,12 @@ def _act_to_kv_kernel(a_ptr, w_ptr, b_ptr, nw_ptr, nb_ptr, knw_ptr, cos_ptr, sin
         kk = k0 + tl.arange(0, BLOCK_K)
         kin = kk < D
         x = tl.load(rows + kk[None, :], mask=valid[:, None] & kin[None, :], other=0.0).to(tl.float32)
-        if NORM == 1:  # RMSNorm: weight * (x * rstd) rounded to the model dtype first, as HF does
+        if NORM == 1:
             nw = tl.load(nw_ptr + kk, mask=kin, other=0.0).to(tl.float32)
-            x = (x * rstd[:, None]).to(ADT).to(tl.float32) * nw[None, :]
+            if NORM_W32:  # Gemma: (x * rstd * (1 + w)) in fp32, then rounded (nw holds 1 + w)
+                x = x * rstd[:, None] * nw[None, :]
+            else:  # Llama: weight * (x * rstd) rounded to the model dtype first, as HF does
+                x = (x * rstd[:, None]).to(ADT).to(tl.float32) * nw[None, :]
         elif NORM == 2:  # LayerNorm with affine weight and bias
             nw = tl.load(nw_ptr + kk, mask=kin, other=0.0).to(tl.float32)
             nb = tl.load(nb_ptr + kk, mask=kin, other=0.0).to(tl.float32)
@@ -123,12 +127,16 @@ def _act_to_kv_kernel(a_ptr, w_ptr, b_ptr, nw_ptr, nb_ptr, knw_ptr, cos_ptr, sin
     # The projection's output is a model-dtype tensor in HF.
     k_lo = k_lo.to(ADT).to(tl.float32)
     k_hi = k_hi.to(ADT).to(tl.float32)
-    if HAS_KNORM:  # per-head RMSNorm over all F channels of K (Qwen3), before RoPE
+    if HAS_KNORM:  # per-head RMSNorm over all F channels of K (Qwen3, Gemma3), before RoPE
         kr = 1.0 / tl.sqrt((tl.sum(k_lo * k_lo, 1) + tl.sum(k_hi * k_hi, 1)) / F + k_eps)
         g_lo = tl.load(knw_ptr + c_lo).to(tl.float32)
         g_hi = tl.load(knw_ptr + HALF + c_lo).to(tl.float32)
-        k_lo = ((k_lo * kr[:, None]).to(ADT).to(tl.float32) * g_lo[None, :]).to(ADT).to(tl.float32)
-        k_hi = ((k_hi * kr[:, None]).to(ADT).to(tl.float32) * g_hi[None, :]).to(ADT).to(tl.float32)
+        if NORM_W32:  # Gemma's order, as for the input norm
+            k_lo = (k_lo * kr[:, None] * g_lo[None, :]).to(ADT).to(tl.float32)
+            k_hi = (k_hi * kr[:, None] * g_hi[None, :]).to(ADT).to(tl.float32)
+        else:
+            k_lo = ((k_lo * kr[:, None]).to(ADT).to(tl.float32) * g_lo[None, :]).to(ADT).to(tl.float32)
+            k_hi = ((k_hi * kr[:, None]).to(ADT).to(tl.float32) * g_hi[None, :]).to(ADT).to(tl.float32)
     if HAS_ROPE:  # rotate-half RoPE at each token's own position
         t_off = tok.to(tl.int64)[:, None] * HALF + c_lo[None, :]
         cs = tl.load(cos_ptr + t_off, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -167,7 +175,7 @@ def kernel_constexprs(params: ActToKVParams) -> dict:
     """Compile-time constants of one layer (shared with the AOT script)."""
     dot, prec = dot_config(params.dtype, params.weight.device)
     return {"D": params.hidden_size, "H": params.num_kv_heads, "F": params.head_dim,
-            "NORM": NORM_CODES[params.norm], "HAS_BIAS": params.bias is not None,
+            "NORM": NORM_CODES[params.norm], "NORM_W32": params.norm_weight_fp32, "HAS_BIAS": params.bias is not None,
             "HAS_KNORM": params.k_norm_weight is not None, "HAS_ROPE": params.has_rope,
             "DOT": dot, "PREC": prec, "BLOCK_M": BLOCK_M, "BLOCK_K": act_block_k(params.head_dim)}
 
@@ -185,6 +193,9 @@ def act_to_kv(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKV
     """
     check_act(act, positions, params)
     check_act_head_dim(params.head_dim)
+    if params.rotary_dim not in (0, params.head_dim):
+        raise ValueError(f"the act_to_kv kernel rotates whole heads; this layer rotates {params.rotary_dim} of "
+                         f"{params.head_dim} channels (leankit.recompute.act_to_kv takes the reference for it)")
     dev = act.device
     tensors = [params.weight, params.bias, params.norm_weight, params.norm_bias, params.k_norm_weight]
     if any(t is not None and t.device != dev for t in tensors):

@@ -6,7 +6,7 @@ Compiles each kernel with the constexprs of realistic deployments (Llama-3-8B-li
 head_dim 128, 32 query / 8 KV heads; SmolLM2-like heads: head_dim 64, 9 / 3 heads; each config
 on the pages a user gets by default, 2 KB for quantized configs and 8 KB for dense ones
 (``leankit.config``); fp16 models, plus fp32 decode, prefill and significance-pass variants; the ACT->KV recompute at the
-layer shapes of Llama-3-8B, Qwen3-8B, OPT-13B and SmolLM2) for ``sm_80`` and ``sm_90``,
+layer shapes of Llama-3-8B, Qwen3-8B, OPT-13B, SmolLM2 and Gemma3-270M) for ``sm_80`` and ``sm_90``,
 runs the ``ptxas -v`` that ships with Triton (the one Triton itself uses for that arch) on the
 PTX, and prints registers, shared memory and spills per (kernel, arch).
 
@@ -277,8 +277,12 @@ def cases() -> list[Case]:
 
 
 # name -> (hidden, KV heads, head_dim, norm, bias, k_norm, rope) of real layer shapes
-ACT_MODELS = {"llama3-8b": (4096, 8, 128, 1, False, False, True), "qwen3-8b": (4096, 8, 128, 1, False, True, True),
-              "opt-13b": (5120, 40, 128, 2, True, False, False), "smollm2": (576, 3, 64, 1, False, False, True)}
+# name: (hidden, kv heads, head_dim, NORM, bias, k_norm, RoPE, Gemma's fp32 norm weights)
+ACT_MODELS = {"llama3-8b": (4096, 8, 128, 1, False, False, True, False),
+              "qwen3-8b": (4096, 8, 128, 1, False, True, True, False),
+              "opt-13b": (5120, 40, 128, 2, True, False, False, False),
+              "smollm2": (576, 3, 64, 1, False, False, True, False),
+              "gemma3-270m": (640, 1, 256, 1, False, True, True, True)}
 
 
 def act_to_kv_cases() -> list[Case]:
@@ -286,14 +290,17 @@ def act_to_kv_cases() -> list[Case]:
     from .act_to_kv import BLOCK_M, act_block_k
 
     out = []
-    for name, (d, h, f, norm, bias, knorm, rope) in ACT_MODELS.items():
+    for name, (d, h, f, norm, bias, knorm, rope, w32) in ACT_MODELS.items():
         for dname in ("fp16", "fp32") if name == "smollm2" else ("fp16",):
             ptr = {"fp16": "*fp16", "fp32": "*fp32"}[dname]
             args = ("a_ptr", "w_ptr", "b_ptr", "nw_ptr", "nb_ptr", "knw_ptr", "cos_ptr", "sin_ptr", "k_out", "v_out")
             dot, prec = (tl.float16, "tf32") if dname == "fp16" else (tl.float32, "ieee")
+            ptrs = dict.fromkeys(args, ptr)
+            if w32:  # Gemma's norm weights are held in fp32 (1 + w)
+                ptrs.update(nw_ptr="*fp32", knw_ptr="*fp32")
             out.append(Case(f"act_to_kv {name}" + ("" if dname == "fp16" else f" {dname}"), "act_to_kv",
-                            "_act_to_kv_kernel", dict.fromkeys(args, ptr),
-                            {"D": d, "H": h, "F": f, "NORM": norm, "HAS_BIAS": bias, "HAS_KNORM": knorm,
+                            "_act_to_kv_kernel", ptrs,
+                            {"D": d, "H": h, "F": f, "NORM": norm, "NORM_W32": w32, "HAS_BIAS": bias, "HAS_KNORM": knorm,
                              "HAS_ROPE": rope, "DOT": dot, "PREC": prec, "BLOCK_M": BLOCK_M,
                              "BLOCK_K": act_block_k(f)},
                             floats=("eps", "k_eps"), divisible=("stride_a",)))
