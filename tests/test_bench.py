@@ -152,6 +152,36 @@ class _NullBar:
         pass
 
 
+def test_throughput_counts_sliding_layers_for_every_cache():
+    """A model whose sliding-window layers keep transformers' own cache (Gemma3: sliding, full,
+    sliding, window 8): DynamicCache is counted with at most the window in those layers, and a
+    LeanCache batch is charged the same bytes for them, its pages getting what is left (before,
+    the pages alone were counted: a LeanCache batch ignored two thirds of the K/V it held)."""
+    model = tiny_model("gemma3", seed=1)
+    prompt, new = torch.arange(5, 5 + 27) % 90 + 4, 7
+    tokens = len(prompt) + new
+    # 1 KV head x head_dim 16, K and V, fp16: 64 bytes a token per layer
+    assert throughput.plain_row_bytes(model, tokens) == 2 * 8 * 64
+    assert throughput.fp16_row_bytes(model, tokens) == (tokens + 2 * 8) * 64
+    assert throughput.fp16_row_bytes(model, 5) == 3 * 5 * 64  # under the window: every token everywhere
+    kind = throughput.LeanKind("K8V4")
+    budget = 12 * kind.cfg.page_size + 100
+    fit = kind.fit(model, budget, prompt, new, 0, True, _NullBar())
+    plain = throughput.plain_row_bytes(model, tokens)
+    assert fit.batch >= 1 and fit.bytes_per_row > plain and fit.batch * fit.bytes_per_row <= budget + kind.cfg.page_size
+
+    def generate(rows):
+        cache = kind.make(model, budget, tokens, rows)
+        assert cache.free_list.capacity == (budget - rows * plain) // kind.cfg.page_size
+        ids, mask = left_padded([prompt] * rows, 0)
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    generate(fit.batch)
+    with pytest.raises(PoolExhausted):
+        generate(fit.batch + 1)
+
+
 def test_dynamic_cache_batch_is_eight_rows_of_the_default_budget():
     model, _ = _tiny_lm()
     budget = throughput.default_budget(model, (11, 30), (2, 9))

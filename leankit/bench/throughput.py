@@ -11,16 +11,19 @@ How each cache is held to the budget:
 
 * ``DynamicCache``: counted as an **fp16** cache of the tokens it holds (padding included, as it
   stores them): ``(prompt + output) x layers x kv_heads x head_dim x 2 (K, V) x 2 bytes`` per row,
-  whatever the model's dtype (an fp32 model really holds twice that).
+  whatever the model's dtype (an fp32 model really holds twice that). A sliding-window layer
+  (Gemma3's local layers) holds at most its window of those tokens.
 * HF ``QuantizedCache`` (int4, optimum-quanto, else HQQ): its real bytes, measured after every
   generated token of one row of the longest request: packed codes + scales + offsets + the
   full-precision residual (in the model's dtype). The copy it dequantizes on every step is
   transient and not counted.
-* ``LeanCache``: for real, a fixed pool of ``budget // page_size`` pages, which raises
-  ``PoolExhausted`` when it runs out. The peak page use of one row of the longest request is
-  measured (at every allocation, so the peak inside a step counts) to estimate the batch, then
-  the estimate is verified: that many rows of the longest request run in the pool and one row
-  more exhausts it (``--no-verify`` skips this).
+* ``LeanCache``: for real, a fixed pool of pages, which raises ``PoolExhausted`` when it runs
+  out. The peak page use of one row of the longest request is measured (at every allocation, so
+  the peak inside a step counts) to estimate the batch, then the estimate is verified: that many
+  rows of the longest request run in the pool and one row more exhausts it (``--no-verify``
+  skips this). Sliding-window layers are not paged: they keep transformers' own sliding layer,
+  counted as DynamicCache counts it (fp16, at most the window), so a batch of ``b`` rows gets
+  the pages of ``budget - b x`` those bytes.
 
 Every batch generates exactly the batch's longest requested output (``min_new_tokens =
 max_new_tokens``, so EOS never stops a row early, the same for every cache); only each request's
@@ -72,10 +75,30 @@ def _model_dims(model) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, attention_kv_heads(cfg), attention_head_dim(cfg)
 
 
+def _sliding_layers(model) -> tuple[int, int]:
+    """``(sliding-window layers, their window)`` of ``model`` (``(0, 0)`` without any)."""
+    from ..cache import PLAIN, _text_config, layer_types
+
+    cfg = _text_config(model.config)
+    n = sum(t == PLAIN for t in layer_types(cfg))
+    return (n, int(cfg.sliding_window)) if n else (0, 0)
+
+
+def plain_row_bytes(model, tokens: int) -> int:
+    """fp16 bytes of one row's K/V in ``model``'s sliding-window layers, holding at most their
+    window of ``tokens`` (transformers' sliding layer keeps ``window - 1`` between steps and
+    ``window`` within one): what LeanCache leaves to transformers' own layer there."""
+    _, heads, head_dim = _model_dims(model)
+    n, window = _sliding_layers(model)
+    return min(tokens, window) * n * heads * head_dim * 2 * 2
+
+
 def fp16_row_bytes(model, tokens: int) -> int:
-    """Bytes of an fp16 K/V cache holding ``tokens`` tokens of one row of ``model``."""
+    """Bytes of an fp16 K/V cache holding ``tokens`` tokens of one row of ``model``: every token in
+    each full-attention layer, at most the window in each sliding-window layer."""
     layers, heads, head_dim = _model_dims(model)
-    return tokens * layers * heads * head_dim * 2 * 2
+    full = layers - _sliding_layers(model)[0]
+    return tokens * full * heads * head_dim * 2 * 2 + plain_row_bytes(model, tokens)
 
 
 def default_budget(model, prompt_range, output_range, rows: int = 8) -> int:
@@ -148,7 +171,7 @@ class DynamicKind:
     name = "DynamicCache"
     bytes_note = "fp16 bytes of the tokens it holds (the model's own dtype may be wider)"
 
-    def make(self, model, budget: int, max_len: int):
+    def make(self, model, budget: int, max_len: int, rows: int = 1):
         from transformers import DynamicCache
 
         return DynamicCache(config=model.config)
@@ -179,7 +202,7 @@ class QuantizedKind:
         self.name = f"QuantizedCache int4 ({backend})"
         self.bytes_note = "real bytes: codes + scales + offsets + full-precision residual"
 
-    def make(self, model, budget: int, max_len: int):
+    def make(self, model, budget: int, max_len: int, rows: int = 1):
         from transformers.cache_utils import QuantizedCache
 
         head_dim = _model_dims(model)[2]
@@ -200,9 +223,11 @@ class QuantizedKind:
 
 
 class LeanKind:
-    """``LeanCache`` with a fixed pool of ``budget // page_size`` pages."""
+    """``LeanCache`` with a fixed pool of pages: the budget less its rows' sliding-window layers
+    (:func:`plain_row_bytes`), in pages."""
 
-    bytes_note = "peak pages of one row (page bytes; the page table is not counted)"
+    bytes_note = ("peak pages of one row (page bytes; the page table is not counted), plus the fp16 bytes of its "
+                  "sliding-window layers' K/V where the model has any")
 
     def __init__(self, kv: str):
         from ..config import KVConfig
@@ -210,17 +235,21 @@ class LeanKind:
         self.kv, self.cfg = kv, KVConfig.parse(kv)
         self.name = f"LeanCache {kv}"
 
-    def make(self, model, budget: int, max_len: int, fixed: bool = True):
+    def pool_pages(self, model, budget: int, max_len: int, rows: int) -> int:
+        """Pages left to ``rows`` rows once their sliding-window layers (if any) are counted."""
+        return max(0, budget - rows * plain_row_bytes(model, max_len)) // self.cfg.page_size
+
+    def make(self, model, budget: int, max_len: int, rows: int = 1, fixed: bool = True):
         from ..cache import LeanCache
 
-        pages = budget // self.cfg.page_size if fixed else None
+        pages = self.pool_pages(model, budget, max_len, rows) if fixed else None
         return LeanCache(model, self.cfg, num_pages=pages, max_seq_len=max_len)
 
     def runs(self, model, budget, longest, new_tokens, pad, rows: int) -> bool:
         """Whether ``rows`` rows of the longest request run in the fixed pool without exhausting it."""
         from ..allocator import PoolExhausted
 
-        cache = self.make(model, budget, len(longest) + new_tokens)
+        cache = self.make(model, budget, len(longest) + new_tokens, rows)
         try:
             generate(model, cache, [longest] * rows, new_tokens, pad)
         except PoolExhausted:
@@ -240,10 +269,15 @@ class LeanKind:
         free_list.allocate = tracked
         generate(model, cache, [longest], new_tokens, pad)
         bar.update(1)
-        pages = budget // self.cfg.page_size
-        batch = pages // peak[0]
-        fit = Fit(batch, peak[0] * self.cfg.page_size,
-                  f"pool of {pages} pages // peak {peak[0]} pages of one row of the longest request")
+        plain = plain_row_bytes(model, len(longest) + new_tokens)
+        per_row = peak[0] * self.cfg.page_size + plain
+        batch = budget // per_row
+        if plain:
+            how = (f"budget // (peak {peak[0]} pages + {plain} fp16 bytes of sliding-window layers) of one row of "
+                   "the longest request")
+        else:
+            how = f"pool of {budget // self.cfg.page_size} pages // peak {peak[0]} pages of one row of the longest request"
+        fit = Fit(batch, per_row, how)
         if not verify or batch == 0:
             return fit
         while batch > 0 and not self.runs(model, budget, longest, new_tokens, pad, batch):
@@ -277,7 +311,7 @@ def serve(model, kind, requests: list[Request], batch: int, budget: int, pad: in
         try:
             for i in range(0, len(requests), batch):
                 chunk = requests[i: i + batch]
-                cache = kind.make(model, budget, max_len)
+                cache = kind.make(model, budget, max_len, batch)
                 elapsed += generate(model, cache, [r.prompt for r in chunk], max(r.output for r in chunk), pad,
                                     timed=timed)
                 tokens += sum(r.output for r in chunk)
