@@ -135,16 +135,21 @@ def test_throughput_batch_fits_the_budget_and_one_more_row_does_not(kv):
     budget = 10 * kind.cfg.page_size + 100
     fit = kind.fit(model, budget, prompt, new, 0, True, _NullBar())
     assert fit.batch >= 1
+    _assert_batch_is_tight(model, lambda rows: LeanCache(model, kv, num_pages=budget // kind.cfg.page_size),
+                           prompt, new, fit.batch)
 
+
+def _assert_batch_is_tight(model, cache_for, prompt, new: int, batch: int) -> None:
+    """``batch`` rows of ``prompt`` generate ``new`` tokens in ``cache_for(batch)``; one row more
+    exhausts ``cache_for(batch + 1)``."""
     def generate(rows):
-        cache = LeanCache(model, kv, num_pages=budget // kind.cfg.page_size)
         ids, mask = left_padded([prompt] * rows, 0)
-        model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=new,
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache_for(rows)), max_new_tokens=new,
                        min_new_tokens=new, do_sample=False, pad_token_id=0)
 
-    generate(fit.batch)
+    generate(batch)
     with pytest.raises(PoolExhausted):
-        generate(fit.batch + 1)
+        generate(batch + 1)
 
 
 class _NullBar:
@@ -170,16 +175,12 @@ def test_throughput_counts_sliding_layers_for_every_cache():
     plain = throughput.plain_row_bytes(model, tokens)
     assert fit.batch >= 1 and fit.bytes_per_row > plain and fit.batch * fit.bytes_per_row <= budget + kind.cfg.page_size
 
-    def generate(rows):
+    def cache_for(rows):
         cache = kind.make(model, budget, tokens, rows)
         assert cache.free_list.capacity == (budget - rows * plain) // kind.cfg.page_size
-        ids, mask = left_padded([prompt] * rows, 0)
-        model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=new,
-                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+        return cache
 
-    generate(fit.batch)
-    with pytest.raises(PoolExhausted):
-        generate(fit.batch + 1)
+    _assert_batch_is_tight(model, cache_for, prompt, new, fit.batch)
 
 
 def test_dynamic_cache_batch_is_eight_rows_of_the_default_budget():
