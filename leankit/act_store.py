@@ -188,6 +188,13 @@ def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: tor
 
 
 # ============================================================================ the store
+def _same_rope(a, b) -> bool:
+    """Whether two layers' :class:`~leankit.recompute.ActToKVParams` rotate with the same table."""
+    if a.inv_freq is None or b.inv_freq is None:
+        return a.inv_freq is None and b.inv_freq is None
+    return a.rope_scaling == b.rope_scaling and torch.equal(a.inv_freq, b.inv_freq)
+
+
 def token_bytes(cache, hidden: int) -> dict:
     """Page bytes per token and layer of a KV token of ``cache``'s config and of an ACT token.
 
@@ -229,7 +236,10 @@ class ActStore:
         self._dense = False  # this step lists every (row, query) with a keep flag (no host read)
         # layer -> the step's captured input: its ACT rows [n, D], or the whole [B, Q, D] when _dense
         self._stash: dict[int, torch.Tensor] = {}
-        self._rope = None  # RoPE tables of this step's earlier ACT keys, shared by all layers
+        # RoPE tables of this step's earlier ACT keys, one per distinct rotary table (every cached
+        # layer of the supported models shares one; Gemma3's sliding layers, which differ, are not cached)
+        self._rope: dict[int, tuple] = {}
+        self._rope_of = [next(j for j, q in enumerate(self.params) if _same_rope(p, q)) for p in self.params]
         self._ahead: dict[int, tuple] = {}  # layer -> K/V recomputed before its attention (offload)
 
     # -------------------------------------------------------------- bytes
@@ -268,7 +278,7 @@ class ActStore:
             self._n_max = self._n_max_read
         else:
             self._n_max = int(self.n_act.max()) if self.n_act.numel() else 0
-        self._stash, self._rope, self._ahead = {}, None, {}
+        self._stash, self._rope, self._ahead = {}, {}, {}
         kv = step.real & ~mask
         # Its own derived indices: the step's would list the ACT tokens too.
         return dataclasses.replace(step, real=kv, rank=torch.cumsum(kv.int(), 1) - 1, n_new=kv.sum(1), derived={})
@@ -277,7 +287,7 @@ class ActStore:
         """Advance the per-row counters once every layer stored the step."""
         self.n_real += step.n_new.long()
         self.n_act += self._n_new
-        self._stash, self._rope, self._ahead = {}, None, {}
+        self._stash, self._rope, self._ahead = {}, {}, {}
 
     def step_status(self) -> torch.Tensor:
         """The most ACT tokens of any row once this step is stored (device ``[1]``), for the
@@ -325,12 +335,13 @@ class ActStore:
         flat_pos = pos.reshape(-1)
         rope = None
         if params.has_rope:
-            # One table per step: every layer holds the same earlier ACT tokens at the same positions
+            # One table per step and rotary table: every layer holds the same earlier ACT tokens at the same positions
             # (each layer reads them before it stores the step's own). Comparing the positions
             # instead (torch.equal) would read the device back once per layer.
-            if self._rope is None:
-                self._rope = rope_tables(params, flat_pos, act.dtype)
-            rope = self._rope
+            group = self._rope_of[layer]
+            if group not in self._rope:
+                self._rope[group] = rope_tables(params, flat_pos, act.dtype)
+            rope = self._rope[group]
         k, v = act_to_kv(act.reshape(b * n, -1), flat_pos, params, rope=rope)
         k = k.view(b, n, params.num_kv_heads, -1).transpose(1, 2)
         v = v.view(b, n, params.num_kv_heads, -1).transpose(1, 2)
@@ -402,7 +413,7 @@ class ActStore:
         if self.table is not None:
             self.release(torch.ones(self.table.lens.shape[1], dtype=torch.bool, device=self.cache.device))
         self.table = self.n_real = self.n_act = self._mask = self._rank = self._n_new = None
-        self._stash, self._rope, self._n_max, self._n_max_read, self._ahead = {}, None, 0, 0, {}
+        self._stash, self._rope, self._n_max, self._n_max_read, self._ahead = {}, {}, 0, 0, {}
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]`` (fresh pages, bytes copied)."""

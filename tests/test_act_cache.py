@@ -191,6 +191,22 @@ def test_triton_backend_act_path_matches_dynamic_cache(spec, monkeypatch):
     assert torch.equal(_generate(model, ids, mask, lean(model, spec), new=5), ref)
 
 
+def test_rope_tables_are_shared_only_between_layers_of_one_rotary_table():
+    """A step computes one RoPE table per distinct rotary table of the cached layers: Gemma3's
+    cached (full-attention) layers share the global one; layers of different tables get their own."""
+    import dataclasses
+
+    from leankit.act_store import _same_rope
+
+    model = model_of("gemma3", 1, num_hidden_layers=4,
+                     layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"])
+    store = lean(model, "FP16:act=0.5").act_store
+    assert len(store.params) == 3 and store._rope_of == [0, 0, 0]
+    local = dataclasses.replace(store.params[1], inv_freq=store.params[1].inv_freq * 10)
+    assert not _same_rope(store.params[0], local) and _same_rope(store.params[0], store.params[2])
+    assert not _same_rope(store.params[0], dataclasses.replace(local, inv_freq=None))
+
+
 @pytest.mark.parametrize("kind", ["gemma3", "qwen2-mixed"])
 def test_triton_backend_act_path_between_sliding_layers(kind, monkeypatch):
     """The kernel with Gemma's norms (fp32 ``1 + w`` weights, k_norm), and the store indexed by
