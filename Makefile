@@ -59,7 +59,8 @@ FLOOR_TRITON ?= 3.6.0
 TRITON_FLOOR_VENV ?= .venv-triton-floor
 TRITON_FLOOR_TESTS ?= tests/test_kernel_paged_attention.py tests/test_kernel_prefill.py tests/test_kernel_codes_ptx.py \
     tests/test_kernel_own_token.py tests/test_kernel_quant.py tests/test_kernel_page_alloc.py tests/test_kernel_step_rows.py \
-    tests/test_kernel_prompt_significance.py tests/test_kernel_prompt_plan.py
+    tests/test_kernel_prompt_significance.py tests/test_kernel_prompt_plan.py tests/test_kernel_act_to_kv.py \
+    tests/test_kernel_e2e.py
 test-triton-floor: $(VENV)/.installed
 	$(call overlay-venv,$(TRITON_FLOOR_VENV))
 	$(TRITON_FLOOR_VENV)/bin/python -m pip install -q --no-deps triton==$(FLOOR_TRITON)
