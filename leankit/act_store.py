@@ -188,11 +188,12 @@ def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: tor
 
 
 # ============================================================================ the store
-def _same_rope(a, b) -> bool:
-    """Whether two layers' :class:`~leankit.recompute.ActToKVParams` rotate with the same table."""
-    if a.inv_freq is None or b.inv_freq is None:
-        return a.inv_freq is None and b.inv_freq is None
-    return a.rope_scaling == b.rope_scaling and torch.equal(a.inv_freq, b.inv_freq)
+def rope_groups(params: list) -> list[int]:
+    """For each layer's :class:`~leankit.recompute.ActToKVParams`, the index of the first layer
+    that rotates with the same table (frequencies and scaling; layers without RoPE form one group).
+    Each layer's frequencies are read to the host once, when the store is built."""
+    keys = [None if p.inv_freq is None else (p.rope_scaling, tuple(p.inv_freq.tolist())) for p in params]
+    return [keys.index(k) for k in keys]
 
 
 def token_bytes(cache, hidden: int) -> dict:
@@ -239,7 +240,7 @@ class ActStore:
         # RoPE tables of this step's earlier ACT keys, one per distinct rotary table (every cached
         # layer of the supported models shares one; Gemma3's sliding layers, which differ, are not cached)
         self._rope: dict[int, tuple] = {}
-        self._rope_of = [next(j for j, q in enumerate(self.params) if _same_rope(p, q)) for p in self.params]
+        self._rope_group = rope_groups(self.params)
         self._ahead: dict[int, tuple] = {}  # layer -> K/V recomputed before its attention (offload)
 
     # -------------------------------------------------------------- bytes
@@ -338,7 +339,7 @@ class ActStore:
             # One table per step and rotary table: every layer holds the same earlier ACT tokens at the same positions
             # (each layer reads them before it stores the step's own). Comparing the positions
             # instead (torch.equal) would read the device back once per layer.
-            group = self._rope_of[layer]
+            group = self._rope_group[layer]
             if group not in self._rope:
                 self._rope[group] = rope_tables(params, flat_pos, act.dtype)
             rope = self._rope[group]

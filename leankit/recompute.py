@@ -101,6 +101,11 @@ class ActToKVParams:
         """Channels RoPE rotates (the first ``rotary_dim`` of each head; 0 without RoPE)."""
         return 0 if self.inv_freq is None else 2 * self.inv_freq.shape[0]
 
+    @property
+    def rotates_whole_head(self) -> bool:
+        """RoPE over every channel of the head, or none: what the act_to_kv kernel computes."""
+        return self.rotary_dim in (0, self.head_dim)
+
 
 # ---------------------------------------------------------------------------- extraction
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -299,7 +304,7 @@ def act_to_kv(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKV
         from leankit_kernels.act_to_kv import act_kernel_tiles
         from leankit_kernels.act_to_kv import act_to_kv as kernel
 
-        if act_kernel_tiles(params.head_dim) and params.rotary_dim in (0, params.head_dim):
+        if act_kernel_tiles(params.head_dim) and params.rotates_whole_head:
             return kernel(act, positions, params, rope=rope)
     return act_to_kv_ref(act, positions, params, rope=rope)
 

@@ -196,15 +196,17 @@ def test_rope_tables_are_shared_only_between_layers_of_one_rotary_table():
     cached (full-attention) layers share the global one; layers of different tables get their own."""
     import dataclasses
 
-    from leankit.act_store import _same_rope
+    from leankit.act_store import rope_groups
 
     model = model_of("gemma3", 1, num_hidden_layers=4,
                      layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"])
     store = lean(model, "FP16:act=0.5").act_store
-    assert len(store.params) == 3 and store._rope_of == [0, 0, 0]
+    assert len(store.params) == 3 and store._rope_group == [0, 0, 0]
     local = dataclasses.replace(store.params[1], inv_freq=store.params[1].inv_freq * 10)
-    assert not _same_rope(store.params[0], local) and _same_rope(store.params[0], store.params[2])
-    assert not _same_rope(store.params[0], dataclasses.replace(local, inv_freq=None))
+    p0, p2 = store.params[0], store.params[2]
+    assert rope_groups([p0, local, p2]) == [0, 1, 0]
+    assert rope_groups([p0, dataclasses.replace(local, inv_freq=None), local]) == [0, 1, 2]
+    assert rope_groups([p0, dataclasses.replace(p2, rope_scaling=2.0)]) == [0, 1]
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "qwen2-mixed"])

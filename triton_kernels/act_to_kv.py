@@ -193,7 +193,7 @@ def act_to_kv(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKV
     """
     check_act(act, positions, params)
     check_act_head_dim(params.head_dim)
-    if params.rotary_dim not in (0, params.head_dim):
+    if not params.rotates_whole_head:
         raise ValueError(f"the act_to_kv kernel rotates whole heads; this layer rotates {params.rotary_dim} of "
                          f"{params.head_dim} channels (leankit.recompute.act_to_kv takes the reference for it)")
     dev = act.device
