@@ -7,6 +7,7 @@ caller masks later. ``tests/test_decode_attention.py`` checks the whole live-pag
 and without these kernels against the padded-tile reference.
 """
 
+import platform
 import warnings
 from pathlib import Path
 
@@ -118,18 +119,25 @@ DENSE_SHAPES = [(32, 64, 64, 3), (16, 40, 40, 1), (17, 24, 24, 5), (32, 72, 72, 
                 (17, 256, 256, 7), (32, 64, 64, 40)]
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+# Builds beside leankit's own: the architecture's baseline (no ``-march``: no F16C, FMA or AVX),
+# whose portable code paths a CPU without those features runs; and on x86-64, AVX2 and FMA
+# without AVX-512, whose vector paths differ from both (an AVX-512 machine builds neither).
+OTHER_BUILDS = {"portable": [], "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+@pytest.fixture(scope="module", params=["native", *OTHER_BUILDS])
 def build(request, tmp_path_factory):
-    """The kernels as leankit builds them here (``-march=native``), and a build for the baseline
-    of the architecture (no ``-march``: no F16C, FMA or AVX), whose portable code paths a CPU
-    without those features runs."""
+    """The kernels as leankit builds them here (``-march=native``), or one of :data:`OTHER_BUILDS`."""
     if kernels is None:
         pytest.skip("no C compiler for leankit.native")
     if request.param == "native":
         return kernels
+    if request.param == "avx2" and not (platform.machine() in ("x86_64", "AMD64")
+                                        and {"avx2", "fma", "f16c"} <= set(native._cpu_features().split())):
+        pytest.skip("this CPU cannot run an AVX2 + FMA + F16C build")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LEANKIT_CACHE_DIR", str(tmp_path_factory.mktemp("portable")))
-        mp.setattr(native, "ARCH_FLAGS", [])
+        mp.setenv("LEANKIT_CACHE_DIR", str(tmp_path_factory.mktemp(request.param)))
+        mp.setattr(native, "ARCH_FLAGS", OTHER_BUILDS[request.param])
         return native.Kernels(native._build(native._compiler()))
 
 

@@ -30,7 +30,10 @@
  * the next page's segments while it computes this one (the misses were about half the time);
  * codes unpack into plane order (below) so every unpack loop vectorizes; pass 1 dequantizes a block
  * of keys before it dots the query rows with them (score_page); and the common geometries get
- * copies of the page loops with head_dim, bits and group size fixed at compile time. In a real
+ * copies of the page loops with head_dim, bits and group size fixed at compile time. Where the
+ * build targets AVX-512 (or AVX2), a few loops the compiler left slow are written in vector
+ * intrinsics, each beside the plain C it replaces on other CPUs: the key block's dot products
+ * (block_dot), the masks and row maxima (mask_row) and the code unpack (dequantize_token). In a real
  * decode step a layer's pages come from DRAM, where both passes run 2-4x slower than on pages in
  * cache (bench/native_passes.py, --cold against the default).
  *
@@ -44,6 +47,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h> /* the vector paths below; every one has a plain C twin */
+#endif
 
 #include "errors.h"
 #include "fp16.h"
@@ -186,6 +192,28 @@ ALWAYS_INLINE void dequantize_token(const uint8_t *restrict codes, const uint8_t
         return;
     }
     const int per_byte = 8 / bits, group_bytes = group_size / per_byte, mask = (1 << bits) - 1;
+#if defined(__AVX512F__)
+    /* The same planes in 16-lane vectors, one code byte widened per lane: inlined into the page
+     * loops, the plain loops below compiled to half-width vectors with extra widening steps (8-bit
+     * codes) or a plane loop that was not unrolled (4-bit). Groups of 8 code bytes (2-bit codes in
+     * groups of 32) keep the plain loops, which measured faster there than a half-width version. */
+    if (group_bytes % 16 == 0) {
+        const __m512i vmask = _mm512_set1_epi32(mask);
+        for (int g = 0; g < dim / group_size; ++g) {
+            const __m512 vs = _mm512_set1_ps(half_at(meta + 4 * g)), vm = _mm512_set1_ps(half_at(meta + 4 * g + 2));
+            const uint8_t *restrict src = codes + g * group_bytes;
+            float *restrict o = out + g * group_size;
+            for (int j = 0; j < group_bytes; j += 16) {
+                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
+                for (int i = 0; i < per_byte; ++i) {
+                    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(i * bits)), vmask);
+                    _mm512_storeu_ps(o + i * group_bytes + j, _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(q), vm));
+                }
+            }
+        }
+        return;
+    }
+#endif
     for (int g = 0; g < dim / group_size; ++g) {
         const float s = half_at(meta + 4 * g), m = half_at(meta + 4 * g + 2);
         const uint8_t *restrict src = codes + g * group_bytes;
@@ -201,6 +229,82 @@ ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int n)
     for (int c = 0; c < n; ++c) s += a[c] * b[c];
     return s;
 }
+
+/* out[t] = q . keys[t] for the n <= TOKEN_BLOCK keys of a block (rows of D floats).
+ *
+ * A dot product on its own ends in a horizontal sum of its vector accumulator: 8 shuffles and
+ * adds per key and query row at 16 lanes, about as many instructions as its D / 16 FMAs at
+ * head_dim 64. With vector instructions available, a block instead keeps one accumulator per key
+ * and sums all of them at once in a transposing tree (unpack, then in-lane, then cross-lane
+ * shuffles, each level halving the vectors), which leaves lane t holding key t's sum: 45 shuffles
+ * and adds per 16 keys (21 per 8 with AVX2). Lanes past n read the block's earlier rows (zeroed
+ * when the block was allocated, so always finite data) and are never stored. */
+#if defined(__AVX512F__)
+#define BLOCK_DOT 16 /* keys per tree: one zmm of sums */
+ALWAYS_INLINE int block_dot_fits(int D) { return D % 16 == 0; }
+ALWAYS_INLINE __m512 unpack_pair_sum(__m512 a, __m512 b) { /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+ALWAYS_INLINE __m512 in_lane_sum(__m512 ab, __m512 cd) { /* per 128-bit lane: the four keys' partial sums */
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+ALWAYS_INLINE __m512 cross_lane_sum(__m512 a, __m512 b) { /* 128-bit lanes: a0+a1, a2+a3, b0+b1, b2+b3 */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
+    __m512 acc[16];
+    const __m512 q0 = _mm512_loadu_ps(q);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_mul_ps(q0, _mm512_loadu_ps(keys + t * D));
+    for (int c = 16; c < D; c += 16) {
+        const __m512 qc = _mm512_loadu_ps(q + c);
+        for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys + t * D + c), acc[t]);
+    }
+    __m512 pair[8], quad[4];
+    for (int i = 0; i < 8; ++i) pair[i] = unpack_pair_sum(acc[2 * i], acc[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) quad[i] = in_lane_sum(pair[2 * i], pair[2 * i + 1]);
+    const __m512 sums = cross_lane_sum(cross_lane_sum(quad[0], quad[1]), cross_lane_sum(quad[2], quad[3]));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1u), sums);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BLOCK_DOT 8 /* keys per tree: one ymm of sums */
+ALWAYS_INLINE int block_dot_fits(int D) { return D % 8 == 0; }
+ALWAYS_INLINE void block_dot8(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
+    __m256 acc[8];
+    const __m256 q0 = _mm256_loadu_ps(q);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(keys + t * D));
+    for (int c = 8; c < D; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + c);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + t * D + c), acc[t]);
+    }
+    __m256 pair[4], quad[2];
+    for (int i = 0; i < 4; ++i)
+        pair[i] = _mm256_add_ps(_mm256_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                                _mm256_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+        quad[i] = _mm256_add_ps(_mm256_shuffle_ps(pair[2 * i], pair[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm256_shuffle_ps(pair[2 * i], pair[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(quad[0], quad[1], 0x20),
+                                      _mm256_permute2f128_ps(quad[0], quad[1], 0x31));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sums);
+    for (int t = 0; t < n; ++t) out[t] = lanes[t];
+}
+ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
+    block_dot8(q, keys, n < 8 ? n : 8, D, out);
+    if (n > 8) block_dot8(q, keys + 8 * D, n - 8, D, out + 8);
+}
+#else
+#define BLOCK_DOT 0
+ALWAYS_INLINE int block_dot_fits(int D) { (void)D; return 0; }
+ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
+    for (int t = 0; t < n; ++t) out[t] = dot(q, keys + t * D, D);
+}
+#endif
+#if BLOCK_DOT > TOKEN_BLOCK
+#error "block_dot reads BLOCK_DOT rows of a key block: TOKEN_BLOCK must hold them"
+#endif
 
 /* The live pages of one tier. For each (sequence, head) h in order, its n_pages[h] pages by rank
  * j: head[l] = h, rank[l] = j, page_id[l] = table[h * row_len + first_col + col_step * j] (high
@@ -255,6 +359,39 @@ ALWAYS_INLINE int32_t slot_position(const uint8_t *restrict pos_seg, int t, int 
     return pos;
 }
 
+/* One query row's scores over a page, masked: o[t] becomes -inf where slot t holds no token (t >=
+ * live) or a token after the row's query position qr. Returns the larger of `most` and the row's
+ * largest visible score (a NaN score never raises it). With AVX-512 a vector of slots is tested
+ * and maximized at once, dead slots' positions masked off the load; the scalar loop's maximum is
+ * one dependent compare per slot (about a sixth of pass 1 on 28-slot pages). */
+ALWAYS_INLINE float mask_row(float *restrict o, const uint8_t *restrict pos_seg, int tokens, int live, int32_t qr,
+                             float most) {
+#if defined(__AVX512F__)
+    const __m512 hidden = _mm512_set1_ps(-INFINITY);
+    const __m512i query = _mm512_set1_epi32(qr);
+    __m512 top = hidden;
+    for (int t = 0; t < tokens; t += 16) {
+        const int n = tokens - t < 16 ? tokens - t : 16, alive = live - t < n ? live - t : n;
+        const __mmask16 slots = (__mmask16)((1u << n) - 1u);
+        const __mmask16 held = alive <= 0 ? 0 : (__mmask16)((1u << alive) - 1u);
+        const __m512i pos = _mm512_maskz_loadu_epi32(held, pos_seg + 4 * (int64_t)t);
+        const __mmask16 seen = _mm512_mask_cmple_epi32_mask(held, pos, query);
+        const __m512 s = _mm512_mask_loadu_ps(hidden, seen, o + t);
+        _mm512_mask_storeu_ps(o + t, slots, s);
+        top = _mm512_max_ps(s, top); /* MAXPS returns its second operand when the first is NaN */
+    }
+    const float row_top = _mm512_reduce_max_ps(top);
+    return row_top > most ? row_top : most;
+#else
+    for (int t = 0; t < tokens; ++t) {
+        const float s = slot_position(pos_seg, t, live) <= qr ? o[t] : -INFINITY;
+        o[t] = s;
+        most = s > most ? s : most;
+    }
+    return most;
+#endif
+}
+
 /* Pass 1 over one page (l) of head h: see lk_live_scores. D, B and G are the tier's head_dim, code
  * width and group size, passed as constants by the specialized copies below.
  *
@@ -286,20 +423,13 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
         for (int r = 0; r < rows; ++r) {
             const float *restrict q = qh + r * D;
             float *restrict o = ol + r * tokens + t0;
-            for (int t = 0; t < n; ++t) o[t] = dot(q, keys + t * D, D);
+            if (block_dot_fits(D) && n >= BLOCK_DOT / 2) /* a tree for a few keys costs more than their sums */
+                block_dot(q, keys, n, D, o);
+            else
+                for (int t = 0; t < n; ++t) o[t] = dot(q, keys + t * D, D);
         }
     }
-    for (int r = 0; r < rows; ++r) { /* masks, then the rows' maxima after the page */
-        float *restrict o = ol + r * tokens;
-        const int32_t qr = qp[r];
-        float most = mh[r];
-        for (int t = 0; t < tokens; ++t) {
-            const float s = slot_position(pos_seg, t, live) <= qr ? o[t] : -INFINITY;
-            o[t] = s;
-            most = s > most ? s : most;
-        }
-        mh[r] = most;
-    }
+    for (int r = 0; r < rows; ++r) mh[r] = mask_row(ol + r * tokens, pos_seg, tokens, live, qp[r], mh[r]);
 }
 
 /* Pass 2 over one page's live tokens: acc[r] += p[r, t] * value(t) for the slots some row weighs. */
@@ -405,6 +535,7 @@ int lk_live_scores(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
         const int tid = THREAD_ID, nth = THREAD_COUNT;
         const int64_t l0 = run_start(head, n_pages, tid, nth), l1 = run_start(head, n_pages, tid + 1, nth);
         failed = key == NULL;
+        if (key) memset(key, 0, sizeof(float) * (size_t)dim * TOKEN_BLOCK); /* block_dot reads whole blocks */
         float *restrict q_planes = failed ? NULL : key + (size_t)dim * TOKEN_BLOCK;
         int64_t prev = -1;
         for (int64_t l = failed ? l1 : l0; l < l1; ++l) {
