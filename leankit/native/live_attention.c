@@ -31,7 +31,7 @@
  * codes unpack into plane order (below) so every unpack loop vectorizes; pass 1 dequantizes a block
  * of keys before it dots the query rows with them (score_page); and the common geometries get
  * copies of the page loops with head_dim, bits and group size fixed at compile time. Where the
- * build targets AVX-512 (or AVX2), a few loops the compiler left slow are written in vector
+ * build targets AVX-512 or AVX2, a few loops the compiler left slow are written in vector
  * intrinsics, each beside the plain C it replaces on other CPUs: the key block's dot products
  * (block_dot), the masks and row maxima (mask_row) and the code unpack (dequantize_token). In a real
  * decode step a layer's pages come from DRAM, where both passes run 2-4x slower than on pages in
@@ -213,6 +213,23 @@ ALWAYS_INLINE void dequantize_token(const uint8_t *restrict codes, const uint8_t
         }
         return;
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (group_bytes % 8 == 0) { /* 8 lanes: AVX2 builds, as the 16-lane loop above */
+        const __m256i vmask = _mm256_set1_epi32(mask);
+        for (int g = 0; g < dim / group_size; ++g) {
+            const __m256 vs = _mm256_set1_ps(half_at(meta + 4 * g)), vm = _mm256_set1_ps(half_at(meta + 4 * g + 2));
+            const uint8_t *restrict src = codes + g * group_bytes;
+            float *restrict o = out + g * group_size;
+            for (int j = 0; j < group_bytes; j += 8) {
+                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + j)));
+                for (int i = 0; i < per_byte; ++i) {
+                    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(bytes, i * bits), vmask);
+                    _mm256_storeu_ps(o + i * group_bytes + j, _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(q), vm));
+                }
+            }
+        }
+        return;
+    }
 #endif
     for (int g = 0; g < dim / group_size; ++g) {
         const float s = half_at(meta + 4 * g), m = half_at(meta + 4 * g + 2);
@@ -361,7 +378,7 @@ ALWAYS_INLINE int32_t slot_position(const uint8_t *restrict pos_seg, int t, int 
 
 /* One query row's scores over a page, masked: o[t] becomes -inf where slot t holds no token (t >=
  * live) or a token after the row's query position qr. Returns the larger of `most` and the row's
- * largest visible score (a NaN score never raises it). With AVX-512 a vector of slots is tested
+ * largest visible score (a NaN score never raises it). With AVX-512 or AVX2 a vector of slots is tested
  * and maximized at once, dead slots' positions masked off the load; the scalar loop's maximum is
  * one dependent compare per slot (about a sixth of pass 1 on 28-slot pages). */
 ALWAYS_INLINE float mask_row(float *restrict o, const uint8_t *restrict pos_seg, int tokens, int live, int32_t qr,
@@ -381,6 +398,24 @@ ALWAYS_INLINE float mask_row(float *restrict o, const uint8_t *restrict pos_seg,
         top = _mm512_max_ps(s, top); /* MAXPS returns its second operand when the first is NaN */
     }
     const float row_top = _mm512_reduce_max_ps(top);
+    return row_top > most ? row_top : most;
+#elif defined(__AVX2__)
+    const __m256 hidden = _mm256_set1_ps(-INFINITY);
+    const __m256i query = _mm256_set1_epi32(qr), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 top = hidden;
+    for (int t = 0; t < tokens; t += 8) {
+        const int n = tokens - t < 8 ? tokens - t : 8, alive = live - t < n ? live - t : n;
+        const __m256i slots = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+        const __m256i held = _mm256_cmpgt_epi32(_mm256_set1_epi32(alive), lane); /* none when alive <= 0 */
+        const __m256i pos = _mm256_maskload_epi32((const int *)(pos_seg + 4 * (int64_t)t), held);
+        const __m256 seen = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(pos, query), held));
+        const __m256 s = _mm256_blendv_ps(hidden, _mm256_maskload_ps(o + t, _mm256_castps_si256(seen)), seen);
+        _mm256_maskstore_ps(o + t, slots, s);
+        top = _mm256_max_ps(s, top); /* MAXPS returns its second operand when the first is NaN */
+    }
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    const float row_top = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
     return row_top > most ? row_top : most;
 #else
     for (int t = 0; t < tokens; ++t) {
