@@ -50,6 +50,36 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h> /* the vector paths below; every one has a plain C twin */
 #endif
+/* One float vector of the vector paths: 16 lanes on AVX-512, 8 on AVX2 (with FMA). */
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 lanes_f;
+typedef __m512i lanes_i;
+#define lanes_set1_ps _mm512_set1_ps
+#define lanes_set1_epi32 _mm512_set1_epi32
+#define lanes_widen_bytes(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define lanes_and _mm512_and_si512
+#define lanes_srli(x, n) _mm512_srli_epi32((x), (unsigned)(n))
+#define lanes_cvt_ps _mm512_cvtepi32_ps
+#define lanes_fmadd_ps _mm512_fmadd_ps
+#define lanes_mul_ps _mm512_mul_ps
+#define lanes_loadu_ps _mm512_loadu_ps
+#define lanes_storeu_ps _mm512_storeu_ps
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+typedef __m256 lanes_f;
+typedef __m256i lanes_i;
+#define lanes_set1_ps _mm256_set1_ps
+#define lanes_set1_epi32 _mm256_set1_epi32
+#define lanes_widen_bytes(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define lanes_and _mm256_and_si256
+#define lanes_srli(x, n) _mm256_srli_epi32((x), (int)(n))
+#define lanes_cvt_ps _mm256_cvtepi32_ps
+#define lanes_fmadd_ps _mm256_fmadd_ps
+#define lanes_mul_ps _mm256_mul_ps
+#define lanes_loadu_ps _mm256_loadu_ps
+#define lanes_storeu_ps _mm256_storeu_ps
+#endif
 
 #include "errors.h"
 #include "fp16.h"
@@ -192,39 +222,23 @@ ALWAYS_INLINE void dequantize_token(const uint8_t *restrict codes, const uint8_t
         return;
     }
     const int per_byte = 8 / bits, group_bytes = group_size / per_byte, mask = (1 << bits) - 1;
-#if defined(__AVX512F__)
-    /* The same planes in 16-lane vectors, one code byte widened per lane: inlined into the page
-     * loops, the plain loops below compiled to half-width vectors with extra widening steps (8-bit
-     * codes) or a plane loop that was not unrolled (4-bit). Groups of 8 code bytes (2-bit codes in
-     * groups of 32) keep the plain loops, which measured faster there than a half-width version. */
-    if (group_bytes % 16 == 0) {
-        const __m512i vmask = _mm512_set1_epi32(mask);
+#ifdef LANES
+    /* The same planes in vectors of LANES codes, one code byte widened per lane: inlined into
+     * the page loops, the plain loops below compiled to half-width vectors with extra widening
+     * steps (8-bit codes) or a plane loop that was not unrolled (4-bit). On AVX-512, groups of 8
+     * code bytes (2-bit codes in groups of 32) keep the plain loops, which measured faster there
+     * than a half-width version. */
+    if (group_bytes % LANES == 0) {
+        const lanes_i vmask = lanes_set1_epi32(mask);
         for (int g = 0; g < dim / group_size; ++g) {
-            const __m512 vs = _mm512_set1_ps(half_at(meta + 4 * g)), vm = _mm512_set1_ps(half_at(meta + 4 * g + 2));
+            const lanes_f vs = lanes_set1_ps(half_at(meta + 4 * g)), vm = lanes_set1_ps(half_at(meta + 4 * g + 2));
             const uint8_t *restrict src = codes + g * group_bytes;
             float *restrict o = out + g * group_size;
-            for (int j = 0; j < group_bytes; j += 16) {
-                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
+            for (int j = 0; j < group_bytes; j += LANES) {
+                const lanes_i bytes = lanes_widen_bytes(src + j);
                 for (int i = 0; i < per_byte; ++i) {
-                    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(bytes, (unsigned)(i * bits)), vmask);
-                    _mm512_storeu_ps(o + i * group_bytes + j, _mm512_fmadd_ps(vs, _mm512_cvtepi32_ps(q), vm));
-                }
-            }
-        }
-        return;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (group_bytes % 8 == 0) { /* 8 lanes: AVX2 builds, as the 16-lane loop above */
-        const __m256i vmask = _mm256_set1_epi32(mask);
-        for (int g = 0; g < dim / group_size; ++g) {
-            const __m256 vs = _mm256_set1_ps(half_at(meta + 4 * g)), vm = _mm256_set1_ps(half_at(meta + 4 * g + 2));
-            const uint8_t *restrict src = codes + g * group_bytes;
-            float *restrict o = out + g * group_size;
-            for (int j = 0; j < group_bytes; j += 8) {
-                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + j)));
-                for (int i = 0; i < per_byte; ++i) {
-                    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(bytes, i * bits), vmask);
-                    _mm256_storeu_ps(o + i * group_bytes + j, _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(q), vm));
+                    const lanes_i q = lanes_and(lanes_srli(bytes, i * bits), vmask);
+                    lanes_storeu_ps(o + i * group_bytes + j, lanes_fmadd_ps(vs, lanes_cvt_ps(q), vm));
                 }
             }
         }
@@ -256,6 +270,18 @@ ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int n)
  * shuffles, each level halving the vectors), which leaves lane t holding key t's sum: 45 shuffles
  * and adds per 16 keys (21 per 8 with AVX2). Lanes past n read the block's earlier rows (zeroed
  * when the block was allocated, so always finite data) and are never stored. */
+#ifdef LANES
+/* acc[t] = the lane-wise products of q and keys[t], summed over head_dim's vectors, for LANES keys:
+ * what one shuffle tree then sums across its lanes. */
+ALWAYS_INLINE void lane_products(const float *restrict q, const float *restrict keys, int D, lanes_f *restrict acc) {
+    const lanes_f q0 = lanes_loadu_ps(q);
+    for (int t = 0; t < LANES; ++t) acc[t] = lanes_mul_ps(q0, lanes_loadu_ps(keys + t * D));
+    for (int c = LANES; c < D; c += LANES) {
+        const lanes_f qc = lanes_loadu_ps(q + c);
+        for (int t = 0; t < LANES; ++t) acc[t] = lanes_fmadd_ps(qc, lanes_loadu_ps(keys + t * D + c), acc[t]);
+    }
+}
+#endif
 #if defined(__AVX512F__)
 #define BLOCK_DOT 16 /* keys per tree: one zmm of sums */
 ALWAYS_INLINE int block_dot_fits(int D) { return D % 16 == 0; }
@@ -272,12 +298,7 @@ ALWAYS_INLINE __m512 cross_lane_sum(__m512 a, __m512 b) { /* 128-bit lanes: a0+a
 }
 ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
     __m512 acc[16];
-    const __m512 q0 = _mm512_loadu_ps(q);
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_mul_ps(q0, _mm512_loadu_ps(keys + t * D));
-    for (int c = 16; c < D; c += 16) {
-        const __m512 qc = _mm512_loadu_ps(q + c);
-        for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys + t * D + c), acc[t]);
-    }
+    lane_products(q, keys, D, acc);
     __m512 pair[8], quad[4];
     for (int i = 0; i < 8; ++i) pair[i] = unpack_pair_sum(acc[2 * i], acc[2 * i + 1]);
     for (int i = 0; i < 4; ++i) quad[i] = in_lane_sum(pair[2 * i], pair[2 * i + 1]);
@@ -289,12 +310,7 @@ ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys
 ALWAYS_INLINE int block_dot_fits(int D) { return D % 8 == 0; }
 ALWAYS_INLINE void block_dot8(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
     __m256 acc[8];
-    const __m256 q0 = _mm256_loadu_ps(q);
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_mul_ps(q0, _mm256_loadu_ps(keys + t * D));
-    for (int c = 8; c < D; c += 8) {
-        const __m256 qc = _mm256_loadu_ps(q + c);
-        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + t * D + c), acc[t]);
-    }
+    lane_products(q, keys, D, acc);
     __m256 pair[4], quad[2];
     for (int i = 0; i < 4; ++i)
         pair[i] = _mm256_add_ps(_mm256_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
