@@ -261,15 +261,6 @@ ALWAYS_INLINE float dot(const float *restrict a, const float *restrict b, int n)
     return s;
 }
 
-/* out[t] = q . keys[t] for the n <= TOKEN_BLOCK keys of a block (rows of D floats).
- *
- * A dot product on its own ends in a horizontal sum of its vector accumulator: 8 shuffles and
- * adds per key and query row at 16 lanes, about as many instructions as its D / 16 FMAs at
- * head_dim 64. With vector instructions available, a block instead keeps one accumulator per key
- * and sums all of them at once in a transposing tree (unpack, then in-lane, then cross-lane
- * shuffles, each level halving the vectors), which leaves lane t holding key t's sum: 45 shuffles
- * and adds per 16 keys (21 per 8 with AVX2). Lanes past n read the block's earlier rows (zeroed
- * when the block was allocated, so always finite data) and are never stored. */
 #ifdef LANES
 /* acc[t] = the lane-wise products of q and keys[t], summed over head_dim's vectors, for LANES keys:
  * what one shuffle tree then sums across its lanes. */
@@ -282,9 +273,9 @@ ALWAYS_INLINE void lane_products(const float *restrict q, const float *restrict 
     }
 }
 #endif
+/* tree_dot: out[t] = q . keys[t] for the n keys of a 16-key block, by transposing shuffle trees
+ * (see block_dot). It reads all 16 rows of the block whatever n is (AVX2: 8 rows, 16 when n > 8). */
 #if defined(__AVX512F__)
-#define BLOCK_DOT 16 /* keys per tree: one zmm of sums */
-ALWAYS_INLINE int block_dot_fits(int D) { return D % 16 == 0; }
 ALWAYS_INLINE __m512 unpack_pair_sum(__m512 a, __m512 b) { /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
     return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
 }
@@ -296,7 +287,7 @@ ALWAYS_INLINE __m512 cross_lane_sum(__m512 a, __m512 b) { /* 128-bit lanes: a0+a
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
-ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
+ALWAYS_INLINE void tree_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
     __m512 acc[16];
     lane_products(q, keys, D, acc);
     __m512 pair[8], quad[4];
@@ -305,10 +296,8 @@ ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys
     const __m512 sums = cross_lane_sum(cross_lane_sum(quad[0], quad[1]), cross_lane_sum(quad[2], quad[3]));
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1u), sums);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define BLOCK_DOT 8 /* keys per tree: one ymm of sums */
-ALWAYS_INLINE int block_dot_fits(int D) { return D % 8 == 0; }
-ALWAYS_INLINE void block_dot8(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
+#elif defined(LANES) /* AVX2 with FMA: two trees of 8 keys */
+ALWAYS_INLINE void tree_dot8(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
     __m256 acc[8];
     lane_products(q, keys, D, acc);
     __m256 pair[4], quad[2];
@@ -324,20 +313,34 @@ ALWAYS_INLINE void block_dot8(const float *restrict q, const float *restrict key
     _mm256_storeu_ps(lanes, sums);
     for (int t = 0; t < n; ++t) out[t] = lanes[t];
 }
-ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
-    block_dot8(q, keys, n < 8 ? n : 8, D, out);
-    if (n > 8) block_dot8(q, keys + 8 * D, n - 8, D, out + 8);
+ALWAYS_INLINE void tree_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
+    tree_dot8(q, keys, n < 8 ? n : 8, D, out);
+    if (n > 8) tree_dot8(q, keys + 8 * D, n - 8, D, out + 8);
 }
-#else
-#define BLOCK_DOT 0
-ALWAYS_INLINE int block_dot_fits(int D) { (void)D; return 0; }
+#endif
+#if defined(LANES) && TOKEN_BLOCK != 16
+#error "tree_dot sums blocks of 16 keys: TOKEN_BLOCK must be 16"
+#endif
+
+/* out[t] = q . keys[t] for the n <= TOKEN_BLOCK keys of a block (rows of D floats).
+ *
+ * A dot product on its own ends in a horizontal sum of its vector accumulator: 8 shuffles and
+ * adds per key and query row at 16 lanes, about as many instructions as its D / 16 FMAs at
+ * head_dim 64. With vector instructions available, a block instead keeps one accumulator per key
+ * and sums all of them at once in a transposing tree (unpack, then in-lane, then cross-lane
+ * shuffles, each level halving the vectors), which leaves lane t holding key t's sum: 45 shuffles
+ * and adds per 16 keys (21 per 8 with AVX2). Lanes past n read the block's earlier rows (zeroed
+ * when the block was allocated, so always finite data) and are never stored. A tree for fewer
+ * than LANES / 2 keys costs more than their own sums, so they keep those. */
 ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
+#ifdef LANES
+    if (D % LANES == 0 && n >= LANES / 2) {
+        tree_dot(q, keys, n, D, out);
+        return;
+    }
+#endif
     for (int t = 0; t < n; ++t) out[t] = dot(q, keys + t * D, D);
 }
-#endif
-#if BLOCK_DOT > TOKEN_BLOCK
-#error "block_dot reads BLOCK_DOT rows of a key block: TOKEN_BLOCK must hold them"
-#endif
 
 /* The live pages of one tier. For each (sequence, head) h in order, its n_pages[h] pages by rank
  * j: head[l] = h, rank[l] = j, page_id[l] = table[h * row_len + first_col + col_step * j] (high
@@ -474,10 +477,7 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
         for (int r = 0; r < rows; ++r) {
             const float *restrict q = qh + r * D;
             float *restrict o = ol + r * tokens + t0;
-            if (block_dot_fits(D) && n >= BLOCK_DOT / 2) /* a tree for a few keys costs more than their sums */
-                block_dot(q, keys, n, D, o);
-            else
-                for (int t = 0; t < n; ++t) o[t] = dot(q, keys + t * D, D);
+            block_dot(q, keys, n, D, o);
         }
     }
     for (int r = 0; r < rows; ++r) mh[r] = mask_row(ol + r * tokens, pos_seg, tokens, live, qp[r], mh[r]);
@@ -586,7 +586,7 @@ int lk_live_scores(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
         const int tid = THREAD_ID, nth = THREAD_COUNT;
         const int64_t l0 = run_start(head, n_pages, tid, nth), l1 = run_start(head, n_pages, tid + 1, nth);
         failed = key == NULL;
-        if (key) memset(key, 0, sizeof(float) * (size_t)dim * TOKEN_BLOCK); /* block_dot reads whole blocks */
+        if (key) memset(key, 0, sizeof(float) * (size_t)dim * TOKEN_BLOCK); /* tree_dot reads whole blocks */
         float *restrict q_planes = failed ? NULL : key + (size_t)dim * TOKEN_BLOCK;
         int64_t prev = -1;
         for (int64_t l = failed ? l1 : l0; l < l1; ++l) {
