@@ -1,5 +1,7 @@
 """The real SmolLM2-135M (GQA 9q/3kv, head_dim 64) through LeanCache. Marked slow."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -41,6 +43,31 @@ def test_fp16_identical_to_dynamic_cache_batched_and_alone(smollm2):
     for i, p in enumerate(PROMPTS):
         alone = _gen(model, tok, [p], lambda: LeanCache(model, "FP16"))
         assert torch.equal(alone[0], ref[i])
+
+
+def test_fp16_on_a_bf16_model_parts_from_dynamic_cache_only_at_a_tie(smollm2):
+    """On a 16-bit model FP16 keeps the model's K/V bits but sums attention in fp32, where SDPA
+    rounds its own way: logits stay within a few bf16 units of DynamicCache's, and greedy tokens
+    may part only where DynamicCache's top two logits are that close."""
+    model, tok = smollm2
+    model = copy.deepcopy(model).to(torch.bfloat16)  # the fixture's fp32 weights stay as they are
+    kw = {"do_sample": False, "max_new_tokens": 16, "pad_token_id": tok.pad_token_id, "eos_token_id": None,
+          "output_scores": True, "return_dict_in_generate": True}
+    for prompt in PROMPTS[:3]:
+        enc = tok([prompt], return_tensors="pt")
+        with torch.no_grad():
+            ref = model.generate(**enc, **cache_kwargs(model, DynamicCache(config=model.config)), **kw)
+            got = model.generate(**enc, **cache_kwargs(model, LeanCache(model, "FP16")), **kw)
+        n = enc.input_ids.shape[1]
+        for step, (a, b) in enumerate(zip(ref.scores, got.scores)):
+            a, b = a[0].float(), b[0].float()
+            gap = (a - b).abs().max().item()
+            # bf16 keeps 8 significant bits: a unit at logit size L is L / 128
+            assert gap <= 8 * a.abs().max().item() / 128, (prompt, step, gap)
+            if ref.sequences[0, n + step] != got.sequences[0, n + step]:
+                top2 = a.topk(2).values
+                assert (top2[0] - top2[1]).item() <= 2 * gap, (prompt, step, gap)
+                break
 
 
 @pytest.mark.parametrize("spec,bound", [("K8V4", 0.45), ("K4V2", 0.27)])
