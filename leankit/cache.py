@@ -36,13 +36,13 @@ from .attention import (
 )
 from .backend import use_triton
 from .config import KVConfig, fp16_token_bytes
+from .hf import SUPPORTED_MODEL_TYPES
 from .page_table import HIGH, LOW, BidirectionalPageTable
 from .pages import PageLayout, PagePool
 from .prompt_attention import prompt_attention
 from .quant import NonFiniteKVError, codes_per_byte, pad_repeating
 from .rotation import hadamard, rotate, unrotate
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
 # Layer types LeanCache serves: full attention is compressed into pages; sliding-window layers keep
 # transformers' own plain sliding-window cache layer (their window already bounds their memory).
 COMPRESSED, PLAIN = "full_attention", "sliding_attention"

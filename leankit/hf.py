@@ -26,6 +26,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_NAME = "leankit"
 _HOOKED = "_leankit_hooks"
+# transformers ``model_type``s whose attention leankit serves: LeanCache pages their K/V, and
+# leankit.recompute reproduces their K/V projection from a layer's input (ACT blocks).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
 
 
 # Set by the decoder's pre-hook for the forward it opens: whether it is a LeanCache step after the

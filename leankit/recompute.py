@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .hf import SUPPORTED_MODEL_TYPES
+
 NORMS = ("none", "rms", "layer")
 
 
@@ -119,7 +121,6 @@ def _decoder_layers(model):
     return base, layers
 
 
-_SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "opt")
 
 
 def _kv_weight(mtype: str, cfg, attn) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -175,8 +176,8 @@ def layer_params(model, layer_idx: int) -> ActToKVParams:
     """
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     mtype = getattr(cfg, "model_type", None)
-    if mtype not in _SUPPORTED:  # before any module is read
-        raise ValueError(f"act->kv recomputation supports {', '.join(_SUPPORTED)}; got {mtype!r}")
+    if mtype not in SUPPORTED_MODEL_TYPES:  # before any module is read
+        raise ValueError(f"act->kv recomputation supports {', '.join(SUPPORTED_MODEL_TYPES)}; got {mtype!r}")
     base, layers = _decoder_layers(model)
     if not 0 <= layer_idx < len(layers):
         raise ValueError(f"layer_idx {layer_idx} out of range for {len(layers)} layers")

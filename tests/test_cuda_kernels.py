@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from leankit_kernels.aot import ACT_MODELS
 
 from leankit.hf import cache_kwargs
 
@@ -129,25 +130,20 @@ def test_own_token_merge_real_sizes(b, hkv, g, f, dtype):
         testing.assert_close_normwise(got, ref, torch.float32, f"{what} (seed {seed})")
 
 
-# name: (hidden, KV heads, head_dim, input norm, bias, k_norm, RoPE, Gemma's fp32 (1 + w) norms)
-ACT_LAYERS = {"llama3-8b": (4096, 8, 128, "rms", False, False, True, False),
-              "qwen3-8b": (4096, 8, 128, "rms", False, True, True, False),
-              "opt-13b": (5120, 40, 128, "layer", True, False, False, False),
-              "smollm2": (576, 3, 64, "rms", False, False, True, False),
-              "gemma3-270m": (640, 1, 256, "rms", False, True, True, True)}
-
-
-@pytest.mark.parametrize("layer", list(ACT_LAYERS))
+@pytest.mark.parametrize("layer", list(ACT_MODELS))
 @pytest.mark.parametrize("n", [1, 37, 1000])
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_act_to_kv_real_sizes(layer, n, dtype):
     """The fused ACT->KV projection at real layer shapes against its torch reference, on the GPU."""
     from leankit_kernels import testing
-    from leankit_kernels.act_to_kv import act_to_kv
+    from leankit_kernels.act_to_kv import NORM_CODES, act_to_kv
 
     from leankit.recompute import ActToKVParams, act_to_kv_ref
 
-    d, h, f, norm, bias, k_norm, rope, gemma = ACT_LAYERS[layer]
+    # the layer shapes the AOT report compiles: (hidden, KV heads, head_dim, norm code, bias,
+    # k_norm, RoPE, Gemma's fp32 (1 + w) norms)
+    d, h, f, norm, bias, k_norm, rope, gemma = ACT_MODELS[layer]
+    norm = next(name for name, code in NORM_CODES.items() if code == norm)
     gen, seed = testing.fresh_generator()
 
     def r(*shape, scale=1.0, shift=0.0, fp32=False):

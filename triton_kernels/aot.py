@@ -276,8 +276,9 @@ def cases() -> list[Case]:
     return out
 
 
-# name -> (hidden, KV heads, head_dim, norm, bias, k_norm, rope) of real layer shapes
-# name: (hidden, kv heads, head_dim, NORM, bias, k_norm, RoPE, Gemma's fp32 norm weights)
+# Real layer shapes of the ACT->KV projection (also the CUDA test's sizes). name: (hidden, KV heads,
+# head_dim, NORM (act_to_kv.NORM_CODES: 1 rms, 2 layer), bias, k_norm, RoPE,
+# Gemma's fp32 (1 + w) norm weights)
 ACT_MODELS = {"llama3-8b": (4096, 8, 128, 1, False, False, True, False),
               "qwen3-8b": (4096, 8, 128, 1, False, True, True, False),
               "opt-13b": (5120, 40, 128, 2, True, False, False, False),
