@@ -110,6 +110,7 @@ def _scores_ref(pages, lens, q_pos, q, bits, group_size):
 
 SHAPES = [(8, 64, 64, 3), (8, 40, 8, 1), (4, 64, 32, 6), (4, 18, 2, 2), (2, 24, 4, 5), (2, 64, 16, 3),
           (1, 32, 8, 2), (1, 72, 24, 4), (2, 128, 64, 4),
+          (2, 64, 32, 3), (2, 128, 64, 2), (1, 64, 64, 1), (2, 256, 32, 3),  # 1-2 bits: AVX2 held sums
           (4, 64, 2, 40), (8, 256, 8, 64)]  # more rows x head_dim than the stack scratch: allocated
 # The geometries the C file compiles its own copies of the page loops for (head_dim, bits, group).
 SPECIALIZED = [(d, b, g) for d in (64, 128, 256) for b in (8, 4, 2) for g in (32, 64, 128, 256) if g <= d] + [
@@ -199,7 +200,7 @@ def test_live_values_match_softmax_weighted_dequantized_sum(build, bits, dim, gr
 # Pages of more slots than the kernels dequantize at once (TOKEN_BLOCK = 16 in live_attention.c):
 # a full block, and two blocks and a part, with the odd head_dims and row counts above.
 @pytest.mark.parametrize("tokens", [16, 37])
-@pytest.mark.parametrize("bits,dim,group_size,rows", [SHAPES[0], SHAPES[3], SHAPES[8], DENSE_SHAPES[2]],
+@pytest.mark.parametrize("bits,dim,group_size,rows", [SHAPES[0], SHAPES[3], SHAPES[8], SHAPES[9], DENSE_SHAPES[2]],
                          ids=lambda v: str(v))
 def test_pages_longer_than_a_token_block(build, bits, dim, group_size, rows, tokens):
     _check_scores(build, bits, dim, group_size, rows, tokens)
