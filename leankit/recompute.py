@@ -121,8 +121,6 @@ def _decoder_layers(model):
     return base, layers
 
 
-
-
 def _kv_weight(mtype: str, cfg, attn) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The stacked ``[Wk; Wv]`` (and ``[bk; bv]``) of one attention module, copied once."""
     if mtype == "phi3":  # one fused qkv_proj: rows [q | k | v]

@@ -110,7 +110,8 @@ def _scores_ref(pages, lens, q_pos, q, bits, group_size):
 
 SHAPES = [(8, 64, 64, 3), (8, 40, 8, 1), (4, 64, 32, 6), (4, 18, 2, 2), (2, 24, 4, 5), (2, 64, 16, 3),
           (1, 32, 8, 2), (1, 72, 24, 4), (2, 128, 64, 4),
-          (2, 64, 32, 3), (2, 128, 64, 2), (1, 64, 64, 1), (2, 256, 32, 3),  # 1-2 bits: AVX2 held sums
+          (2, 64, 32, 3), (2, 128, 64, 2), (2, 256, 32, 3),  # 2 bits: AVX2 held sums
+          (1, 64, 64, 1),  # 1 bit, whole vectors of codes: the run-time geometry copy, not held
           (4, 64, 2, 40), (8, 256, 8, 64)]  # more rows x head_dim than the stack scratch: allocated
 # The geometries the C file compiles its own copies of the page loops for (head_dim, bits, group).
 SPECIALIZED = [(d, b, g) for d in (64, 128, 256) for b in (8, 4, 2) for g in (32, 64, 128, 256) if g <= d] + [

@@ -491,13 +491,19 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
  * values take it (1-bit codes have no specialized copy). AVX-512 builds keep the plain loop: not
  * measured there. */
 #define HELD_SUMS 12
-#define HELD_ROWS 4
+#define HELD_ROWS 3 /* at 4 bit planes, the most rows whose sums fit in HELD_SUMS */
 
 /* Whether value_page_held serves a side of `bits`-bit codes in groups of G channels with `rows`
  * query rows: codes of at most 2 bits, unpacked in whole vectors (as in dequantize_token), and the
  * sums of every row over one vector of code bytes (8 / B vectors of values) fit in HELD_SUMS. */
 ALWAYS_INLINE int held_sums_fit(int B, int G, int rows) {
     return B <= 2 && (G * B / 8) % LANES == 0 && rows <= HELD_ROWS && rows * (8 / B) <= HELD_SUMS;
+}
+
+/* Block b of a head's code bytes (LANES bytes of group b / blocks_per_group, at byte
+ * b % blocks_per_group * LANES in it): the column where its bit plane i starts in plane order. */
+ALWAYS_INLINE int plane_column(int b, int i, int G, int group_bytes, int blocks_per_group) {
+    return b / blocks_per_group * G + i * group_bytes + b % blocks_per_group * LANES;
 }
 
 /* Pass 2 over one page with each row's value sums held in vector registers (R rows, a constant in
@@ -518,14 +524,11 @@ ALWAYS_INLINE void value_page_held(const struct tier_pages *restrict tp, int D, 
     for (int b0 = 0; b0 < blocks; b0 += chunk) {
         const int n = blocks - b0 < chunk ? blocks - b0 : chunk;
         lanes_f sum[HELD_ROWS][HELD_SUMS];
-        /* block b: group b / blocks_per_group, code bytes j = b % blocks_per_group; plane i of it
-         * is the value vector at column g G + i group_bytes + j LANES (plane order) */
         for (int r = 0; r < R; ++r)
-            for (int c = 0; c < n; ++c) {
-                const int b = b0 + c, g = b / blocks_per_group, j = b % blocks_per_group;
+            for (int c = 0; c < n; ++c)
                 for (int i = 0; i < per_byte; ++i)
-                    sum[r][c * per_byte + i] = lanes_loadu_ps(ah + r * D + g * G + i * group_bytes + j * LANES);
-            }
+                    sum[r][c * per_byte + i] =
+                        lanes_loadu_ps(ah + r * D + plane_column(b0 + c, i, G, group_bytes, blocks_per_group));
         for (int t = 0; t < tokens; ++t) {
             float pr[HELD_ROWS];
             int any = 0;
@@ -537,9 +540,9 @@ ALWAYS_INLINE void value_page_held(const struct tier_pages *restrict tp, int D, 
             const uint8_t *restrict codes = page + tp->data_off + (int64_t)t * nb;
             const uint8_t *restrict meta = page + tp->meta_off + (int64_t)t * mb;
             for (int c = 0; c < n; ++c) {
-                const int b = b0 + c, g = b / blocks_per_group, j = b % blocks_per_group;
+                const int g = (b0 + c) / blocks_per_group; /* block b0 + c is code bytes (b0 + c) * LANES */
                 const lanes_f vs = lanes_set1_ps(half_at(meta + 4 * g)), vm = lanes_set1_ps(half_at(meta + 4 * g + 2));
-                const lanes_i bytes = lanes_widen_bytes(codes + g * group_bytes + j * LANES);
+                const lanes_i bytes = lanes_widen_bytes(codes + (b0 + c) * LANES);
                 for (int i = 0; i < per_byte; ++i) {
                     const lanes_i q = lanes_and(lanes_srli(bytes, i * B), vmask);
                     const lanes_f x = lanes_fmadd_ps(vs, lanes_cvt_ps(q), vm);
@@ -549,11 +552,10 @@ ALWAYS_INLINE void value_page_held(const struct tier_pages *restrict tp, int D, 
             }
         }
         for (int r = 0; r < R; ++r)
-            for (int c = 0; c < n; ++c) {
-                const int b = b0 + c, g = b / blocks_per_group, j = b % blocks_per_group;
+            for (int c = 0; c < n; ++c)
                 for (int i = 0; i < per_byte; ++i)
-                    lanes_storeu_ps(ah + r * D + g * G + i * group_bytes + j * LANES, sum[r][c * per_byte + i]);
-            }
+                    lanes_storeu_ps(ah + r * D + plane_column(b0 + c, i, G, group_bytes, blocks_per_group),
+                                    sum[r][c * per_byte + i]);
     }
 }
 #endif /* LANES == 8 */
@@ -569,8 +571,7 @@ ALWAYS_INLINE void value_page(const struct tier_pages *restrict tp, int D, int B
         switch (rows) {
         case 1: value_page_held(tp, D, B, G, 1, page, pl, ah); return;
         case 2: value_page_held(tp, D, B, G, 2, page, pl, ah); return;
-        case 3: value_page_held(tp, D, B, G, 3, page, pl, ah); return;
-        default: value_page_held(tp, D, B, G, 4, page, pl, ah); return;
+        default: value_page_held(tp, D, B, G, 3, page, pl, ah); return;
         }
     }
 #endif
