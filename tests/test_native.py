@@ -8,6 +8,7 @@ and without these kernels against the padded-tile reference.
 """
 
 import platform
+import shutil
 import warnings
 from pathlib import Path
 
@@ -399,9 +400,43 @@ def test_split_over_threads_gives_the_one_thread_result_bit_for_bit(four_threads
 @needs_kernels
 @pytest.mark.skipif(not native._torch_libgomp(), reason="torch here does not run on libgomp.so.1")
 def test_built_on_torchs_openmp_runtime_and_no_second_one():
-    maps = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line]
-    assert kernels.parallel
-    assert len(set(maps)) == 1, f"two OpenMP runtimes mapped: {sorted(set(maps))}"
+    assert kernels.parallel == native._gnu_openmp(native._compiler())
+    runtimes = _openmp_runtimes()
+    assert len(runtimes) == 1 and runtimes[0].endswith("/libgomp.so.1"), f"OpenMP runtimes mapped: {runtimes}"
+
+
+def _openmp_runtimes() -> list[str]:
+    """The OpenMP runtimes mapped into this process: GNU's, LLVM's or Intel's."""
+    names = ("libgomp.so", "libomp.so", "libiomp5.so")
+    return sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                   if any(n in line.split()[-1].rsplit("/", 1)[-1] for n in names)})
+
+
+def _fake_compiler(tmp_path, name: str, macros: str) -> str:
+    """A stand-in compiler that prints ``macros`` for ``-dM -E``."""
+    path = tmp_path / name
+    path.write_text(f"#!/bin/sh\nprintf '{macros}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_only_gcc_builds_on_gnu_openmp(tmp_path):
+    gcc = _fake_compiler(tmp_path, "gcc-like", "#define __GNUC__ 12\\n#define __STDC__ 1\\n")
+    clang = _fake_compiler(tmp_path, "clang-like", "#define __GNUC__ 4\\n#define __clang__ 1\\n")
+    icc = _fake_compiler(tmp_path, "icc-like", "#define __GNUC__ 12\\n#define __INTEL_COMPILER 2021\\n")
+    assert native._gnu_openmp(gcc)
+    assert not native._gnu_openmp(clang) and not native._gnu_openmp(icc)
+    assert not native._gnu_openmp(str(tmp_path / "no-such-compiler"))
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="no clang here")
+def test_a_clang_build_is_serial_and_loads_no_second_openmp_runtime(tmp_path, monkeypatch):
+    """Clang's -fopenmp calls LLVM's libomp; next to torch's libgomp that would be a second runtime."""
+    monkeypatch.setenv("LEANKIT_CACHE_DIR", str(tmp_path))
+    before = _openmp_runtimes()
+    built = native.Kernels(native._build(shutil.which("clang")))
+    assert not built.parallel
+    assert _openmp_runtimes() == before
 
 
 def test_without_a_compiler_leankit_warns_once_and_runs_the_torch_path(monkeypatch):

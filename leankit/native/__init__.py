@@ -20,16 +20,20 @@ and loaded with :mod:`ctypes`. Without a compiler, or with ``LEANKIT_NATIVE=0``,
 returns ``None`` and leankit runs the torch path, which computes the same thing
 (``tests/test_native.py`` checks one against the other).
 
-Threads: where torch runs on GNU OpenMP (its Linux wheels ship ``libgomp.so.1``), the library is
-built with ``-fopenmp``. Loaded after torch, its ``libgomp.so.1`` dependency resolves to the copy
-torch has already loaded, so the kernels split their pages over torch's own intra-op threads
-(``torch.get_num_threads()``). A second OpenMP runtime would keep a second set of workers
-spinning against torch's, which measured slower than one thread, so elsewhere the build is serial.
+Threads: where torch runs on GNU OpenMP (its Linux wheels ship ``libgomp.so.1``) and the compiler
+is GCC, the library is built with ``-fopenmp``. Loaded after torch, its ``libgomp.so.1`` dependency
+resolves to the copy torch has already loaded, so the kernels split their pages over torch's own
+intra-op threads (``torch.get_num_threads()``). A second OpenMP runtime would keep a second set of
+workers spinning against torch's, which measured slower than one thread, so elsewhere the build is
+serial. That includes Clang (and compilers built on it): its ``-fopenmp`` emits calls into LLVM's
+runtime, ``libomp.so.5``, which libgomp does not provide, so where libomp is installed it would be
+loaded next to torch's libgomp (:func:`_gnu_openmp`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -73,7 +77,7 @@ def side_format(bits: int, dense_dtype: torch.dtype) -> int | None:
 FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math"]
 ARCH_FLAGS = ["-march=native"]  # dropped if the compiler refuses it
-OPENMP_FLAGS = ["-fopenmp"]  # only where torch's own libgomp is loaded (see the module docstring)
+OPENMP_FLAGS = ["-fopenmp"]  # only with GCC, where torch's own libgomp is loaded (see the module docstring)
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -116,6 +120,20 @@ def _compiler() -> str | None:
     return None
 
 
+@functools.cache
+def _gnu_openmp(cc: str) -> bool:
+    """Whether ``cc``'s ``-fopenmp`` binds to GNU OpenMP (``libgomp``): GCC does; Clang and the
+    compilers built on it (Intel's icx, AMD's aocc) define ``__clang__`` and call LLVM's runtime."""
+    try:
+        run = subprocess.run([cc, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, check=False,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    macros = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("#define ") and
+              len(line.split()) > 1}
+    return run.returncode == 0 and "__GNUC__" in macros and not macros & {"__clang__", "__INTEL_COMPILER"}
+
+
 def _build(cc: str, source_dir: Path | None = None) -> Path:
     """Compile (or find in the cache) the library of the C sources in ``source_dir`` (default:
     :data:`SOURCE_DIR`, read at call time) with the most of ``-march=native`` and OpenMP that the
@@ -123,7 +141,7 @@ def _build(cc: str, source_dir: Path | None = None) -> Path:
     source_dir = SOURCE_DIR if source_dir is None else source_dir
     sources = sorted(source_dir.glob("*.c"))
     src = b"".join(path.name.encode() + path.read_bytes() for path in sorted(source_dir.glob("*.[ch]")))
-    omp = OPENMP_FLAGS if _torch_libgomp() else []
+    omp = OPENMP_FLAGS if _torch_libgomp() and _gnu_openmp(cc) else []
     last_error = ""
     for extra in dict.fromkeys(tuple(v) for v in (ARCH_FLAGS + omp, omp, ARCH_FLAGS, [])):  # unique, in order
         key = hashlib.sha256(src + " ".join([cc, *FLAGS, *extra, _cpu_features()]).encode()).hexdigest()[:16]
