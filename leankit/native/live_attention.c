@@ -422,14 +422,27 @@ ALWAYS_INLINE float mask_row(float *restrict o, const uint8_t *restrict pos_seg,
     const __m256 hidden = _mm256_set1_ps(-INFINITY);
     const __m256i query = _mm256_set1_epi32(qr), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 top = hidden;
-    for (int t = 0; t < tokens; t += 8) {
+    /* Whole vectors of 8 slots take plain loads and stores; only the page's last, partial vector is
+     * masked, and it is written back through a scalar copy: AVX2's masked store (VMASKMOVPS) is
+     * microcoded on AMD Zen, where one per 8 slots made this loop a fifth of pass 1 over 8-bit keys. */
+    int t = 0;
+    for (; t + 8 <= live; t += 8) { /* live <= tokens */
+        const __m256i pos = _mm256_loadu_si256((const __m256i *)(pos_seg + 4 * (int64_t)t));
+        const __m256 after = _mm256_castsi256_ps(_mm256_cmpgt_epi32(pos, query)); /* the query cannot see it */
+        const __m256 s = _mm256_blendv_ps(_mm256_loadu_ps(o + t), hidden, after);
+        _mm256_storeu_ps(o + t, s);
+        top = _mm256_max_ps(s, top); /* MAXPS returns its second operand when the first is NaN */
+    }
+    for (; t < tokens; t += 8) {
         const int n = tokens - t < 8 ? tokens - t : 8, alive = live - t < n ? live - t : n;
         const __m256i slots = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
         const __m256i held = _mm256_cmpgt_epi32(_mm256_set1_epi32(alive), lane); /* none when alive <= 0 */
         const __m256i pos = _mm256_maskload_epi32((const int *)(pos_seg + 4 * (int64_t)t), held);
         const __m256 seen = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(pos, query), held));
-        const __m256 s = _mm256_blendv_ps(hidden, _mm256_maskload_ps(o + t, _mm256_castps_si256(seen)), seen);
-        _mm256_maskstore_ps(o + t, slots, s);
+        const __m256 s = _mm256_blendv_ps(hidden, _mm256_maskload_ps(o + t, slots), seen);
+        float kept[8];
+        _mm256_storeu_ps(kept, s);
+        for (int i = 0; i < n; ++i) o[t + i] = kept[i];
         top = _mm256_max_ps(s, top); /* MAXPS returns its second operand when the first is NaN */
     }
     __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
