@@ -148,11 +148,22 @@ static inline float exp_numerator(float x) {
     r = r + n * 2.12194440e-4f;
 #endif
     float poly = 1.9875691500e-4f;
+#ifdef __FMA__
+    /* Horner's steps fused (-std=c99 keeps the compiler from contracting them): a shorter chain,
+     * pass 2 in 0.96-0.98x the time. The last step stays unfused: fused too, the largest error
+     * over [-87, 0] grew from 0.98 to 1.24 ulp; as here it is 0.97. */
+    poly = fmaf(poly, r, 1.3981999507e-3f);
+    poly = fmaf(poly, r, 8.3334519073e-3f);
+    poly = fmaf(poly, r, 4.1665795894e-2f);
+    poly = fmaf(poly, r, 1.6666665459e-1f);
+    poly = fmaf(poly, r, 5.0000001201e-1f);
+#else
     poly = poly * r + 1.3981999507e-3f;
     poly = poly * r + 8.3334519073e-3f;
     poly = poly * r + 4.1665795894e-2f;
     poly = poly * r + 1.6666665459e-1f;
     poly = poly * r + 5.0000001201e-1f;
+#endif
     const float er = poly * r * r + r + 1.0f;
     const int32_t bits = ((int32_t)n + 127) << 23;
     float two_n;
@@ -736,6 +747,62 @@ int lk_live_scores(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
  * [BH, R] each row's maximum over all tiers (0 for a row that sees nothing). Adds each row's
  * numerators into l_sum: [BH, R] and their weighted values into acc: [BH, R, F] (unnormalized).
  * Returns 0 or an error. */
+#if defined(LANES) && LANES == 8
+/* exp_numerator on 8 lanes, the same operations in the same order. */
+ALWAYS_INLINE __m256 exp_numerators8(__m256 x) {
+    const __m256 lowest = _mm256_set1_ps(-87.0f);
+    const __m256 xc = _mm256_max_ps(lowest, x); /* x itself when NaN, as x < lowest ? lowest : x */
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                                   _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.3981999507e-3f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(8.3334519073e-3f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(4.1665795894e-2f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.6666665459e-1f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 er = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(poly, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 below = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+    return _mm256_andnot_ps(below, _mm256_mul_ps(er, _mm256_castsi256_ps(bits)));
+}
+#endif
+
+/* pr[t] = e^(pr[t] - sh) for the `tokens` slots of one query row of a page; returns their sum.
+ * AVX2: in intrinsics, with a page's last, partial vector of slots computed as a vector too
+ * (masked load, store_first) where the compiler's own loop took it one slot at a time: pass 2 in
+ * 0.97-0.99x the time of that loop (with Horner's steps fused in both). */
+ALWAYS_INLINE float row_numerators(float *restrict pr, int tokens, float sh) {
+#if defined(LANES) && LANES == 8
+    const __m256 shift = _mm256_set1_ps(sh);
+    __m256 total = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 8 <= tokens; t += 8) {
+        const __m256 e = exp_numerators8(_mm256_sub_ps(_mm256_loadu_ps(pr + t), shift));
+        _mm256_storeu_ps(pr + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    if (t < tokens) {
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(tokens - t), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 x = _mm256_sub_ps(_mm256_maskload_ps(pr + t, keep), shift);
+        const __m256 e = _mm256_and_ps(exp_numerators8(x), _mm256_castsi256_ps(keep));
+        store_first(pr + t, e, tokens - t);
+        total = _mm256_add_ps(total, e);
+    }
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1)));
+#else /* one branch-free loop that the compiler vectorizes */
+    float total = 0.0f;
+    for (int t = 0; t < tokens; ++t) {
+        pr[t] = exp_numerator(pr[t] - sh);
+        total += pr[t];
+    }
+    return total;
+#endif
+}
+
 int lk_live_values(const uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pages,
                    const int64_t *restrict page_id, const int64_t *restrict head, int64_t n_pages, int tokens,
                    int dim, int rows, int bits, int group_size, int64_t data_off, int64_t meta_off,
@@ -765,16 +832,8 @@ int lk_live_values(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
             prev = h;
             if (l + 1 < l1) prefetch_page(pool + page_id[l + 1] * page_bytes, &tp, 0, 0);
             float *pl = p + l * rows * tokens;
-            /* The page's numerators first, a row at a time: one branch-free loop that vectorizes. */
-            for (int r = 0; r < rows; ++r) {
-                const float sh = shift[h * rows + r];
-                float *pr = pl + r * tokens, total = 0.0f;
-                for (int t = 0; t < tokens; ++t) {
-                    pr[t] = exp_numerator(pr[t] - sh);
-                    total += pr[t];
-                }
-                l_sum[h * rows + r] += total;
-            }
+            /* The page's numerators first, a row at a time. */
+            for (int r = 0; r < rows; ++r) l_sum[h * rows + r] += row_numerators(pl + r * tokens, tokens, shift[h * rows + r]);
             values(&tp, pool + page_id[l] * page_bytes, pl, sums, value);
         }
         if (prev >= 0) add_from_planes(sums, acc + prev * rows * dim, rows, dim, bits, group_size);
