@@ -464,6 +464,24 @@ def test_switched_off_by_environment(monkeypatch):
 
 
 @needs_kernels
+def test_a_build_that_drops_flags_says_why(monkeypatch, tmp_path):
+    """A source that compiles only without the architecture flags still gives a library, and a warning
+    with the compiler's error, rather than a silent portable build."""
+    monkeypatch.setenv("LEANKIT_CACHE_DIR", str(tmp_path))
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in native.SOURCE_DIR.glob("*.[ch]"):
+        (src / path.name).write_bytes(path.read_bytes())
+    with open(src / "live_attention.c", "a") as f:
+        f.write('\n#ifdef LEANKIT_BROKEN_VECTOR_PATH\n#error "a broken vector path"\n#endif\n')
+    monkeypatch.setattr(native, "ARCH_FLAGS", ["-DLEANKIT_BROKEN_VECTOR_PATH"])
+    cc = native._compiler()
+    with pytest.warns(RuntimeWarning, match="built without -DLEANKIT_BROKEN_VECTOR_PATH.*a broken vector path"):
+        built = native._build(cc, src)
+    # only the failing flag is dropped: OpenMP stays where it applies
+    assert native.Kernels(built).parallel == (native._torch_libgomp() and native._gnu_openmp(cc))
+
+
 def test_build_is_cached_and_keyed_by_source(monkeypatch, tmp_path):
     monkeypatch.setenv("LEANKIT_CACHE_DIR", str(tmp_path))
     cc = native._compiler()

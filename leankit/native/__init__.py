@@ -137,13 +137,16 @@ def _gnu_openmp(cc: str) -> bool:
 def _build(cc: str, source_dir: Path | None = None) -> Path:
     """Compile (or find in the cache) the library of the C sources in ``source_dir`` (default:
     :data:`SOURCE_DIR`, read at call time) with the most of ``-march=native`` and OpenMP that the
-    compiler accepts."""
+    compiler accepts. A build that had to drop flags warns with the compiler's first error: a
+    portable build runs the passes several times slower, and a source that fails only with
+    ``-march=native`` (a vector path) would otherwise go unnoticed."""
     source_dir = SOURCE_DIR if source_dir is None else source_dir
     sources = sorted(source_dir.glob("*.c"))
     src = b"".join(path.name.encode() + path.read_bytes() for path in sorted(source_dir.glob("*.[ch]")))
     omp = OPENMP_FLAGS if _torch_libgomp() and _gnu_openmp(cc) else []
-    last_error = ""
-    for extra in dict.fromkeys(tuple(v) for v in (ARCH_FLAGS + omp, omp, ARCH_FLAGS, [])):  # unique, in order
+    wanted = ARCH_FLAGS + omp
+    last_error, first_error = "", ""
+    for extra in dict.fromkeys(tuple(v) for v in (wanted, omp, ARCH_FLAGS, [])):  # unique, in order
         key = hashlib.sha256(src + " ".join([cc, *FLAGS, *extra, _cpu_features()]).encode()).hexdigest()[:16]
         out = _cache_dir() / f"leankit_native-{key}.so"
         if out.exists():
@@ -156,8 +159,14 @@ def _build(cc: str, source_dir: Path | None = None) -> Path:
                                  check=False)
             if run.returncode == 0:
                 os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+                if first_error:
+                    dropped = " ".join(f for f in wanted if f not in extra)
+                    warnings.warn(f"leankit: compiled CPU kernels built without {dropped} ({first_error})",
+                                  RuntimeWarning, stacklevel=3)
                 return out
             last_error = run.stderr.strip()
+            lines = last_error.splitlines() or ["no message"]
+            first_error = first_error or next((ln for ln in lines if "error" in ln), lines[0])[:300]
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
