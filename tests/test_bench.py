@@ -220,6 +220,19 @@ def test_throughput_ceiling_runs_dynamic_cache_at_the_largest_lean_batch():
                           quantized=False, progress=False)["ceiling"] is None
 
 
+def test_throughput_skips_quantized_cache_where_transformers_refuses_the_model(monkeypatch):
+    """transformers' QuantizedCache refuses models with sliding-window layers (Gemma3): the run goes on
+    without it and says why, instead of failing as a whole."""
+    monkeypatch.setattr(throughput, "quantized_backend", lambda: ("quanto", "optimum-quanto (stand-in)"))
+    model, tok = tiny_model("gemma3", seed=1), tiny_tokenizer()
+    res = throughput.run(model, tok, requests=2, prompt_range=(9, 12), output_range=(2, 3), kvs=("K8V4",),
+                         progress=False)
+    assert [c["name"] for c in res["caches"]] == ["DynamicCache", "LeanCache K8V4"]
+    skipped = [n for n in res["notes"] if n.startswith("HF QuantizedCache skipped")]
+    assert len(skipped) == 1 and "full attention" in skipped[0]
+    assert "HF QuantizedCache skipped" in throughput.notes(res)
+
+
 def test_throughput_rejects_bad_ranges_before_any_model_work():
     model, tok = _tiny_lm()
     with pytest.raises(ValueError, match="--output-range"):

@@ -355,8 +355,14 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
         if backend is None:
             notes.append(desc)
         else:
-            kinds.append(QuantizedKind(backend, desc))
-            notes.append(f"HF QuantizedCache backend: {desc}")
+            kind = QuantizedKind(backend, desc)
+            try:
+                kind.make(model, budget, 1)  # transformers refuses some models (sliding-window layers)
+            except ValueError as err:
+                notes.append(f"HF QuantizedCache skipped: transformers' QuantizedCache refuses this model ({err})")
+            else:
+                kinds.append(kind)
+                notes.append(f"HF QuantizedCache backend: {desc}")
     kinds += [LeanKind(kv) for kv in kvs]
     longest = ids.repeat(prompt_range[1] // len(ids) + 1)[: prompt_range[1]]  # the calibration prompt
     bar = tqdm(desc="fitting the budget", unit="run", leave=False, disable=not progress)
