@@ -132,37 +132,50 @@ ALWAYS_INLINE float half_at(const uint8_t *src) {
     return half_to_float(h);
 }
 
+/* exp_numerator's constants, shared with its 8-lane twin: log2(e), ln 2 split in two (Cody-Waite),
+ * and Cephes' degree-5 minimax coefficients of e^r, highest first. */
+#define EXP_LOWEST -87.0f /* e^x < 2^-125 below it: a numerator of 0 */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO 2.12194440e-4f
+#define EXP_P5 1.9875691500e-4f
+#define EXP_P4 1.3981999507e-3f
+#define EXP_P3 8.3334519073e-3f
+#define EXP_P2 4.1665795894e-2f
+#define EXP_P1 1.6666665459e-1f
+#define EXP_P0 5.0000001201e-1f
+
 /* e^x for the softmax numerators (x <= 0 there), branch-free so a page's numerators vectorize:
  * e^x = 2^n e^r with n = round(x / ln 2) and ln 2 split in two (Cody-Waite), e^r from Cephes'
  * degree-5 minimax polynomial; within a few ulp of expf where FMA is available. 0 below -87
  * (e^x < 2^-125), -inf included. */
 static inline float exp_numerator(float x) {
-    const float lowest = -87.0f;
+    const float lowest = EXP_LOWEST;
     const float xc = x < lowest ? lowest : x;
-    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    const float n = floorf(xc * EXP_LOG2E + 0.5f);
 #ifdef __FMA__ /* fused: the compiler's reassociation cannot merge the two halves of ln 2 */
-    float r = fmaf(n, -0.693359375f, xc);
-    r = fmaf(n, 2.12194440e-4f, r);
+    float r = fmaf(n, -EXP_LN2_HI, xc);
+    r = fmaf(n, EXP_LN2_LO, r);
 #else /* may be merged into one multiply by fp32 ln 2: error then grows to about |x| * 4e-8 relative */
-    float r = xc - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
+    float r = xc - n * EXP_LN2_HI;
+    r = r + n * EXP_LN2_LO;
 #endif
-    float poly = 1.9875691500e-4f;
+    float poly = EXP_P5;
 #ifdef __FMA__
     /* Horner's steps fused (-std=c99 keeps the compiler from contracting them): a shorter chain,
      * pass 2 in 0.96-0.98x the time. The last step stays unfused: fused too, the largest error
      * over [-87, 0] grew from 0.98 to 1.24 ulp; as here it is 0.97. */
-    poly = fmaf(poly, r, 1.3981999507e-3f);
-    poly = fmaf(poly, r, 8.3334519073e-3f);
-    poly = fmaf(poly, r, 4.1665795894e-2f);
-    poly = fmaf(poly, r, 1.6666665459e-1f);
-    poly = fmaf(poly, r, 5.0000001201e-1f);
+    poly = fmaf(poly, r, EXP_P4);
+    poly = fmaf(poly, r, EXP_P3);
+    poly = fmaf(poly, r, EXP_P2);
+    poly = fmaf(poly, r, EXP_P1);
+    poly = fmaf(poly, r, EXP_P0);
 #else
-    poly = poly * r + 1.3981999507e-3f;
-    poly = poly * r + 8.3334519073e-3f;
-    poly = poly * r + 4.1665795894e-2f;
-    poly = poly * r + 1.6666665459e-1f;
-    poly = poly * r + 5.0000001201e-1f;
+    poly = poly * r + EXP_P4;
+    poly = poly * r + EXP_P3;
+    poly = poly * r + EXP_P2;
+    poly = poly * r + EXP_P1;
+    poly = poly * r + EXP_P0;
 #endif
     const float er = poly * r * r + r + 1.0f;
     const int32_t bits = ((int32_t)n + 127) << 23;
@@ -170,6 +183,28 @@ static inline float exp_numerator(float x) {
     memcpy(&two_n, &bits, sizeof two_n);
     return x < lowest ? 0.0f : er * two_n;
 }
+
+#if defined(LANES) && LANES == 8
+/* exp_numerator on 8 lanes, the same operations in the same order. */
+ALWAYS_INLINE __m256 exp_numerators8(__m256 x) {
+    const __m256 lowest = _mm256_set1_ps(EXP_LOWEST);
+    const __m256 xc = _mm256_max_ps(lowest, x); /* x itself when NaN, as x < lowest ? lowest : x */
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(EXP_LOG2E)),
+                                                   _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_HI), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 poly = _mm256_set1_ps(EXP_P5);
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(EXP_P4));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(EXP_P3));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(EXP_P2));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(EXP_P1));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(EXP_P0));
+    const __m256 er = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(poly, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 below = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+    return _mm256_andnot_ps(below, _mm256_mul_ps(er, _mm256_castsi256_ps(bits)));
+}
+#endif
 
 /* Bytes of one token's metadata on a side (an fp16 scale and min per group; none for a dense side). */
 ALWAYS_INLINE int meta_bytes(int dim, int bits, int group_size) { return bits <= 8 ? 4 * (dim / group_size) : 0; }
@@ -742,33 +777,6 @@ int lk_live_scores(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
     return failed ? LK_NO_MEMORY : 0;
 }
 
-/* Pass 2. Pages as in pass 1, codes and meta of the value side. p: [L, R, T], in: pass 1's
- * scores; out: the softmax numerators exp(score - shift[head, r]) (0 where not visible). shift:
- * [BH, R] each row's maximum over all tiers (0 for a row that sees nothing). Adds each row's
- * numerators into l_sum: [BH, R] and their weighted values into acc: [BH, R, F] (unnormalized).
- * Returns 0 or an error. */
-#if defined(LANES) && LANES == 8
-/* exp_numerator on 8 lanes, the same operations in the same order. */
-ALWAYS_INLINE __m256 exp_numerators8(__m256 x) {
-    const __m256 lowest = _mm256_set1_ps(-87.0f);
-    const __m256 xc = _mm256_max_ps(lowest, x); /* x itself when NaN, as x < lowest ? lowest : x */
-    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                                   _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), xc);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.3981999507e-3f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(8.3334519073e-3f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(4.1665795894e-2f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.6666665459e-1f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 er = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(poly, r), r), r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 below = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-    return _mm256_andnot_ps(below, _mm256_mul_ps(er, _mm256_castsi256_ps(bits)));
-}
-#endif
-
 /* pr[t] = e^(pr[t] - sh) for the `tokens` slots of one query row of a page; returns their sum.
  * AVX2: in intrinsics, with a page's last, partial vector of slots computed as a vector too
  * (masked load, store_first) where the compiler's own loop took it one slot at a time: pass 2 in
@@ -803,6 +811,11 @@ ALWAYS_INLINE float row_numerators(float *restrict pr, int tokens, float sh) {
 #endif
 }
 
+/* Pass 2. Pages as in pass 1, codes and meta of the value side. p: [L, R, T], in: pass 1's
+ * scores; out: the softmax numerators exp(score - shift[head, r]) (0 where not visible). shift:
+ * [BH, R] each row's maximum over all tiers (0 for a row that sees nothing). Adds each row's
+ * numerators into l_sum: [BH, R] and their weighted values into acc: [BH, R, F] (unnormalized).
+ * Returns 0 or an error. */
 int lk_live_values(const uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pages,
                    const int64_t *restrict page_id, const int64_t *restrict head, int64_t n_pages, int tokens,
                    int dim, int rows, int bits, int group_size, int64_t data_off, int64_t meta_off,
