@@ -399,19 +399,19 @@ def test_split_over_threads_gives_the_one_thread_result_bit_for_bit(four_threads
         assert torch.equal(got, want), f"{name} differ across thread counts (seed {seed})"
 
 
+def _openmp_runtimes() -> list[str]:
+    """The OpenMP runtimes mapped into this process: GNU's, LLVM's or Intel's."""
+    names = ("libgomp.so", "libomp.so", "libiomp5.so")
+    return sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                   if any(n in line.split()[-1].rsplit("/", 1)[-1] for n in names)})
+
+
 @needs_kernels
 @pytest.mark.skipif(not native._torch_libgomp(), reason="torch here does not run on libgomp.so.1")
 def test_built_on_torchs_openmp_runtime_and_no_second_one():
     assert kernels.parallel == native._gnu_openmp(native._compiler())
     runtimes = _openmp_runtimes()
     assert len(runtimes) == 1 and runtimes[0].endswith("/libgomp.so.1"), f"OpenMP runtimes mapped: {runtimes}"
-
-
-def _openmp_runtimes() -> list[str]:
-    """The OpenMP runtimes mapped into this process: GNU's, LLVM's or Intel's."""
-    names = ("libgomp.so", "libomp.so", "libiomp5.so")
-    return sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                   if any(n in line.split()[-1].rsplit("/", 1)[-1] for n in names)})
 
 
 def _fake_compiler(tmp_path, name: str, macros: str) -> str:

@@ -320,6 +320,11 @@ ALWAYS_INLINE void lane_products(const float *restrict q, const float *restrict 
 }
 #endif
 #ifdef __AVX2__
+/* All ones in lanes 0..n-1 and zero past them (none when n <= 0): the mask of a partial vector's
+ * live lanes, for masked loads and blends. */
+ALWAYS_INLINE __m256i first_lanes(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 /* out[0..n) = the first n < 8 lanes of v, nothing past them, in 4-, 2- and 1-lane pieces. GCC
  * compiles a copy loop of n floats to a `rep movs`, and AVX2's masked store (VMASKMOVPS) is
  * microcoded on AMD Zen; in mask_row this took pass 1 over pages with a partial last vector of
@@ -490,7 +495,7 @@ ALWAYS_INLINE float mask_row(float *restrict o, const uint8_t *restrict pos_seg,
     return row_top > most ? row_top : most;
 #elif defined(__AVX2__)
     const __m256 hidden = _mm256_set1_ps(-INFINITY);
-    const __m256i query = _mm256_set1_epi32(qr), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i query = _mm256_set1_epi32(qr);
     __m256 top = hidden;
     /* Whole vectors of 8 live slots take plain loads and stores, and only the rest is masked and
      * stored with store_first: AVX2's masked store (VMASKMOVPS) is microcoded on AMD Zen, where one
@@ -505,8 +510,8 @@ ALWAYS_INLINE float mask_row(float *restrict o, const uint8_t *restrict pos_seg,
     }
     for (; t < tokens; t += 8) {
         const int n = tokens - t < 8 ? tokens - t : 8, alive = live - t < n ? live - t : n;
-        const __m256i slots = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
-        const __m256i held = _mm256_cmpgt_epi32(_mm256_set1_epi32(alive), lane); /* none when alive <= 0 */
+        const __m256i slots = first_lanes(n);
+        const __m256i held = first_lanes(alive); /* none when alive <= 0 */
         const __m256i pos = _mm256_maskload_epi32((const int *)(pos_seg + 4 * (int64_t)t), held);
         const __m256 seen = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(pos, query), held));
         const __m256 s = _mm256_blendv_ps(hidden, _mm256_maskload_ps(o + t, slots), seen);
@@ -792,7 +797,7 @@ ALWAYS_INLINE float row_numerators(float *restrict pr, int tokens, float sh) {
         total = _mm256_add_ps(total, e);
     }
     if (t < tokens) {
-        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(tokens - t), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i keep = first_lanes(tokens - t);
         const __m256 x = _mm256_sub_ps(_mm256_maskload_ps(pr + t, keep), shift);
         const __m256 e = _mm256_and_ps(exp_numerators8(x), _mm256_castsi256_ps(keep));
         store_first(pr + t, e, tokens - t);
