@@ -7,7 +7,7 @@ import torch
 
 import leankit
 from leankit.allocator import PoolExhausted
-from leankit.bench import step, throughput
+from leankit.bench import step, text, throughput
 from leankit.bench.readme import markers, replace_block, write_block
 from leankit.bench.text import left_padded
 from leankit.bench.timing import CATEGORIES, ExclusiveTimer, interleaved_best, lean_targets, patched
@@ -233,6 +233,39 @@ def test_throughput_skips_quantized_cache_where_transformers_refuses_the_model(m
     assert "HF QuantizedCache skipped" in throughput.notes(res)
 
 
+def test_prompts_come_from_a_given_text_and_wrap_around_a_short_one(tmp_path):
+    """--text: the requests are cut from the user's own text (tokens of the model's tokenizer),
+    and a text shorter than the longest prompt is wrapped around, not refused."""
+    model, tok = _tiny_lm()
+    words = [f"w{i}" for i in (5, 9, 11, 40, 77)]
+    path = tmp_path / "mine.txt"
+    path.write_text(" ".join(words) + "\n", encoding="utf-8")
+    ids = text.corpus_ids(tok, path)
+    assert ids.tolist() == [int(w[1:]) for w in words]
+    res = throughput.run(model, tok, requests=3, prompt_range=(9, 14), output_range=(2, 3), kvs=("K8V4",),
+                         quantized=False, progress=False, text_path=path)
+    assert res["text"] == "the text of mine.txt" and "prompts from the text of mine.txt" in throughput.notes(res)
+    reqs = text.request_mix(ids, 3, (9, 14), (2, 3))
+    for r in reqs:
+        assert set(r.prompt.tolist()) <= set(ids.tolist()) and 9 <= len(r.prompt) <= 14
+    default = throughput.run(model, tok, requests=2, prompt_range=(9, 10), output_range=(2, 2), kvs=("K8V4",),
+                             quantized=False, progress=False)
+    assert "prompts from" not in throughput.notes(default)
+
+
+@pytest.mark.parametrize("content, words", [(None, "no such file"), (b"  \n\t", "holds no text"),
+                                            (b"\xff\xfe\x00bad", "not UTF-8")])
+def test_a_text_that_cannot_be_used_is_a_clear_error_before_the_model_loads(tmp_path, monkeypatch, capsys,
+                                                                              content, words):
+    path = tmp_path / "t.txt"
+    if content is not None:
+        path.write_bytes(content)
+    monkeypatch.setattr(leankit, "load_model", lambda name: pytest.fail("the model loaded before the text was checked"))
+    assert main(["bench", "throughput", "--text", str(path), "--no-progress", "--default-malloc"]) == 2
+    err = capsys.readouterr().err
+    assert "leankit: error" in err and words in err
+
+
 def test_throughput_rejects_bad_ranges_before_any_model_work():
     model, tok = _tiny_lm()
     with pytest.raises(ValueError, match="--output-range"):
@@ -304,6 +337,15 @@ def test_bench_step_cli_writes_json_and_readme(tiny, tmp_path, capsys):
     text = readme.read_text()
     assert text.startswith(f"intro\n{start}\n") and text.endswith(f"{end}\nend\n")
     assert "| 17 | `K8V4` | decode |" in text and "leankit bench step --model tiny" in text and "torch " in text
+
+
+def test_bench_step_cli_cuts_its_prompts_from_the_given_text(tiny, tmp_path, capsys):
+    path = tmp_path / "notes.txt"
+    path.write_text(" ".join(f"w{i}" for i in range(4, 60)), encoding="utf-8")
+    argv = ["bench", "step", "--model", "tiny", "--batch", "2", "--context", "11", "--steps", "1", "--warmup", "0",
+            "--kv", "K8V4", "--text", str(path), "--no-progress", "--default-malloc"]
+    assert main(argv) == 0
+    assert "prompts from the text of notes.txt." in capsys.readouterr().out
 
 
 def test_bench_cli_bad_config_is_a_clear_error(tiny, capsys):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .malloc import pin_glibc_malloc
+from .text import read_text, text_source
 from .throughput import DEFAULT_KVS, MIXES, NEUTRAL
 
 BENCH_HELP = """\
@@ -36,11 +37,11 @@ STEP_HELP = f"""\
 Prefill and decode-step time of LeanCache configs against DynamicCache.
 
 For each --context, a batch of --batch real-text prompts (Wikipedia articles shipped with
-leankit; rows left-padded, each 3 tokens shorter than the one before) is prefilled into a
-DynamicCache and, per --kv config, into a plain LeanCache and an instrumented one (3 fresh
-prefills of each, in rotating order; the median counts). Then
---steps decode steps (after 2 warm-up rounds) step every cache once per round, in an order that
-rotates each round, so every cache sees the same machine state. Reported per config:
+leankit, or --text FILE; rows left-padded, each 3 tokens shorter than the one before) is
+prefilled into a DynamicCache and, per --kv config, into a plain LeanCache and an instrumented
+one (3 fresh prefills of each, in rotating order; the median counts). Then --steps decode steps
+(after 2 warm-up rounds) step every cache once per round, in an order that rotates each round,
+so every cache sees the same machine state. Reported per config:
 
   prefill ratio   LeanCache prefill time / DynamicCache prefill time (medians of 3)
   decode ratio    median LeanCache step / median DynamicCache step
@@ -65,7 +66,7 @@ THROUGHPUT_HELP = f"""\
 Generated tokens/s at a fixed KV budget, against DynamicCache.
 
 Requests (--requests, default 3 x the largest batch any cache fits) are drawn from the shipped
-Wikipedia text with --seed: prompt and output lengths uniform in their ranges.
+Wikipedia text (or --text FILE) with --seed: prompt and output lengths uniform in their ranges.
   decode-heavy (default)  prompts {MIXES['decode-heavy'][0][0]}-{MIXES['decode-heavy'][0][1]} tokens, \
 outputs {MIXES['decode-heavy'][1][0]}-{MIXES['decode-heavy'][1][1]} tokens
   prefill-heavy           prompts {MIXES['prefill-heavy'][0][0]}-{MIXES['prefill-heavy'][0][1]} tokens, \
@@ -128,6 +129,8 @@ def add_bench_parser(sub) -> None:
                        help="replace the results block of this mode in --readme with the table")
         p.add_argument("--readme", default="README.md", help="the README --write-readme edits (default: %(default)s)")
         p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+        p.add_argument("--text", metavar="FILE", help="a UTF-8 text file to cut the prompts from (default: the "
+                       "Wikipedia articles shipped with leankit); prompts longer than the text wrap around it")
         p.add_argument("--default-malloc", action="store_true",
                        help="leave glibc's malloc thresholds as they are (by default they are raised for the run, so "
                             "freed memory is reused instead of page-faulted in again; see leankit.bench.malloc)")
@@ -196,6 +199,8 @@ def _setup(args):
 
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.text is not None:
+        read_text(args.text)  # a missing, empty or binary file fails before the model loads
     if args.write_readme and not Path(args.readme).is_file():
         raise ValueError(f"--readme {args.readme} is not a file (run from the repository root or pass --readme)")
     if args.threads:
@@ -254,8 +259,11 @@ def cmd_step(args) -> int:
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or min(args.context) < 1:
         raise ValueError("--batch, --steps and --context must be >= 1 and --warmup >= 0")
     model, tok = _setup(args)
-    rows = step.run(model, tok, args.batch, args.context, kvs, args.steps, args.warmup, not args.no_progress)
-    body = (f"{args.model}, batch {args.batch}, {args.steps} decode steps after {args.warmup} warm-up rounds.\n\n"
+    rows = step.run(model, tok, args.batch, args.context, kvs, args.steps, args.warmup, not args.no_progress,
+                    text_path=args.text)
+    source = "" if args.text is None else f", prompts from {text_source(args.text)}"
+    body = (f"{args.model}, batch {args.batch}, {args.steps} decode steps after {args.warmup} warm-up rounds"
+            f"{source}.\n\n"
             f"{step.table(rows)}\n\n{step.NOTES} {step.faults_line(rows)}{_allocator_note(args)}")
     print(body)
     _finish(args, "step", body, rows)
@@ -274,7 +282,7 @@ def cmd_throughput(args) -> int:
     model, tok = _setup(args)
     res = throughput.run(model, tok, args.mix, args.budget_bytes, args.requests, args.prompt_range,
                          args.output_range, kvs, quantized=not args.no_quantized, verify=not args.no_verify,
-                         seed=args.seed, progress=not args.no_progress, ceiling=args.ceiling)
+                         seed=args.seed, progress=not args.no_progress, ceiling=args.ceiling, text_path=args.text)
     body = f"{args.model}.\n\n{throughput.table(res)}\n\n{throughput.notes(res)}{_allocator_note(args)}"
     print(body)
     # One README block per mix: the decode-heavy table is "throughput", the other "throughput-<mix>".
@@ -302,8 +310,9 @@ def cmd_offload(args) -> int:
     model, tok = _setup(args)
     limits = Limits(gpu_mem=None if args.gpu_mem is None else args.gpu_mem * GiB)
     res = offload.run(model, tok, hw, args.batch, args.context, args.steps, args.warmup, (None, *kvs), limits,
-                      progress=not args.no_progress)
-    body = f"{args.model}.\n\n{offload.table(res)}{_allocator_note(args)}"
+                      progress=not args.no_progress, text_path=args.text)
+    source = "" if args.text is None else f", prompts from {text_source(args.text)}"
+    body = f"{args.model}{source}.\n\n{offload.table(res)}{_allocator_note(args)}"
     print(body)
     _finish(args, "offload", body, res)
     return 0

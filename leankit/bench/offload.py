@@ -37,14 +37,16 @@ def _copy_seconds(link) -> float:
 
 
 def run(model, tok, hardware, batch: int, context: int, steps: int, warmup: int, kv_configs, limits=None,
-        progress: bool = False) -> dict:
-    """Measure the plan's offloaded cache against the all-on-device one; returns everything measured."""
+        progress: bool = False, text_path=None) -> dict:
+    """Measure the plan's offloaded cache against the all-on-device one; returns everything measured.
+
+    ``text_path``: a UTF-8 text file to cut the prompts from instead of the shipped articles."""
     from ..cache import LeanCache
     from ..offload import plan_for_model, predicted_link_bytes
     from ..offload.plan import cache_settings, relative_gap
 
     device = next(model.parameters()).device
-    ids, mask = left_padded(step_batch(corpus_ids(tok), batch, context), pad_id(tok))
+    ids, mask = left_padded(step_batch(corpus_ids(tok, text_path), batch, context), pad_id(tok))
     ids, mask = ids.to(device), mask.to(device)
     prompts = tuple(int(x) for x in mask.sum(1).tolist())
     plan = plan_for_model(model, hardware, batch, prompts, steps + warmup + 1, kv_configs=kv_configs, limits=limits)

@@ -166,11 +166,13 @@ def measure_context(model, ids: torch.Tensor, pad: int, batch: int, context: int
 
 
 def run(model, tok, batch: int = 8, contexts=(1024, 4096), kvs=("K8V4",), steps: int = 16, warmup: int = 2,
-        progress: bool = True) -> list[dict]:
-    """The step benchmark over ``contexts`` x ``kvs``; one result dict per (context, config)."""
+        progress: bool = True, text_path=None) -> list[dict]:
+    """The step benchmark over ``contexts`` x ``kvs``; one result dict per (context, config).
+
+    ``text_path``: a UTF-8 text file to cut the prompts from instead of the shipped articles."""
     if batch < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"--batch and --steps must be >= 1 and warm-up >= 0, got {batch}, {steps}, {warmup}")
-    ids, pad = corpus_ids(tok), pad_id(tok)
+    ids, pad = corpus_ids(tok, text_path), pad_id(tok)
     rows = []
     for ctx in contexts:
         rows += measure_context(model, ids, pad, batch, ctx, list(kvs), steps, warmup, progress)

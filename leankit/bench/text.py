@@ -1,23 +1,52 @@
 """Prompts for the benchmarks, cut from the Wikipedia articles shipped with leankit.
 
 The text is the package's own offline task data (:mod:`leankit.eval.tasks.corpus`, both splits,
-CC BY-SA), so the benchmarks need no download and every run sees the same tokens.
+CC BY-SA), so the benchmarks need no download and every run sees the same tokens. ``--text FILE``
+cuts them from a text of the user's own instead.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 
-def corpus_ids(tok) -> torch.Tensor:
-    """Every shipped Wikipedia article, in order, as one long tensor of token ids of ``tok``."""
-    from ..eval.tasks.corpus import WIKI_SPLITS, wiki
+def read_text(path) -> str:
+    """The UTF-8 text of ``path`` (``--text FILE``), with a clear error when it cannot be used."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--text {path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--text {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text.strip():
+        raise ValueError(f"--text {path} holds no text")
+    return text
 
-    text = "\n\n".join(r["text"] for split in WIKI_SPLITS for r in wiki(split))
-    return torch.tensor(tok(text, add_special_tokens=False).input_ids, dtype=torch.long)
+
+def corpus_ids(tok, text_path=None) -> torch.Tensor:
+    """Token ids of ``tok`` for the benchmark prompts, as one long tensor: every shipped Wikipedia
+    article in order, or the text of ``text_path`` (a UTF-8 file) when one is given. Prompts longer
+    than the text wrap around it."""
+    if text_path is None:
+        from ..eval.tasks.corpus import WIKI_SPLITS, wiki
+
+        text = "\n\n".join(r["text"] for split in WIKI_SPLITS for r in wiki(split))
+    else:
+        text = read_text(text_path)
+    ids = torch.tensor(tok(text, add_special_tokens=False).input_ids, dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError(f"--text {text_path} holds no tokens for this model's tokenizer")
+    return ids
+
+
+def text_source(text_path) -> str:
+    """How a results block names where its prompts came from."""
+    return "the shipped Wikipedia articles" if text_path is None else f"the text of {Path(text_path).name}"
 
 
 def left_padded(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ from importlib import metadata
 import torch
 
 from ..cli import _fmt_bytes
-from .text import Request, corpus_ids, left_padded, pad_id, request_mix
+from .text import Request, corpus_ids, left_padded, pad_id, request_mix, text_source
 
 NEUTRAL = "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1"
 PRUNING = "K8V4-K4V2:th=0.3,tl=0.05"
@@ -329,13 +329,14 @@ def serve(model, kind, requests: list[Request], batch: int, budget: int, pad: in
 
 def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, requests: int | None = None,
         prompt_range=None, output_range=None, kvs=DEFAULT_KVS, quantized: bool = True, verify: bool = True,
-        seed: int = 0, progress: bool = True, ceiling: bool = False) -> dict:
+        seed: int = 0, progress: bool = True, ceiling: bool = False, text_path=None) -> dict:
     """The throughput benchmark; returns everything it measured (see the module doc).
 
     ``ceiling``: also run ``DynamicCache`` *over the budget* at the largest batch a LeanCache fit
     (same requests). Its tokens/s ratio is what a compressor with no time overhead could reach
     at that batch on this machine: where batching buys little (compute-bound decode, as on a CPU)
-    no cache can gain more than that.
+    no cache can gain more than that. ``text_path``: a UTF-8 text file to cut the prompts from
+    instead of the shipped articles.
     """
     from tqdm.auto import tqdm
 
@@ -343,7 +344,7 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
         raise ValueError(f"unknown --mix {mix!r}; known: {', '.join(MIXES)}")
     prompt_range = tuple(prompt_range or MIXES[mix][0])
     output_range = tuple(output_range or MIXES[mix][1])
-    ids, pad = corpus_ids(tok), pad_id(tok)
+    ids, pad = corpus_ids(tok, text_path), pad_id(tok)
     request_mix(ids, 1, prompt_range, output_range)  # checks the ranges before any model work
     if budget is None:
         budget = default_budget(model, prompt_range, output_range)
@@ -399,7 +400,7 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
         c["batch_ratio"] = c["batch"] / base["batch"]
     return dict(mix=mix, prompt_range=list(prompt_range), output_range=list(output_range), requests=n,
                 requested_tokens=sum(r.output for r in reqs), prompt_tokens=sum(len(r.prompt) for r in reqs),
-                budget_bytes=budget, seed=seed, caches=caches, notes=notes, ceiling=top)
+                budget_bytes=budget, seed=seed, text=text_source(text_path), caches=caches, notes=notes, ceiling=top)
 
 
 def summary(res: dict) -> str:
@@ -407,7 +408,13 @@ def summary(res: dict) -> str:
     return (f"budget {res['budget_bytes']} bytes ({_fmt_bytes(res['budget_bytes'])}); {res['mix']} mix: "
             f"{res['requests']} requests, prompts {res['prompt_range'][0]}-{res['prompt_range'][1]} tokens, "
             f"outputs {res['output_range'][0]}-{res['output_range'][1]} tokens ({res['requested_tokens']} "
-            f"requested tokens in all, seed {res['seed']})")
+            f"requested tokens in all, seed {res['seed']}{_text_note(res)})")
+
+
+def _text_note(res: dict) -> str:
+    """Where the prompts came from, said only when it is not the shipped articles (the default)."""
+    text = res.get("text")  # absent from results saved before --text existed
+    return f"; prompts from {text}" if text and text != text_source(None) else ""
 
 
 def table(res: dict) -> str:
