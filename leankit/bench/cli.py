@@ -219,6 +219,11 @@ def _check_plot(args) -> None:
             raise ValueError(f"--plot writes a PNG: give a path ending in .png, got {args.plot}")
 
 
+def _text_note(args) -> str:
+    """The words a results block's first line carries about --text (empty for the shipped articles)."""
+    return "" if args.text is None else f", prompts from {text_source(args.text)}"
+
+
 def _allocator_note(args) -> str:
     """The sentence a results block carries about the allocator (empty when it was left alone)."""
     return f"\n\n{args.allocator}" if getattr(args, "allocator", None) else ""
@@ -261,9 +266,8 @@ def cmd_step(args) -> int:
     model, tok = _setup(args)
     rows = step.run(model, tok, args.batch, args.context, kvs, args.steps, args.warmup, not args.no_progress,
                     text_path=args.text)
-    source = "" if args.text is None else f", prompts from {text_source(args.text)}"
     body = (f"{args.model}, batch {args.batch}, {args.steps} decode steps after {args.warmup} warm-up rounds"
-            f"{source}.\n\n"
+            f"{_text_note(args)}.\n\n"
             f"{step.table(rows)}\n\n{step.NOTES} {step.faults_line(rows)}{_allocator_note(args)}")
     print(body)
     _finish(args, "step", body, rows)
@@ -311,8 +315,7 @@ def cmd_offload(args) -> int:
     limits = Limits(gpu_mem=None if args.gpu_mem is None else args.gpu_mem * GiB)
     res = offload.run(model, tok, hw, args.batch, args.context, args.steps, args.warmup, (None, *kvs), limits,
                       progress=not args.no_progress, text_path=args.text)
-    source = "" if args.text is None else f", prompts from {text_source(args.text)}"
-    body = f"{args.model}{source}.\n\n{offload.table(res)}{_allocator_note(args)}"
+    body = f"{args.model}{_text_note(args)}.\n\n{offload.table(res)}{_allocator_note(args)}"
     print(body)
     _finish(args, "offload", body, res)
     return 0

@@ -134,7 +134,7 @@ ALWAYS_INLINE float half_at(const uint8_t *src) {
 
 /* exp_numerator's constants, shared with its 8-lane twin: log2(e), ln 2 split in two (Cody-Waite),
  * and Cephes' degree-5 minimax coefficients of e^r, highest first. */
-#define EXP_LOWEST -87.0f /* e^x < 2^-125 below it: a numerator of 0 */
+#define EXP_LOWEST (-87.0f) /* e^x < 2^-125 below it: a numerator of 0 */
 #define EXP_LOG2E 1.44269504088896341f
 #define EXP_LN2_HI 0.693359375f
 #define EXP_LN2_LO 2.12194440e-4f
