@@ -725,6 +725,20 @@ class LeanCache(Cache):
         if k.shape[2] > 1:  # several queries per row: the kernel left the counts to add here
             lens += step.n_new.view(-1, 1).to(lens.dtype)
 
+    def store_decode_tokens(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, score=None) -> bool:
+        """A CPU decode step's new tokens of ``layer`` (``k``/``v`` ``[B, H, 1, F]``, the basis the
+        pages hold) into the next high-tier slots of their heads, and the heads' token counts
+        advanced, in one compiled call (:meth:`leankit.pages.PagePool.store_decode`): the CPU twin
+        of :meth:`write_step_tokens`. ``score``: the tokens' initial significance ``[B, H, 1]``, or
+        None (0). Returns False, having done nothing, where the compiled kernels cannot take the
+        store (none built, or a dtype they do not read); raises as :meth:`write_tokens` does, with
+        nothing written."""
+        views, row_len = self.table.layer_views(layer), self.table.row_len
+        first = int(self.table.column(HIGH, 0, row_len))
+        return self.pool.store_decode(self.layouts[HIGH], views.tables, first,
+                                      int(self.table.column(HIGH, 1, row_len)) - first, views.tier_lens[HIGH],
+                                      k, v, step.q_pos, step.real, score)
+
     def _layer_err(self, layer: int) -> torch.Tensor:
         """The device error flag of ``layer`` (index ``num_layers``: tokens moved between tiers), a
         one-element view of ``_kv_err``; the views are cut once, not at every store."""

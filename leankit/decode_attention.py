@@ -465,11 +465,12 @@ def decode_step_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float
     """A decode step's whole attention on the compiled CPU kernels: one query per sequence over
     the layer's live pages and the step's own token, at its exact key and value.
 
-    Both passes over the pages (:func:`live_page_attention`), then one call
-    (:meth:`leankit.native.Kernels.finish_decode`) that adds the new token, merges the two softmaxes
-    by log-sum-exp and normalizes: what :func:`leankit.attention.step_attention` and
-    :func:`leankit.attention.merge_attention` compute after :func:`live_page_attention`, without
-    their twenty-odd small tensor ops per layer. Check :func:`serves_decode_step` first.
+    One compiled call (:meth:`leankit.native.Kernels.decode_attention`) lists each tier's live
+    pages, runs both passes over them (what :func:`live_page_attention` runs on the compiled
+    kernels), then adds the new token, merges the two softmaxes by log-sum-exp and normalizes: what
+    :func:`leankit.attention.step_attention` and :func:`leankit.attention.merge_attention` compute
+    after :func:`live_page_attention`, without the small tensor ops around each kernel (a few
+    hundred microseconds a layer at short contexts). Check :func:`serves_decode_step` first.
 
     Args:
         q: ``[B, Hq, 1, F]`` queries in the basis the pages hold (rotated if the cache rotates).
@@ -495,17 +496,84 @@ def decode_step_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float
         raise RuntimeError(f"decode_step_attention runs on the compiled CPU kernels, which {q.device} tensors "
                            "cannot use here (see serves_decode_step)")
     ws = kv.workspace or Workspace()
-    qs, qp = _query_rows(q, q_pos, scale, hkv)
-    tiers, scores, slots, m = _native_scores(k, qs, qp, kv, ws, keep_slots=significance)
-    shift, l_sum, acc = _native_values(k, kv, tiers, scores, m, f)
-    lse = torch.empty((bh, g))
+    tiers = _decode_tiers(kv, ws, g, keep_slots=significance)
+    scratch = (ws.get("decode_q_rows", (bh, g, f), torch.float32, "cpu"),
+               ws.get("decode_row_pos", (bh, g), torch.int32, "cpu"),
+               ws.get("decode_l_sum", (bh, g), torch.float32, "cpu"))
+    shift = torch.empty((bh, g))  # kept by the live slots of a significance step: not a workspace buffer
+    out, lse = torch.empty((b, 1, hq, f)), torch.empty((bh, g))  # row g of KV head h is query head h*G + g
     row_weight = torch.empty((bh, g)) if significance else None
     received = torch.empty(bh) if significance else None
-    k.finish_decode(acc, l_sum, shift, qs, k_new.float().reshape(bh, f).contiguous(),
-                    v_new.float().reshape(bh, f).contiguous(), real.reshape(b).contiguous(), acc, lse,
-                    row_weight, received)
-    out = acc.view(b, 1, hq, f)  # row g of KV head h is query head h*G + g
+    k.decode_attention(kv.pool.storage, tiers, _contiguous_f32(q), scale, _flat_positions(q_pos, b),
+                       _contiguous_f32(k_new), _contiguous_f32(v_new), real.reshape(b).contiguous(),
+                       (scratch[0], scratch[1], shift, scratch[2]), out, lse, row_weight, received)
     if not significance:
         return out, lse.view(b, hkv, g), None, None
-    return (out, lse.view(b, hkv, g), _live_slots(tiers, scores, slots, shift, row_weight.view(bh, g)),
-            received.view(b, hkv, 1))
+    pages, probs, slots = zip(*_listed_tiers(kv, tiers, ws, g))
+    live = _live_slots(pages, probs, slots, shift, row_weight)
+    return out, lse.view(b, hkv, g), live, received.view(b, hkv, 1)
+
+
+def _contiguous_f32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous fp32 tensor (itself when it already is one)."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _flat_positions(q_pos: torch.Tensor, b: int) -> torch.Tensor:
+    """A decode step's positions ``[B, 1]`` as the contiguous int64 ``[B]`` the kernels read."""
+    q_pos = q_pos.reshape(b)
+    if q_pos.dtype != torch.int64:
+        q_pos = q_pos.long()
+    return q_pos if q_pos.is_contiguous() else q_pos.contiguous()
+
+
+def _decode_tiers(kv, ws, rows: int, keep_slots: bool):
+    """The ctypes :class:`leankit.native.DecodeTier` array of ``kv``'s layer: per tier, its
+    page-table rows and counts, its page geometry, and workspace buffers that hold every page a
+    row of the table can list (``keep_slots``: with the slots' positions, validity and stored
+    significance, for LeanKV's significance update)."""
+    table, layer = kv.table, kv.layer
+    if not (table.tables.is_contiguous() and table.n_pages.is_contiguous() and table.lens.is_contiguous()):
+        raise ValueError("decode_step_attention: the page table's tensors must be contiguous")
+    views = table.layer_views(layer)
+    _, batch, heads = table.shape
+    row_len = table.row_len
+    capacity = batch * heads * row_len
+    tiers = (native.DecodeTier * len(kv.layouts))()
+    for tier, (lay, desc) in enumerate(zip(kv.layouts, tiers)):
+        first = int(table.column(tier, 0, row_len))
+        desc.n_pages, desc.table, desc.lens = (views.n_pages[tier].data_ptr(), views.tables.data_ptr(),
+                                               views.tier_lens[tier].data_ptr())
+        desc.row_len, desc.first_col, desc.col_step, desc.capacity = (
+            row_len, first, int(table.column(tier, 1, row_len)) - first, capacity)
+        desc.tokens, desc.group_size = lay.tokens, lay.group_size
+        desc.k_bits = native.side_format(lay.precision.k_bits, lay.dense_dtype)
+        desc.v_bits = native.side_format(lay.precision.v_bits, lay.dense_dtype)
+        (desc.k_data, desc.k_meta, desc.v_data, desc.v_meta, desc.score_off, desc.pos_off) = lay.seg_offsets
+        desc.head, desc.rank, desc.page_id = (ws.get(f"live_list{tier}_{i}", (capacity,), torch.int64, "cpu").data_ptr()
+                                              for i in range(3))
+        desc.scores = ws.get(f"live_scores{tier}", (capacity, rows, lay.tokens), torch.float32, "cpu").data_ptr()
+        if keep_slots:
+            desc.pos_out = ws.get(f"live_pos{tier}", (capacity, lay.tokens), torch.int32, "cpu").data_ptr()
+            desc.valid_out = ws.get(f"live_valid{tier}", (capacity, lay.tokens), torch.bool, "cpu").data_ptr()
+            desc.score_out = ws.get(f"live_score{tier}", (capacity, lay.tokens), torch.float32, "cpu").data_ptr()
+    return tiers
+
+
+def _listed_tiers(kv, tiers, ws, rows: int):
+    """Per tier, what :func:`_decode_tiers`' buffers hold after the call: ``(pages, probs, slots)``,
+    the listed pages (:class:`leankit.native.PoolPages`), their numerators ``[L, R, T]`` and the
+    slots' ``pos_out``/``valid_out``/``score_out`` ``[L, T]``, cut to the ``L`` pages listed."""
+    table = kv.table
+    capacity = table.shape[1] * table.shape[2] * table.row_len
+    for tier, (lay, desc) in enumerate(zip(kv.layouts, tiers)):
+        n, t = desc.n_listed, lay.tokens
+        head, rank, page_id = (ws.get(f"live_list{tier}_{i}", (capacity,), torch.int64, "cpu")[:n] for i in range(3))
+        pages = native.PoolPages(kv.pool.storage, page_id, head, rank, t, dict(zip(SEGMENTS, lay.seg_offsets)))
+        probs = ws.get(f"live_scores{tier}", (capacity, rows, t), torch.float32, "cpu")[:n]
+        slots = {name: ws.get(f"live_{key}{tier}", (capacity, t), dtype, "cpu")[:n]
+                 for name, key, dtype in (("pos_out", "pos", torch.int32), ("valid_out", "valid", torch.bool),
+                                          ("score_out", "score", torch.float32))}
+        yield pages, probs, slots

@@ -395,10 +395,8 @@ class PagePool:
         bytes (the torch path runs about twenty small ops per call, which dominate a decode step's
         store, and its indexed row stores of a prompt's dense rows cost more than their copy).
         """
-        kernels = native.kernels_for(self.device)
-        k_fmt = native.side_format(layout.precision.k_bits, layout.dense_dtype)
-        v_fmt = native.side_format(layout.precision.v_bits, layout.dense_dtype)
-        if kernels is not None and k_fmt is not None and v_fmt is not None:
+        kernels, k_fmt, v_fmt = self._native_store(layout)
+        if kernels is not None:
             page = page_ids.long()
             if keep is not None:  # a negative page id: the kernel skips the token
                 page = torch.where(keep, page, torch.full_like(page, -1))
@@ -411,6 +409,38 @@ class PagePool:
             idx = keep.nonzero().squeeze(1)
             page_ids, slots, k, v, score, position = (t[idx] for t in (page_ids, slots, k, v, score, position))
         self.write_rows(layout, page_ids, slots, layout.encode(k, v, score, position))
+
+    def _native_store(self, layout: PageLayout):
+        """``(kernels, k_format, v_format)``: the compiled kernels that store ``layout``'s tokens in
+        this pool and the formats of its two sides (:func:`leankit.native.side_format`), or
+        ``(None, None, None)`` where they cannot (no kernels here, or a dtype they do not read)."""
+        kernels = native.kernels_for(self.device)
+        k_fmt = native.side_format(layout.precision.k_bits, layout.dense_dtype)
+        v_fmt = native.side_format(layout.precision.v_bits, layout.dense_dtype)
+        if kernels is None or k_fmt is None or v_fmt is None:
+            return None, None, None
+        return kernels, k_fmt, v_fmt
+
+    def store_decode(self, layout: PageLayout, table: torch.Tensor, first_col: int, col_step: int,
+                     lens: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, real: torch.Tensor,
+                     score: torch.Tensor | None = None) -> bool:
+        """A decode step's new tokens of one layer (``k``/``v`` ``[B, H, 1, head_dim]``) into the next
+        slots of their heads' tier, in one compiled call (:meth:`leankit.native.Kernels.store_step`):
+        head ``(b, h)``'s token, when ``real[b]``, goes to slot ``lens[b, h]``, on the page in column
+        ``first_col + col_step * (lens[b, h] // tokens)`` of its row of ``table`` (int32
+        ``[B, H, R]``), with position ``q_pos[b]`` and significance ``score[b, h, 0]`` (None: 0);
+        ``lens`` (int32 ``[B, H]``) is advanced in place. Returns False, having done nothing, where
+        the compiled kernels cannot take the store; NaN/Inf K/V raise
+        :class:`~leankit.quant.NonFiniteKVError` with nothing written and ``lens`` unchanged."""
+        kernels, k_fmt, v_fmt = self._native_store(layout)
+        if kernels is None:
+            return False
+        batch = k.shape[0]
+        kernels.store_step(self.storage, table, first_col, col_step, lens, layout.tokens, layout.seg_offsets,
+                           k.float().contiguous(), v.float().contiguous(), q_pos.reshape(batch).long().contiguous(),
+                           real.reshape(batch).contiguous(), None if score is None else score.float().contiguous(),
+                           k_fmt, v_fmt, layout.group_size)
+        return True
 
     def read_rows(self, layout: PageLayout, page_ids: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
         """Bytes ``[n, bytes]`` of segment ``name`` of the slots ``slots`` of pages ``page_ids``."""

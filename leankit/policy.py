@@ -384,6 +384,8 @@ class _Base:
             # one query gives n = m = 1 below, so s = received.
             cache.write_step_tokens(layer, k, v, step, received)
             return
+        if not dense and k.shape[2] == 1 and cache.store_decode_tokens(layer, k, v, step, received):
+            return  # a CPU decode step: one compiled call finds each token's slot, stores it, advances the counts
         rows = self._store_rows(step, k.shape[0], k.shape[1], k.shape[2], k.device, dense)
         if rows is None:
             return

@@ -133,3 +133,82 @@ def test_pool_write_tokens_takes_the_same_path_on_both_sides_of_the_switch(monke
     monkeypatch.setattr(native, "_state", {"kernels": None})
     torch_pool.write_tokens(lay, page, slot, k, v, score, pos, keep=keep)
     assert torch.equal(pool.storage, torch_pool.storage), f"seed {seed}"
+
+
+def _step_case(gen, spec, dim, batch, heads, row_len=4, low=False):
+    """A pool of random bytes, a page table whose rows own pages in random order (the tier's
+    columns from the left, or from the right with ``low``), token counts that put the next slot
+    anywhere in the owned pages, and a decode step's tokens, some of whose rows are not real."""
+    cfg = KVConfig.parse(spec)
+    lay = PageLayout.build(cfg, 0, dim, torch.float32)
+    num_pages = batch * heads * row_len + 7
+    pool = PagePool(num_pages, cfg.page_size, torch.device("cpu"))
+    pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, dtype=torch.uint8, generator=gen))
+    owned = torch.randint(1, row_len + 1, (batch, heads), generator=gen)
+    ids = torch.randperm(num_pages, generator=gen)[: batch * heads * row_len].view(batch, heads, row_len)
+    table = torch.full((batch, heads, row_len), -1, dtype=torch.int32)
+    first, step = (row_len - 1, -1) if low else (0, 1)
+    for b in range(batch):
+        for h in range(heads):
+            for j in range(int(owned[b, h])):
+                table[b, h, first + step * j] = ids[b, h, j]
+    lens = (torch.rand(batch, heads, generator=gen) * owned * lay.tokens).long().clamp_max(owned * lay.tokens - 1)
+    lens = lens.to(torch.int32)
+    k = torch.randn(batch, heads, 1, dim, generator=gen) * 3
+    v = torch.randn(batch, heads, 1, dim, generator=gen)
+    q_pos = torch.randint(0, 1 << 20, (batch,), generator=gen)
+    real = torch.rand(batch, generator=gen) < 0.7
+    real[0] = True
+    score = torch.rand(batch, heads, 1, generator=gen) * 2
+    return lay, pool, table, first, step, lens, k, v, q_pos, real, score
+
+
+def _store_step(pool, lay, table, first, step, lens, k, v, q_pos, real, score):
+    kernels.store_step(pool.storage, table, first, step, lens, lay.tokens, lay.seg_offsets, k, v, q_pos, real, score,
+                       native.side_format(lay.precision.k_bits, lay.dense_dtype),
+                       native.side_format(lay.precision.v_bits, lay.dense_dtype), lay.group_size)
+
+
+@pytest.mark.parametrize("spec,dim,low,with_score", [("K8V4", 64, False, True), ("K4V2:group_size=32", 64, True, True),
+                                                      ("FP16", 40, False, False), ("K2V1:group_size=8", 24, True, False)])
+def test_store_step_finds_each_slot_from_the_table_and_advances_the_counts(spec, dim, low, with_score):
+    """``store_step`` (a decode step's store of one layer in one call) writes each real row's token
+    where the torch path writes it, slot ``lens`` of the page in the tier's column of its rank,
+    advances the counts of real rows only, and leaves every other byte as it was."""
+    gen, seed = testing.fresh_generator()
+    batch, heads = 5, 3
+    lay, pool, table, first, step, lens, k, v, q_pos, real, score = _step_case(gen, spec, dim, batch, heads, low=low)
+    score = score if with_score else None
+    want = PagePool(pool.num_pages, pool.page_size, pool.device)
+    want.storage.copy_(pool.storage)
+    b_idx, h_idx = (i.reshape(-1) for i in torch.meshgrid(torch.arange(batch), torch.arange(heads), indexing="ij"))
+    keep = real[b_idx]
+    slot = lens.reshape(-1).long()
+    page = table[b_idx, h_idx, first + step * (slot // lay.tokens)]
+    _torch_write(want, lay, page, slot % lay.tokens, k.reshape(-1, dim), v.reshape(-1, dim),
+                 torch.zeros(batch * heads) if score is None else score.reshape(-1),
+                 q_pos[b_idx].to(torch.int32), keep)
+    lens_before = lens.clone()
+    _store_step(pool, lay, table, first, step, lens, k, v, q_pos, real, score)
+    assert torch.equal(pool.storage, want.storage), f"seed {seed}, {spec}"
+    assert torch.equal(lens, lens_before + real.view(-1, 1).to(torch.int32)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("bad", ["nan", "no_page", "full_row"])
+def test_refused_store_step_writes_nothing_and_keeps_the_counts(bad):
+    gen, _ = testing.fresh_generator()
+    lay, pool, table, first, step, lens, k, v, q_pos, real, score = _step_case(gen, "K8V4", 64, 4, 2)
+    real[:] = True
+    if bad == "nan":
+        v[3, 1, 0, 5] = float("nan")
+    elif bad == "no_page":  # the next slot starts a page the row does not own
+        table[2, 0, 1:] = -1
+        lens[2, 0] = lay.tokens
+    else:  # the next slot lies past the last column of the row
+        lens[1, 1] = table.shape[-1] * lay.tokens
+    pool_before, lens_before = pool.storage.clone(), lens.clone()
+    with pytest.raises(NonFiniteKVError if bad == "nan" else ValueError):
+        _store_step(pool, lay, table, first, step, lens, k, v, q_pos, real, score)
+    assert torch.equal(pool.storage, pool_before) and torch.equal(lens, lens_before)
+    with pytest.raises(ValueError, match="store_step"):  # wrong shapes are refused before the kernel runs
+        _store_step(pool, lay, table, first, step, lens[:, :1], k, v, q_pos, real, score)

@@ -10,6 +10,9 @@ running-significance update of the live slots run inside the same loops instead 
 tensor ops per tier. ``finish_decode.c`` adds a decode step's own token (exact key and value) to
 pass 2's sums, merges the two softmaxes and normalizes, in place of about twenty small tensor ops
 per layer. ``store_tokens.c`` quantizes a step's new tokens straight into their slots.
+``decode_step.c`` composes them into one call per layer for a decode step's attention (list the
+live pages, both passes, finish) and one for its store (find each new token's slot from the page
+table, store, advance the counts), so a layer's fixed work is not a string of small tensor ops.
 Dense (unquantized) sides are read and stored in place too, in the model's dtype
 (:data:`DENSE_FORMATS`), so the lossless ``FP16`` config takes the same path.
 
@@ -194,6 +197,23 @@ class PoolPages:
     offsets: dict
 
 
+class DecodeTier(ctypes.Structure):
+    """One tier of one layer as :meth:`Kernels.decode_attention` reads it (``struct
+    lk_decode_tier`` in ``decode_step.c``): the layer's page-table rows and counts, the tier's page
+    geometry, and the buffers its live pages are listed and scored into. ``n_listed`` is written by
+    the call: how many live pages the tier had (the valid prefix of the listing buffers)."""
+
+    _fields_ = [("n_pages", ctypes.c_void_p), ("table", ctypes.c_void_p), ("lens", ctypes.c_void_p),
+                ("row_len", ctypes.c_int64), ("first_col", ctypes.c_int64), ("col_step", ctypes.c_int64),
+                ("capacity", ctypes.c_int64), ("tokens", ctypes.c_int32), ("k_bits", ctypes.c_int32),
+                ("v_bits", ctypes.c_int32), ("group_size", ctypes.c_int32), ("k_data", ctypes.c_int64),
+                ("k_meta", ctypes.c_int64), ("v_data", ctypes.c_int64), ("v_meta", ctypes.c_int64),
+                ("pos_off", ctypes.c_int64), ("score_off", ctypes.c_int64), ("head", ctypes.c_void_p),
+                ("rank", ctypes.c_void_p), ("page_id", ctypes.c_void_p), ("scores", ctypes.c_void_p),
+                ("pos_out", ctypes.c_void_p), ("valid_out", ctypes.c_void_p), ("score_out", ctypes.c_void_p),
+                ("n_listed", ctypes.c_int64)]
+
+
 class Kernels:
     """The loaded library, with argument checks in front of its entry points."""
 
@@ -215,8 +235,12 @@ class Kernels:
         lib.lk_store_tokens.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr,
                                         i32]
         lib.lk_store_tokens.restype = i32
-        lib.lk_finish_decode.argtypes = [i64, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-        lib.lk_finish_decode.restype = None
+        lib.lk_decode_attention.argtypes = [ptr, i64, i64, i32, ptr, i64, i32, i32, i32, ptr, ctypes.c_float, ptr,
+                                            ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
+        lib.lk_decode_attention.restype = i32
+        lib.lk_store_step.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i32, i32, i32, i32, i32, i32, ptr,
+                                      ptr, ptr, ptr, ptr, ptr, i32]
+        lib.lk_store_step.restype = i32
         lib.lk_parallel.restype = i32
         lib.lk_specialized.argtypes = [i32, i32, i32]
         lib.lk_specialized.restype = i32
@@ -395,38 +419,99 @@ class Kernels:
                                          torch.get_num_threads())
         self._check_result(code, "store_tokens", bad_page="a page id lies outside the pool or a slot outside its page")
 
-    def finish_decode(self, acc: torch.Tensor, l_sum: torch.Tensor, shift: torch.Tensor, q: torch.Tensor,
-                      k_new: torch.Tensor, v_new: torch.Tensor, real: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, row_weight: torch.Tensor | None = None,
-                      received: torch.Tensor | None = None) -> None:
-        """A decode step's attention from pass 2's sums and the step's own token
-        (``finish_decode.c``): the merged softmax over the stored keys and the new key, normalized.
+    def decode_attention(self, storage: torch.Tensor, tiers, q: torch.Tensor, scale: float, q_pos: torch.Tensor,
+                         k_new: torch.Tensor, v_new: torch.Tensor, real: torch.Tensor, scratch: tuple,
+                         out: torch.Tensor, lse: torch.Tensor, row_weight: torch.Tensor | None = None,
+                         received: torch.Tensor | None = None) -> None:
+        """A decode step's whole attention for one layer in one call (``decode_step.c``): each tier's
+        live pages listed (:meth:`list_pages`), pass 1 and pass 2 over them (:meth:`live_scores`,
+        :meth:`live_values`), the same functions, so the same bits; then ``finish_decode.c`` adds the
+        step's own token (exact key and value) to pass 2's sums, merges the two softmaxes and
+        normalizes.
 
-        ``acc`` fp32 ``[BH, G, F]``, ``l_sum`` and ``shift`` fp32 ``[BH, G]`` as pass 2 left them;
-        ``q`` fp32 ``[BH, G, F]`` the scaled query rows; ``k_new``, ``v_new`` fp32 ``[BH, F]`` the
-        step's token, in the basis the pages hold; ``real`` bool ``[B]`` (``BH = B * Hkv``).
-        Writes ``out`` fp32 ``[BH, G, F]`` (may be ``acc`` itself) and ``lse`` fp32 ``[BH, G]``;
-        with them, ``row_weight`` fp32 ``[BH, G]``: ``exp(shift - lse) / G`` for rows of real
-        tokens that saw a stored key, else 0, and ``received`` fp32 ``[BH]``: the mass the new
-        token received, averaged over the group (0 where not real).
+        ``storage``: the pool; ``tiers``: a ctypes array of :class:`DecodeTier` (their
+        ``n_listed`` written); ``q`` fp32 ``[B, Hq, 1, F]`` the queries in the pages' basis,
+        unscaled (``Hq = Hkv * G``); ``q_pos`` int64 ``[B]``; ``k_new``/``v_new`` fp32
+        ``[B, Hkv, 1, F]``; ``real`` bool ``[B]``; ``scratch``: the scaled query rows fp32
+        ``[BH, G, F]``, their positions int32 ``[BH, G]``, then ``shift`` and ``l_sum`` fp32
+        ``[BH, G]`` (written: each row's maximum, 0 where it sees nothing, and its numerators'
+        sum). Writes ``out`` fp32 ``[B, 1, Hq, F]`` and ``lse`` fp32 ``[BH, G]``; when given,
+        ``row_weight`` fp32 ``[BH, G]``: ``exp(shift - lse) / G`` for rows of real tokens that saw
+        a stored key, else 0, and ``received`` fp32 ``[BH]``: the mass the new token received,
+        averaged over the group (0 where not real).
         """
-        bh, rows, dim = acc.shape if acc.dim() == 3 else (-1, -1, -1)
-        b = real.numel()
-        f32 = (acc, l_sum, shift, q, k_new, v_new, out, lse, row_weight, received)
-        ok = (bh > 0 and b > 0 and bh % b == 0 and real.dtype == torch.bool
-              and all(x is None or (x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu")
-                      for x in f32)
-              and real.is_contiguous() and real.device.type == "cpu"
-              and q.shape == out.shape == acc.shape and l_sum.shape == shift.shape == lse.shape == (bh, rows)
-              and k_new.shape == v_new.shape == (bh, dim)
-              and (row_weight is None or row_weight.shape == (bh, rows))
-              and (received is None or received.shape == (bh,)))
+        b, hq, nq, f = q.shape if q.dim() == 4 else (-1, -1, -1, -1)
+        hkv = k_new.shape[1] if k_new.dim() == 4 else -1
+        q_rows, row_pos, shift, l_sum = scratch
+        g = hq // hkv if hkv > 0 else -1
+        bh = b * hkv
+        f32 = (q, k_new, v_new, q_rows, shift, l_sum, out, lse)
+        ok = (nq == 1 and g > 0 and hq == g * hkv and storage.dtype == torch.uint8 and storage.dim() == 2
+              and storage.is_contiguous() and k_new.shape == v_new.shape == (b, hkv, 1, f)
+              and q_pos.dtype == torch.int64 and q_pos.shape == (b,) and q_pos.is_contiguous()
+              and real.dtype == torch.bool and real.shape == (b,) and real.is_contiguous()
+              and row_pos.dtype == torch.int32 and row_pos.shape == (bh, g) and row_pos.is_contiguous()
+              and q_rows.shape == (bh, g, f) and out.shape == (b, 1, hq, f)
+              and shift.shape == l_sum.shape == lse.shape == (bh, g)
+              and all(x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu" for x in f32)
+              and (row_weight is None or (row_weight.dtype == torch.float32 and row_weight.shape == (bh, g)
+                                          and row_weight.is_contiguous()))
+              and (received is None or (received.dtype == torch.float32 and received.shape == (bh,)
+                                        and received.is_contiguous())))
         if not ok:
-            raise ValueError("native finish_decode: want acc, q and out fp32 [BH, G, F], l_sum, shift and lse fp32 "
-                             "[BH, G], k_new and v_new fp32 [BH, F], real bool [B] with B dividing BH, all "
+            raise ValueError("native decode_attention: want q fp32 [B, Hq, 1, F], k_new and v_new fp32 "
+                             "[B, Hkv, 1, F], q_pos int64 [B], real bool [B], fp32 [BH, G, F] query rows, int32 "
+                             "[BH, G] positions, fp32 [BH, G] shift, l_sum and lse, out fp32 [B, 1, Hq, F], all "
                              "contiguous on the CPU")
-        self._lib.lk_finish_decode(bh, rows, dim, bh // b, *(None if x is None else x.data_ptr() for x in f32[:6]),
-                                   real.data_ptr(), *(None if x is None else x.data_ptr() for x in f32[6:]))
+        code = self._lib.lk_decode_attention(
+            storage.data_ptr(), storage.shape[1], storage.shape[0], len(tiers), tiers, bh, hkv, g, f, q.data_ptr(),
+            scale, q_pos.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), real.data_ptr(), q_rows.data_ptr(),
+            row_pos.data_ptr(), shift.data_ptr(), l_sum.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            None if row_weight is None else row_weight.data_ptr(), None if received is None else received.data_ptr(),
+            torch.get_num_threads())
+        self._check_result(code, "decode_attention")
+
+    def store_step(self, storage: torch.Tensor, table: torch.Tensor, first_col: int, col_step: int,
+                   lens: torch.Tensor, tokens: int, offsets: tuple, k: torch.Tensor, v: torch.Tensor,
+                   q_pos: torch.Tensor, real: torch.Tensor, score: torch.Tensor | None, k_bits: int, v_bits: int,
+                   group_size: int) -> None:
+        """A decode step's store for one layer in one call (``decode_step.c``): each (sequence, head)
+        whose token is real gets it quantized into its tier's next slot, found from its token count
+        and its page-table row, and its count advanced; byte for byte what :meth:`store_tokens`
+        writes for the same slots.
+
+        ``table`` int32 ``[B, H, row_len]`` (the tier's page of rank ``j`` in column
+        ``first_col + col_step * j``) and ``lens`` int32 ``[B, H]`` (advanced in place), both
+        contiguous; ``tokens`` and ``offsets`` as for :meth:`store_tokens`; ``k``/``v`` fp32
+        ``[B, H, 1, F]``; ``q_pos`` int64 and ``real`` bool ``[B]``; ``score`` fp32 ``[B, H, 1]``
+        or None (0). Raises :class:`leankit.quant.NonFiniteKVError` or ``ValueError`` (a slot
+        without a page) with nothing written and ``lens`` unchanged.
+        """
+        b, h, nq, dim = k.shape if k.dim() == 4 else (-1, -1, -1, -1)
+        self._codes("k", k_bits, group_size, dim)
+        self._codes("v", v_bits, group_size, dim)
+        ok = (nq == 1 and storage.dtype == torch.uint8 and storage.dim() == 2 and storage.is_contiguous()
+              and k.dtype == v.dtype == torch.float32 and v.shape == k.shape and k.is_contiguous()
+              and v.is_contiguous() and table.dtype == lens.dtype == torch.int32 and table.dim() == 3
+              and table.shape[:2] == lens.shape == (b, h) and table.is_contiguous() and lens.is_contiguous()
+              and q_pos.dtype == torch.int64 and q_pos.shape == real.shape == (b,) and q_pos.is_contiguous()
+              and real.dtype == torch.bool and real.is_contiguous() and len(offsets) == 6
+              and (score is None or (score.dtype == torch.float32 and score.shape == (b, h, 1)
+                                     and score.is_contiguous()))
+              and all(x.device.type == "cpu" for x in (storage, k, v, table, lens, q_pos, real)))
+        if not ok:
+            raise ValueError("native store_step: want a contiguous uint8 pool, fp32 [B, H, 1, F] k and v, int32 "
+                             "[B, H, R] table and [B, H] lens, int64 q_pos and bool real [B], fp32 [B, H, 1] "
+                             "score or None, all contiguous on the CPU")
+        offs = self._offsets.get(tuple(offsets))
+        if offs is None:
+            offs = self._offsets[tuple(offsets)] = torch.tensor(offsets, dtype=torch.int64)
+        code = self._lib.lk_store_step(storage.data_ptr(), storage.shape[1], storage.shape[0], table.data_ptr(),
+                                       table.shape[2], first_col, col_step, lens.data_ptr(), b * h, h, tokens, dim,
+                                       k_bits, v_bits, group_size, offs.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                       q_pos.data_ptr(), real.data_ptr(),
+                                       None if score is None else score.data_ptr(), torch.get_num_threads())
+        self._check_result(code, "store_step", bad_page="a new token's slot has no page in its page-table row")
 
     def update_scores(self, pages: PoolPages, p: torch.Tensor, row_weight: torch.Tensor, pos: torch.Tensor,
                       valid: torch.Tensor, stored: torch.Tensor, q_first: torch.Tensor, q_last: torch.Tensor,

@@ -26,6 +26,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 /* heads: B * Hkv (sequence-major); rows: G query rows per head (one query each); dim: head_dim;
  * heads_per_seq: Hkv; acc [heads, rows, dim], l_sum and shift [heads, rows]; q [heads, rows, dim]
  * scaled queries; k_new and v_new [heads, dim] the step's token (the basis the pages hold);

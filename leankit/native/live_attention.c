@@ -82,6 +82,7 @@ typedef __m256i lanes_i;
 #endif
 
 #include "errors.h"
+#include "kernels.h"
 #include "fp16.h"
 #include "formats.h"
 #ifdef _OPENMP

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "errors.h"
+#include "kernels.h"
 #include "formats.h"
 #include "fp16.h"
 
