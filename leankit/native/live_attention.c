@@ -405,8 +405,9 @@ ALWAYS_INLINE void tree_dot(const float *restrict q, const float *restrict keys,
  * head_dim 64. With vector instructions available, a block instead keeps one accumulator per key
  * and sums all of them at once in a transposing tree (unpack, then in-lane, then cross-lane
  * shuffles, each level halving the vectors), which leaves lane t holding key t's sum: 45 shuffles
- * and adds per 16 keys (21 per 8 with AVX2). Lanes past n read the block's earlier rows (zeroed
- * when the block was allocated, so always finite data) and are never stored. A tree for fewer
+ * and adds per 16 keys (21 per 8 with AVX2). Lanes past n read the block's later rows (in the
+ * scratch block, earlier keys or the zeros it was allocated with; in a page read in place, its
+ * next bytes) and are never stored: each lane sums its own key only. A tree for fewer
  * than LANES / 2 keys costs more than their own sums, so they keep those. */
 ALWAYS_INLINE void block_dot(const float *restrict q, const float *restrict keys, int n, int D, float *restrict out) {
 #ifdef LANES
@@ -448,10 +449,10 @@ static inline void prefetch_span(const uint8_t *p, int64_t bytes) {
 }
 
 /* One tier's page geometry: tokens per page, head_dim, query rows per head, code width and group
- * size, and the byte offsets of the segments a pass reads. */
+ * size, the byte offsets of the segments a pass reads, and the page's size. */
 struct tier_pages {
     int tokens, dim, rows, bits, group_size;
-    int64_t data_off, meta_off, pos_off, score_off;
+    int64_t data_off, meta_off, pos_off, score_off, page_bytes;
 };
 
 /* What a pass reads of a page: the codes and metadata of its side, and (when asked) the positions
@@ -561,13 +562,20 @@ ALWAYS_INLINE void score_page(const struct tier_pages *restrict tp, int D, int B
         for (int t = 0; t < tokens; ++t) score_l[t] = half_at(page + tp->score_off + 2 * (int64_t)t);
     for (int t0 = 0; t0 < live; t0 += TOKEN_BLOCK) {
         const int n = live - t0 < TOKEN_BLOCK ? live - t0 : TOKEN_BLOCK;
-        for (int t = 0; t < n; ++t)
-            dequantize_token(page + tp->data_off + (int64_t)(t0 + t) * nb, page + tp->meta_off + (int64_t)(t0 + t) * mb,
-                             D, B, G, keys + t * D);
+        const float *restrict block = keys;
+        if (B == LK_DENSE_F32 && tp->data_off + (int64_t)(t0 + TOKEN_BLOCK) * nb <= tp->page_bytes)
+            /* fp32 keys are already the block's rows: read in place, not copied (the copy was about
+             * a third of pass 1 on such pages). Whatever a whole block's rows past n hold (the next
+             * slots' or segment's bytes, inside the page) only reaches lanes that are never stored. */
+            block = (const float *)(page + tp->data_off + (int64_t)t0 * nb);
+        else
+            for (int t = 0; t < n; ++t)
+                dequantize_token(page + tp->data_off + (int64_t)(t0 + t) * nb,
+                                 page + tp->meta_off + (int64_t)(t0 + t) * mb, D, B, G, keys + t * D);
         for (int r = 0; r < rows; ++r) {
             const float *restrict q = qh + r * D;
             float *restrict o = ol + r * tokens + t0;
-            block_dot(q, keys, n, D, o);
+            block_dot(q, block, n, D, o);
         }
     }
     for (int r = 0; r < rows; ++r) mh[r] = mask_row(ol + r * tokens, pos_seg, tokens, live, qp[r], mh[r]);
@@ -669,12 +677,17 @@ ALWAYS_INLINE void value_page(const struct tier_pages *restrict tp, int D, int B
         int any = 0;
         for (int r = 0; r < rows; ++r) any |= pl[r * tokens + t] != 0.0f;
         if (!any) continue; /* dead, after every query, or underflowed: adds nothing */
-        dequantize_token(page + tp->data_off + (int64_t)t * nb, page + tp->meta_off + (int64_t)t * mb, D, B, G, value);
+        const float *restrict x = value;
+        if (B == LK_DENSE_F32) /* fp32 values are read in place, not copied */
+            x = (const float *)(page + tp->data_off + (int64_t)t * nb);
+        else
+            dequantize_token(page + tp->data_off + (int64_t)t * nb, page + tp->meta_off + (int64_t)t * mb, D, B, G,
+                             value);
         for (int r = 0; r < rows; ++r) {
             const float pr = pl[r * tokens + t];
             if (pr == 0.0f) continue;
             float *restrict ar = ah + r * D;
-            for (int c = 0; c < D; ++c) ar[c] = fmaf(pr, value[c], ar[c]);
+            for (int c = 0; c < D; ++c) ar[c] = fmaf(pr, x[c], ar[c]);
         }
     }
 }
@@ -751,7 +764,8 @@ int lk_live_scores(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
                    float *restrict score_out, int threads) {
     const int bad = check_pages(page_id, head, n_pages, pool_pages);
     if (bad) return bad;
-    const struct tier_pages tp = {tokens, dim, rows, bits, group_size, data_off, meta_off, pos_off, score_off};
+    const struct tier_pages tp = {tokens, dim, rows, bits, group_size, data_off, meta_off, pos_off, score_off,
+                                  page_bytes};
     const score_page_fn score = pick_score_page(dim, bits, group_size);
     int failed = 0;
     threads = team_size(n_pages, threads);
@@ -829,7 +843,7 @@ int lk_live_values(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
                    int threads) {
     const int bad = check_pages(page_id, head, n_pages, pool_pages);
     if (bad) return bad;
-    const struct tier_pages tp = {tokens, dim, rows, bits, group_size, data_off, meta_off, 0, 0};
+    const struct tier_pages tp = {tokens, dim, rows, bits, group_size, data_off, meta_off, 0, 0, page_bytes};
     const value_page_fn values = pick_value_page(dim, bits, group_size);
     int failed = 0;
     threads = team_size(n_pages, threads);
