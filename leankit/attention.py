@@ -54,6 +54,10 @@ class Workspace:
     def __init__(self):
         self._bufs: dict[tuple, torch.Tensor] = {}
         self._views: dict[tuple, torch.Tensor] = {}  # the last view handed out per buffer
+        # Small per-layer objects a caller derives from the cache and keys itself, reused while
+        # what they were derived from stays (e.g. the decode step's kernel arguments,
+        # leankit.decode_attention._decode_tiers).
+        self.memo: dict = {}
 
     def get(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
         """A tensor of ``shape`` (uninitialized) backed by the buffer ``name``.

@@ -801,11 +801,11 @@ class LeanCache(Cache):
             if fused:
                 # A CPU decode step: both passes over the pages, then the step's own token, the
                 # log-sum-exp merge and the significance's row factors in one compiled call.
-                out, lse, live, received_new = decode_attention.decode_step_attention(
-                    q_pages, kv, st.q_pos, scaling, k_att, v_att, st.real, significance=sig)
+                # With significance, LeanKV's running update of the stored tokens (§4) runs in the
+                # same call, from the passes' own numerators, as the GPU decode kernel's does.
+                out, lse, _, received_new = decode_attention.decode_step_attention(
+                    q_pages, kv, st.q_pos, scaling, k_att, v_att, st.real, significance=sig, update_significance=True)
                 out = self.from_page_basis(out)
-                if sig:
-                    policy.update_scores(layer, st, live)
             else:
                 out, lse, received_new = self._attend_pages(layer, kv, query, q_pages, k_new, v_new, k_att, v_att,
                                                             scaling, kernels)

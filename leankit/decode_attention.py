@@ -461,7 +461,8 @@ def serves_decode_step(kv, rows: int, device) -> bool:
 
 
 def decode_step_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float, k_new: torch.Tensor,
-                          v_new: torch.Tensor, real: torch.Tensor, significance: bool = False):
+                          v_new: torch.Tensor, real: torch.Tensor, significance: bool = False,
+                          update_significance: bool = False):
     """A decode step's whole attention on the compiled CPU kernels: one query per sequence over
     the layer's live pages and the step's own token, at its exact key and value.
 
@@ -477,11 +478,16 @@ def decode_step_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float
         q_pos: int ``[B, 1]`` the step's positions; ``real`` bool ``[B, 1]``: the row's token is real.
         k_new, v_new: ``[B, Hkv, 1, F]`` the step's keys and values, in the pages' basis.
         significance: also return what LeanKV's running significance needs (§4).
+        update_significance: with ``significance``, update the stored tokens' running
+            significance in place in the same call (what :meth:`leankit.policy._Base.update_scores`
+            does with the live slots, as the GPU decode kernel's fused score update does), and
+            return no live slots.
 
     Returns:
         ``(out [B, 1, Hq, F] fp32 in the pages' basis, lse [B, Hkv, G], live, received)``: with
-        ``significance``, ``live`` is one :class:`LiveSlots` per tier with ``row_weight`` set and
-        ``received`` ``[B, Hkv, 1]`` the mass the new token received; else both ``None``.
+        ``significance``, ``received`` ``[B, Hkv, 1]`` is the mass the new token received and
+        ``live`` one :class:`LiveSlots` per tier with ``row_weight`` set (None with
+        ``update_significance``); else both ``None``.
     """
     from .attention import Workspace
 
@@ -496,7 +502,7 @@ def decode_step_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float
         raise RuntimeError(f"decode_step_attention runs on the compiled CPU kernels, which {q.device} tensors "
                            "cannot use here (see serves_decode_step)")
     ws = kv.workspace or Workspace()
-    tiers = _decode_tiers(kv, ws, g, keep_slots=significance)
+    tiers, buffers = _decode_tiers(kv, ws, g, keep_slots=significance)
     scratch = (ws.get("decode_q_rows", (bh, g, f), torch.float32, "cpu"),
                ws.get("decode_row_pos", (bh, g), torch.int32, "cpu"),
                ws.get("decode_l_sum", (bh, g), torch.float32, "cpu"))
@@ -506,10 +512,13 @@ def decode_step_attention(q: torch.Tensor, kv, q_pos: torch.Tensor, scale: float
     received = torch.empty(bh) if significance else None
     k.decode_attention(kv.pool.storage, tiers, _contiguous_f32(q), scale, _flat_positions(q_pos, b),
                        _contiguous_f32(k_new), _contiguous_f32(v_new), real.reshape(b).contiguous(),
-                       (scratch[0], scratch[1], shift, scratch[2]), out, lse, row_weight, received)
+                       (scratch[0], scratch[1], shift, scratch[2]), out, lse, row_weight, received,
+                       update_significance=significance and update_significance)
     if not significance:
         return out, lse.view(b, hkv, g), None, None
-    pages, probs, slots = zip(*_listed_tiers(kv, tiers, ws, g))
+    if update_significance:
+        return out, lse.view(b, hkv, g), None, received.view(b, hkv, 1)
+    pages, probs, slots = zip(*_listed_tiers(kv, tiers, buffers))
     live = _live_slots(pages, probs, slots, shift, row_weight)
     return out, lse.view(b, hkv, g), live, received.view(b, hkv, 1)
 
@@ -530,18 +539,32 @@ def _flat_positions(q_pos: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def _decode_tiers(kv, ws, rows: int, keep_slots: bool):
-    """The ctypes :class:`leankit.native.DecodeTier` array of ``kv``'s layer: per tier, its
-    page-table rows and counts, its page geometry, and workspace buffers that hold every page a
-    row of the table can list (``keep_slots``: with the slots' positions, validity and stored
-    significance, for LeanKV's significance update)."""
+    """``(tiers, buffers)`` for :meth:`leankit.native.Kernels.decode_attention` on ``kv``'s layer:
+    the ctypes :class:`leankit.native.DecodeTier` array (per tier, its page-table rows and counts,
+    its page geometry and the buffers its pages are listed into) and, per tier, those buffers by
+    name (``head``, ``rank``, ``page_id`` ``[C]``, ``scores`` ``[C, rows, T]`` and, with
+    ``keep_slots``, the slots' ``pos_out``/``valid_out``/``score_out`` ``[C, T]``), each holding
+    every page a row of the table can list (``C`` pages).
+
+    Memoized per layer in the workspace: a decode step builds the same arguments in every layer
+    of every step, which cost about as much as the rest of the call's Python. An entry serves as
+    long as the layer's table views (:meth:`leankit.page_table.BidirectionalPageTable.layer_views`,
+    cut afresh whenever the table's tensors are replaced) and the layouts are the ones it was built
+    from; it holds its own buffers (tensors kept alive by the entry), so its pointers stay valid
+    whatever else the workspace hands out."""
     table, layer = kv.table, kv.layer
+    views = table.layer_views(layer)
+    key = ("decode_tiers", layer, rows, keep_slots)
+    memo = ws.memo.get(key)
+    if memo is not None and memo[0] is views and memo[1] is kv.layouts:
+        return memo[2], memo[3]
     if not (table.tables.is_contiguous() and table.n_pages.is_contiguous() and table.lens.is_contiguous()):
         raise ValueError("decode_step_attention: the page table's tensors must be contiguous")
-    views = table.layer_views(layer)
     _, batch, heads = table.shape
     row_len = table.row_len
     capacity = batch * heads * row_len
     tiers = (native.DecodeTier * len(kv.layouts))()
+    buffers = []
     for tier, (lay, desc) in enumerate(zip(kv.layouts, tiers)):
         first = int(table.column(tier, 0, row_len))
         desc.n_pages, desc.table, desc.lens = (views.n_pages[tier].data_ptr(), views.tables.data_ptr(),
@@ -552,28 +575,28 @@ def _decode_tiers(kv, ws, rows: int, keep_slots: bool):
         desc.k_bits = native.side_format(lay.precision.k_bits, lay.dense_dtype)
         desc.v_bits = native.side_format(lay.precision.v_bits, lay.dense_dtype)
         (desc.k_data, desc.k_meta, desc.v_data, desc.v_meta, desc.score_off, desc.pos_off) = lay.seg_offsets
-        desc.head, desc.rank, desc.page_id = (ws.get(f"live_list{tier}_{i}", (capacity,), torch.int64, "cpu").data_ptr()
-                                              for i in range(3))
-        desc.scores = ws.get(f"live_scores{tier}", (capacity, rows, lay.tokens), torch.float32, "cpu").data_ptr()
+        t = lay.tokens
+        named = {name: ws.get(f"decode_{name}{tier}", (capacity,), torch.int64, "cpu")
+                 for name in ("head", "rank", "page_id")}
+        named["scores"] = ws.get(f"decode_scores{tier}", (capacity, rows, t), torch.float32, "cpu")
         if keep_slots:
-            desc.pos_out = ws.get(f"live_pos{tier}", (capacity, lay.tokens), torch.int32, "cpu").data_ptr()
-            desc.valid_out = ws.get(f"live_valid{tier}", (capacity, lay.tokens), torch.bool, "cpu").data_ptr()
-            desc.score_out = ws.get(f"live_score{tier}", (capacity, lay.tokens), torch.float32, "cpu").data_ptr()
-    return tiers
+            named.update({name: ws.get(f"decode_{name}{tier}", (capacity, t), dtype, "cpu")
+                          for name, dtype in (("pos_out", torch.int32), ("valid_out", torch.bool),
+                                              ("score_out", torch.float32))})
+        for name, buf in named.items():
+            setattr(desc, name, buf.data_ptr())
+        buffers.append(named)
+    ws.memo[key] = (views, kv.layouts, tiers, buffers)
+    return tiers, buffers
 
 
-def _listed_tiers(kv, tiers, ws, rows: int):
+def _listed_tiers(kv, tiers, buffers):
     """Per tier, what :func:`_decode_tiers`' buffers hold after the call: ``(pages, probs, slots)``,
     the listed pages (:class:`leankit.native.PoolPages`), their numerators ``[L, R, T]`` and the
     slots' ``pos_out``/``valid_out``/``score_out`` ``[L, T]``, cut to the ``L`` pages listed."""
-    table = kv.table
-    capacity = table.shape[1] * table.shape[2] * table.row_len
-    for tier, (lay, desc) in enumerate(zip(kv.layouts, tiers)):
-        n, t = desc.n_listed, lay.tokens
-        head, rank, page_id = (ws.get(f"live_list{tier}_{i}", (capacity,), torch.int64, "cpu")[:n] for i in range(3))
-        pages = native.PoolPages(kv.pool.storage, page_id, head, rank, t, dict(zip(SEGMENTS, lay.seg_offsets)))
-        probs = ws.get(f"live_scores{tier}", (capacity, rows, t), torch.float32, "cpu")[:n]
-        slots = {name: ws.get(f"live_{key}{tier}", (capacity, t), dtype, "cpu")[:n]
-                 for name, key, dtype in (("pos_out", "pos", torch.int32), ("valid_out", "valid", torch.bool),
-                                          ("score_out", "score", torch.float32))}
-        yield pages, probs, slots
+    for lay, desc, named in zip(kv.layouts, tiers, buffers):
+        n = desc.n_listed
+        pages = native.PoolPages(kv.pool.storage, named["page_id"][:n], named["head"][:n], named["rank"][:n],
+                                 lay.tokens, dict(zip(SEGMENTS, lay.seg_offsets)))
+        slots = {name: named[name][:n] for name in ("pos_out", "valid_out", "score_out")}
+        yield pages, named["scores"][:n], slots

@@ -257,3 +257,61 @@ def test_decode_step_without_compiled_kernels_says_so(monkeypatch):
     k_new = torch.zeros(1, 1, 1, q.shape[-1])
     with pytest.raises(RuntimeError, match="compiled CPU kernels"):
         decode_attention.decode_step_attention(q, fc.kv, q_pos, 0.1, k_new, k_new, torch.ones(1, 1, dtype=torch.bool))
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler for leankit.native")
+@pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-h{c[2]}g{c[3]}")
+def test_decode_step_updates_the_running_significance_as_the_live_slots_do(case):
+    """``update_significance``: the stored tokens' running significance updated inside the decode
+    call writes the pool the policy's update writes from the returned live slots
+    (:meth:`leankit.native.Kernels.update_scores`, a decode step's one query being its first and
+    last), byte for byte, with the same attention; a row whose token is not real keeps its scores."""
+    spec, dtype, hkv, g, ctx, gs = case
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, 1, prune_frac=0.1 if gs else 0.0, group_size=gs,
+                                          fill=0xFF, low_frac=0.6, dtype=dtype)
+    kv = fc.kv
+    kv.workspace = Workspace()
+    b, _, _, f = q.shape
+    real = torch.ones(b, 1, dtype=torch.bool)
+    real[-1] = False
+    k_new = torch.randn(b, hkv, 1, f, generator=gen)
+    v_new = torch.randn(b, hkv, 1, f, generator=gen)
+    scale = f ** -0.5
+    before = kv.pool.storage.clone()
+    out, lse, live, recv = decode_attention.decode_step_attention(q, kv, q_pos, scale, k_new, v_new, real,
+                                                                  significance=True)
+    assert torch.equal(kv.pool.storage, before)  # without the update the pool is only read
+    flat_pos = q_pos.reshape(-1).long()
+    for t in live:
+        if t.page_ids.numel():
+            native.kernels().update_scores(t.pages, t.probs, t.row_weight, t.pos, t.valid, t.score, flat_pos,
+                                           flat_pos, real.reshape(-1))
+    want = kv.pool.storage.clone()
+    kv.pool.storage.copy_(before)
+    out2, lse2, live2, recv2 = decode_attention.decode_step_attention(q, kv, q_pos, scale, k_new, v_new, real,
+                                                                      significance=True, update_significance=True)
+    assert live2 is None
+    assert torch.equal(out2, out) and torch.equal(lse2, lse) and torch.equal(recv2, recv), f"seed {seed}"
+    assert torch.equal(kv.pool.storage, want), f"seed {seed}"
+    assert not torch.equal(want, before)  # the update wrote something
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler for leankit.native")
+def test_decode_step_arguments_follow_a_replaced_page_table():
+    """The per-layer kernel arguments memoized in the workspace are rebuilt when the page table's
+    tensors are replaced (sequences reordered): the result is a fresh workspace's."""
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [40, 65, 7], 3, 3, 1, group_size=32, low_frac=0.6)
+    kv = fc.kv
+    kv.workspace = Workspace()
+    b, _, _, f = q.shape
+    real = torch.ones(b, 1, dtype=torch.bool)
+    k_new, v_new = torch.randn(b, 3, 1, f, generator=gen), torch.randn(b, 3, 1, f, generator=gen)
+    decode_attention.decode_step_attention(q, kv, q_pos, 0.125, k_new, v_new, real)
+    order = torch.tensor([2, 0, 1])
+    kv.table.select_sequences(order)
+    got, lse, _, _ = decode_attention.decode_step_attention(q, kv, q_pos, 0.125, k_new, v_new, real)
+    kv.workspace = Workspace()
+    want, want_lse, _, _ = decode_attention.decode_step_attention(q, kv, q_pos, 0.125, k_new, v_new, real)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse), f"seed {seed}"

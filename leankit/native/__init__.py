@@ -61,6 +61,7 @@ ERRORS = {
     -4: (ValueError, "more live pages than the output holds"),
     -5: (NonFiniteKVError, "KV states contain NaN or Inf; refusing to store them in the cache"),
     -6: (NonFiniteKVError, "KV values exceed the fp16 range of the quantization metadata"),
+    -7: (ValueError, "a significance update needs the slots' positions, validity, scores and row weights"),
 }
 # Element formats of a dense (unquantized) page side, as the kernels' ``bits`` argument (formats.h):
 # the model's own values, read as they are. Quantized sides pass their code width (1, 2, 4 or 8).
@@ -236,7 +237,7 @@ class Kernels:
                                         i32]
         lib.lk_store_tokens.restype = i32
         lib.lk_decode_attention.argtypes = [ptr, i64, i64, i32, ptr, i64, i32, i32, i32, ptr, ctypes.c_float, ptr,
-                                            ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
+                                            ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32]
         lib.lk_decode_attention.restype = i32
         lib.lk_store_step.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i32, i32, i32, i32, i32, i32, ptr,
                                       ptr, ptr, ptr, ptr, ptr, i32]
@@ -422,7 +423,7 @@ class Kernels:
     def decode_attention(self, storage: torch.Tensor, tiers, q: torch.Tensor, scale: float, q_pos: torch.Tensor,
                          k_new: torch.Tensor, v_new: torch.Tensor, real: torch.Tensor, scratch: tuple,
                          out: torch.Tensor, lse: torch.Tensor, row_weight: torch.Tensor | None = None,
-                         received: torch.Tensor | None = None) -> None:
+                         received: torch.Tensor | None = None, update_significance: bool = False) -> None:
         """A decode step's whole attention for one layer in one call (``decode_step.c``): each tier's
         live pages listed (:meth:`list_pages`), pass 1 and pass 2 over them (:meth:`live_scores`,
         :meth:`live_values`), the same functions, so the same bits; then ``finish_decode.c`` adds the
@@ -439,6 +440,12 @@ class Kernels:
         ``row_weight`` fp32 ``[BH, G]``: ``exp(shift - lse) / G`` for rows of real tokens that saw
         a stored key, else 0, and ``received`` fp32 ``[BH]``: the mass the new token received,
         averaged over the group (0 where not real).
+
+        ``update_significance``: then LeanKV's running significance of every live slot (§4), in
+        place in the pages' score segments, as :meth:`update_scores` computes it from this step's
+        numerators and ``row_weight`` (each sequence's one query is both its first and its last;
+        a sequence whose token is not real keeps its scores). Needs ``row_weight`` and every
+        tier's ``pos_out``, ``valid_out`` and ``score_out`` buffers.
         """
         b, hq, nq, f = q.shape if q.dim() == 4 else (-1, -1, -1, -1)
         hkv = k_new.shape[1] if k_new.dim() == 4 else -1
@@ -468,7 +475,7 @@ class Kernels:
             scale, q_pos.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), real.data_ptr(), q_rows.data_ptr(),
             row_pos.data_ptr(), shift.data_ptr(), l_sum.data_ptr(), out.data_ptr(), lse.data_ptr(),
             None if row_weight is None else row_weight.data_ptr(), None if received is None else received.data_ptr(),
-            torch.get_num_threads())
+            int(update_significance), torch.get_num_threads())
         self._check_result(code, "decode_attention")
 
     def store_step(self, storage: torch.Tensor, table: torch.Tensor, first_col: int, col_step: int,

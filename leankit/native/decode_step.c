@@ -46,14 +46,21 @@ struct lk_decode_tier {
  * [BH, rows]); k_new, v_new [BH, dim]; real [B] 0/1. shift and l_sum [BH, rows]: written (each
  * row's maximum, 0 where it sees nothing, and its numerators' sum); out [BH, rows, dim] and lse
  * [BH, rows]: the result; row_weight [BH, rows] and received [BH] when not NULL (finish_decode.c).
- * Returns 0 or an error code (errors.h); the pool is only read. */
-int lk_decode_attention(const uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pages, int n_tiers,
+ *
+ * update_significance: then, LeanKV's running significance of every live slot (Sec. 4), written in
+ * place into the pages' score segments (lk_update_scores, from this step's numerators and
+ * row_weight): what the policy's update after the attention does, with no listing or slices of
+ * the tiers handed back to Python. A decode step's sequence has one query, so its first and last
+ * query positions are both q_pos[b], and a sequence whose token is not real keeps its scores.
+ * Needs row_weight and every tier's pos_out, valid_out and score_out. Otherwise the pool is only
+ * read. Returns 0 or an error code (errors.h). */
+int lk_decode_attention(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pages, int n_tiers,
                         struct lk_decode_tier *tiers, int64_t heads, int heads_per_seq, int rows, int dim,
                         const float *restrict q, float scale, const int64_t *restrict q_pos,
                         const float *restrict k_new, const float *restrict v_new, const uint8_t *restrict real,
                         float *restrict q_rows, int32_t *restrict row_pos, float *restrict shift,
                         float *restrict l_sum, float *restrict out, float *restrict lse, float *restrict row_weight,
-                        float *restrict received, int threads) {
+                        float *restrict received, int update_significance, int threads) {
     const int64_t n_rows = heads * rows;
     for (int64_t i = 0; i < n_rows * dim; ++i) q_rows[i] = q[i] * scale;
     for (int64_t i = 0; i < n_rows; ++i) {
@@ -88,6 +95,17 @@ int lk_decode_attention(const uint8_t *restrict pool, int64_t page_bytes, int64_
     }
     lk_finish_decode(heads, rows, dim, heads_per_seq, out, l_sum, shift, q_rows, k_new, v_new, real, out, lse,
                      row_weight, received);
+    if (!update_significance) return 0;
+    for (int t = 0; t < n_tiers; ++t) {
+        const struct lk_decode_tier *tier = tiers + t;
+        if (row_weight == NULL || tier->pos_out == NULL || tier->valid_out == NULL || tier->score_out == NULL)
+            return LK_NO_SLOTS;
+        const int err = lk_update_scores(pool, page_bytes, pool_pages, tier->page_id, tier->head, tier->n_listed,
+                                         tier->tokens, rows, tier->score_off, heads_per_seq, tier->scores,
+                                         row_weight, tier->pos_out, tier->valid_out, tier->score_out, q_pos, q_pos,
+                                         real, threads);
+        if (err) return err;
+    }
     return 0;
 }
 

@@ -24,6 +24,13 @@ int lk_live_values(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
                    float *restrict p, const float *restrict shift, float *restrict l_sum, float *restrict acc,
                    int threads);
 
+int lk_update_scores(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pages, const int64_t *restrict page_id,
+                     const int64_t *restrict head, int64_t n_pages, int tokens, int rows, int64_t score_off,
+                     int64_t heads_per_seq, const float *restrict p, const float *restrict row_weight,
+                     const int32_t *restrict pos, const uint8_t *restrict valid, const float *restrict stored,
+                     const int64_t *restrict q_first, const int64_t *restrict q_last, const uint8_t *restrict has,
+                     int threads);
+
 void lk_finish_decode(int64_t heads, int rows, int dim, int heads_per_seq, const float *acc,
                       const float *l_sum, const float *shift, const float *q, const float *k_new,
                       const float *v_new, const uint8_t *real, float *out, float *lse, float *row_weight,
