@@ -184,6 +184,23 @@ STEP_CASES = [
 ]
 
 
+def _decode_case(case):
+    """A hand-filled cache of one of :data:`STEP_CASES` (fresh random data, a workspace) and a
+    decode step over it whose last row's token is not real: ``(seed, kv, q, q_pos, real, k_new,
+    v_new)``, the new keys and values fp32 ``[B, Hkv, 1, F]``."""
+    spec, dtype, hkv, g, ctx, gs = case
+    gen, seed = testing.fresh_generator()
+    fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, 1, prune_frac=0.1 if gs else 0.0, group_size=gs,
+                                          fill=0xFF, low_frac=0.6, dtype=dtype)
+    fc.kv.workspace = Workspace()
+    b, _, _, f = q.shape
+    real = torch.ones(b, 1, dtype=torch.bool)
+    real[-1] = False
+    k_new = torch.randn(b, hkv, 1, f, generator=gen, dtype=torch.float32) * 2
+    v_new = torch.randn(b, hkv, 1, f, generator=gen, dtype=torch.float32)
+    return seed, fc.kv, q, q_pos, real, k_new, v_new
+
+
 @pytest.mark.skipif(native.kernels() is None, reason="no C compiler for leankit.native")
 @pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-h{c[2]}g{c[3]}")
 def test_decode_step_equals_paged_attention_merged_with_the_new_token(case):
@@ -194,18 +211,10 @@ def test_decode_step_equals_paged_attention_merged_with_the_new_token(case):
     no stored key (its query lies before all of them), one row's token is not real."""
     from leankit.attention import merge_attention, received_from_logits, step_attention
 
-    spec, dtype, hkv, g, ctx, gs = case
-    gen, seed = testing.fresh_generator()
-    fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, 1, prune_frac=0.1 if gs else 0.0, group_size=gs,
-                                          fill=0xFF, low_frac=0.6, dtype=dtype)
-    kv = fc.kv
-    kv.workspace = Workspace()
-    b, hq, _, f = q.shape
+    seed, kv, q, q_pos, real, k_new, v_new = _decode_case(case)
+    hkv, g = case[2], case[3]
+    f = q.shape[-1]
     q_pos[1] = -1  # before every stored key: this row sees only its own token
-    real = torch.ones(b, 1, dtype=torch.bool)
-    real[-1] = False
-    k_new = torch.randn(b, hkv, 1, f, generator=gen, dtype=torch.float32) * 2
-    v_new = torch.randn(b, hkv, 1, f, generator=gen, dtype=torch.float32)
     # Head 0's new key points away from its queries: its score lies some hundred below the stored
     # keys', so exp(stored - new) overflows fp32 unless the merge shifts by the larger of the two.
     k_new[0, 0, 0] = -100 * q[0, :g, 0].float().mean(0)
@@ -236,7 +245,7 @@ def test_decode_step_equals_paged_attention_merged_with_the_new_token(case):
                 torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-8,
                                            msg=f"received, tier {tier} (seed {seed})")
     # Without significance: the same attention, nothing else.
-    out2, lse2, live2, recv2 = decode_attention.decode_step_attention(q, kv, q_pos, scale, k_new, v_new, real)
+    out2, _, live2, recv2 = decode_attention.decode_step_attention(q, kv, q_pos, scale, k_new, v_new, real)
     assert live2 is None and recv2 is None
     testing.assert_close_normwise(out2, want_out, torch.float32, f"out (seed {seed})")
 
@@ -266,18 +275,8 @@ def test_decode_step_updates_the_running_significance_as_the_live_slots_do(case)
     call writes the pool the policy's update writes from the returned live slots
     (:meth:`leankit.native.Kernels.update_scores`, a decode step's one query being its first and
     last), byte for byte, with the same attention; a row whose token is not real keeps its scores."""
-    spec, dtype, hkv, g, ctx, gs = case
-    gen, seed = testing.fresh_generator()
-    fc, q, q_pos = testing.attention_case(gen, spec, ctx, hkv, g, 1, prune_frac=0.1 if gs else 0.0, group_size=gs,
-                                          fill=0xFF, low_frac=0.6, dtype=dtype)
-    kv = fc.kv
-    kv.workspace = Workspace()
-    b, _, _, f = q.shape
-    real = torch.ones(b, 1, dtype=torch.bool)
-    real[-1] = False
-    k_new = torch.randn(b, hkv, 1, f, generator=gen)
-    v_new = torch.randn(b, hkv, 1, f, generator=gen)
-    scale = f ** -0.5
+    seed, kv, q, q_pos, real, k_new, v_new = _decode_case(case)
+    scale = q.shape[-1] ** -0.5
     before = kv.pool.storage.clone()
     out, lse, live, recv = decode_attention.decode_step_attention(q, kv, q_pos, scale, k_new, v_new, real,
                                                                   significance=True)

@@ -385,6 +385,14 @@ class Kernels:
         self._check_result(code, "live_values")
         return acc
 
+    def _offsets_tensor(self, offsets) -> torch.Tensor:
+        """The six segment offsets as the int64 tensor the store kernels read: one small tensor per
+        page geometry, not one per call (a decode step stores once per layer)."""
+        offs = self._offsets.get(tuple(offsets))
+        if offs is None:
+            offs = self._offsets[tuple(offsets)] = torch.tensor(offsets, dtype=torch.int64)
+        return offs
+
     def store_tokens(self, storage: torch.Tensor, tokens: int, offsets: tuple, page_id: torch.Tensor,
                      slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor,
                      score: torch.Tensor, k_bits: int, v_bits: int, group_size: int) -> None:
@@ -411,9 +419,7 @@ class Kernels:
         if not ok:
             raise ValueError("native store_tokens: want a contiguous uint8 [num_pages, page_bytes] pool, fp32 "
                              "[n, F] k and v, int64 [n] page ids and slots, int32 [n] positions, fp32 [n] scores")
-        offs = self._offsets.get(tuple(offsets))
-        if offs is None:  # one small tensor per page geometry, not one per call (a decode step stores per layer)
-            offs = self._offsets[tuple(offsets)] = torch.tensor(offsets, dtype=torch.int64)
+        offs = self._offsets_tensor(offsets)
         code = self._lib.lk_store_tokens(storage.data_ptr(), storage.shape[1], storage.shape[0], page_id.data_ptr(),
                                          slot.data_ptr(), n, tokens, dim, k_bits, v_bits, group_size, offs.data_ptr(),
                                          k.data_ptr(), v.data_ptr(), position.data_ptr(), score.data_ptr(),
@@ -510,9 +516,7 @@ class Kernels:
             raise ValueError("native store_step: want a contiguous uint8 pool, fp32 [B, H, 1, F] k and v, int32 "
                              "[B, H, R] table and [B, H] lens, int64 q_pos and bool real [B], fp32 [B, H, 1] "
                              "score or None, all contiguous on the CPU")
-        offs = self._offsets.get(tuple(offsets))
-        if offs is None:
-            offs = self._offsets[tuple(offsets)] = torch.tensor(offsets, dtype=torch.int64)
+        offs = self._offsets_tensor(offsets)
         code = self._lib.lk_store_step(storage.data_ptr(), storage.shape[1], storage.shape[0], table.data_ptr(),
                                        table.shape[2], first_col, col_step, lens.data_ptr(), b * h, h, tokens, dim,
                                        k_bits, v_bits, group_size, offs.data_ptr(), k.data_ptr(), v.data_ptr(),
