@@ -733,11 +733,9 @@ class LeanCache(Cache):
         None (0). Returns False, having done nothing, where the compiled kernels cannot take the
         store (none built, or a dtype they do not read); raises as :meth:`write_tokens` does, with
         nothing written."""
-        views, row_len = self.table.layer_views(layer), self.table.row_len
-        first = int(self.table.column(HIGH, 0, row_len))
-        return self.pool.store_decode(self.layouts[HIGH], views.tables, first,
-                                      int(self.table.column(HIGH, 1, row_len)) - first, views.tier_lens[HIGH],
-                                      k, v, step.q_pos, step.real, score)
+        views = self.table.layer_views(layer)
+        return self.pool.store_decode(self.layouts[HIGH], views.tables, *self.table.tier_columns(HIGH),
+                                      views.tier_lens[HIGH], k, v, step.q_pos, step.real, score)
 
     def _layer_err(self, layer: int) -> torch.Tensor:
         """The device error flag of ``layer`` (index ``num_layers``: tokens moved between tiers), a

@@ -377,8 +377,7 @@ def tier_pages(k: native.Kernels, kv, tier: int, out: tuple | None = None) -> na
     (:meth:`leankit.native.Kernels.list_pages`)."""
     table, layer, lay = kv.table, kv.layer, kv.layouts[tier]
     bh = table.shape[1] * table.shape[2]
-    first = int(table.column(tier, 0, table.row_len))
-    step = int(table.column(tier, 1, table.row_len)) - first
+    first, step = table.tier_columns(tier)
     rows_of_table = table.tables[layer].view(bh, table.row_len)
     return k.list_pages(kv.pool.storage, table.n_pages[tier, layer].view(bh), rows_of_table, first, step,
                         lay.tokens, dict(zip(SEGMENTS, lay.seg_offsets)), out=out)
@@ -566,11 +565,10 @@ def _decode_tiers(kv, ws, rows: int, keep_slots: bool):
     tiers = (native.DecodeTier * len(kv.layouts))()
     buffers = []
     for tier, (lay, desc) in enumerate(zip(kv.layouts, tiers)):
-        first = int(table.column(tier, 0, row_len))
         desc.n_pages, desc.table, desc.lens = (views.n_pages[tier].data_ptr(), views.tables.data_ptr(),
                                                views.tier_lens[tier].data_ptr())
-        desc.row_len, desc.first_col, desc.col_step, desc.capacity = (
-            row_len, first, int(table.column(tier, 1, row_len)) - first, capacity)
+        desc.first_col, desc.col_step = table.tier_columns(tier)
+        desc.row_len, desc.capacity = row_len, capacity
         desc.tokens, desc.group_size = lay.tokens, lay.group_size
         desc.k_bits = native.side_format(lay.precision.k_bits, lay.dense_dtype)
         desc.v_bits = native.side_format(lay.precision.v_bits, lay.dense_dtype)

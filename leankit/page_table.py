@@ -101,6 +101,13 @@ class BidirectionalPageTable:
             return j if tier == HIGH else row_len - 1 - j
         return torch.where(tier == HIGH, j, row_len - 1 - j)
 
+    def tier_columns(self, tier: int) -> tuple[int, int]:
+        """``(first_col, col_step)``: the page of rank ``j`` of ``tier`` sits in column
+        ``first_col + col_step * j`` of a row (:meth:`column`: high pages from the left, low pages
+        from the right), the form the compiled kernels walk a row in."""
+        first = int(self.column(tier, 0, self.row_len))
+        return first, int(self.column(tier, 1, self.row_len)) - first
+
     # ------------------------------------------------------------------ growth
     def grow(self, extra: torch.Tensor, free_list: FreePageList,
              status: torch.Tensor | None = None, taken: int | None = None) -> torch.Tensor | None:
