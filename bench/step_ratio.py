@@ -57,9 +57,9 @@ def main() -> None:
             states[name] = decode(model, caches[name], states[name])
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["DynamicCache"])
-    parts = [f"{name} {statistics.median(times[name]) / base:.3f}x ({(statistics.median(times[name]) - base) * 1e3:+.1f} ms)"
-             for name in configs]
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    base = medians["DynamicCache"]
+    parts = [f"{name} {medians[name] / base:.3f}x ({(medians[name] - base) * 1e3:+.1f} ms)" for name in configs]
     print(f"{args.batch}x{args.context}: DynamicCache {base * 1e3:.1f} ms; " + "; ".join(parts))
 
 

@@ -163,7 +163,8 @@ def add_bench_parser(sub) -> None:
                    "LeanCache batch instead of verifying it in the fixed pool")
     t.add_argument("--seed", type=int, default=0, help="seed of the request draw (default: %(default)s)")
     t.add_argument("--ceiling", action="store_true", help="also run DynamicCache over the budget at the largest "
-                   "LeanCache batch: the tokens/s a compressor with no time overhead could reach there")
+                   "LeanCache batch: what that batch gives a cache whose steps cost what DynamicCache's do (a "
+                   "cache with faster steps at equal batch can pass it)")
     t.add_argument("--plot", metavar="PNG", help="also draw tokens/s vs DynamicCache and the prefill/decode "
                    "time of every cache into PNG")
     common(t)
