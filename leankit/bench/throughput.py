@@ -337,8 +337,8 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
     decode steps cost what DynamicCache's cost at that batch: where batching buys little
     (compute-bound decode, as on a CPU) such a cache gains no more. It is not a bound on a cache
     whose steps are faster than DynamicCache's at equal batch (LeanCache's decode attention reads
-    fewer bytes than DynamicCache's SDPA over the full-precision K/V), which can pass it. ``text_path``: a UTF-8 text file to cut the prompts from
-    instead of the shipped articles.
+    fewer bytes than DynamicCache's SDPA over the full-precision K/V), which can pass it.
+    ``text_path``: a UTF-8 text file to cut the prompts from instead of the shipped articles.
     """
     from tqdm.auto import tqdm
 
