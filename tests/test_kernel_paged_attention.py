@@ -286,9 +286,13 @@ def test_splits_never_spill_a_few_programs_into_another_wave(seed):
 def test_decode_output_in_fp32_for_a_16bit_query(splits):
     """``out_dtype=torch.float32`` (a rotated cache's output, rotated back in fp32): the decode
     kernel or the split reduce writes fp32, which rounds to the 16-bit output bit for bit and
-    matches the fp32 reference at least as closely (the reference of the fp16 query computed in
-    fp32: a reference rounded to fp16 itself favours the rounded output); lse is the same either
-    way. Prefill refuses it."""
+    matches the fp32 reference more closely in norm (the reference of the fp16 query computed in
+    fp32: a reference rounded to fp16 itself favours the rounded output). The final rounding adds
+    an error independent of the kernel's own (its fp16 probabilities and dequantized K/V), so the
+    norm of the error grows, by 1.13x or more over 244 random cases (norm ratio wide/narrow at
+    most 0.885); the largest single element's error can go either way (1% of cases, e.g. seed
+    739255795), which is why the check is normwise. lse is the same either way. Prefill refuses
+    it."""
     gen, seed = testing.fresh_generator()
     fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [65, 20], 3, 3, 1, dtype=F16, prune_frac=0.1)
     narrow, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=splits)
@@ -297,7 +301,7 @@ def test_decode_output_in_fp32_for_a_16bit_query(splits):
     assert torch.equal(wide.to(F16), narrow) and torch.equal(lse, lse2), f"seed {seed}"
     ref_out, _ = paged_attention_ref(q.float(), fc.kv, q_pos, 0.125)
     testing.assert_close_normwise(wide, ref_out, F16, f"out (seed {seed})")
-    assert (wide - ref_out).abs().max() <= (narrow.float() - ref_out).abs().max(), f"seed {seed}"
+    assert (wide - ref_out).norm() < (narrow.float() - ref_out).norm(), f"seed {seed}"
     q4 = torch.cat([q] * 4, dim=2)
     with pytest.raises(ValueError, match="decode"):
         paged_attention(q4, fc.kv, q_pos.expand(-1, 4), 0.125, out_dtype=F32)
