@@ -87,11 +87,10 @@ def test_prompt_classes_are_a_fixed_point_of_algorithm1(raw, window, th_tl):
     re-placed one's just under. Such ties, judged in fp64, are left out."""
     th, tl = th_tl
     scores = torch.tensor(raw, dtype=torch.float32)
-    cand_sorted = torch.sort(scores.double()[: max(0, len(raw) - window)]).values
-    cum = torch.cumsum(cand_sorted, 0) / max(float(scores.double().sum()), 1e-300)
-    assume(all(bool(((cum - t).abs() > 1e-5 * max(t, 1e-30)).all()) for t in (th, tl)))
     n = scores.numel()
     new, cand, _, _ = prompt_classify(scores, window, th, tl)
+    cum = torch.cumsum(torch.sort(scores.double()[cand]).values, 0) / max(float(scores.double().sum()), 1e-300)
+    assume(all(bool(((cum - t).abs() > 1e-5 * max(t, 1e-30)).all()) for t in (th, tl)))
     z = scores.sum()
     for t in torch.nonzero(cand).flatten().tolist():
         kept = new != PRUNED
