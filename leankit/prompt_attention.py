@@ -73,10 +73,17 @@ _MIN_ROWS = 16
 _MASK_MEMO_ENTRIES = 4
 
 
+def _mask_version(mask: torch.Tensor) -> int | None:
+    """``mask``'s version counter, or None for a tensor made under ``torch.inference_mode``, which
+    has none: such a mask is matched by identity alone, as the memo lives for one forward step and
+    transformers does not write into a step's mask while its layers run."""
+    return None if mask.is_inference() else mask._version
+
+
 def _memo_get(memo: dict | None, mask: torch.Tensor, kind):
     """The memo's entry ``kind`` of ``mask``: only for the same tensor object, unmodified since."""
     hit = memo.get((id(mask), kind)) if memo is not None else None
-    if hit is not None and hit[0] is mask and hit[1] == mask._version:
+    if hit is not None and hit[0] is mask and hit[1] == _mask_version(mask):
         return hit[2]
     return None
 
@@ -86,7 +93,7 @@ def _memo_put(memo: dict | None, mask: torch.Tensor, kind, value):
     if memo is not None:
         if len(memo) >= _MASK_MEMO_ENTRIES:
             memo.pop(next(iter(memo)))
-        memo[(id(mask), kind)] = (mask, mask._version, value)
+        memo[(id(mask), kind)] = (mask, _mask_version(mask), value)
     return value
 
 

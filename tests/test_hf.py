@@ -3,12 +3,13 @@
 import inspect
 import warnings
 
+import pytest
 import torch
 from transformers import DynamicCache
 
 import leankit
 from leankit.hf import cache_keyword, cache_kwargs, output_cache
-from leankit.testing import tiny_model
+from leankit.testing import left_padded_batch, tiny_model
 
 
 class _NewForward(torch.nn.Module):  # transformers >= 5.24
@@ -60,3 +61,21 @@ def test_output_cache_returns_the_cache_of_a_forward():
     out = model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=True, **cache_kwargs(model, dyn))
     assert output_cache(out) is dyn
     assert output_cache({"logits": out.logits}) is None
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "gemma3"])
+@pytest.mark.parametrize("kv", ["K8V4", "K8V4-K4V2:th=0.3,tl=0.05,compress_every=1", "K8V4:act=0.5"])
+def test_generate_under_inference_mode_matches_no_grad(kind, kv):
+    """``torch.inference_mode`` makes tensors without a version counter, the padding mask included:
+    a lossy LeanCache's prompt (whose mask memo read that counter) must run under it and give the
+    tokens it gives under ``no_grad``."""
+    model = tiny_model(kind)
+    ids, mask = left_padded_batch(3, 21)
+    outs = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            cache = leankit.LeanCache(model, kv)
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                       pad_token_id=0, **cache_kwargs(model, cache)))
+    assert outs[1].shape == (3, 21 + 12)
+    assert torch.equal(outs[0], outs[1])
