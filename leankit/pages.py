@@ -44,7 +44,7 @@ import torch
 
 from . import native
 from .config import PAGE_ALIGN, ActGeometry, KVConfig, Precision, _align, act_geometry
-from .quant import META_DTYPE, check_finite, dequantize, quantize
+from .quant import META_DTYPE, check_finite, codes_per_byte, dequantize, quantize
 
 SEGMENTS = ("k_data", "k_meta", "v_data", "v_meta", "score", "position")
 
@@ -413,11 +413,16 @@ class PagePool:
     def _native_store(self, layout: PageLayout):
         """``(kernels, k_format, v_format)``: the compiled kernels that store ``layout``'s tokens in
         this pool and the formats of its two sides (:func:`leankit.native.side_format`), or
-        ``(None, None, None)`` where they cannot (no kernels here, or a dtype they do not read)."""
+        ``(None, None, None)`` where they cannot (no kernels here, a dtype they do not read, or a
+        quantization group whose codes do not fill whole bytes, such as 2-bit codes in groups of 2:
+        the kernels pack each group's codes into bytes of their own)."""
         kernels = native.kernels_for(self.device)
         k_fmt = native.side_format(layout.precision.k_bits, layout.dense_dtype)
         v_fmt = native.side_format(layout.precision.v_bits, layout.dense_dtype)
         if kernels is None or k_fmt is None or v_fmt is None:
+            return None, None, None
+        if any(bits < 16 and layout.group_size % codes_per_byte(bits)
+               for bits in (layout.precision.k_bits, layout.precision.v_bits)):
             return None, None, None
         return kernels, k_fmt, v_fmt
 

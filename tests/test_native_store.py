@@ -135,6 +135,48 @@ def test_pool_write_tokens_takes_the_same_path_on_both_sides_of_the_switch(monke
     assert torch.equal(pool.storage, torch_pool.storage), f"seed {seed}"
 
 
+@pytest.mark.parametrize("spec,dim,tier", [("K4V2:group_size=2", 64, 0), ("K1V1:group_size=4", 24, 0),
+                                           ("K8V4-K2V1:group_size=16,low_group_size=2", 32, 1)])
+def test_groups_that_do_not_fill_bytes_take_the_torch_path(spec, dim, tier, monkeypatch):
+    """The compiled store packs each quantization group into bytes of its own, so it cannot take a
+    group whose codes do not fill whole bytes (2-bit codes in groups of 2); ``write_tokens`` then
+    stores through the torch path, which packs codes across groups, and gives its bytes exactly."""
+    gen, seed = testing.fresh_generator()
+    lay, pool, page, slot, k, v, score, pos = _case(gen, spec, dim, 17, tier)
+    torch_pool = PagePool(pool.num_pages, pool.page_size, pool.device)
+    torch_pool.storage.copy_(pool.storage)
+    pool.write_tokens(lay, page, slot, k, v, score, pos)
+    monkeypatch.setattr(native, "_state", {"kernels": None})
+    torch_pool.write_tokens(lay, page, slot, k, v, score, pos)
+    assert torch.equal(pool.storage, torch_pool.storage), f"seed {seed}"
+
+
+@pytest.mark.parametrize("spec", ["K4V2:group_size=2",
+                                  "K8V4-K2V1:group_size=16,low_group_size=2,compress_every=1,th=0.5,window=4"])
+def test_generate_with_groups_that_do_not_fill_bytes(spec, monkeypatch):
+    """A config whose groups do not fill whole bytes of codes generates on the CPU with the compiled
+    kernels present, and gives the tokens it gives without them (the two-tier config moves most
+    tokens to its low tier, whose groups are the short ones)."""
+    from leankit import LeanCache
+    from leankit.hf import cache_kwargs
+    from leankit.testing import left_padded_batch, tiny_model
+
+    model = tiny_model("llama-mha", hidden_size=256)  # head_dim 64
+    ids, mask = left_padded_batch(3, 19)
+    outs, caches = [], []
+    for kernels_on in (True, False):
+        if not kernels_on:
+            monkeypatch.setattr(native, "_state", {"kernels": None})
+        caches.append(LeanCache(model, spec))
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                       pad_token_id=0, **cache_kwargs(model, caches[-1])))
+    assert outs[0].shape == (3, 19 + 24)
+    if "low_group_size" in spec:
+        assert caches[0].memory_report()["tokens_per_tier"]["low"] > 0
+    assert torch.equal(outs[0], outs[1])
+
+
 def _step_case(gen, spec, dim, batch, heads, row_len=4, low=False):
     """A pool of random bytes, a page table whose rows own pages in random order (the tier's
     columns from the left, or from the right with ``low``), token counts that put the next slot
