@@ -453,8 +453,7 @@ class ActStore:
         tiers["pruned"] = max(tiers["pruned"] - per_layer, 0.0)
         total = rep["total_bytes"] + act_table  # the pool pages already count the ACT pages
         out = dict(rep)
-        out.update(config=f"{rep['config']}:act={self.frac:g},act_order={self.order}",
-                   kv_bytes=(rep["pages_used"] - act_pages) * page, act_pages=act_pages, act_bytes=act_pages * page,
+        out.update(kv_bytes=(rep["pages_used"] - act_pages) * page, act_pages=act_pages, act_bytes=act_pages * page,
                    act_tokens=act_tokens, total_bytes=total, table_bytes=rep["table_bytes"] + act_table,
                    ratio=total / rep["fp16_bytes"] if rep["fp16_bytes"] else float("nan"),
                    dense_ratio=total / rep["dense_bytes"] if rep["dense_bytes"] else float("nan"),
@@ -557,7 +556,7 @@ def attach(cache, model) -> None:
             f"{b['kv']:.0f} of a {cfg} KV token (hidden {hidden} vs 2 x {cache.num_kv_heads} KV heads x "
             f"{cache.head_dim} = {2 * cache.num_kv_heads * cache.head_dim}); ACT saves memory only where "
             "hidden < 2 * kv_heads * head_dim at the same precision; cache.token_bytes() gives both.",
-            stacklevel=3)
+            stacklevel=4)  # the caller of LeanCache(...): attach <- __init__ <- its inference_only wrapper
     cache.act_store = store
     cache.policy = HybridPolicy(cache.policy, store)
 

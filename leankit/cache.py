@@ -17,7 +17,10 @@ Per forward step (one call of the decoder):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +52,58 @@ COMPRESSED, PLAIN = "full_attention", "sliding_attention"
 # Steps of at most this many queries keep their attention logits for the significance update
 # (decode and eval chunks); longer prompts use the chunked second pass, which never holds Q x N.
 LOGITS_QUERY_LIMIT = 64
+
+
+def inference_only(method):
+    """Run a cache entry point as inference: no autograd, and normal tensors, whatever mode the
+    caller's step runs under.
+
+    * ``torch.inference_mode``: switched off inside. A tensor created under it can never be written
+      in place outside it, and the cache writes its pages, tables and scores in place: a cache
+      filled under ``inference_mode`` and continued under ``no_grad`` (or built under one and
+      stepped under the other) would fail there, where ``DynamicCache`` (which concatenates) does
+      not. The step's inference-mode K/V and queries are only read, which normal mode allows;
+      ``inference_mode(False)`` keeps the grad mode it finds, which inference mode had disabled.
+    * Grad mode (a plain ``model(**inputs)``): the cache's work runs under ``no_grad``. Quantized
+      pages carry no gradient (rounding has none), and the prompt path writes into preallocated
+      buffers (``out=``), which autograd refuses. Where a query or K/V the cache receives requires
+      grad, one warning per cache says that no gradient flows through its layers' attention.
+    """
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return method(*args, **kwargs)
+        if torch.is_grad_enabled():
+            cache = args[0]
+            if not getattr(cache, "_warned_no_grad", False) and any(
+                    isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:]):
+                cache._warned_no_grad = True
+                warnings.warn("LeanCache is inference-only: its layers' attention reads quantized pages, through "
+                              "which no gradient flows, so it runs without autograd; call the model under "
+                              "torch.no_grad() or torch.inference_mode() (as generate does)", UserWarning,
+                              stacklevel=3)
+            with torch.no_grad():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+    return wrapper
+
+
+def _token_ids(ids, name: str) -> list[int]:
+    """``ids`` (None, one token id or a sequence of them, as Python or numpy ints or a tensor) as a
+    list of ints; ``ValueError`` naming ``name`` for anything else (a float, a string)."""
+    if ids is None:
+        return []
+    if isinstance(ids, torch.Tensor) and not (ids.is_floating_point() or ids.is_complex()):
+        ids = ids.flatten().tolist()
+    try:
+        return [operator.index(ids)]
+    except TypeError:
+        pass
+    try:
+        return [operator.index(i) for i in ids]
+    except TypeError:
+        raise ValueError(f"{name} must be a token id or a list of token ids, got {ids!r}") from None
 
 
 def attention_head_dim(config) -> int:
@@ -268,6 +323,7 @@ class LeanCache(Cache):
         **overrides: :class:`KVConfig` overrides (``window``, ``th``, ``tl``, ``page_size`` ...).
     """
 
+    @inference_only
     def __init__(self, model, kv: str | KVConfig = "K8V4", *, num_pages: int | None = None,
                  max_seq_len: int | None = None, eos_token_id=None, offload=None, **overrides):
         cfg = _text_config(model.config)
@@ -283,6 +339,10 @@ class LeanCache(Cache):
         self.table_index = tuple(table_index)
         self.model_layers = len(types)
         self.num_layers = n
+        if n == 0:
+            warnings.warn(f"every layer of this {cfg.model_type} model is a sliding-window layer, which keeps "
+                          f"transformers' own cache: LeanCache compresses nothing here ({self.cfg.label()} applies "
+                          "to full-attention layers only)", UserWarning, stacklevel=3)
         self.num_kv_heads = attention_kv_heads(cfg)
         self.num_q_heads = cfg.num_attention_heads
         self.head_dim = attention_head_dim(cfg)
@@ -324,8 +384,7 @@ class LeanCache(Cache):
         # (refused, pages needed, pages free) of the step's first refused deferred allocation
         self._alloc_status = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._hw_tokens = 0  # most tokens any row may hold (host bound: tokens fed so far, this step's included)
-        eos = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        self.eos_ids = torch.tensor(eos, dtype=torch.long, device=self.device)
+        self.eos_ids = torch.tensor(_token_ids(eos_token_id, "eos_token_id"), dtype=torch.long, device=self.device)
         from .policy import make_policy  # the placement policy of this config
 
         self.policy = make_policy(self)
@@ -385,6 +444,7 @@ class LeanCache(Cache):
                 f"{tuple(key_states.shape)} and values of shape {tuple(value_states.shape)} (expected "
                 f"[batch, {self.num_kv_heads}, tokens, {self.head_dim}]): build a LeanCache for this model")
 
+    @inference_only
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """``Cache.update`` with a clear error for a layer index this cache does not have."""
         if not 0 <= layer_idx < self.model_layers:
@@ -393,6 +453,7 @@ class LeanCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ------------------------------------------------------------------ step protocol
+    @inference_only
     def begin_step(self, batch: int, q_len: int, attention_mask=None, position_ids=None,
                    input_ids=None) -> torch.Tensor:
         """Prepare a forward step of ``q_len`` tokens per row; returns the query positions ``[B, Q]``.
@@ -413,9 +474,14 @@ class LeanCache(Cache):
             real = attention_mask[:, -q_len:].to(dev).bool()
         else:
             real = torch.ones(batch, q_len, dtype=torch.bool, device=dev)
-        if input_ids is not None and self._seen > 0 and self.eos_ids.numel():
-            # A row whose previous token ended its request is finished: free its pages now.
+        if q_len == 1 and input_ids is not None and self._seen > 0 and self.eos_ids.numel():
+            # A row whose previous token ended its request is finished: free its pages now. Only a
+            # decode step feeds back the token sampled last; a longer step after the prompt (a new
+            # turn passed into the same cache) may start with the EOS that ended the last turn,
+            # which was never fed, and must not end the row it continues.
             self._release_ended(torch.isin(input_ids[:, 0].to(dev), self.eos_ids) & ~self.finished)
+        elif q_len > 1 and self._seen > 0 and self.eos_ids.numel():
+            self._check_no_finished_row_continues(real)
         real = real & ~self.finished.unsqueeze(1)
         if position_ids is None:
             q_pos = (torch.arange(q_len, device=dev) + self._seen).expand(batch, q_len)
@@ -458,6 +524,17 @@ class LeanCache(Cache):
         self._open_step(step)
         return rows["q_pos64"]
 
+    def _check_no_finished_row_continues(self, real: torch.Tensor) -> None:
+        """Raise ``ValueError`` where a step of several tokens brings real tokens to a row that ended
+        its request in an earlier step: that row's pages were freed, so its context is gone (one host
+        read, on steps that already read the device to order their positions)."""
+        ended = self.finished & real.any(1)
+        if bool(ended.any()):
+            rows = ended.nonzero().flatten().tolist()
+            raise ValueError(f"rows {rows} of this LeanCache ended their request with an EOS token in an earlier "
+                             "step and their pages were freed, so a new turn cannot continue them: pass a fresh "
+                             "LeanCache (or build this one without eos_token_id to keep finished rows)")
+
     def _release_ended(self, ended: torch.Tensor) -> None:
         """Free the pages of the rows whose previous token ended their request (bool ``[B]``)."""
         if use_triton(self._kv_err) and self.offload is None:
@@ -497,6 +574,7 @@ class LeanCache(Cache):
         before = torch.cummax(marked, dim=1).values[:, :-1]
         return ~(real[:, 1:] & (q_pos[:, 1:] <= before)).any()
 
+    @inference_only
     def end_step(self) -> None:
         """Close the forward step: advance the logical length, run end-of-step policy work.
 
@@ -656,6 +734,7 @@ class LeanCache(Cache):
         key_states._leankit_handle = (self, layer)
         return key_states, value_states
 
+    @inference_only
     def abort_step(self) -> None:
         """Drop the current step: every layer's tokens of it are forgotten, the cache stays usable.
 
@@ -748,6 +827,7 @@ class LeanCache(Cache):
         """The page view attention reads for ``layer``."""
         return PagedKV(self.pool, self.layouts, self.table, layer, self.workspace)
 
+    @inference_only
     def attend(self, layer: int, query: torch.Tensor, scaling: float, module=None, attention_mask=None) -> torch.Tensor:
         """Attention of the step's queries for ``layer``; returns ``[B, Q, Hq, F]``.
 
@@ -924,6 +1004,7 @@ class LeanCache(Cache):
         return out, lse, received_new
 
     # ------------------------------------------------------------------ lifecycle
+    @inference_only
     def release(self, rows: torch.Tensor, defer: bool = False) -> int | None:
         """Finish the rows where ``rows[b]`` is true: return all their pages to the free list.
 
@@ -950,6 +1031,7 @@ class LeanCache(Cache):
         self.finished |= rows
         return freed
 
+    @inference_only
     def reset(self) -> None:
         """Free every page and forget all sequences (the pool itself is kept)."""
         if self.table is not None:
@@ -963,6 +1045,7 @@ class LeanCache(Cache):
             self.offload.reset()
         self.layers = self._build_layers()  # fresh plain layers; LeanLayers hold no state
 
+    @inference_only
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]``.
 
@@ -1066,7 +1149,7 @@ class LeanCache(Cache):
             return a / b if b else float("nan")
 
         report = MemoryReport(
-            config=str(self.cfg), pages_used=pages_used, pages_total=self.pool.num_pages,
+            config=self.cfg.label(), pages_used=pages_used, pages_total=self.pool.num_pages,
             page_size=self.cfg.page_size, kv_bytes=kv_bytes, table_bytes=table_bytes,
             plain_bytes=plain_elems * itemsize, total_bytes=total, pool_bytes=self.pool.num_pages * self.cfg.page_size,
             fp16_bytes=fp16, dense_bytes=dense, dense_dtype=str(self.dtype).removeprefix("torch."),

@@ -85,6 +85,15 @@ _POLICY_SETTINGS = {"th": ("leankv",), "tl": ("leankv",), "compress_every": ("le
                     "sink": ("streaming",)}
 
 
+def _spec_value(value) -> str:
+    """``value`` as the spec grammar writes it (``rotate`` as 1/0, floats in their shortest form)."""
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
 def check_override_types(overrides: dict) -> dict:
     """Check keyword overrides against the same typed table the string grammar uses.
 
@@ -395,7 +404,11 @@ class KVConfig:
 
     def token_bytes(self, head_dim: int, tier: int = 0, dense_itemsize: int = 2) -> TokenBytes:
         """Bytes per (token, KV head) of tier ``tier`` (0 = high, 1 = low)."""
-        return self.tiers[tier].token_bytes(head_dim, self.tier_group_size(tier), dense_itemsize)
+        gs = self.tier_group_size(tier)
+        if gs is not None and head_dim % gs:  # named by the setting that chose it
+            name = "low_group_size" if tier == 1 and self.low_group_size is not None else "group_size"
+            raise ValueError(f"{name} {gs} must divide head_dim {head_dim}")
+        return self.tiers[tier].token_bytes(head_dim, gs, dense_itemsize)
 
     def tokens_per_page(self, head_dim: int, tier: int = 0, dense_itemsize: int = 2) -> int:
         """Tokens that fit one unified page of ``page_size`` bytes at tier ``tier``.
@@ -421,6 +434,15 @@ class KVConfig:
 
     def __str__(self) -> str:
         return "-".join(str(t) for t in self.tiers)
+
+    def label(self) -> str:
+        """This config as a spec that parses back to it: the tiers, then every setting that differs
+        from the tiers' defaults, the policy first (``'K8V4:policy=h2o,budget=0.5'``; ``str()``
+        gives the tiers alone). Reports and the CLI name a config by it."""
+        base = KVConfig.parse(str(self))
+        keys = ["policy"] + [k for k in _OVERRIDE_TYPES if k != "policy"]
+        changed = [f"{k}={_spec_value(getattr(self, k))}" for k in keys if getattr(self, k) != getattr(base, k)]
+        return str(self) + (":" + ",".join(changed) if changed else "")
 
 
 # ---------------------------------------------------------------------------- ACT pages

@@ -303,8 +303,9 @@ def test_mha_act_only_holds_about_half_of_fp16_kv_pages():
 
 def test_gqa_warns_and_exposes_token_bytes():
     model = tiny_model("llama-gqa")  # hidden 96 > 2 x 2 KV heads x 16 = 64
-    with pytest.warns(UserWarning, match="hidden 96 vs 2 x 2 KV heads x 16 = 64"):
+    with pytest.warns(UserWarning, match="hidden 96 vs 2 x 2 KV heads x 16 = 64") as record:
         cache = LeanCache(model, "FP16:act=0.5")
+    assert [w.filename for w in record] == [__file__]  # the warning names the line that built the cache
     tb = cache.token_bytes()
     assert tb["act"] > tb["kv"] and not tb["act_saves"]
     assert LeanCache(model, "FP16").token_bytes() == tb  # a planner can ask before choosing ACT

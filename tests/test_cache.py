@@ -145,6 +145,63 @@ def test_eos_frees_pages_during_generate():
     assert int(cache.table.n_pages[:, :, 0].sum()) == 0
 
 
+def _second_turn(model, cache, first_out, first_mask, extra=(5, 6, 7, 8)):
+    """Pass a finished turn back into ``cache`` with a few more prompt tokens, as with DynamicCache."""
+    rows = first_out.shape[0]
+    ids = torch.cat([first_out, torch.tensor([list(extra)] * rows)], 1)
+    mask = torch.cat([first_mask, first_mask.new_ones(rows, ids.shape[1] - first_mask.shape[1])], 1)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
+                              max_new_tokens=6, pad_token_id=0, eos_token_id=None)
+
+
+@pytest.mark.parametrize("kv", ["FP16", "K8V4"])
+def test_a_new_turn_after_an_eos_continues_the_row(kv):
+    """A turn that stopped on EOS leaves that EOS last in the sequence, never fed to the model; the
+    next turn's chunk starts with it. Only a decode step's fed-back token ends a row, so the next
+    turn continues the row's context, as a cache without ``eos_token_id`` (and DynamicCache) does."""
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        probe = model.generate(input_ids=ids, do_sample=False, max_new_tokens=3, pad_token_id=0, eos_token_id=None)
+    eos = int(probe[0, -1])  # the greedy third token: turn 1 stops on it
+    outs = []
+    for cache in (LeanCache(model, kv, eos_token_id=eos), LeanCache(model, kv), DynamicCache(config=model.config)):
+        with torch.no_grad():
+            first = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
+                                   max_new_tokens=10, pad_token_id=0, eos_token_id=eos)
+        assert int(first[0, -1]) == eos and first.shape[1] <= ids.shape[1] + 3
+        outs.append(_second_turn(model, cache, first, mask))
+        if isinstance(cache, LeanCache):
+            assert cache.memory_report()["tokens_per_row"] == [outs[-1].shape[1] - 1]  # nothing was dropped
+    assert torch.equal(outs[0], outs[1])
+    if kv == "FP16":
+        assert torch.equal(outs[0], outs[2])
+
+
+def test_a_new_turn_for_a_row_that_ended_raises_and_leaves_the_cache():
+    """A row that ended on EOS while the batch went on has had its pages freed: a new turn passed
+    into the same cache cannot continue it, and says so before it changes anything."""
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    with torch.no_grad():
+        probe = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=0,
+                               eos_token_id=None)
+    eos = int(probe[0, ids.shape[1] + 1])  # row 0 emits it at its second step
+    assert eos not in probe[1, ids.shape[1]:].tolist()  # row 1 runs on: the batch continues after row 0 ends
+    cache = LeanCache(model, "K8V4", eos_token_id=eos)
+    with torch.no_grad():
+        first = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
+                               max_new_tokens=8, pad_token_id=0, eos_token_id=eos)
+    assert bool(cache.finished[0]) and not bool(cache.finished[1])
+    seen, lens = cache.get_seq_length(), cache.table.lens.clone()
+    first_mask = torch.cat([mask, torch.ones(2, first.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    with pytest.raises(ValueError, match=r"rows \[0\] .* ended their request"):
+        _second_turn(model, cache, first, first_mask)
+    assert cache.get_seq_length() == seen and torch.equal(cache.table.lens, lens)
+
+
 def test_memory_report_keys_and_ratio():
     model = tiny_model("llama-gqa")
     ids, mask = _batch(rows=2)
@@ -342,3 +399,37 @@ def test_backend_choice_follows_the_environment_at_every_call(monkeypatch):
             backend_name()
     monkeypatch.setenv("LEANKIT_BACKEND", "torch")
     assert backend_name() == "torch"
+
+
+def test_eos_ids_take_numpy_and_tensor_ints_and_refuse_the_rest():
+    """``eos_token_id`` as tokenizers and tensors hand it over (numpy ints, 0-d or 1-d integer
+    tensors, lists of either) is accepted; a float or a string is a ``ValueError`` naming it."""
+    np = pytest.importorskip("numpy")
+    model = tiny_model("llama-gqa")
+    for given, want in [(np.int64(2), [2]), (torch.tensor(2), [2]), (torch.tensor([2, 5]), [2, 5]),
+                        ([np.int32(3), 4], [3, 4]), ((7,), [7]), (None, [])]:
+        assert LeanCache(model, "K8V4", eos_token_id=given).eos_ids.tolist() == want
+    for bad in (2.0, "2", [2.5], torch.tensor(2.0)):
+        with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+            LeanCache(model, "K8V4", eos_token_id=bad)
+
+
+@pytest.mark.parametrize("spec", ["K8V4:policy=h2o,budget=0.5", "K8V4:policy=streaming,sink=3",
+                                  "K8V4-K4V2:th=0.25,group_size=8,rotate=1",
+                                  "FP16:act=0.5,act_order=prefix"])
+def test_memory_report_names_the_whole_config(spec):
+    """The report (and the CLI line built from it) names the policy and settings, not the tiers alone."""
+    import warnings
+
+    from leankit.config import KVConfig
+
+    model = tiny_model("llama-mha")
+    ids, mask = _batch(rows=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        cache = LeanCache(model, spec)
+    _generate(model, ids, mask, cache, max_new_tokens=3)
+    rep = cache.memory_report()
+    assert rep["config"] == KVConfig.parse(spec).label()
+    assert KVConfig.parse(rep["config"]) == cache.cfg
+    assert rep["config"] in str(rep)

@@ -84,8 +84,10 @@ def test_low_tier_group_size():
         KVConfig.parse("K8V4", low_group_size=32)
     with pytest.raises(ValueError, match="low_group_size"):
         KVConfig.parse("K8V4-K4V2", low_group_size=0)
-    with pytest.raises(ValueError, match="divide"):
+    with pytest.raises(ValueError, match="low_group_size 24 must divide head_dim 64"):
         KVConfig.parse("K8V4-K4V2", low_group_size=24).token_bytes(64, 1)
+    with pytest.raises(ValueError, match="^group_size 24 must divide head_dim 64"):  # the low tier inherits it
+        KVConfig.parse("K8V4-K4V2", group_size=24).token_bytes(64, 1)
 
 
 def test_tokens_per_page_follow_precision():
@@ -127,6 +129,20 @@ def test_str_roundtrip():
     for s in ["FP16", "K8V4", "K8V4-K4V2", "K4V8"]:
         assert str(KVConfig.parse(s)) == s
     assert "FP16" in GRAMMAR
+
+
+@pytest.mark.parametrize("spec,label", [
+    ("K8V4", "K8V4"), ("K8V4-K4V2", "K8V4-K4V2"), ("K8V4:policy=h2o,budget=0.5", "K8V4:policy=h2o,budget=0.5"),
+    ("K8V4:sink=7,policy=streaming", "K8V4:policy=streaming,sink=7"), ("K8V4-K4V2:policy=full", "K8V4-K4V2:policy=full"),
+    ("neutral", "K8V4-K4V2:group_size=32,th=0.25,rotate=1"), ("K8V4-K4V2:tl=0.05,th=0.3", "K8V4-K4V2:th=0.3,tl=0.05"),
+    ("K8V4:act=0.5,act_order=prefix,page_size=256", "K8V4:page_size=256,act=0.5,act_order=prefix"),
+    ("FP16:page_size=8192", "FP16")])
+def test_label_names_every_setting_and_parses_back(spec, label):
+    """``label()`` (what reports and the CLI print) keeps the policy and every setting away from the
+    tiers' defaults, where ``str()`` gives the tiers alone, and parses back to the same config."""
+    cfg = KVConfig.parse(spec)
+    assert cfg.label() == label
+    assert KVConfig.parse(label) == cfg
 
 
 @pytest.mark.parametrize("spec", ["K4V2-K8V4", "K4V4-K8V2", "K8V2-K4V4", "K8V4-FP16"])

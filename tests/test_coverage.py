@@ -2,6 +2,7 @@
 lossless with FP16 (greedy tokens identical to ``DynamicCache``), batched with left padding and alone."""
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -147,3 +148,15 @@ def test_real_gemma3_270m_act_is_lossless():
         cache = LeanCache(model, spec)
         assert torch.equal(gen(cache), ref), spec
         assert cache.memory_report()["act_tokens"] > 0
+
+
+def test_a_model_with_no_compressed_layer_says_so():
+    """A model whose every layer slides has nothing for the pages: building the cache warns, naming
+    the line that built it, rather than reporting a compression that never happens."""
+    model = tiny_model("mistral-sliding")
+    with pytest.warns(UserWarning, match="compresses nothing") as record:
+        LeanCache(model, "K4V2")
+    assert [w.filename for w in record] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LeanCache(tiny_model("gemma3"), "K4V2")  # one full layer of three: compressed, no warning

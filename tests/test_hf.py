@@ -79,3 +79,58 @@ def test_generate_under_inference_mode_matches_no_grad(kind, kv):
                                        pad_token_id=0, **cache_kwargs(model, cache)))
     assert outs[1].shape == (3, 21 + 12)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("kv", ["K8V4", "K8V4-K4V2:th=0.3,tl=0.05,compress_every=1", "K8V4:act=0.5"])
+@pytest.mark.parametrize("modes", [("inference_mode", "no_grad", "no_grad"), ("no_grad", "inference_mode", "no_grad"),
+                                   ("no_grad", "no_grad", "inference_mode")])
+def test_a_cache_moves_between_inference_mode_and_no_grad(kv, modes):
+    """A cache built, filled and continued under different modes (``modes``: build, first generate,
+    second generate) gives the tokens of one that never left ``no_grad``: its pages, tables and
+    scores, written in place, are normal tensors even when made under ``inference_mode``, as
+    ``DynamicCache``'s concatenated tensors can be used in either mode."""
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(3, 21)
+    more = torch.cat([mask, mask.new_ones(3, 5)], 1)
+
+    def run(build, first, second):
+        with getattr(torch, build)():
+            cache = leankit.LeanCache(model, kv)
+        with getattr(torch, first)():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                 pad_token_id=0, **cache_kwargs(model, cache))
+        with getattr(torch, second)():
+            return model.generate(input_ids=out, attention_mask=more, max_new_tokens=6, do_sample=False,
+                                  pad_token_id=0, **cache_kwargs(model, cache))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # ACT on a GQA model warns that it costs more than KV
+        want = run("no_grad", "no_grad", "no_grad")
+        got = run(*modes)
+    assert got.shape == (3, 21 + 5 + 6)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kv", ["K8V4", "K8V4-K4V2:th=0.3,tl=0.05,compress_every=1", "K8V4:act=0.5"])
+def test_a_forward_with_grad_mode_on_gives_the_no_grad_logits_and_warns_once(kv):
+    """A plain ``model(**inputs)`` runs with grad mode on: the cache's work then runs without
+    autograd (its prompt path writes into preallocated buffers, which autograd refuses), gives the
+    logits of a ``no_grad`` forward, and warns once per cache that no gradient flows through it."""
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(3, 17)
+    nxt = torch.tensor([[5], [6], [7]])
+    more = torch.cat([mask, mask.new_ones(3, 1)], 1)
+    logits = {}
+    for grad in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.set_grad_enabled(grad):
+                cache = leankit.LeanCache(model, kv)
+                first = model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
+                second = model(input_ids=nxt, attention_mask=more, use_cache=True, **cache_kwargs(model, cache))
+        logits[grad] = (first.logits.detach(), second.logits.detach())
+        told = [w for w in caught if "inference-only" in str(w.message)]
+        assert len(told) == (1 if grad else 0)  # once per cache, over both steps and every layer
+    assert first.logits.requires_grad  # the model's own layers still track gradients
+    for a, b in zip(logits[False], logits[True]):
+        assert torch.equal(a, b)
