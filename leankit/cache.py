@@ -1051,6 +1051,9 @@ class LeanCache(Cache):
 
         Rows may be duplicated, so pages are copied (never shared): every new row gets fresh
         pages in one batched allocation, the page bytes are copied, and the old pages are freed.
+        Unlike a decode step, this reads the device (about five times: the allocation's and the
+        release's counts, and the copy's page lists), so a beam-search step on a GPU stalls more
+        than once.
         """
         if self.offload is not None:  # a clear error where the host tier cannot reorder (leankit.offload)
             self.offload.check_reorder()

@@ -368,6 +368,29 @@ def test_quantized_cache_bytes_are_codes_scales_and_residual():
     assert fit.batch == 10 ** 6 // fit.bytes_per_row
 
 
+@pytest.mark.parametrize("abbrev", ["--js", "--read", "--no-prog"])
+def test_bench_options_cannot_be_abbreviated(abbrev, capsys):
+    """An abbreviated output option would keep its (local) path in the command a README records,
+    which names the output options in full only: the bench parsers refuse abbreviations."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "step", abbrev, "x"])
+    assert e.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_write_readme_without_the_markers_fails_before_measuring(monkeypatch, tmp_path, capsys):
+    """A README that lacks the run's block is an error before the model loads, not after the run."""
+    readme = tmp_path / "README.md"
+    start, end = markers("step")
+    readme.write_text(f"intro\n{start}\n{end}\n")  # the step block only
+    loaded = []
+    monkeypatch.setattr(leankit, "load_model", lambda name: loaded.append(name) or _tiny_lm())
+    argv = ["bench", "throughput", "--mix", "prefill-heavy", "--write-readme", "--readme", str(readme),
+            "--no-progress", "--default-malloc"]
+    assert main(argv) == 2
+    assert "leankit-bench:throughput-prefill-heavy" in capsys.readouterr().err and loaded == []
+
+
 def test_readme_command_leaves_out_output_options():
     from leankit.bench.readme import reproducible_args
 

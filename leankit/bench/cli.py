@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .malloc import pin_glibc_malloc
+from .readme import replace_block
 from .text import read_text, text_source
 from .throughput import DEFAULT_KVS, MIXES, NEUTRAL
 
@@ -40,7 +41,7 @@ For each --context, a batch of --batch real-text prompts (Wikipedia articles shi
 leankit, or --text FILE; rows left-padded, each 3 tokens shorter than the one before) is
 prefilled into a DynamicCache and, per --kv config, into a plain LeanCache and an instrumented
 one (3 fresh prefills of each, in rotating order; the median counts). Then --steps decode steps
-(after 2 warm-up rounds) step every cache once per round, in an order that rotates each round,
+(after --warmup rounds, 2 by default) step every cache once per round, in an order that rotates each round,
 so every cache sees the same machine state. Reported per config:
 
   prefill ratio   LeanCache prefill time / DynamicCache prefill time (medians of 3)
@@ -135,7 +136,7 @@ def add_bench_parser(sub) -> None:
                        help="leave glibc's malloc thresholds as they are (by default they are raised for the run, so "
                             "freed memory is reused instead of page-faulted in again; see leankit.bench.malloc)")
 
-    s = modes.add_parser("step", help="prefill and decode-step ratios with a per-step breakdown",
+    s = modes.add_parser("step", allow_abbrev=False, help="prefill and decode-step ratios with a per-step breakdown",
                          description=STEP_HELP, formatter_class=raw)
     s.add_argument("--batch", type=int, default=8, help="rows per batch (default: %(default)s)")
     s.add_argument("--context", type=int, nargs="+", default=[1024, 4096],
@@ -149,7 +150,7 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--plot", metavar="PNG", help="also draw the ratios and the decode-step breakdown into PNG")
     s.set_defaults(func=cmd_step)
 
-    t = modes.add_parser("throughput", help="tokens/s at a fixed KV budget, batch each cache fits",
+    t = modes.add_parser("throughput", allow_abbrev=False, help="tokens/s at a fixed KV budget, batch each cache fits",
                          description=THROUGHPUT_HELP, formatter_class=raw)
     t.add_argument("--mix", choices=sorted(MIXES), default="decode-heavy", help="request mix (default: %(default)s)")
     t.add_argument("--budget-bytes", type=int, default=None, help="KV budget in bytes (default: see above)")
@@ -170,14 +171,14 @@ def add_bench_parser(sub) -> None:
     common(t)
     t.set_defaults(func=cmd_throughput)
 
-    pl = modes.add_parser("plot", help="draw the figures of saved step/throughput results (--json files)",
+    pl = modes.add_parser("plot", allow_abbrev=False, help="draw the figures of saved step/throughput results (--json files)",
                           description=PLOT_HELP, formatter_class=raw)
     pl.add_argument("files", nargs="+", metavar="JSON", help="results written by step or throughput with --json")
     pl.add_argument("--out", default=".", help="folder for the PNGs, one per file, named after it "
                     "(default: the current folder)")
     pl.set_defaults(func=cmd_plot)
 
-    o = modes.add_parser("offload", help="a plan's host-tier cache against the all-on-device cache",
+    o = modes.add_parser("offload", allow_abbrev=False, help="a plan's host-tier cache against the all-on-device cache",
                          description=OFFLOAD_HELP, formatter_class=raw)
     o.add_argument("--hardware", default="rtx4090-pcie4",
                    help="hardware preset to plan for, 'detect', or a saved profile .json (default: %(default)s)")
@@ -192,8 +193,11 @@ def add_bench_parser(sub) -> None:
     o.set_defaults(func=cmd_offload)
 
 
-def _setup(args):
-    """Check the shared options, set threads, load the model; returns ``(model, tok)``."""
+def _setup(args, block: str):
+    """Check the shared options, set threads, load the model; returns ``(model, tok)``.
+
+    ``block``: the README block the run's table goes into with --write-readme, whose markers are
+    checked here, before anything is measured."""
     import torch
 
     import leankit
@@ -202,12 +206,19 @@ def _setup(args):
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     if args.text is not None:
         read_text(args.text)  # a missing, empty or binary file fails before the model loads
-    if args.write_readme and not Path(args.readme).is_file():
-        raise ValueError(f"--readme {args.readme} is not a file (run from the repository root or pass --readme)")
+    if args.write_readme:
+        if not Path(args.readme).is_file():
+            raise ValueError(f"--readme {args.readme} is not a file (run from the repository root or pass --readme)")
+        replace_block(Path(args.readme).read_text(encoding="utf-8"), block, "")  # raises on missing markers
     if args.threads:
         torch.set_num_threads(args.threads)
     args.allocator = None if args.default_malloc else pin_glibc_malloc()
     return leankit.load_model(args.model)
+
+
+def _throughput_block(args) -> str:
+    """The README block of a throughput run: one per mix."""
+    return "throughput" if args.mix == "decode-heavy" else f"throughput-{args.mix}"
 
 
 def _check_plot(args) -> None:
@@ -264,10 +275,11 @@ def cmd_step(args) -> int:
     _check_plot(args)
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or min(args.context) < 1:
         raise ValueError("--batch, --steps and --context must be >= 1 and --warmup >= 0")
-    model, tok = _setup(args)
+    model, tok = _setup(args, "step")
     rows = step.run(model, tok, args.batch, args.context, kvs, args.steps, args.warmup, not args.no_progress,
                     text_path=args.text)
-    body = (f"{args.model}, batch {args.batch}, {args.steps} decode steps after {args.warmup} warm-up rounds"
+    body = (f"{args.model}, batch {args.batch}, {args.steps} decode steps after {args.warmup} warm-up "
+            f"round{'' if args.warmup == 1 else 's'}"
             f"{_text_note(args)}.\n\n"
             f"{step.table(rows)}\n\n{step.NOTES} {step.faults_line(rows)}{_allocator_note(args)}")
     print(body)
@@ -284,14 +296,14 @@ def cmd_throughput(args) -> int:
     for kv in kvs:
         KVConfig.parse(kv)
     _check_plot(args)
-    model, tok = _setup(args)
+    model, tok = _setup(args, _throughput_block(args))
     res = throughput.run(model, tok, args.mix, args.budget_bytes, args.requests, args.prompt_range,
                          args.output_range, kvs, quantized=not args.no_quantized, verify=not args.no_verify,
                          seed=args.seed, progress=not args.no_progress, ceiling=args.ceiling, text_path=args.text)
     body = f"{args.model}.\n\n{throughput.table(res)}\n\n{throughput.notes(res)}{_allocator_note(args)}"
     print(body)
     # One README block per mix: the decode-heavy table is "throughput", the other "throughput-<mix>".
-    _finish(args, "throughput" if args.mix == "decode-heavy" else f"throughput-{args.mix}", body, res)
+    _finish(args, _throughput_block(args), body, res)
     return 0
 
 
@@ -312,7 +324,7 @@ def cmd_offload(args) -> int:
     if args.write_readme:
         raise ValueError("bench offload has no README block: use --json FILE to keep the results")
     hw = get_hardware(args.hardware)
-    model, tok = _setup(args)
+    model, tok = _setup(args, "offload")
     limits = Limits(gpu_mem=None if args.gpu_mem is None else args.gpu_mem * GiB)
     res = offload.run(model, tok, hw, args.batch, args.context, args.steps, args.warmup, (None, *kvs), limits,
                       progress=not args.no_progress, text_path=args.text)
