@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
+from .allocator import PoolExhausted
 from .backend import use_triton
 from .decode_attention import LiveSlots
 from .page_table import HIGH, LOW
@@ -478,8 +479,15 @@ class _Base:
             m = read_tier_meta(cache, tier, layers)
             if not m.score.shape[-1]:
                 continue
-            new = update_significance(m.score, m.pos, received[tier].unsqueeze(0), q_first.view(view),
-                                      q_last.view(view))
+            got = received[tier]
+            width = m.score.shape[-1]
+            if got.shape[-1] != width:
+                # The kernel sizes its output by the pages heads hold, the metadata read on the
+                # kernel backend by the host bound (page_bounds), which may be larger: the slots past
+                # the output belong to no head's pages, and received nothing.
+                got = torch.nn.functional.pad(got, (0, width - got.shape[-1])) if got.shape[-1] < width \
+                    else got[..., :width]
+            new = update_significance(m.score, m.pos, got.unsqueeze(0), q_first.view(view), q_last.view(view))
             new = torch.where(m.valid & has.view(view), new, m.score).to(torch.float16)
             pages = new.view(*m.ids.shape, layout.tokens)
             cache.pool.write_scores(layout, m.ids[m.pvalid], pages[m.pvalid])
@@ -556,23 +564,25 @@ class _Base:
             k, v = read_tokens(cache.pool, cache.layouts[HIGH], page, off)
             mv_score, mv_pos = mh.score[li, bi, hi, si], mh.pos[li, bi, hi, si]
             rank = (torch.cumsum(to_low.to(torch.int32), -1) - 1)[li, bi, hi, si]
-        # 2. compaction of each tier
-        len_h = self._compact(HIGH, layers, mh.valid, alive_h)
         if two:
             ml, nl = metas[LOW], news[LOW]
             alive_l = ml.valid & (nl == KEEP_LOW)
             pruned = pruned + _masked_sum(ml.score, ml.valid & (nl == PRUNED))
-            len_l = self._compact(LOW, layers, ml.valid, alive_l)
-        else:
-            len_l = torch.zeros_like(len_h)
+        # 2. the page plan's grant, checked before any token moves: a short fixed pool raises
+        # PoolExhausted with the tiers as they were (compaction below overwrites slots in place)
+        kept_l = alive_l.sum(-1) if two else torch.zeros_like(alive_h.sum(-1))
+        self._check_grant(layers, torch.stack((alive_h.sum(-1), kept_l + to_low.sum(-1)))[: 1 + two], reserve)
+        # 3. compaction of each tier
+        len_h = self._compact(HIGH, layers, mh.valid, alive_h)
+        len_l = self._compact(LOW, layers, ml.valid, alive_l) if two else torch.zeros_like(len_h)
         new_lens = torch.stack((len_h, len_l + to_low.sum(-1)))
-        # 3. page plan: reuse emptied high pages on the low side, then one grow
+        # 4. page plan: reuse emptied high pages on the low side, then one grow
         need = self._fit_pages(layers, new_lens[: 1 + two], reserve)
-        # 4. re-quantize the downgraded tokens into the low tier
+        # 5. re-quantize the downgraded tokens into the low tier
         if li.numel():
             slot = len_l[li, bi, hi] + rank
             cache.write_tokens(LOW, lay, bi, hi, slot, k, v, mv_pos, mv_score)
-        # 5. one batched recycle of every page left empty
+        # 6. one batched recycle of every page left empty
         self._set_lens_and_shrink(layers, new_lens, need)
         return pruned
 
@@ -686,9 +696,27 @@ class _Base:
         """
         cache, table = self.cache, self.cache.table
         need, r, extra = table.tier_plan(layers, lens, tuple(lay.tokens for lay in cache.layouts), reserve)
+        self._raise_if_short(extra)  # before move_tail changes which tier owns a page
         table.move_tail(layers, r)
         cache.grow_pages(extra)
         return need
+
+    def _check_grant(self, layers: torch.Tensor, lens: torch.Tensor, reserve: torch.Tensor | None = None) -> None:
+        """Raise ``PoolExhausted`` now where :meth:`_fit_pages` for the same ``lens`` would (torch
+        backend, fixed pool), so a caller can check before it changes anything."""
+        if self.cache.fixed_pool and not use_triton(self.cache.table.tables):
+            tokens = tuple(lay.tokens for lay in self.cache.layouts)
+            self._raise_if_short(self.cache.table.tier_plan(layers, lens, tokens, reserve)[2])
+
+    def _raise_if_short(self, extra: torch.Tensor) -> None:
+        """``PoolExhausted`` where a fixed pool on the torch backend has fewer free pages than the
+        grant ``extra`` (a host read, free on the CPU; the kernel backend's grants check on the
+        device and report at the end of the step)."""
+        free_list = self.cache.free_list
+        if self.cache.fixed_pool and not use_triton(extra):
+            needed = int(extra.sum())
+            if needed > free_list.num_free:
+                raise PoolExhausted(needed, free_list.num_free, free_list.capacity)
 
     def _set_lens_and_shrink(self, layers, lens: torch.Tensor, need: torch.Tensor,
                              ok: torch.Tensor | None = None) -> None:

@@ -433,3 +433,42 @@ def test_memory_report_names_the_whole_config(spec):
     assert rep["config"] == KVConfig.parse(spec).label()
     assert KVConfig.parse(rep["config"]) == cache.cfg
     assert rep["config"] in str(rep)
+
+
+def test_short_pool_in_an_algorithm_1_step_on_the_torch_backend_moves_nothing(monkeypatch):
+    """Algorithm 1 on the torch backend checks its page grant before it compacts a tier: a step
+    whose grant does not fit a fixed pool raises PoolExhausted with every stored token where it was
+    (compaction had already overwritten high-tier slots in place: one token lost, another twice)."""
+    from leankit.policy import HIGH, LOW, read_tier_meta
+
+    monkeypatch.setenv("LEANKIT_BACKEND", "torch")
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(3, 11)
+    kw = dict(th=0.3, tl=0.05, compress_every=1, window=4, page_size=256)
+    probe = LeanCache(model, "K8V4-K4V2", **kw)
+    _generate(model, ids, mask, probe, max_new_tokens=1)
+    cache = LeanCache(model, "K8V4-K4V2", num_pages=int(probe.table.n_pages.sum()) + 1, **kw)
+    layers = torch.arange(cache.num_layers)
+
+    def stored():
+        metas = [read_tier_meta(cache, t, layers) for t in (HIGH, LOW)]
+        return ([torch.where(m.valid, m.pos, -1) for m in metas] + [torch.where(m.valid, m.score, 0) for m in metas]
+                + [cache.table.lens.clone(), cache.table.tables.clone(), cache.policy.pruned_mass.clone()])
+
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache))
+    nxt = out.logits[:, -1:].argmax(-1)
+    for step in range(12):
+        before = stored()
+        more = torch.cat([mask, torch.ones_like(nxt)], 1)
+        try:
+            with torch.no_grad():
+                out = model(input_ids=nxt, attention_mask=more, use_cache=True, **cache_kwargs(model, cache))
+        except PoolExhausted as e:
+            assert e.needed > e.free
+            break
+        mask, nxt = more, out.logits[:, -1:].argmax(-1)
+    else:
+        raise AssertionError("the pool never ran short")
+    for a, b in zip(before, stored()):
+        assert torch.equal(a, b)

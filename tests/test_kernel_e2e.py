@@ -283,3 +283,29 @@ def test_leankv_prompt_goes_to_its_tiers_in_one_launch_per_tier(monkeypatch):
         assert torch.equal(g[0], w[0]), f"tier {tier}: different slots hold tokens"
         for what, a, b in zip(("position", "score", "k", "v"), g[1:], w[1:]):
             assert torch.equal(a, b), f"tier {tier}: {what} differs"
+
+
+@pytest.mark.parametrize("spec,overrides", [("K8V4", dict(policy="h2o", budget=0.5, page_size=256)),
+                                            ("K8V4-K4V2", dict(th=0.3, tl=0.05, window=4, compress_every=1,
+                                                               page_size=256))])
+def test_a_second_turn_on_a_significance_policy_matches_the_torch_backend(spec, overrides, monkeypatch):
+    """A step of several tokens after decode steps (a new turn passed into the same cache) updates
+    the significance scores from the kernel's received attention, which is as wide as the pages
+    heads hold, while the kernel backend reads the metadata at the host page bound: the two widths
+    must meet (the step raised a shape error), and the tokens are the torch backend's."""
+    model = _tiny_llama()
+    ids = torch.tensor([[5, 17, 33, 8, 91, 44, 23, 9, 14], [0, 0, 12, 64, 7, 70, 3, 31, 40]])
+    mask = (ids != 0).long()
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("LEANKIT_BACKEND", backend)
+        cache = LeanCache(model, spec, **overrides)
+        with torch.no_grad():
+            first = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=4,
+                                   do_sample=False, pad_token_id=0, eos_token_id=None)
+            turn = torch.cat([first, torch.tensor([[50, 61, 72, 83, 94]] * 2)], 1)
+            more = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+            outs[backend] = model.generate(input_ids=turn, attention_mask=more, **cache_kwargs(model, cache),
+                                           max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert outs["triton"].shape == (2, ids.shape[1] + 4 + 5 + 4)
+    assert torch.equal(outs["triton"], outs["torch"])
