@@ -187,12 +187,14 @@ def sdpa_us(batch: int, context: int, steps: int, layers: int) -> float:
     from transformers import DynamicCache
     from transformers.integrations import sdpa_attention as sdpa
 
+    from leankit.hf import cache_kwargs
+
     model = _model(layers)
     model.config._attn_implementation = "sdpa"
     cache = DynamicCache()
     ids = torch.randint(4, 97, (batch, context))
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
     nxt = out.logits[:, -1:].argmax(-1)
     timed = _Timed(sdpa.sdpa_attention_forward)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -202,7 +204,7 @@ def sdpa_us(batch: int, context: int, steps: int, layers: int) -> float:
     try:
         with torch.no_grad():
             for s in range(steps):
-                model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                model(input_ids=nxt, **cache_kwargs(model, cache), use_cache=True)
                 if s == 1:
                     timed.us.clear()
     finally:
