@@ -481,12 +481,11 @@ class _Base:
                 continue
             got = received[tier]
             width = m.score.shape[-1]
-            if got.shape[-1] != width:
+            if got.shape[-1] < width:
                 # The kernel sizes its output by the pages heads hold, the metadata read on the
                 # kernel backend by the host bound (page_bounds), which may be larger: the slots past
                 # the output belong to no head's pages, and received nothing.
-                got = torch.nn.functional.pad(got, (0, width - got.shape[-1])) if got.shape[-1] < width \
-                    else got[..., :width]
+                got = torch.nn.functional.pad(got, (0, width - got.shape[-1]))
             new = update_significance(m.score, m.pos, got.unsqueeze(0), q_first.view(view), q_last.view(view))
             new = torch.where(m.valid & has.view(view), new, m.score).to(torch.float16)
             pages = new.view(*m.ids.shape, layout.tokens)
@@ -511,9 +510,9 @@ class _Base:
             cache.pool.write_scores(layout, t.page_ids, new)
 
     # -------------------------------------------------------------- moving tokens
-    def _compact(self, tier: int, layers: torch.Tensor, valid: torch.Tensor,
-                 alive: torch.Tensor) -> torch.Tensor:
-        """Fill the holes left by removed tokens with the tier's tail tokens; returns new lengths."""
+    def _compact(self, tier: int, layers: torch.Tensor, valid: torch.Tensor, alive: torch.Tensor) -> None:
+        """Fill the holes left by removed tokens with the tier's tail tokens (each head then holds its
+        ``alive.sum(-1)`` tokens in its first slots)."""
         cache = self.cache
         new_len = alive.sum(-1, keepdim=True)
         slot = torch.arange(valid.shape[-1], device=valid.device)
@@ -528,7 +527,6 @@ class _Base:
             dp, do = locate_slots(cache.table, tier, layers[hl], hb, hh, hs, t)
             sp, so = locate_slots(cache.table, tier, layers[ml], mb, mh, ms, t)
             cache.pool.copy_slots(layout, sp, so, dp, do)
-        return new_len.squeeze(-1)
 
     def apply_classes(self, layers: torch.Tensor, metas: list[TierMeta], news: list[torch.Tensor],
                       reserve: torch.Tensor | None = None, cap: int | None = None) -> torch.Tensor:
@@ -568,16 +566,18 @@ class _Base:
             ml, nl = metas[LOW], news[LOW]
             alive_l = ml.valid & (nl == KEEP_LOW)
             pruned = pruned + _masked_sum(ml.score, ml.valid & (nl == PRUNED))
-        # 2. the page plan's grant, checked before any token moves: a short fixed pool raises
-        # PoolExhausted with the tiers as they were (compaction below overwrites slots in place)
-        kept_l = alive_l.sum(-1) if two else torch.zeros_like(alive_h.sum(-1))
-        self._check_grant(layers, torch.stack((alive_h.sum(-1), kept_l + to_low.sum(-1)))[: 1 + two], reserve)
-        # 3. compaction of each tier
-        len_h = self._compact(HIGH, layers, mh.valid, alive_h)
-        len_l = self._compact(LOW, layers, ml.valid, alive_l) if two else torch.zeros_like(len_h)
+        # 2. the page plan from the counts, checked before any token moves: a short fixed pool
+        # raises PoolExhausted with the tiers as they were (compaction below overwrites in place)
+        len_h = alive_h.sum(-1)
+        len_l = alive_l.sum(-1) if two else torch.zeros_like(len_h)
         new_lens = torch.stack((len_h, len_l + to_low.sum(-1)))
-        # 4. page plan: reuse emptied high pages on the low side, then one grow
-        need = self._fit_pages(layers, new_lens[: 1 + two], reserve)
+        need, r, extra = self._tier_plan_checked(layers, new_lens[: 1 + two], reserve)
+        # 3. compaction of each tier
+        self._compact(HIGH, layers, mh.valid, alive_h)
+        if two:
+            self._compact(LOW, layers, ml.valid, alive_l)
+        # 4. the grant: emptied high pages to the low side, then one grow
+        self._grant_pages(layers, r, extra)
         # 5. re-quantize the downgraded tokens into the low tier
         if li.numel():
             slot = len_l[li, bi, hi] + rank
@@ -687,36 +687,35 @@ class _Base:
         sp, so = locate_slots(cache.table, tier, lay, bi, hi, ms.reshape(-1), t)
         _copy_slots_masked(cache.pool, cache.layouts[tier], sp, so, dp, do, has.reshape(-1))
 
-    def _fit_pages(self, layers: torch.Tensor, lens: torch.Tensor, reserve: torch.Tensor | None = None):
-        """Give every head of ``layers`` the pages for ``lens`` ``[tiers, L', B, H]`` tokens per tier.
-
-        Surplus high pages are handed to the low side first (paper Fig. 5), then one batched
-        allocation covers the rest. Returns the page counts ``need`` ``[2, L', B, H]`` that
-        :meth:`_set_lens_and_shrink` trims to once the tokens are written.
-        """
-        cache, table = self.cache, self.cache.table
-        need, r, extra = table.tier_plan(layers, lens, tuple(lay.tokens for lay in cache.layouts), reserve)
-        self._raise_if_short(extra)  # before move_tail changes which tier owns a page
-        table.move_tail(layers, r)
-        cache.grow_pages(extra)
-        return need
-
-    def _check_grant(self, layers: torch.Tensor, lens: torch.Tensor, reserve: torch.Tensor | None = None) -> None:
-        """Raise ``PoolExhausted`` now where :meth:`_fit_pages` for the same ``lens`` would (torch
-        backend, fixed pool), so a caller can check before it changes anything."""
-        if self.cache.fixed_pool and not use_triton(self.cache.table.tables):
-            tokens = tuple(lay.tokens for lay in self.cache.layouts)
-            self._raise_if_short(self.cache.table.tier_plan(layers, lens, tokens, reserve)[2])
-
-    def _raise_if_short(self, extra: torch.Tensor) -> None:
-        """``PoolExhausted`` where a fixed pool on the torch backend has fewer free pages than the
-        grant ``extra`` (a host read, free on the CPU; the kernel backend's grants check on the
-        device and report at the end of the step)."""
-        free_list = self.cache.free_list
-        if self.cache.fixed_pool and not use_triton(extra):
+    def _tier_plan_checked(self, layers: torch.Tensor, lens: torch.Tensor, reserve: torch.Tensor | None = None):
+        """The page plan for ``lens`` ``[tiers, L', B, H]`` tokens per tier
+        (:meth:`~leankit.page_table.BidirectionalPageTable.tier_plan`), checked against the pool:
+        a fixed pool on the torch backend with fewer free pages than the plan grants raises
+        ``PoolExhausted`` here, before the caller changes anything (a host read, free on the CPU;
+        the kernel backend's grants check on the device and report at the end of the step).
+        Returns ``(need, r, extra)`` for :meth:`_grant_pages` and :meth:`_set_lens_and_shrink`."""
+        cache = self.cache
+        need, r, extra = cache.table.tier_plan(layers, lens, tuple(lay.tokens for lay in cache.layouts), reserve)
+        if cache.fixed_pool and not use_triton(extra):
+            free_list = cache.free_list
             needed = int(extra.sum())
             if needed > free_list.num_free:
                 raise PoolExhausted(needed, free_list.num_free, free_list.capacity)
+        return need, r, extra
+
+    def _grant_pages(self, layers: torch.Tensor, r: torch.Tensor, extra: torch.Tensor) -> None:
+        """Carry out a :meth:`_tier_plan_checked` plan: surplus high pages (``r``, empty by now) to
+        the low side first (paper Fig. 5), then one batched allocation of ``extra``."""
+        self.cache.table.move_tail(layers, r)
+        self.cache.grow_pages(extra)
+
+    def _fit_pages(self, layers: torch.Tensor, lens: torch.Tensor, reserve: torch.Tensor | None = None):
+        """Give every head of ``layers`` the pages for ``lens`` ``[tiers, L', B, H]`` tokens per tier
+        (plan, check, grant). Returns the page counts ``need`` ``[2, L', B, H]`` that
+        :meth:`_set_lens_and_shrink` trims to once the tokens are written."""
+        need, r, extra = self._tier_plan_checked(layers, lens, reserve)
+        self._grant_pages(layers, r, extra)
+        return need
 
     def _set_lens_and_shrink(self, layers, lens: torch.Tensor, need: torch.Tensor,
                              ok: torch.Tensor | None = None) -> None:

@@ -121,33 +121,22 @@ def test_refused_store_raises_and_writes_nothing(bad, spec):
         kernels.store_tokens(pool.storage, lay.tokens, lay.seg_offsets, page, slot, k, v, pos, score, 3, 4, 64)
 
 
-def test_pool_write_tokens_takes_the_same_path_on_both_sides_of_the_switch(monkeypatch):
-    """``PagePool.write_tokens`` gives the same pool with the compiled kernel and with the torch
-    path (``LEANKIT_NATIVE=0``), including the ``keep`` mask and a refused call."""
+@pytest.mark.parametrize("spec,dim,tier", [("K8V4-K4V2:group_size=32", 64, 1), ("K4V2:group_size=2", 64, 0),
+                                           ("K1V1:group_size=4", 24, 0),
+                                           ("K8V4-K2V1:group_size=16,low_group_size=2", 32, 1)])
+def test_pool_write_tokens_takes_the_same_path_on_both_sides_of_the_switch(spec, dim, tier, monkeypatch):
+    """``PagePool.write_tokens`` gives the same pool bytes with the compiled kernels present and with
+    the torch path (``LEANKIT_NATIVE=0``), ``keep`` mask included. The compiled store packs each
+    quantization group into bytes of its own, so a group whose codes do not fill whole bytes (2-bit
+    codes in groups of 2, 1-bit in groups of 4) goes to the torch path, which packs across groups."""
     gen, seed = testing.fresh_generator()
-    lay, pool, page, slot, k, v, score, pos = _case(gen, "K8V4-K4V2:group_size=32", 64, 31, 1)
+    lay, pool, page, slot, k, v, score, pos = _case(gen, spec, dim, 31, tier)
     keep = torch.rand(31, generator=gen) < 0.5
     torch_pool = PagePool(pool.num_pages, pool.page_size, pool.device)
     torch_pool.storage.copy_(pool.storage)
     pool.write_tokens(lay, page, slot, k, v, score, pos, keep=keep)
     monkeypatch.setattr(native, "_state", {"kernels": None})
     torch_pool.write_tokens(lay, page, slot, k, v, score, pos, keep=keep)
-    assert torch.equal(pool.storage, torch_pool.storage), f"seed {seed}"
-
-
-@pytest.mark.parametrize("spec,dim,tier", [("K4V2:group_size=2", 64, 0), ("K1V1:group_size=4", 24, 0),
-                                           ("K8V4-K2V1:group_size=16,low_group_size=2", 32, 1)])
-def test_groups_that_do_not_fill_bytes_take_the_torch_path(spec, dim, tier, monkeypatch):
-    """The compiled store packs each quantization group into bytes of its own, so it cannot take a
-    group whose codes do not fill whole bytes (2-bit codes in groups of 2); ``write_tokens`` then
-    stores through the torch path, which packs codes across groups, and gives its bytes exactly."""
-    gen, seed = testing.fresh_generator()
-    lay, pool, page, slot, k, v, score, pos = _case(gen, spec, dim, 17, tier)
-    torch_pool = PagePool(pool.num_pages, pool.page_size, pool.device)
-    torch_pool.storage.copy_(pool.storage)
-    pool.write_tokens(lay, page, slot, k, v, score, pos)
-    monkeypatch.setattr(native, "_state", {"kernels": None})
-    torch_pool.write_tokens(lay, page, slot, k, v, score, pos)
     assert torch.equal(pool.storage, torch_pool.storage), f"seed {seed}"
 
 
