@@ -21,8 +21,19 @@ from .quant import NonFiniteKVError
 
 __version__ = "0.1.0"
 
-__all__ = ["KVConfig", "Precision", "PoolExhausted", "NonFiniteKVError", "LeanCache", "enable", "load_model",
-           "apply", "remove", "presets", "__version__"]
+__all__ = [
+    "KVConfig",
+    "LeanCache",
+    "NonFiniteKVError",
+    "PoolExhausted",
+    "Precision",
+    "__version__",
+    "apply",
+    "enable",
+    "load_model",
+    "presets",
+    "remove",
+]
 
 
 def __getattr__(name):

@@ -625,7 +625,8 @@ class LeanCache(Cache):
         from leankit_kernels.quant import NON_FINITE_MESSAGE
 
         where = f"layer {bad[0]}" if bad[0] < self.num_layers else "a token moved between tiers"
-        raise NonFiniteKVError(f"{where}: {NON_FINITE_MESSAGE}; the step was dropped and the cache is unchanged")
+        raise NonFiniteKVError(f"{where}: {NON_FINITE_MESSAGE}; the step was dropped (its tokens are not stored) "
+                               "and the cache stays usable")
 
     def page_bounds(self) -> tuple[int, int, int]:
         """Host upper bounds ``(high pages, low pages, pages)`` any head of any layer holds.
@@ -893,7 +894,8 @@ class LeanCache(Cache):
             policy.store(layer, k_store, v_store, st, received_new)
         except NonFiniteKVError as e:  # NaN/Inf, or a value beyond the fp16 range of the metadata
             self.abort_step()
-            raise NonFiniteKVError(f"layer {layer}: {e}; the step was dropped and the cache is unchanged") from e
+            raise NonFiniteKVError(f"layer {layer}: {e}; the step was dropped (its tokens are not stored) "
+                                   "and the cache stays usable") from e
         policy.after_store(layer, st)
         return out.to(query.dtype)
 

@@ -162,7 +162,6 @@ def _post_hook(module, args, kwargs, output):
     _FULL_MASK_UNUSED.set(False)
     if isinstance(cache, LeanCache):
         cache.end_step()
-    return None
 
 
 def enable(model):

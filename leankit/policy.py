@@ -335,8 +335,8 @@ class _Base:
         self.real_seen = None
 
     def save_state(self):
-        """What :meth:`load_state` needs to undo the per-layer work of a step that fails midway."""
-        return None
+        """What :meth:`load_state` needs to undo the per-layer work of a step that fails midway
+        (None here: the base policies do no per-layer work a failed step must undo)."""
 
     def load_state(self, saved) -> None:
         """Undo the per-layer work of a failed step (see :meth:`save_state`)."""

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from eval import plot  # noqa: E402
+from eval import plot
 
 
 def _ppl(tmp_path, rows):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from leankit.config import KVConfig
 from leankit.eval.tasks import TASK_DIR, TASKS, corpus, fewshot, retrieval
@@ -99,7 +98,7 @@ def test_haystack_is_real_filler_text_from_a_sentence_start():
 
 
 def test_insert_places_sentences_at_sentence_ends():
-    words = "Aa bb. Cc dd ee. Ff gg.".split()
+    words = ["Aa", "bb.", "Cc", "dd", "ee.", "Ff", "gg."]
     assert retrieval.insert(words, ["X."], [0.0]) == "X. Aa bb. Cc dd ee. Ff gg."
     assert retrieval.insert(words, ["X."], [0.3]) == "Aa bb. X. Cc dd ee. Ff gg."
     assert retrieval.insert(words, ["X.", "Y."], [0.5, 1.0]) == "Aa bb. Cc dd ee. X. Ff gg. Y."

@@ -11,7 +11,7 @@ first used, so the task builders work without it.
 
 from __future__ import annotations
 
-__all__ = ["LeanKitLM", "TASK_DIR"]
+__all__ = ["TASK_DIR", "LeanKitLM"]
 
 from .tasks import TASK_DIR
 

@@ -31,17 +31,17 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from lm_eval.api.registry import register_model  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+import torch.nn.functional as F
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from tqdm import tqdm
 
-from ..cache import LeanCache  # noqa: E402
-from ..config import KVConfig, split_overrides  # noqa: E402
-from ..hf import cache_kwargs, enable  # noqa: E402
-from ..models import load_model  # noqa: E402
-from ..presets import resolve  # noqa: E402
+from ..cache import LeanCache
+from ..config import KVConfig, split_overrides
+from ..hf import cache_kwargs, enable
+from ..models import load_model
+from ..presets import resolve
 
 log = logging.getLogger(__name__)
 

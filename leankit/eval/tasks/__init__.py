@@ -21,4 +21,4 @@ TASKS = ("leankit_niah_single", "leankit_niah_multikey", "leankit_niah_multivalu
          "leankit_wikitext", "leankit_capitals")
 TAG = "leankit_offline"
 
-__all__ = ["TASK_DIR", "TASKS", "TAG"]
+__all__ = ["TAG", "TASKS", "TASK_DIR"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -22,7 +22,7 @@ def cut(text: str, max_chars: int) -> str:
     return "\n".join(out)
 
 
-@lru_cache(maxsize=None)
+@cache
 def wiki(split: str) -> tuple[dict, ...]:
     """The shipped Wikipedia articles of ``split`` (``"perplexity"`` or ``"filler"``), in index order.
 
