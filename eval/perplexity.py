@@ -119,9 +119,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--chunks", type=int, default=4)
     add_run_options(ap)
     args = ap.parse_args(argv)
-    if args.chunk > 64:
-        ap.error("--chunk must be at most 64")
-    configs = [parse_config(c) for c in args.config]
+    if not 1 <= args.chunk <= 64:
+        ap.error(f"--chunk must be between 1 and 64, got {args.chunk}")
+    for name in ("docs", "context", "chunks"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.skip < 0:
+        ap.error(f"--skip must be at least 0, got {args.skip}")
+    try:
+        configs = [parse_config(c) for c in args.config]
+    except ValueError as err:
+        ap.error(str(err))
     # FP16 runs first, so that every other config's KL to it is computed as it goes.
     configs.sort(key=lambda c: label(*c) != "FP16")
     model, tok = start_run(args)
@@ -145,9 +153,10 @@ def main(argv=None) -> dict:
                     kls.append(token_kl(base_logprobs[d], logprobs))
         all_nll = torch.cat(nlls)
         nll, n = float(all_nll.sum()), all_nll.numel()
-        ratio = sum(r["kv_bytes"] for r in reports) / sum(r["fp16_bytes"] for r in reports)
+        # every page in use, ACT blocks included (kv_bytes counts the KV pages alone under act=)
+        ratio = sum(r["kv_bytes"] + r.get("act_bytes", 0) for r in reports) / sum(r["fp16_bytes"] for r in reports)
         tiers = {k: sum(r["tokens_per_tier"][k] for r in reports) for k in ("high", "low", "pruned")}
-        tot = sum(tiers.values())
+        tot = sum(tiers.values()) or 1  # act=1 stores no KV token: every share is 0
         row = {"config": label(spec, kw), "ppl": math.exp(nll / n), "nll": nll / n, "tokens": n,
                "kv_ratio": ratio, "pages_used": [r["pages_used"] for r in reports],
                "kv_bytes": [r["kv_bytes"] for r in reports],

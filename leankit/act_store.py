@@ -74,6 +74,7 @@ from .config import act_kv_token_bytes
 from .hf import cache_argument
 from .page_table import ActPageTable
 from .pages import ActLayout
+from .quant import NonFiniteKVError
 from .recompute import _decoder_layers, act_to_kv, layer_params, rope_tables
 
 COMPOSES_WITH = ("full",)  # placement policies ACT blocks compose with (see the module docstring)
@@ -221,8 +222,11 @@ class ActStore:
         # layers (Gemma3, Qwen2 with max_window_layers) keeps their own cache, so page-table layer t
         # is decoder layer compressed[t]. Captures arrive under the decoder index (see capture).
         self.compressed = [g for g, t in enumerate(cache.table_index) if t is not None]
-        # stacked [Wk Wv] (+ biases, norms, RoPE) per compressed layer
+        # stacked [Wk Wv] (+ biases, norms, RoPE) per compressed layer: copies, so they are read again
+        # when the model's weights change under the cache (_refresh_params)
+        self._model = model
         self.params = [layer_params(model, g) for g in self.compressed]
+        self._weights_seen = self._weights_key()
         self.layout = ActLayout.build(cache.act_hidden, cache.dtype, cfg.page_size)
         self.block = self.layout.tokens
         self.bytes = token_bytes(cache, cache.act_hidden)
@@ -249,9 +253,28 @@ class ActStore:
         return dict(self.bytes)
 
     # -------------------------------------------------------------- step
+    def _weights_key(self) -> tuple:
+        """Which tensors the compressed layers and the rotary tables hold now, and their in-place
+        versions: a ``load_state_dict``, ``model.to(dtype)`` or in-place edit changes it."""
+        base, layers = _decoder_layers(self._model)
+        tensors = [t for g in self.compressed for t in layers[g].parameters()]
+        tensors += [t for name, child in base.named_children() if "rotary" in name for t in child.buffers()]
+        return tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in tensors)
+
+    def _refresh_params(self) -> None:
+        """Read ``[Wk Wv]``, norms and RoPE again where the model's weights changed since they were
+        stacked (checked at a prompt or a new turn, not at every decode step: host work per tensor)."""
+        key = self._weights_key()
+        if key != self._weights_seen:
+            self.params = [layer_params(self._model, g) for g in self.compressed]
+            self._rope_group = rope_groups(self.params)
+            self._weights_seen = key
+
     def plan(self, step):
         """Decide the kinds of the step's tokens, allocate ACT blocks; return the KV-only step view."""
         cache = self.cache
+        if step.q_len > 1 or cache._seen == 0:  # a generate call starts: the weights may have changed
+            self._refresh_params()
         dev = cache.device
         batch = step.real.shape[0]
         if self.table is None:
@@ -385,6 +408,14 @@ class ActStore:
                                "decoder-layer hooks of leankit.enable(model) (run the model's own forward)")
         if self._dense:
             act = act.reshape(b * q, -1)
+            # NaN/Inf activations raise the layer's device error flag, read once at the end of the
+            # step (the step is dropped there), as the KV store's kernel does for K/V
+            bad = (~torch.isfinite(act).all(-1) & keep).any()
+            err = self.cache._layer_err(layer)
+            err.copy_(err | bad.to(err.dtype))
+        elif not bool(torch.isfinite(act).all()):
+            raise NonFiniteKVError("layer input activations of ACT tokens contain NaN or Inf; refusing to store "
+                                   "them in the cache")
         lens = self.table.lens[layer]
         slot = lens[b_idx].long() + self._rank[b_idx, q_idx].clamp_min(0)
         if self._dense:  # a token not kept may name any slot, but one inside the row

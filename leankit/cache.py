@@ -337,6 +337,8 @@ class LeanCache(Cache):
             table_index.append(n if t == COMPRESSED else None)
             n += t == COMPRESSED
         self.table_index = tuple(table_index)
+        # Page-table layer index -> the model's layer index (errors name the model's layers)
+        self.compressed_layers = tuple(i for i, t in enumerate(table_index) if t is not None)
         self.model_layers = len(types)
         self.num_layers = n
         if n == 0:
@@ -375,6 +377,7 @@ class LeanCache(Cache):
         self._pending: dict = {}  # layer -> the step's exact (key, value) until attention stores them
         self.workspace = Workspace()  # scratch of the reference attention, reused by every layer and step
         self._policy_saved = None
+        self._plain_saved: list = []  # (plain layer, its attributes) as a step opened: what abort_step restores
         self._peak = (0, 0)  # (kv_bytes, fp16_bytes) at the step that used the most pages (fp16 may be a tensor)
         # Kernel backend: int32 error flag per layer (and one for tokens a policy moves between
         # tiers), raised by the quantize kernel on NaN/Inf K/V and read once per step in end_step.
@@ -480,8 +483,10 @@ class LeanCache(Cache):
             # turn passed into the same cache) may start with the EOS that ended the last turn,
             # which was never fed, and must not end the row it continues.
             self._release_ended(torch.isin(input_ids[:, 0].to(dev), self.eos_ids) & ~self.finished)
-        elif q_len > 1 and self._seen > 0 and self.eos_ids.numel():
-            self._check_no_finished_row_continues(real)
+        elif q_len > 1 and self._seen > 0:
+            self._check_mask_keeps_stored_tokens(attention_mask, q_len)
+            if self.eos_ids.numel():
+                self._check_no_finished_row_continues(real)
         real = real & ~self.finished.unsqueeze(1)
         if position_ids is None:
             q_pos = (torch.arange(q_len, device=dev) + self._seen).expand(batch, q_len)
@@ -524,6 +529,29 @@ class LeanCache(Cache):
         self._open_step(step)
         return rows["q_pos64"]
 
+    def _check_mask_keeps_stored_tokens(self, attention_mask, q_len: int) -> None:
+        """Raise ``ValueError`` where a new turn's 2-D mask hides tokens this cache already stores.
+
+        Stored tokens stay visible to every later query (a cache holds no mask of the past), so a
+        mask that now hides some of them, such as the padding ``generate`` fed with mask 1 to a row
+        that ended early, cannot be honoured; DynamicCache, which re-applies the whole mask each
+        step, would give other tokens. Compares each live row's real tokens so far with the ones the
+        mask keeps (one host read, on steps that already read the device to order their positions).
+        """
+        if self.table is None or attention_mask is None or attention_mask.dim() != 2 \
+                or attention_mask.shape[1] != self._seen + q_len:
+            return
+        stored = self.policy.logical_tokens()  # real tokens per live row (0 for a finished one)
+        kept = attention_mask[:, : self._seen].to(stored.device).long().sum(1)
+        hidden = ~self.finished & (kept < stored)
+        if bool(hidden.any()):
+            rows = hidden.nonzero().flatten().tolist()
+            raise ValueError(
+                f"rows {rows}: the attention mask hides tokens of earlier steps that this LeanCache stored as "
+                "real (padding generate fed with mask 1 to a row that ended early, for instance); stored tokens "
+                "cannot be hidden afterwards: keep the earlier columns of the mask as they were, build the cache "
+                "with eos_token_id so ended rows are released, or pass a fresh LeanCache")
+
     def _check_no_finished_row_continues(self, real: torch.Tensor) -> None:
         """Raise ``ValueError`` where a step of several tokens brings real tokens to a row that ended
         its request in an earlier step: that row's pages were freed, so its context is gone (one host
@@ -556,6 +584,10 @@ class LeanCache(Cache):
         # tokens, while the pages the step reserved stay with their heads for the next step.
         step.lens_before = self.table.lens.clone()
         self._policy_saved = self.policy.save_state()
+        # transformers' plain (sliding-window) layers append by concatenation, so the attributes
+        # they hold now are the state a dropped step restores (references, no copy of K/V)
+        self._plain_saved = [(layer, dict(layer.__dict__)) for layer in self.layers
+                             if not isinstance(layer, LeanLayer)]
         self._step = step
         self._pending = {}
         if self.offload is not None:  # start copying the first layer's host pages in
@@ -590,6 +622,7 @@ class LeanCache(Cache):
             self.policy.end_step(self._step)
             self._seen += self._step.q_len
             self._step = None
+            self._plain_saved = []  # let go of the sliding-window layers' K/V before the step
             if self.offload is not None:  # land the write-backs, count the step's bytes
                 self.offload.end_step()
             if used * self.cfg.page_size >= self._peak[0]:
@@ -624,7 +657,7 @@ class LeanCache(Cache):
             raise PoolExhausted(alloc[1], alloc[2], free_list.capacity)
         from leankit_kernels.quant import NON_FINITE_MESSAGE
 
-        where = f"layer {bad[0]}" if bad[0] < self.num_layers else "a token moved between tiers"
+        where = f"layer {self.compressed_layers[bad[0]]}" if bad[0] < self.num_layers else "a token moved between tiers"
         raise NonFiniteKVError(f"{where}: {NON_FINITE_MESSAGE}; the step was dropped (its tokens are not stored) "
                                "and the cache stays usable")
 
@@ -747,7 +780,27 @@ class LeanCache(Cache):
             return
         self.table.lens.copy_(self._step.lens_before)
         self.policy.load_state(self._policy_saved)
+        for layer, saved in self._plain_saved:  # the step's K/V leave the sliding-window layers too
+            layer.__dict__.clear()
+            layer.__dict__.update(saved)
+        self._plain_saved = []
         self._step, self._pending = None, {}
+
+    def trim_pages(self) -> int:
+        """Return every page past the ones each head's tokens fill, KV and ACT: the pages a dropped
+        step reserved, which :meth:`abort_step` leaves with their heads for the next step. An offloaded
+        cache with a fixed device budget needs them gone, since every page of a layer, empty or not,
+        takes a device slot in its window. Reads the device; returns the pages freed."""
+        freed = 0
+        if self.table is not None:
+            tokens = [lay.tokens for lay in self.layouts] + [1] * (2 - len(self.layouts))
+            keep = torch.stack([torch.div(self.table.lens[t] + tokens[t] - 1, tokens[t], rounding_mode="floor")
+                                for t in range(2)])
+            freed += int(self.table.shrink(keep, self.free_list))
+        store = self.act_store
+        if store is not None and store.table is not None:
+            freed += store.table.shrink_to_lens(self.free_list)
+        return freed
 
     def write_tokens(self, tier: int, layer: int, b: torch.Tensor, h: torch.Tensor, slot: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor,
@@ -888,14 +941,14 @@ class LeanCache(Cache):
             else:
                 out, lse, received_new = self._attend_pages(layer, kv, query, q_pages, k_new, v_new, k_att, v_att,
                                                             scaling, kernels)
-        if self.act_store is not None:  # ACT blocks: merge attention over recomputed K/V, store the step's
-            out = self.act_store.attend(layer, query, scaling, st, out, None if self._seen == 0 else lse)
         try:
+            if self.act_store is not None:  # ACT blocks: merge attention over recomputed K/V, store the step's
+                out = self.act_store.attend(layer, query, scaling, st, out, None if self._seen == 0 else lse)
             policy.store(layer, k_store, v_store, st, received_new)
         except NonFiniteKVError as e:  # NaN/Inf, or a value beyond the fp16 range of the metadata
             self.abort_step()
-            raise NonFiniteKVError(f"layer {layer}: {e}; the step was dropped (its tokens are not stored) "
-                                   "and the cache stays usable") from e
+            raise NonFiniteKVError(f"layer {self.compressed_layers[layer]}: {e}; the step was dropped (its tokens "
+                                   "are not stored) and the cache stays usable") from e
         policy.after_store(layer, st)
         return out.to(query.dtype)
 
@@ -1040,6 +1093,7 @@ class LeanCache(Cache):
             self.table.release_sequences(torch.ones(self.table.shape[1], dtype=torch.bool, device=self.device),
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
+        self._plain_saved = []
         self._hw_tokens = 0
         self._kv_err.zero_()
         self.policy.reset()

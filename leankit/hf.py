@@ -20,6 +20,7 @@ import contextvars
 import functools
 import inspect
 
+import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -35,6 +36,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_t
 # prompt, whose compressed layers read no attention mask (they attend over pages with the step's
 # own real flags and positions, LeanCache.begin_step).
 _FULL_MASK_UNUSED = contextvars.ContextVar("leankit_full_mask_unused", default=False)
+# The 2-D padding mask the whole model was called with. A composite model (Gemma3's image-text
+# model) builds its per-layer-type masks itself and hands its decoder a dict of them, where the
+# cache needs the rows' padding: the pre-hook on the outer model keeps the 2-D one here.
+_PADDING_MASK = contextvars.ContextVar("leankit_padding_mask", default=None)
 
 
 def leankit_mask(*args, **kwargs):
@@ -143,6 +148,10 @@ def _pre_hook(module, args, kwargs):
     ref = input_ids if input_ids is not None else embeds
     position_ids = _arg("position_ids", args, kwargs, params)
     mask = _arg("attention_mask", args, kwargs, params)
+    if isinstance(mask, dict):  # masks an outer model built per layer type: its 2-D padding mask instead
+        outer = _PADDING_MASK.get()
+        mask = outer if outer is not None and outer.shape[0] == ref.shape[0] and outer.shape[1] >= ref.shape[1] \
+            else None
     if position_ids is None and module._leankit_mask_positions and mask is not None and mask.dim() == 2:
         # OPT's own default: positions count the real tokens of the row (left padding starts at 0).
         # Pad tokens get 0 instead of OPT's -1; they are never stored, so real tokens are unchanged.
@@ -162,6 +171,15 @@ def _post_hook(module, args, kwargs, output):
     _FULL_MASK_UNUSED.set(False)
     if isinstance(cache, LeanCache):
         cache.end_step()
+
+
+def _outer_pre_hook(module, args, kwargs):
+    mask = _arg("attention_mask", args, kwargs, module._leankit_params)
+    _PADDING_MASK.set(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+
+
+def _outer_post_hook(module, args, kwargs, output):
+    _PADDING_MASK.set(None)
 
 
 def enable(model):
@@ -184,6 +202,12 @@ def enable(model):
         dec.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         dec.register_forward_hook(_post_hook, with_kwargs=True)
         setattr(dec, _HOOKED, True)
+    if dec is not model and not getattr(model, _HOOKED, False):
+        # the outer model's 2-D padding mask, for a decoder that is handed per-layer-type masks
+        model._leankit_params = list(inspect.signature(model.forward).parameters)
+        model.register_forward_pre_hook(_outer_pre_hook, with_kwargs=True)
+        model.register_forward_hook(_outer_post_hook, with_kwargs=True, always_call=True)
+        setattr(model, _HOOKED, True)
     from .act_store import install_capture  # ACT blocks: decoder-layer input capture (leankit.act_store)
 
     install_capture(model)

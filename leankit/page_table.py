@@ -387,6 +387,20 @@ class ActPageTable:
         self.n_pages += extra
         return None
 
+    def shrink_to_lens(self, free_list: FreePageList) -> int:
+        """Return the blocks past the ones each row's ACT tokens fill (a dropped step's grant);
+        returns the pages freed. Reads the device (an error path, not a step's)."""
+        keep = torch.div(self.lens + self.tokens - 1, self.tokens, rounding_mode="floor") * self.slices
+        keep = torch.minimum(keep, self.n_pages)
+        past = torch.arange(self.row_len, device=self.tables.device) >= keep.unsqueeze(-1)
+        drop = past & (self.tables >= 0)
+        ids = self.tables[drop]
+        if ids.numel():
+            free_list.release(ids)
+            self.tables[drop] = -1
+        self.n_pages.copy_(keep)
+        return int(ids.numel())
+
     def locate(self, layer: int, b: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page ids [n, S], row [n])`` of ACT slots ``slot`` of sequences ``b`` in ``layer``."""
         slot = slot.reshape(-1).long()

@@ -172,6 +172,23 @@ def test_act_on_a_model_whose_every_layer_slides(spec):
     assert rep["plain_layers"] == model.config.num_hidden_layers and rep["total_bytes"] == rep["plain_bytes"] > 0
 
 
+@pytest.mark.parametrize("change", ["load_state_dict", "in_place"])
+def test_act_recomputes_with_the_weights_the_model_has_when_it_generates(change):
+    """ACT blocks recompute K/V from stacked copies of ``[Wk Wv]``, norms and RoPE tables: weights
+    that change after the cache was built (another checkpoint loaded, an in-place edit of one
+    projection) are read again when the next generate starts, so FP16 ACT stays DynamicCache's tokens."""
+    model = model_of("llama-gqa", 6)
+    cache = lean(model, "FP16:act=0.5,page_size=512")
+    ids, mask = _batch(6)
+    with torch.no_grad():
+        if change == "load_state_dict":
+            model.load_state_dict(model_of("llama-gqa", 9).state_dict())
+        else:
+            model.get_decoder().layers[1].self_attn.v_proj.weight.mul_(-2.0)
+    want = _generate(model, ids, mask, DynamicCache(config=model.config))
+    assert torch.equal(_generate(model, ids, mask, cache), want)
+
+
 def test_beam_search_with_act_matches_dynamic_cache():
     model = model_of("llama-mha", 5)
     ids, mask = _batch(5, rows=2)
@@ -350,6 +367,40 @@ def test_pool_exhausted_leaves_cache_usable():
         _generate(model, ids, mask, cache)
     assert cache.free_list.num_free + int(cache.table.n_pages.sum()) + int(
         cache.act_store.table.n_blocks.sum()) * cache.act_store.layout.slices == cache.free_list.capacity
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy casts the NaN too
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("spec", ["FP16:act=1,page_size=1024", "K8V4:act=0.5,page_size=512"])
+def test_non_finite_activations_drop_the_step(spec, backend, monkeypatch):
+    """A NaN in a decode step's layer input: ACT tokens (no K/V stored for them) raise
+    NonFiniteKVError as K/V do, the step is dropped, and the next steps match a clean cache's
+    (an ACT-only config had stored the NaN and poisoned every later step)."""
+    from leankit import NonFiniteKVError
+
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = model_of("qwen2", 3, hidden_size=128)  # head_dim 32: the act_to_kv kernel's smallest tile
+    ids, mask = _batch(3, rows=2, width=9)
+    caches = [lean(model, spec), lean(model, spec)]
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        for c in caches:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, c),
+                           use_cache=True).logits
+    cache, clean = caches
+    lens, seen = cache.act_store.table.lens.clone(), cache.get_seq_length()
+    nxt, mask, pos = logits[:, -1:].argmax(-1), torch.cat([mask, mask[:, -1:]], 1), pos[:, -1:] + 1
+    embeds = model.get_input_embeddings()(nxt)
+    embeds[1, 0, 5] = float("nan")
+    with torch.no_grad(), pytest.raises(NonFiniteKVError, match="^layer 0:"):
+        model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache), use_cache=True)
+    assert torch.equal(cache.act_store.table.lens, lens) and cache.get_seq_length() == seen
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = (model(input_ids=nxt, attention_mask=mask, position_ids=pos, **cache_kwargs(model, c),
+                               use_cache=True).logits for c in (cache, clean))
+            assert torch.isfinite(got).all() and torch.equal(got, want)
+            nxt, mask, pos = got[:, -1:].argmax(-1), torch.cat([mask, mask[:, -1:]], 1), pos + 1
 
 
 def test_triton_backend_refused_act_grant_leaves_cache_usable(monkeypatch):

@@ -208,6 +208,17 @@ def test_throughput_run_counts_only_requested_tokens():
     assert f"would reach {1 / share:.2f}x" in throughput.notes(res)
 
 
+@pytest.mark.parametrize("requests", [0, -3])
+def test_throughput_refuses_a_bad_request_count_before_any_model_work(requests, monkeypatch):
+    """``--requests 0`` is refused with the other argument checks, before the budget is fitted
+    (which ran every cache's calibration generate first)."""
+    model, tok = _tiny_lm()
+    monkeypatch.setattr(throughput.DynamicKind, "fit", lambda *a, **k: pytest.fail("fitted before the check"))
+    with pytest.raises(ValueError, match="--requests must be >= 1"):
+        throughput.run(model, tok, requests=requests, prompt_range=(9, 14), output_range=(2, 5), kvs=("K8V4",),
+                       quantized=False, progress=False)
+
+
 def test_throughput_ceiling_runs_dynamic_cache_at_the_largest_lean_batch():
     model, tok = _tiny_lm()
     res = throughput.run(model, tok, requests=4, prompt_range=(9, 14), output_range=(2, 5), kvs=("K8V4",),

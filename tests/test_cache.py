@@ -202,6 +202,34 @@ def test_a_new_turn_for_a_row_that_ended_raises_and_leaves_the_cache():
     assert cache.get_seq_length() == seen and torch.equal(cache.table.lens, lens)
 
 
+def test_a_new_turn_whose_mask_hides_stored_tokens_raises_and_leaves_the_cache():
+    """Without ``eos_token_id`` a row that ended early keeps its pages, and the padding ``generate``
+    fed it (with mask 1) is stored as real. A new turn whose mask now hides those pads cannot be
+    honoured (stored tokens stay visible), so it raises before it changes anything; the same turn
+    with the earlier columns of the mask as they were gives DynamicCache's tokens."""
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    with torch.no_grad():
+        probe = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=0,
+                               eos_token_id=None)
+    eos = int(probe[0, ids.shape[1] + 1])  # row 0 emits it at its second step, then gets padding
+    assert eos not in probe[1, ids.shape[1]:].tolist()
+    outs = []
+    for cache in (LeanCache(model, "FP16"), DynamicCache(config=model.config)):
+        with torch.no_grad():
+            first = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), do_sample=False,
+                                   max_new_tokens=8, pad_token_id=0, eos_token_id=eos)
+        fed = torch.ones(2, first.shape[1] - mask.shape[1], dtype=mask.dtype)
+        if isinstance(cache, LeanCache):
+            seen, lens = cache.get_seq_length(), cache.table.lens.clone()
+            hiding = torch.cat([mask, (first[:, ids.shape[1]:] != 0).to(mask.dtype)], 1)
+            with pytest.raises(ValueError, match=r"rows \[0\]: the attention mask hides tokens"):
+                _second_turn(model, cache, first, hiding)
+            assert cache.get_seq_length() == seen and torch.equal(cache.table.lens, lens)
+        outs.append(_second_turn(model, cache, first, torch.cat([mask, fed], 1)))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_memory_report_keys_and_ratio():
     model = tiny_model("llama-gqa")
     ids, mask = _batch(rows=2)

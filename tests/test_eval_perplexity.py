@@ -54,3 +54,36 @@ def test_token_kl_matches_the_definition():
                        for i in range(5)])
     torch.testing.assert_close(token_kl(p, q), ref)
     assert bool((token_kl(p, q) > 0).all())
+
+
+@pytest.mark.parametrize("argv,what", [(["--chunks", "0"], "--chunks"), (["--chunk", "0"], "--chunk"),
+                                       (["--context", "0"], "--context"), (["--docs", "0"], "--docs"),
+                                       (["--skip", "-1"], "--skip"), (["--config", "K8V3"], "grammar")])
+def test_bad_arguments_are_usage_errors(argv, what, capsys):
+    """Bad numbers and a malformed config stop at the argument check, with a usage message and no
+    model loaded (``--docs 0`` had silently scored every article)."""
+    from eval import perplexity
+
+    with pytest.raises(SystemExit) as exit_info:
+        perplexity.main(["--config", "FP16", *argv])
+    assert exit_info.value.code == 2 and what in capsys.readouterr().err
+
+
+def test_act_configs_count_their_act_pages(monkeypatch):
+    """kv/fp16 counts every page in use, ACT blocks included, and an ACT-only config (no KV token in
+    any tier) reports instead of dividing by zero."""
+    from eval import perplexity
+
+    model = tiny_model("llama-mha", hidden_size=64)
+    ids = torch.randint(3, 97, (1 + 40 + 2 * 8,), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(perplexity, "start_run", lambda args: (model, None))
+    monkeypatch.setattr(perplexity, "documents", lambda tok, n, need, skip=0: [ids[:need]])
+    out = perplexity.main(["--config", "FP16", "--config", "FP16:act=1", "--docs", "1", "--context", "40",
+                           "--chunk", "8", "--chunks", "2"])
+    rows = {r["config"]: r for r in out["results"]}
+    fp16, act = rows["FP16"], rows["FP16:act=1.0"]
+    assert act["ppl"] == pytest.approx(fp16["ppl"], rel=1e-6)  # lossless either way
+    _, rep, _ = score_document(model, ids, "FP16", {"act": 1}, context=40, chunk=8, chunks=2)
+    assert rep["act_bytes"] > 0
+    assert act["kv_ratio"] == pytest.approx(rep["act_bytes"] / rep["fp16_bytes"])
+    assert act["tier_fraction"] == {"high": 0.0, "low": 0.0, "pruned": 0.0}

@@ -134,3 +134,34 @@ def test_a_forward_with_grad_mode_on_gives_the_no_grad_logits_and_warns_once(kv)
     assert first.logits.requires_grad  # the model's own layers still track gradients
     for a, b in zip(logits[False], logits[True]):
         assert torch.equal(a, b)
+
+
+def test_an_image_text_model_whose_decoder_gets_built_masks():
+    """Gemma3's image-text model builds its per-layer-type masks itself and hands its decoder a dict
+    of them: the cache takes the rows' padding from the 2-D mask the whole model was called with,
+    and a left-padded batch through FP16 gives DynamicCache's tokens (a lossy config runs too)."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    text = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            pad_token_id=0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=127,
+        boi_token_index=125, eoi_token_index=126)).eval()
+    ids, mask = left_padded_batch(rows=3, width=9, pad_step=3)
+    kw = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        want = model.generate(**kw, **cache_kwargs(model, DynamicCache(config=model.config)))
+        got = model.generate(**kw, **cache_kwargs(model, leankit.LeanCache(model, "FP16")))
+        lossy = model.generate(**kw, **cache_kwargs(model, leankit.LeanCache(model, "K8V4")))
+    assert torch.equal(got, want)
+    assert lossy.shape == want.shape

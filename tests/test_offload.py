@@ -114,6 +114,39 @@ def test_fixed_device_budget_holds_the_working_set_only(spec):
     assert short._step is None and short.offload.working.used == 0  # the step was dropped
 
 
+@pytest.mark.parametrize("spec", ["K8V4", "FP16:act=0.5,page_size=512"])
+def test_a_step_over_the_device_budget_leaves_the_next_steps_fitting(spec):
+    """A long step refused with DeviceBudgetExceeded drops its tokens and gives back the pages it had
+    reserved (empty pages still take device slots in every later window of their layer), so the
+    short steps that fit the budget still fit, and match a cache that never saw the refusal."""
+    model = model_of("llama-mha", layers=3)
+    ids, mask = left_padded_batch(2, 30, seed=5, pad_step=7)
+    steps = [torch.tensor([[5 + i], [9 + i]]) for i in range(3)]
+    long = torch.randint(3, 97, (2, 60), generator=torch.Generator().manual_seed(6))
+
+    def run(cache, refused=None):  # the prompt, then (a refused step and) the short steps' logits
+        out, m = [], mask
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=m, **cache_kwargs(model, cache), use_cache=True)
+            if refused is not None:
+                pages = cache.memory_report()["pages_used"]
+                with pytest.raises(DeviceBudgetExceeded):
+                    model(input_ids=refused, attention_mask=torch.cat([m, torch.ones_like(refused)], 1),
+                          **cache_kwargs(model, cache), use_cache=True)
+                assert cache.memory_report()["pages_used"] == pages
+            for nxt in steps:
+                m = torch.cat([m, torch.ones_like(nxt)], 1)
+                out.append(model(input_ids=nxt, attention_mask=m, **cache_kwargs(model, cache), use_cache=True).logits)
+        return out
+
+    elastic = cache_of(model, spec, offload=True)
+    want = run(elastic)
+    budget = elastic.offload.working.peak  # what the short steps need
+    got = run(cache_of(model, spec, offload={"device_pages": budget}), refused=long)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_finished_request_returns_its_host_pages():
     model = model_of("llama-gqa")
     ids, mask = left_padded_batch(3, 10, seed=4)
@@ -207,7 +240,8 @@ def test_memory_report_prints_the_offload_entry():
 
 
 @pytest.mark.parametrize("bad,what", [("gpu", "offload= takes"), ({"prefetch": -1}, "prefetch"),
-                                      ({"device_pages": 0}, "device_pages"), ({"depth": 2}, "unknown offload")])
+                                      ({"device_pages": 0}, "device_pages"), ({"device_pages": True}, "device_pages"),
+                                      ({"prefetch": True}, "prefetch"), ({"depth": 2}, "unknown offload")])
 def test_bad_offload_argument(bad, what):
     with pytest.raises(ValueError, match=what):
         LeanCache(tiny_model("llama-mha"), "K8V4", offload=bad)

@@ -610,27 +610,59 @@ def _step(model, cache, mask, seed):
                      use_cache=True).logits, mask
 
 
+def _refused_nan_step(model, cache, mask, seed: int) -> None:
+    """A decode step whose keys in the model's layer 1 hold a NaN: NonFiniteKVError naming that layer."""
+    from leankit.quant import NonFiniteKVError
+
+    proj = model.get_decoder().layers[1].self_attn.k_proj
+    hook = proj.register_forward_hook(lambda _m, _a, out: out.index_fill(-1, torch.tensor([3]), float("nan")))
+    try:
+        with pytest.raises(NonFiniteKVError, match="^layer 1:"):
+            _step(model, cache, mask, seed)
+    finally:
+        hook.remove()
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy casts the NaN too
 def test_non_finite_kv_on_the_kernel_path_drops_the_step(monkeypatch):
     """NaN keys in one layer: the step's one device read raises NonFiniteKVError naming that layer,
     the step's tokens are gone from every layer, and the next step works like a fresh cache's."""
-    from leankit.quant import NonFiniteKVError
-
     model, cache, mask = _kernel_cache(monkeypatch, page_size=256)
     _, ref_cache, _ = _kernel_cache(monkeypatch, page_size=256)
     lens, seen = cache.table.lens.clone(), cache.get_seq_length()
-    proj = model.get_decoder().layers[1].self_attn.k_proj
-    hook = proj.register_forward_hook(lambda _m, _a, out: out.index_fill(-1, torch.tensor([3]), float("nan")))
-    try:
-        with pytest.raises(NonFiniteKVError, match="layer 1"):
-            _step(model, cache, mask, seed=5)
-    finally:
-        hook.remove()
+    _refused_nan_step(model, cache, mask, seed=5)
     assert torch.equal(cache.table.lens, lens) and cache.get_seq_length() == seen
     got, _ = _step(model, cache, mask, seed=6)
     want, _ = _step(model, ref_cache, mask, seed=6)
     assert torch.equal(got, want)
     assert torch.equal(cache.table.lens, ref_cache.table.lens)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy casts the NaN too
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_dropped_step_leaves_the_sliding_window_layers_as_they_were(backend, monkeypatch):
+    """Gemma3 with sliding layers around a compressed one: NaN keys in the compressed layer (the
+    model's layer 1) drop the step, the error names that layer, and transformers' sliding-window
+    layers inside the cache (which took the step's K/V before the raise, or, on the kernel backend,
+    before the end-of-step read) hold what they held before it: the next steps match a clean cache's."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("gemma3", layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                       sliding_window=5)
+    ids, mask = left_padded_batch(rows=2, width=9, pad_step=3)
+    caches = [LeanCache(model, "K8V4", page_size=256) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, c), use_cache=True)
+    cache, clean = caches
+    held = [(layer.keys, layer.values, layer.cumulative_length) for layer in (cache.layers[0], cache.layers[2])]
+    _refused_nan_step(model, cache, mask, seed=3)
+    for layer, (k, v, n) in zip((cache.layers[0], cache.layers[2]), held, strict=True):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v) and layer.cumulative_length == n
+    for seed in (4, 5, 6):  # past the window: the sliding layers drop their oldest tokens as they go
+        got, grown = _step(model, cache, mask, seed)
+        want, _ = _step(model, clean, mask, seed)
+        mask = grown
+        assert torch.equal(got, want), f"step seed {seed}"
 
 
 def _short_pool_cache(monkeypatch, spec, **kw):

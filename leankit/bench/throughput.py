@@ -347,7 +347,7 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
     prompt_range = tuple(prompt_range or MIXES[mix][0])
     output_range = tuple(output_range or MIXES[mix][1])
     ids, pad = corpus_ids(tok, text_path), pad_id(tok)
-    request_mix(ids, 1, prompt_range, output_range)  # checks the ranges before any model work
+    request_mix(ids, 1 if requests is None else requests, prompt_range, output_range)  # checks before any model work
     if budget is None:
         budget = default_budget(model, prompt_range, output_range)
     if budget < 1:

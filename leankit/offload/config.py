@@ -41,9 +41,10 @@ class OffloadConfig:
     pin: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise ValueError(f"offload prefetch must be an integer >= 0 (layers ahead), got {self.prefetch!r}")
-        if self.device_pages is not None and (not isinstance(self.device_pages, int) or self.device_pages < 1):
+        pages = self.device_pages
+        if pages is not None and (not isinstance(pages, int) or isinstance(pages, bool) or pages < 1):
             raise ValueError(f"offload device_pages must be a positive integer or None, got {self.device_pages!r}")
         if not isinstance(self.device_tokens, int) or isinstance(self.device_tokens, bool) or self.device_tokens < 0:
             raise ValueError(f"offload device_tokens must be an integer >= 0 (tokens per layer kept on the device), "

@@ -138,11 +138,27 @@ class OffloadRuntime:
             self._events[layer] = events
 
     def begin_step(self, step) -> None:
-        """Start copying the first layer's pages in (the step's pages are allocated by now)."""
+        """Start copying the first layer's pages in (the step's pages are allocated by now); a first
+        window over the budget drops the step (:class:`DeviceBudgetExceeded`)."""
         if self.resident.active:  # resident pages of finished rows went back to the free list
             self.working.drop(self.resident.prune(self.cache))
         if self.cache.num_layers:
-            self._prefetch(0)
+            try:
+                self._prefetch(0)
+            except DeviceBudgetExceeded:
+                self._drop_step()
+                raise
+
+    def _drop_step(self) -> None:
+        """Drop a step whose window does not fit the device budget: the cache goes back to its last
+        completed step, and the pages the step reserved are given back, since empty pages take
+        device slots in every later window of their layer (the next step, which fitted the budget
+        before, must fit it again)."""
+        self.cache.abort_step()
+        self.abandon_prefetch()
+        self.cache.trim_pages()
+        if self.resident.active:
+            self.working.drop(self.resident.prune(self.cache))
 
     def open(self, layer: int) -> None:
         """Make ``layer``'s pages the device's: wait for its copies, point its rows at device slots."""
@@ -319,8 +335,7 @@ class OffloadRuntime:
         except DeviceBudgetExceeded:
             if self._open == layer:
                 self.close(layer)
-            self.cache.abort_step()
-            self.abandon_prefetch()
+            self._drop_step()
             raise
         finally:
             if self._open == layer:
