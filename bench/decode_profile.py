@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import CONFIGS, Shape, add_shape_arguments, decode_call
+from decode_kernels import CONFIGS, Shape, add_shape_arguments, decode_call
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import (
+from decode_kernels import (
     Shape,
     add_shape_arguments,
     copy_bandwidth,

@@ -8,7 +8,7 @@
 # in $GPU_RESULTS:
 #   environment.txt   device, clocks and package versions
 #   pytest.log        the cuda tests, with each sync count they print
-#   decode_*.json/md  bench/kernels.py tables (us, GB/s, fraction of copy bandwidth, x FP16, x SDPA)
+#   decode_*.json/md  bench/decode_kernels.py tables (us, GB/s, fraction of copy bandwidth, x FP16, x SDPA)
 #   kernels.log       the benchmark's full output (the ACT->KV table included)
 #   prefill_*.json/md bench/prefill_kernels.py: prefill and significance pass against torch SDPA
 #   gpu_step.json/md  bench/gpu_step.py: whole-model prefill and decode steps against DynamicCache
@@ -52,7 +52,7 @@ timeout "$STEP_TIMEOUT" $PY bench/gpu_step.py --steps 8 --out "$RES" 2>&1 | tee 
 : > "$RES/kernels.log"
 for shape in "64 3 3" "128 8 4"; do
   set -- $shape
-  timeout "$BENCH_TIMEOUT" $PY bench/kernels.py --head-dim "$1" --kv-heads "$2" --group "$3" --out "$RES" \
+  timeout "$BENCH_TIMEOUT" $PY bench/decode_kernels.py --head-dim "$1" --kv-heads "$2" --group "$3" --out "$RES" \
     2>&1 | tee -a "$RES/kernels.log" || failed+=("bench d$1")
 done
 

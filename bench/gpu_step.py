@@ -48,7 +48,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import save_results
+from decode_kernels import save_results
 
 SHAPES = {  # hidden, heads, kv heads, layers, intermediate, vocab
     "smollm2": (576, 9, 3, 30, 1536, 49152),

@@ -5,7 +5,7 @@
 On a GPU an eager decode call costs the launcher's Python work plus Triton's launch, and at
 small batch and context that, not the kernel, sets a layer's time (results/gpu: eager calls of
 110-330 µs around kernels of 8-60 µs on an H200). This measures the first part on any machine:
-``paged_attention`` over a synthetic cache (``bench/kernels.py``'s ``decode_call``), page bounds passed in, with
+``paged_attention`` over a synthetic cache (``bench/decode_kernels.py``'s ``decode_call``), page bounds passed in, with
 ``kernel_for`` returning a stub so nothing runs and no interpreter is involved. Reported per
 config as µs per call (best of 5 rounds); ``--profile`` adds a cProfile of the last config.
 """
@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import CONFIGS, Shape, add_shape_arguments, decode_call
+from decode_kernels import CONFIGS, Shape, add_shape_arguments, decode_call
 
 
 class _Compiled:

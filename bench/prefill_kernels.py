@@ -38,7 +38,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import Shape, add_shape_arguments, kernel_us, measure_sdpa, save_results, synthetic_cache
+from decode_kernels import Shape, add_shape_arguments, kernel_us, measure_sdpa, save_results, synthetic_cache
 
 CONFIGS = ("FP16", "K8V4", "K4V2", "K8V4-K4V2")
 PROMPTS = (1024, 4096)

@@ -143,10 +143,11 @@ def padded_group_sizes(cfg: KVConfig, head_dim: int, page_head_dim: int) -> KVCo
         gs = getattr(cfg, name)
         if gs == head_dim:
             gs = None if name == "group_size" else page_head_dim
-        elif gs is not None and page_head_dim % gs:
+        elif gs is not None and (head_dim % gs or page_head_dim % gs):
+            # a group must hold real channels only, as the unpadded head's groups do
             raise ValueError(f"{name}={gs}: heads of head_dim {head_dim} are padded to {page_head_dim} channels "
                              "in the pages (whole bytes of codes; on the kernel backend a power of two >= 16), "
-                             f"which {gs} does not divide; choose a group size dividing both")
+                             f"and {gs} does not divide both; choose a group size dividing both")
         sizes[name] = gs
     return dataclasses.replace(cfg, **sizes)
 
@@ -214,9 +215,12 @@ class MemoryReport(dict):
             (f"  per layer and head  high {t['high']:.1f}, low {t['low']:.1f}, pruned {t['pruned']:.1f} "
              "(tokens, summed over rows)"),
             (f"  pages               {self['pages_used']} of {self['pages_total']} in use, "
-             f"{self['page_size']} B each: {size(self['kv_bytes'])}"),
-            f"  page table          {size(self['table_bytes'])}",
+             f"{self['page_size']} B each: {size(self['pages_used'] * self['page_size'])}"),
         ]
+        if "act_pages" in self:  # ACT blocks: the pages split by kind, and the tokens held as activations
+            lines.append(f"    of them           KV {size(self['kv_bytes'])}, ACT {size(self['act_bytes'])} "
+                         f"({self['act_pages']} pages, {self['act_tokens']} tokens summed over layers and rows)")
+        lines.append(f"  page table          {size(self['table_bytes'])}")
         if self["plain_layers"]:
             lines.append(f"  plain layers        {size(self['plain_bytes'])} in {self['plain_layers']} "
                          "sliding-window layers")
@@ -462,8 +466,18 @@ class LeanCache(Cache):
         """Prepare a forward step of ``q_len`` tokens per row; returns the query positions ``[B, Q]``.
 
         Called by the pre-hook that :func:`leankit.enable` installs; call it yourself only when
-        driving layers by hand.
+        driving layers by hand. A first step that fails (a short fixed pool) leaves the cache as
+        fresh as it was, not bound to that step's batch size.
         """
+        fresh = self.table is None
+        try:
+            return self._begin_step(batch, q_len, attention_mask, position_ids, input_ids)
+        except BaseException:
+            if fresh and self._step is None:
+                self.reset()
+            raise
+
+    def _begin_step(self, batch: int, q_len: int, attention_mask, position_ids, input_ids) -> torch.Tensor:
         dev = self.device
         if self.table is None:
             self.table = BidirectionalPageTable(self.num_layers, batch, self.num_kv_heads, self.row_len, dev)
@@ -653,6 +667,8 @@ class LeanCache(Cache):
         self._kv_err.zero_()
         self._alloc_status.zero_()
         self.abort_step()
+        if self._seen == 0:  # the dropped step was the first: the cache goes back to fresh, batch size unbound
+            self.reset()
         if alloc[0]:
             raise PoolExhausted(alloc[1], alloc[2], free_list.capacity)
         from leankit_kernels.quant import NON_FINITE_MESSAGE
@@ -1095,6 +1111,7 @@ class LeanCache(Cache):
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
         self._plain_saved = []
         self._hw_tokens = 0
+        self._peak = (0, 0)  # a reused cache reports its own runs' peak
         self._kv_err.zero_()
         self.policy.reset()
         if self.offload is not None:

@@ -1,4 +1,4 @@
-"""The decode benchmark's byte model (bench/kernels.py): no GPU needed, nothing timed."""
+"""The decode benchmark's byte model (bench/decode_kernels.py): no GPU needed, nothing timed."""
 
 import io
 
@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def bench(bench_script):
-    return bench_script("kernels")
+    return bench_script("decode_kernels")
 
 
 def test_k8v4_reads_at_most_045_of_fp16_at_head_dim_64(bench):

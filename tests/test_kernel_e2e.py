@@ -231,8 +231,11 @@ def test_padded_pages_keep_the_group_sizes_they_can(monkeypatch):
     whole = padded_group_sizes(KVConfig.parse("K8V4-K4V2", group_size=24, low_group_size=24), 24, 32)
     assert (whole.group_size, whole.low_group_size) == (None, 32)
     assert padded_group_sizes(KVConfig.parse("K8V4", group_size=8), 24, 32).group_size == 8
-    with pytest.raises(ValueError, match="group_size=12: heads of head_dim 24 are padded to 32"):
-        padded_group_sizes(KVConfig.parse("K8V4", group_size=12), 24, 32)
+    for bad in (12, 16):  # 12 does not divide the padded 32; 16 divides it, not the head's 24
+        with pytest.raises(ValueError, match=f"group_size={bad}: heads of head_dim 24 are padded to 32"):
+            padded_group_sizes(KVConfig.parse("K8V4", group_size=bad), 24, 32)
+    with pytest.raises(ValueError, match="low_group_size=16"):  # 2-bit codes pad a head of 30 on either backend
+        padded_group_sizes(KVConfig.parse("K8V4-K4V2", group_size=30, low_group_size=16), 30, 32)
     model = _tiny_llama(72, 6, 2)
     monkeypatch.setenv("LEANKIT_BACKEND", "triton")
     cache = LeanCache(model, "K8V4")

@@ -1,6 +1,7 @@
 """lm-eval integration: LeanKitLM scores through a compressing LeanCache (tiny model fast, SmolLM2 slow)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -34,6 +35,29 @@ def test_score_matches_full_forward_when_lossless(any_model):
         logits = model(torch.tensor([ctx + cont])).logits[0].float().log_softmax(-1)
     want = float(sum(logits[len(ctx) - 1 + i, t] for i, t in enumerate(cont)))
     assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_loglikelihood_truncates_to_max_length_as_hflm_does():
+    """A request longer than ``max_length`` keeps its last ``max_length + 1`` tokens, as HFLM does
+    (FP16 then gives HFLM's scores); one longer than the model's positions is scored, not refused."""
+    from lm_eval.models.huggingface import HFLM
+
+    import leankit
+    from leankit.eval import LeanKitLM
+    from leankit.testing import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("llama-gqa", max_position_embeddings=128), tiny_tokenizer()
+    gen = torch.Generator().manual_seed(4)
+    ctx, cont = torch.randint(4, 97, (60,), generator=gen).tolist(), torch.randint(4, 97, (9,), generator=gen).tolist()
+    requests = [(None, ctx, cont), (None, ctx[:20], cont)]
+    got = LeanKitLM(pretrained=model, tokenizer=tok, kv="FP16", max_length=32)._loglikelihood_tokens(requests)
+    leankit.remove(model)
+    want = HFLM(pretrained=model, tokenizer=tok, backend="causal", max_length=32)._loglikelihood_tokens(requests)
+    for (a, greedy_a), (b, greedy_b) in zip(got, want, strict=True):
+        assert a == pytest.approx(b, abs=1e-3) and greedy_a == greedy_b
+    long = torch.randint(4, 97, (300,), generator=gen).tolist()  # past the model's 128 positions
+    (score, _), = LeanKitLM(pretrained=model, tokenizer=tok, kv="K8V4")._loglikelihood_tokens([(None, long, cont)])
+    assert math.isfinite(score)
 
 
 @pytest.mark.slow

@@ -135,13 +135,20 @@ class LeanKitLM(HFLM):
         super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
 
     def _new_cache(self) -> LeanCache:
-        return LeanCache(self.model, self.kv)
+        # rows as long as the longest sequence lm-eval passes (it truncates to max_length)
+        return LeanCache(self.model, self.kv, max_seq_len=self.max_length + 1)
 
     @torch.no_grad()
     def score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """``(sum log p(continuation | context), continuation is the greedy choice)`` through the cache."""
         if not context:
             raise ValueError("lm-eval always passes at least one context token (the prefix token)")
+        keep = self.max_length + 1
+        if len(context) + len(continuation) > keep:
+            # as HFLM does: the last max_length + 1 tokens, whose last one is only ever a target
+            full = (context + continuation)[-keep:]
+            n_cont = min(len(continuation), keep - 1)
+            context, continuation = full[: keep - n_cont], full[keep - n_cont:]
         ids = torch.tensor(context + continuation, device=self.model.device).view(1, -1)
         n_ctx = len(context)
         cache = self._new_cache()

@@ -1,8 +1,8 @@
 """Decode attention over unified pages: bytes, FLOPs, roofline, and (on CUDA) measured time.
 
-    python bench/kernels.py                       # model only (no GPU needed)
-    python bench/kernels.py --check               # + correctness vs leankit's reference first
-    python bench/kernels.py --head-dim 128 --kv-heads 8 --group 4 --page-size 4096
+    python bench/decode_kernels.py                       # model only (no GPU needed)
+    python bench/decode_kernels.py --check               # + correctness vs leankit's reference first
+    python bench/decode_kernels.py --head-dim 128 --kv-heads 8 --group 4 --page-size 4096
 
 Grid: batch {1, 8, 32} x context {1k, 4k, 16k} x configs {FP16, K8V8, K8V4, K4V2, K8V4-K4V2}.
 One call = one layer's decode step (one query per sequence, all KV heads).
@@ -427,7 +427,7 @@ def write_results(rows: list[dict], shape: Shape, folder: str) -> str:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     lines = [f"# Decode attention, one layer (device: {dev})", "",
              (f"head_dim {shape.head_dim}, {shape.kv_heads} KV heads x {shape.group}, {page_text(shape)}. "
-              "`python bench/kernels.py`: us = median of CUDA-graph replays of one call "
+              "`python bench/decode_kernels.py`: us = median of CUDA-graph replays of one call "
               "(`triton.testing.do_bench_cudagraph`, the kernels alone); eager us = median of eager calls "
               "(`do_bench`, the Python launcher included). GB/s counts modelled bytes over the graph time; "
               "of copy BW = fraction of a measured device-to-device copy's bandwidth; x FP16 = speedup over the "
