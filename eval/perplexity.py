@@ -154,7 +154,7 @@ def main(argv=None) -> dict:
         all_nll = torch.cat(nlls)
         nll, n = float(all_nll.sum()), all_nll.numel()
         # every page in use, ACT blocks included (kv_bytes counts the KV pages alone under act=)
-        ratio = sum(r["kv_bytes"] + r.get("act_bytes", 0) for r in reports) / sum(r["fp16_bytes"] for r in reports)
+        ratio = sum(r["pages_used"] * r["page_size"] for r in reports) / sum(r["fp16_bytes"] for r in reports)
         tiers = {k: sum(r["tokens_per_tier"][k] for r in reports) for k in ("high", "low", "pruned")}
         tot = sum(tiers.values()) or 1  # act=1 stores no KV token: every share is 0
         row = {"config": label(spec, kw), "ppl": math.exp(nll / n), "nll": nll / n, "tokens": n,

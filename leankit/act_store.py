@@ -221,7 +221,7 @@ class ActStore:
         # The store, like the page table, indexes the compressed layers only: a model with sliding
         # layers (Gemma3, Qwen2 with max_window_layers) keeps their own cache, so page-table layer t
         # is decoder layer compressed[t]. Captures arrive under the decoder index (see capture).
-        self.compressed = [g for g, t in enumerate(cache.table_index) if t is not None]
+        self.compressed = cache.compressed_layers
         # stacked [Wk Wv] (+ biases, norms, RoPE) per compressed layer: copies, so they are read again
         # when the model's weights change under the cache (_refresh_params)
         self._model = model

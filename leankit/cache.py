@@ -808,11 +808,11 @@ class LeanCache(Cache):
         cache with a fixed device budget needs them gone, since every page of a layer, empty or not,
         takes a device slot in its window. Reads the device; returns the pages freed."""
         freed = 0
-        if self.table is not None:
-            tokens = [lay.tokens for lay in self.layouts] + [1] * (2 - len(self.layouts))
-            keep = torch.stack([torch.div(self.table.lens[t] + tokens[t] - 1, tokens[t], rounding_mode="floor")
-                                for t in range(2)])
-            freed += int(self.table.shrink(keep, self.free_list))
+        if self.table is not None:  # the pages each head's tokens need, from the shared tier plan
+            layers = torch.arange(self.num_layers, device=self.device)
+            need = self.table.tier_plan(layers, self.table.lens[: len(self.layouts)],
+                                        tuple(lay.tokens for lay in self.layouts))[0]
+            freed += int(self.table.shrink(need, self.free_list))
         store = self.act_store
         if store is not None and store.table is not None:
             freed += store.table.shrink_to_lens(self.free_list)

@@ -390,8 +390,7 @@ class ActPageTable:
     def shrink_to_lens(self, free_list: FreePageList) -> int:
         """Return the blocks past the ones each row's ACT tokens fill (a dropped step's grant);
         returns the pages freed. Reads the device (an error path, not a step's)."""
-        keep = torch.div(self.lens + self.tokens - 1, self.tokens, rounding_mode="floor") * self.slices
-        keep = torch.minimum(keep, self.n_pages)
+        keep = torch.minimum(ceil_div(self.lens, self.tokens) * self.slices, self.n_pages)
         past = torch.arange(self.row_len, device=self.tables.device) >= keep.unsqueeze(-1)
         drop = past & (self.tables >= 0)
         ids = self.tables[drop]
