@@ -89,9 +89,11 @@ def remove(model):
 
 
 def _fresh_cache(model, cfg: KVConfig, cache_kw: dict, kwargs: dict):
-    """A new LeanCache for one ``generate`` call, freeing rows on the ids that call stops on."""
+    """A new LeanCache for one ``generate`` call, freeing rows on the ids that call stops on and
+    the padding it feeds a finished row."""
     from .cache import LeanCache
 
     gen_cfg = kwargs.get("generation_config") or model.generation_config
     eos = kwargs.get("eos_token_id", getattr(gen_cfg, "eos_token_id", None))
-    return LeanCache(model, cfg, eos_token_id=eos, **cache_kw)
+    pad = kwargs.get("pad_token_id", getattr(gen_cfg, "pad_token_id", None))
+    return LeanCache(model, cfg, eos_token_id=eos, **({"pad_token_id": pad} if pad is not None else {}), **cache_kw)

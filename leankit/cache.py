@@ -106,6 +106,18 @@ def _token_ids(ids, name: str) -> list[int]:
         raise ValueError(f"{name} must be a token id or a list of token ids, got {ids!r}") from None
 
 
+def ended_rows(tokens: torch.Tensor, end_ids: torch.Tensor, n_eos: int, finished: torch.Tensor,
+               ending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ended, ending')`` bool ``[B]`` of a decode step that feeds ``tokens`` ``[B]``: rows fed an
+    EOS last step (``ending``) and any of ``end_ids`` (the ``n_eos`` EOS ids, then padding ids) now
+    have ended; rows fed an EOS now (and not ended or finished) are ending. Why a row ends one
+    token late: ``leankit_kernels.step_rows``, the kernel backend's version of this rule."""
+    hit_eos = torch.isin(tokens, end_ids[:n_eos])
+    hit_end = torch.isin(tokens, end_ids)
+    ended = (ending & hit_end if ending is not None else torch.zeros_like(finished)) & ~finished
+    return ended, hit_eos & ~(finished | ended)
+
+
 def attention_head_dim(config) -> int:
     """Channels per attention head of a model config (``head_dim``, else hidden / heads)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -314,10 +326,15 @@ class LeanCache(Cache):
             pool raises :class:`PoolExhausted` when it runs out.
         max_seq_len: longest sequence a row must hold (default: the model's
             ``max_position_embeddings``); sizes the page-table rows.
-        eos_token_id: id(s) that end a request. When given, a row whose previous token is one of
-            them during decoding is finished and its pages return to the free list at once. Pass
-            the same ids ``generate`` stops on (``generate`` keeps feeding a finished row, so the
-            cache must not guess). Without it, pages return on :meth:`release` or :meth:`reset`.
+        eos_token_id: id(s) that end a request. When given, a row that a decode step feeds one of
+            them, and then an EOS or padding id (what ``generate`` feeds a finished row), is
+            finished and its pages return to the free list. The EOS itself is stored: until the
+            token after it, a row fed an EOS may as well be a new ``generate`` call continuing a
+            turn that stopped on it. Pass the same ids ``generate`` stops on (``generate`` keeps
+            feeding a finished row, so the cache must not guess). Without it, pages return on
+            :meth:`release` or :meth:`reset`.
+        pad_token_id: id(s) ``generate`` feeds a finished row (default: the model's generation
+            config's, else its config's). Only read with ``eos_token_id``.
         offload: keep every page (KV at any precision, or ACT) in host memory, pinned when CUDA is
             present, and only the layers in flight on the device (:mod:`leankit.offload`). Takes
             ``True``/``"host"``, a dict of :class:`~leankit.offload.OffloadConfig` fields
@@ -329,7 +346,7 @@ class LeanCache(Cache):
 
     @inference_only
     def __init__(self, model, kv: str | KVConfig = "K8V4", *, num_pages: int | None = None,
-                 max_seq_len: int | None = None, eos_token_id=None, offload=None, **overrides):
+                 max_seq_len: int | None = None, eos_token_id=None, pad_token_id=None, offload=None, **overrides):
         cfg = _text_config(model.config)
         check_model_supported(cfg)
         self.cfg = KVConfig.parse(kv, **overrides)
@@ -391,7 +408,21 @@ class LeanCache(Cache):
         # (refused, pages needed, pages free) of the step's first refused deferred allocation
         self._alloc_status = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._hw_tokens = 0  # most tokens any row may hold (host bound: tokens fed so far, this step's included)
+        self._hw_before = 0  # _hw_tokens before the open step
         self.eos_ids = torch.tensor(_token_ids(eos_token_id, "eos_token_id"), dtype=torch.long, device=self.device)
+        if pad_token_id is None:
+            gen_cfg = getattr(model, "generation_config", None)
+            pad_token_id = getattr(gen_cfg, "pad_token_id", None)
+            if pad_token_id is None:
+                pad_token_id = getattr(cfg, "pad_token_id", None)
+        eos = self.eos_ids.tolist()
+        pads = [i for i in _token_ids(pad_token_id, "pad_token_id") if i not in eos]
+        self.end_ids = torch.tensor(eos + pads, dtype=torch.long, device=self.device)  # EOS ids, then padding
+        # Rows fed an EOS in the last step (stored; they end if the next token is an EOS or padding
+        # id), and the same flags for the step in flight, adopted when it ends (a dropped step keeps
+        # the old ones).
+        self.ending: torch.Tensor | None = None
+        self._ending_next: torch.Tensor | None = None
         from .policy import make_policy  # the placement policy of this config
 
         self.policy = make_policy(self)
@@ -470,11 +501,14 @@ class LeanCache(Cache):
         fresh as it was, not bound to that step's batch size.
         """
         fresh = self.table is None
+        self._hw_before = self._hw_tokens  # what a dropped step restores (the kernels' grid bounds)
         try:
             return self._begin_step(batch, q_len, attention_mask, position_ids, input_ids)
         except BaseException:
-            if fresh and self._step is None:
-                self.reset()
+            if self._step is None:
+                self._hw_tokens = self._hw_before
+                if fresh:
+                    self.reset()
             raise
 
     def _begin_step(self, batch: int, q_len: int, attention_mask, position_ids, input_ids) -> torch.Tensor:
@@ -482,6 +516,7 @@ class LeanCache(Cache):
         if self.table is None:
             self.table = BidirectionalPageTable(self.num_layers, batch, self.num_kv_heads, self.row_len, dev)
             self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+            self.ending = torch.zeros(batch, dtype=torch.bool, device=dev)
         elif self.table.shape[1] != batch:
             raise ValueError(f"this LeanCache holds a batch of {self.table.shape[1]} rows, got {batch}; "
                              "use a fresh LeanCache per batch")
@@ -491,12 +526,18 @@ class LeanCache(Cache):
             real = attention_mask[:, -q_len:].to(dev).bool()
         else:
             real = torch.ones(batch, q_len, dtype=torch.bool, device=dev)
+        # the rows' ending flags after this step (None: unchanged); a longer step (a prompt, a new
+        # turn) continues every row it feeds, so no row is left waiting on an EOS
+        ending_next = torch.zeros_like(self.finished) if q_len > 1 and self.eos_ids.numel() else None
         if q_len == 1 and input_ids is not None and self._seen > 0 and self.eos_ids.numel():
-            # A row whose previous token ended its request is finished: free its pages now. Only a
-            # decode step feeds back the token sampled last; a longer step after the prompt (a new
-            # turn passed into the same cache) may start with the EOS that ended the last turn,
-            # which was never fed, and must not end the row it continues.
-            self._release_ended(torch.isin(input_ids[:, 0].to(dev), self.eos_ids) & ~self.finished)
+            # A row fed an EOS last step and an EOS or padding id now has ended: free its pages now.
+            # A row fed an EOS now stores it and waits for the next token (step_rows' docstring:
+            # the first step of a new generate call continuing a turn that stopped on that EOS
+            # feeds the same token).
+            fed = input_ids[:, 0].to(dev)
+            self._check_no_finished_row_continues(real & ~torch.isin(fed, self.end_ids).unsqueeze(1))
+            ended, ending_next = ended_rows(fed, self.end_ids, self.eos_ids.numel(), self.finished, self.ending)
+            self._release_ended(ended)
         elif q_len > 1 and self._seen > 0:
             self._check_mask_keeps_stored_tokens(attention_mask, q_len)
             if self.eos_ids.numel():
@@ -519,6 +560,7 @@ class LeanCache(Cache):
         step = StepState(real, rank, real.sum(1), q_pos.to(torch.int32), q_len, real.any(1), q_first, q_last,
                          self.table.lens, ordered)
         self._open_step(step)
+        self._ending_next = ending_next
         return qp
 
     def _begin_decode_step(self, batch: int, attention_mask, position_ids, input_ids) -> torch.Tensor:
@@ -533,7 +575,8 @@ class LeanCache(Cache):
         ends = input_ids is not None and self._seen > 0 and self.eos_ids.numel() > 0
         rows = step_rows(batch, self.finished, self._kv_err, self._alloc_status, attention_mask=mask,
                          position_ids=pos, seen=self._seen, no_pos=_NO_POS,
-                         last_tokens=input_ids[:, 0].to(dev) if ends else None, eos_ids=self.eos_ids if ends else None)
+                         last_tokens=input_ids[:, 0].to(dev) if ends else None, end_ids=self.end_ids if ends else None,
+                         n_eos=self.eos_ids.numel(), ending=self.ending)
         if rows["ended"] is not None:
             self._release_ended(rows["ended"])
         self._hw_tokens = max(self._hw_tokens, self._seen + 1)
@@ -541,6 +584,7 @@ class LeanCache(Cache):
         step = StepState(real, rows["rank"], rows["n_new"], rows["q_pos"], 1, real.view(-1), rows["q_first"],
                          rows["q_last"], self.table.lens, True)
         self._open_step(step)
+        self._ending_next = rows["ending"]
         return rows["q_pos64"]
 
     def _check_mask_keeps_stored_tokens(self, attention_mask, q_len: int) -> None:
@@ -567,9 +611,11 @@ class LeanCache(Cache):
                 "with eos_token_id so ended rows are released, or pass a fresh LeanCache")
 
     def _check_no_finished_row_continues(self, real: torch.Tensor) -> None:
-        """Raise ``ValueError`` where a step of several tokens brings real tokens to a row that ended
-        its request in an earlier step: that row's pages were freed, so its context is gone (one host
-        read, on steps that already read the device to order their positions)."""
+        """Raise ``ValueError`` where a step brings real tokens to a row that ended its request in an
+        earlier step: that row's pages were freed, so its context is gone. A step of several tokens
+        reads the device here, as it already does to order its positions; so does a one-token step on
+        the torch backend, where ``real`` leaves out the end ids ``generate`` feeds a finished row
+        (the kernel backend's decode step, which reads nothing, does not check)."""
         ended = self.finished & real.any(1)
         if bool(ended.any()):
             rows = ended.nonzero().flatten().tolist()
@@ -633,9 +679,16 @@ class LeanCache(Cache):
             # Pages in use at the step's high point, before the policy's end-of-step eviction frees
             # any (the free list is current here: the read above loaded any deferred counters).
             used = self.free_list.capacity - self.free_list.num_free
-            self.policy.end_step(self._step)
+            try:
+                self.policy.end_step(self._step)
+            except BaseException:  # e.g. a short pool for the end-of-step re-tiering: drop the whole step
+                self.drop_failed_step()
+                raise
             self._seen += self._step.q_len
             self._step = None
+            if self._ending_next is not None:  # the rows fed an EOS in this step (leankit_kernels.step_rows)
+                self.ending = self._ending_next
+            self._ending_next = None
             self._plain_saved = []  # let go of the sliding-window layers' K/V before the step
             if self.offload is not None:  # land the write-backs, count the step's bytes
                 self.offload.end_step()
@@ -666,9 +719,7 @@ class LeanCache(Cache):
             return
         self._kv_err.zero_()
         self._alloc_status.zero_()
-        self.abort_step()
-        if self._seen == 0:  # the dropped step was the first: the cache goes back to fresh, batch size unbound
-            self.reset()
+        self.drop_failed_step()
         if alloc[0]:
             raise PoolExhausted(alloc[1], alloc[2], free_list.capacity)
         from leankit_kernels.quant import NON_FINITE_MESSAGE
@@ -795,12 +846,29 @@ class LeanCache(Cache):
         if self._step is None:
             return
         self.table.lens.copy_(self._step.lens_before)
+        self._hw_tokens = self._hw_before  # the step's tokens are not held: same grid bounds as before it
         self.policy.load_state(self._policy_saved)
         for layer, saved in self._plain_saved:  # the step's K/V leave the sliding-window layers too
             layer.__dict__.clear()
             layer.__dict__.update(saved)
         self._plain_saved = []
-        self._step, self._pending = None, {}
+        self._step, self._pending, self._ending_next = None, {}, None
+
+    @inference_only
+    def drop_failed_step(self) -> None:
+        """Drop a step that raised before it closed (no-op when no step is open): its tokens are
+        forgotten (:meth:`abort_step`), and a failed first step leaves the cache fresh (every page
+        it took back in the pool, no batch size bound), so the caller may retry with other inputs."""
+        if self._step is None:
+            return
+        self.abort_step()
+        if self._seen == 0:
+            self.reset()
+        elif self.fixed_pool and self.act_store is not None and use_triton(self._kv_err):
+            # the kernel backend's ACT grant runs under a keep flag and may have handed out the
+            # step's blocks before another grant was refused: give back what no token fills, or a
+            # fixed pool stays short for every later step (one device read, on the failure path)
+            self.trim_pages()
 
     def trim_pages(self) -> int:
         """Return every page past the ones each head's tokens fill, KV and ACT: the pages a dropped
@@ -909,6 +977,18 @@ class LeanCache(Cache):
         return self._attend(layer, query, scaling, module, attention_mask)
 
     def _attend(self, layer: int, query: torch.Tensor, scaling: float, module=None, attention_mask=None) -> torch.Tensor:
+        try:
+            return self._attend_and_store(layer, query, scaling, module, attention_mask)
+        except NonFiniteKVError as e:  # NaN/Inf, or a value beyond the fp16 range of the metadata
+            self.drop_failed_step()
+            raise NonFiniteKVError(f"layer {self.compressed_layers[layer]}: {e}; the step was dropped (its tokens "
+                                   "are not stored) and the cache stays usable") from e
+        except BaseException:  # a short pool, a row outgrown, anything else: the cache stays as it was
+            self.drop_failed_step()
+            raise
+
+    def _attend_and_store(self, layer: int, query: torch.Tensor, scaling: float, module=None,
+                          attention_mask=None) -> torch.Tensor:
         """Attention of the step's queries for ``layer`` over the pages in ``self.pool``.
 
         Keys of earlier steps are read from the pages (paged attention over their codes); the
@@ -957,14 +1037,9 @@ class LeanCache(Cache):
             else:
                 out, lse, received_new = self._attend_pages(layer, kv, query, q_pages, k_new, v_new, k_att, v_att,
                                                             scaling, kernels)
-        try:
-            if self.act_store is not None:  # ACT blocks: merge attention over recomputed K/V, store the step's
-                out = self.act_store.attend(layer, query, scaling, st, out, None if self._seen == 0 else lse)
-            policy.store(layer, k_store, v_store, st, received_new)
-        except NonFiniteKVError as e:  # NaN/Inf, or a value beyond the fp16 range of the metadata
-            self.abort_step()
-            raise NonFiniteKVError(f"layer {self.compressed_layers[layer]}: {e}; the step was dropped (its tokens "
-                                   "are not stored) and the cache stays usable") from e
+        if self.act_store is not None:  # ACT blocks: merge attention over recomputed K/V, store the step's
+            out = self.act_store.attend(layer, query, scaling, st, out, None if self._seen == 0 else lse)
+        policy.store(layer, k_store, v_store, st, received_new)
         policy.after_store(layer, st)
         return out.to(query.dtype)
 
@@ -1109,6 +1184,7 @@ class LeanCache(Cache):
             self.table.release_sequences(torch.ones(self.table.shape[1], dtype=torch.bool, device=self.device),
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
+        self.ending = self._ending_next = None
         self._plain_saved = []
         self._hw_tokens = 0
         self._peak = (0, 0)  # a reused cache reports its own runs' peak
@@ -1156,6 +1232,7 @@ class LeanCache(Cache):
         new.lens = old.lens.index_select(2, beam_idx).clone()
         old.release_sequences(torch.ones(old.shape[1], dtype=torch.bool, device=self.device), self.free_list)
         self.finished = self.finished.index_select(0, beam_idx)
+        self.ending = self.ending.index_select(0, beam_idx)
         self.policy.reorder(beam_idx)
 
     def crop(self, max_length: int) -> None:

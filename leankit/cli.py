@@ -144,7 +144,7 @@ def cmd_generate(args) -> int:
     if hardware is not None:
         cache = planned_cache(model, hardware, enc.attention_mask.sum(1).tolist(), args, eos)
     else:
-        cache = leankit.LeanCache(model, cfg, eos_token_id=eos)
+        cache = leankit.LeanCache(model, cfg, eos_token_id=eos, pad_token_id=tok.pad_token_id)
     gen_kwargs = dict(max_new_tokens=args.max_new_tokens, **cache_kwargs(model, cache), pad_token_id=tok.pad_token_id,
                       streamer=make_streamer(tok, args, args.max_new_tokens), **sampling_kwargs(args))
     if gen_kwargs["do_sample"]:

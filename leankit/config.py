@@ -377,6 +377,9 @@ class KVConfig:
             raise ValueError("policy 'h2o' needs budget in (0, 1], e.g. KVConfig.parse('FP16', policy='h2o', budget=0.2)")
         if self.sink < 0:
             raise ValueError(f"sink must be >= 0, got {self.sink}")
+        if self.policy == "streaming" and self.sink + self.window == 0:
+            raise ValueError("policy 'streaming' with sink=0 and window=0 keeps no token of the context: "
+                             "give it attention sinks or a recent window (e.g. sink=4,window=64)")
         if not (isinstance(self.act, (int, float)) and 0.0 <= self.act <= 1.0):
             raise ValueError(f"act must be a fraction in [0, 1] (0 = all KV, 1 = ACT-only), got {self.act!r}")
         if self.act_order not in ACT_ORDERS:

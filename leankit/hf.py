@@ -173,6 +173,17 @@ def _post_hook(module, args, kwargs, output):
         cache.end_step()
 
 
+def _failure_hook(module, args, kwargs, output):
+    """Runs after :func:`_post_hook`, and also when the forward raised (``always_call``): a step the
+    forward left open (an error in any layer, or in the step's end) is dropped, so the cache stays
+    as it was before the call (:meth:`LeanCache.drop_failed_step`)."""
+    from .cache import LeanCache
+
+    cache = cache_argument(args, kwargs, module._leankit_params)
+    if isinstance(cache, LeanCache):
+        cache.drop_failed_step()
+
+
 def _outer_pre_hook(module, args, kwargs):
     mask = _arg("attention_mask", args, kwargs, module._leankit_params)
     _PADDING_MASK.set(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
@@ -201,6 +212,7 @@ def enable(model):
         dec._leankit_mask_positions = getattr(model.config, "model_type", None) == "opt"
         dec.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         dec.register_forward_hook(_post_hook, with_kwargs=True)
+        dec.register_forward_hook(_failure_hook, with_kwargs=True, always_call=True)
         setattr(dec, _HOOKED, True)
     if dec is not model and not getattr(model, _HOOKED, False):
         # the outer model's 2-D padding mask, for a decoder that is handed per-layer-type masks

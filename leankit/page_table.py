@@ -139,9 +139,7 @@ class BidirectionalPageTable:
         if total == 0:
             return
         if overflow:
-            raise ValueError(
-                f"a sequence outgrew its page-table row ({self.row_len} pages): raise max_seq_len of the LeanCache"
-            )
+            raise ValueError(self._OVERFLOW.format(self.row_len))
         if use_triton(self.tables):  # Triton backend: one prefix-sum launch (leankit_kernels.page_alloc)
             from leankit_kernels.page_alloc import grow_pages
 
@@ -178,6 +176,14 @@ class BidirectionalPageTable:
         from leankit_kernels.page_alloc import grant_token_pages
 
         grant_token_pages(self, n_new, tokens_per_page, free_list, status, taken=taken)
+
+    _OVERFLOW = "a sequence outgrew its page-table row ({} pages): raise max_seq_len of the LeanCache"
+
+    def check_rows(self, extra: torch.Tensor) -> None:
+        """Raise ``ValueError`` if granting ``extra[t, l, b, h]`` pages would make any head outgrow its
+        page-table row (one host read); :meth:`grow` makes the same check as it grants."""
+        if bool(((self.n_pages + extra).sum(0) > self.row_len).any()):
+            raise ValueError(self._OVERFLOW.format(self.row_len))
 
     def tier_plan(self, layers: torch.Tensor, lens: torch.Tensor, tokens: tuple[int, ...],
                   reserve: torch.Tensor | None = None):

@@ -695,7 +695,13 @@ class _Base:
         the kernel backend's grants check on the device and report at the end of the step).
         Returns ``(need, r, extra)`` for :meth:`_grant_pages` and :meth:`_set_lens_and_shrink`."""
         cache = self.cache
-        need, r, extra = cache.table.tier_plan(layers, lens, tuple(lay.tokens for lay in cache.layouts), reserve)
+        table = cache.table
+        need, r, extra = table.tier_plan(layers, lens, tuple(lay.tokens for lay in cache.layouts), reserve)
+        if not cache._rows_fit():
+            # A head that would outgrow its page-table row makes the grant raise ValueError, but the
+            # caller compacts the tiers in place before granting: check the rows here, before any
+            # token moves (one host read; never taken while the host bound shows the rows fit).
+            table.check_rows(extra)
         if cache.fixed_pool and not use_triton(extra):
             free_list = cache.free_list
             needed = int(extra.sum())

@@ -56,11 +56,14 @@ def test_plain_generate_and_eos_from_the_call(built):
         assert torch.equal(out, ref) and len(built) == 1 and built[0].eos_ids.numel() == 0
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, eos_token_id=[2, 7])
         assert built[1].eos_ids.tolist() == [2, 7]
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, eos_token_id=2,
+                       pad_token_id=9)  # the padding this call feeds a finished row ends it
+        assert built[2].end_ids.tolist() == [2, 9]
         # a call that brings its own cache, or none at all, is left alone
         own = LeanCache(model, "K8V4")
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, **cache_kwargs(model, own), eos_token_id=None)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, use_cache=False, eos_token_id=None)
-    assert built[2:] == [own]
+    assert built[3:] == [own]
 
 
 def test_apply_none_and_remove_restore_the_model():

@@ -87,6 +87,10 @@ def test_plot_refuses_results_it_has_no_figure_for(tmp_path, capsys):
     assert "no figure for bench mode 'offload'" in capsys.readouterr().err
     assert main(["bench", "plot", str(tmp_path / "missing.json")]) == 2
     assert "no such results file" in capsys.readouterr().err
+    text = tmp_path / "notes.txt"
+    text.write_text("not json")
+    assert main(["bench", "plot", str(text), "--out", str(tmp_path)]) == 2
+    assert f"{text}: not a results file" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least one cache"):
         plot.plot_throughput({"caches": []})
 

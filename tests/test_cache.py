@@ -321,7 +321,8 @@ def test_non_finite_kv_rejected_and_the_step_dropped():
     cache.update(k, torch.randn(1, 2, 2, 16), 1)
     with pytest.raises(NonFiniteKVError, match="layer 1"):
         cache.attend(1, torch.randn(1, 6, 2, 16), 0.25)
-    assert int(cache.table.lens.sum()) == 0 and cache.get_seq_length() == 0
+    # the dropped step was the first: the cache is fresh again (no page held, no batch size bound)
+    assert cache.table is None and cache.get_seq_length() == 0 and cache.memory_report()["pages_used"] == 0
 
     def drive(c, g):  # one whole step of finite K/V through every layer
         c.begin_step(1, 2)
@@ -514,3 +515,92 @@ def test_short_pool_in_an_algorithm_1_step_on_the_torch_backend_moves_nothing(mo
         raise AssertionError("the pool never ran short")
     for a, b in zip(before, stored()):
         assert torch.equal(a, b)
+
+
+def _fresh_logits(model, spec, ids, **kw):
+    with torch.no_grad():
+        return model(input_ids=ids, **cache_kwargs(model, LeanCache(model, spec, **kw)), use_cache=True).logits
+
+
+@pytest.mark.parametrize("spec", ["FP16", "K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=8", "K8V4:act=0.5"])
+def test_failed_first_step_leaves_the_cache_fresh(spec):
+    """A prompt refused in a layer (NaN K/V from bad embeddings) frees every page it took and binds
+    no batch size: the same cache then serves another batch exactly as a fresh cache does."""
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(5))
+    bad = model.get_input_embeddings()(ids).detach().repeat(2, 1, 1)
+    bad[1, 4] = float("nan")
+    cache = LeanCache(model, spec)
+    with pytest.raises(NonFiniteKVError), torch.no_grad():
+        model(inputs_embeds=bad, **cache_kwargs(model, cache), use_cache=True)
+    assert cache.table is None and cache.get_seq_length() == 0
+    assert cache.memory_report()["pages_used"] == 0
+    with torch.no_grad():
+        got = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
+    assert torch.equal(got, _fresh_logits(model, spec, ids))
+
+
+@pytest.mark.parametrize("spec", ["K8V4-K4V2:th=0.25,tl=0,group_size=8", "K8V4-K4V2:th=0.3,tl=0.05"])
+def test_two_tier_prompt_refused_by_a_short_pool_leaves_the_cache_fresh(spec):
+    """A two-tier prompt takes its pages layer by layer: a fixed pool that runs out at a later
+    layer gives every page back, and a smaller batch then fits the same cache."""
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
+    one_row = LeanCache(model, spec)
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(model, one_row), use_cache=True)
+    pages = one_row.memory_report()["pages_used"]
+    cache = LeanCache(model, spec, num_pages=pages + pages // 2)  # one row fits, two do not
+    with pytest.raises(PoolExhausted), torch.no_grad():
+        model(input_ids=ids.repeat(2, 1), **cache_kwargs(model, cache), use_cache=True)
+    assert cache.table is None and cache.memory_report()["pages_used"] == 0
+    with torch.no_grad():
+        got = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
+    assert torch.equal(got, _fresh_logits(model, spec, ids, num_pages=pages + pages // 2))
+
+
+def test_row_overflow_in_a_re_tiering_step_moves_no_token():
+    """A step whose re-tiering would outgrow a page-table row is refused before compaction rewrites
+    any slot: the cache's page bytes are untouched and its next step equals an unfailed cache's."""
+    model = tiny_model("llama-gqa")
+    spec = "K8V4-K4V2:th=0.3,tl=0,group_size=8,page_size=256"
+    ids = torch.randint(3, model.config.vocab_size, (2, 100), generator=torch.Generator().manual_seed(7))
+    failed, ref = LeanCache(model, spec, max_seq_len=40), LeanCache(model, spec, max_seq_len=40)
+    with torch.no_grad():
+        for c in (failed, ref):
+            model(input_ids=ids[:, :30], **cache_kwargs(model, c), use_cache=True)
+        pool_before = failed.pool.storage.clone()
+        with pytest.raises(ValueError, match="outgrew its page-table row"):
+            model(input_ids=ids[:, 30:90], **cache_kwargs(model, failed), use_cache=True)
+        assert torch.equal(failed.pool.storage[: pool_before.shape[0]], pool_before)
+        assert torch.equal(failed.table.lens, ref.table.lens) and failed._step is None
+        a = model(input_ids=ids[:, 30:31], **cache_kwargs(model, failed), use_cache=True).logits
+        b = model(input_ids=ids[:, 30:31], **cache_kwargs(model, ref), use_cache=True).logits
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ["K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=8"])
+def test_an_error_outside_attention_drops_the_step(spec, monkeypatch):
+    """An exception anywhere in the forward (here the last layer's MLP, after every layer stored
+    its tokens) drops the step: the cache continues as if the call had never been made."""
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
+    failed, ref = LeanCache(model, spec), LeanCache(model, spec)
+    mlp = model.model.layers[-1].mlp
+    with torch.no_grad():
+        for c in (failed, ref):
+            model(input_ids=ids[:, :16], **cache_kwargs(model, c), use_cache=True)
+        real_forward = mlp.forward
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(mlp, "forward", broken)
+        with pytest.raises(RuntimeError, match="boom"):
+            model(input_ids=ids[:, 16:20], **cache_kwargs(model, failed), use_cache=True)
+        monkeypatch.setattr(mlp, "forward", real_forward)
+        assert failed._step is None and failed.get_seq_length() == 16
+        assert torch.equal(failed.table.lens, ref.table.lens)
+        a = model(input_ids=ids[:, 16:], **cache_kwargs(model, failed), use_cache=True).logits
+        b = model(input_ids=ids[:, 16:], **cache_kwargs(model, ref), use_cache=True).logits
+    assert torch.equal(a, b)

@@ -168,6 +168,9 @@ def test_settings_read_by_policy_accepted():
     assert KVConfig.parse("K8V4-K4V2", th=0.3, tl=0).th == 0.3
     assert KVConfig.parse("FP16", policy="streaming", sink=2, window=8).sink == 2
     assert KVConfig.parse("K4V2-K4V1").low == Precision(4, 1)  # equal keys, fewer value bits: fine
+    assert KVConfig.parse("K8V4:policy=streaming,sink=0,window=8").window == 8
+    with pytest.raises(ValueError, match="keeps no token"):
+        KVConfig.parse("K8V4:policy=streaming,sink=0,window=0")
 
 
 @pytest.mark.parametrize("kw", [{"th": "0.3"}, {"window": 8.0}, {"window": "8"}, {"group_size": 32.5},

@@ -312,3 +312,69 @@ def test_a_second_turn_on_a_significance_policy_matches_the_torch_backend(spec, 
                                            max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert outs["triton"].shape == (2, ids.shape[1] + 4 + 5 + 4)
     assert torch.equal(outs["triton"], outs["torch"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_generate_call_fed_only_the_eos_that_ended_the_last_continues_the_row(backend, monkeypatch):
+    """Turn 1 stops on EOS (sampled, never fed); turn 2 passes the whole sequence back with no new
+    token, so its first step feeds just that EOS, as a decode step feeding back a sampled EOS would.
+    The row must go on as with DynamicCache (the EOS is stored; the row ends only if an EOS or
+    padding id follows), and a row that does end within one call still gives its pages back."""
+    from transformers import DynamicCache
+
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = _tiny_llama()
+    ids = torch.tensor([[5, 17, 33, 8, 91, 44, 23, 9, 61]])
+    kw = {"do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        eos = int(model.generate(ids, max_new_tokens=3, eos_token_id=None, **kw)[0, -1])  # the third greedy token
+        outs = []
+        for cache in (DynamicCache(config=model.config), LeanCache(model, "FP16", eos_token_id=eos)):
+            first = model.generate(ids, max_new_tokens=8, eos_token_id=eos, **cache_kwargs(model, cache), **kw)
+            assert int(first[0, -1]) == eos and first.shape[1] == ids.shape[1] + 3
+            outs.append(model.generate(first, max_new_tokens=4, eos_token_id=None, **cache_kwargs(model, cache), **kw))
+        assert torch.equal(outs[1], outs[0])
+        # within one call: row 0 samples the EOS at its third step and is fed padding after it
+        batch = torch.cat([ids, torch.tensor([[7, 3, 19, 4, 88, 12, 50, 6, 30]])])
+        cache = LeanCache(model, "FP16", eos_token_id=eos)
+        model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=8, eos_token_id=eos,
+                       **cache_kwargs(model, cache), **kw)
+        # row 1 runs on (its tokens hold no EOS): row 0 was released while the batch went on
+        assert cache.finished.tolist() == [True, False]
+        assert int(cache.table.n_pages[:, :, 0].sum()) == 0 and int(cache.table.n_pages[:, :, 1].sum()) > 0
+
+
+@pytest.mark.filterwarnings("ignore:act=0.5")
+@pytest.mark.parametrize("spec,overrides", [("FP16", {"max_seq_len": 41}), ("K8V4:act=0.5", {"num_pages": 20})],
+                         ids=["row-outgrown", "act-short-pool"])
+def test_a_refused_chunk_leaves_later_steps_bit_equal_on_the_kernel_backend(spec, overrides, monkeypatch):
+    """A long chunk refused midway (a row outgrows ``max_seq_len``; a fixed pool too short for the
+    ACT and KV grants) leaves nothing behind on the kernel backend: no pages kept by a partial
+    grant, and the kernels' grid bounds back where they were, so every later step gives the bits an
+    unfailed cache gives."""
+    from leankit import PoolExhausted
+    from leankit.testing import left_padded_batch, tiny_model
+
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    model = tiny_model("llama-gqa")
+    g = torch.Generator().manual_seed(5)
+    ids, mask0 = left_padded_batch(2, 9, seed=2)
+    chunks = [torch.randint(3, 97, (2, 4), generator=g)] + [torch.randint(3, 97, (2, 1), generator=g) for _ in range(3)]
+    big = torch.randint(3, 97, (2, 150), generator=g)
+
+    def step(cache, x, mask):
+        mask = mask0 if mask is None else torch.cat([mask, torch.ones_like(x)], 1)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)[:, -x.shape[1]:]
+        with torch.no_grad():
+            return model(input_ids=x, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache)).logits, mask
+
+    failed, ref = LeanCache(model, spec, **overrides), LeanCache(model, spec, **overrides)
+    _, mask_f = step(failed, ids, None)
+    _, mask_r = step(ref, ids, None)
+    with pytest.raises((PoolExhausted, ValueError)):
+        step(failed, big, mask_f)
+    assert failed.memory_report()["pages_used"] == ref.memory_report()["pages_used"]
+    for x in chunks:
+        a, mask_f = step(failed, x, mask_f)
+        b, mask_r = step(ref, x, mask_r)
+        assert torch.equal(a, b)

@@ -21,12 +21,15 @@ def _inputs(batch, gen, mask_dtype, with_mask, with_pos, with_eos, shared_pos):
     pos = None
     if with_pos:
         pos = torch.randint(0, 5000, (1 if shared_pos else batch, 1), generator=gen).expand(batch, 1)
-    tok = eos = None
+    tok = eos = pads = ending = None
     if with_eos:
         eos = torch.tensor([2, 50, 7])
         tok = torch.randint(0, 60, (batch,), generator=gen)
         tok[torch.rand(batch, generator=gen) < 0.3] = 50
-    return finished, mask, pos, tok, eos
+        tok[torch.rand(batch, generator=gen) < 0.2] = 0  # a padding id
+        pads = torch.tensor([0])
+        ending = torch.rand(batch, generator=gen) < 0.5
+    return finished, mask, pos, tok, eos, pads, ending
 
 
 @pytest.mark.parametrize("batch,block", [(1, 128), (13, 4), (200, 128)])
@@ -37,12 +40,14 @@ def test_step_rows_match_reference(batch, block, mask_dtype, with_mask, with_pos
     """Every output equals the reference's, for masks of any dtype, shared or per-row positions,
     with and without end ids; the error flags and allocation status are cleared."""
     gen, seed = fresh_generator()
-    finished, mask, pos, tok, eos = _inputs(batch, gen, mask_dtype, with_mask, with_pos, with_eos, shared_pos)
+    finished, mask, pos, tok, eos, pads, ending = _inputs(batch, gen, mask_dtype, with_mask, with_pos, with_eos,
+                                                          shared_pos)
     seen = int(torch.randint(1, 3000, (1,), generator=gen))
     err = torch.randint(1, 5, (7,), generator=gen, dtype=torch.int32)
     status = torch.tensor([1, 40, 3])
-    kw = {"attention_mask": mask, "position_ids": pos, "seen": seen, "last_tokens": tok, "eos_ids": eos,
-          "no_pos": NO_POS}
+    kw = {"attention_mask": mask, "position_ids": pos, "seen": seen, "last_tokens": tok,
+          "end_ids": None if eos is None else torch.cat([eos, pads]), "n_eos": None if eos is None else len(eos),
+          "ending": ending, "no_pos": NO_POS}
     got = step_rows(batch, finished, err, status, block=block, **kw)
     want = step_rows_ref(batch, finished, **kw)
     for name, ref in want.items():
@@ -64,8 +69,26 @@ def test_step_rows_check_shapes():
     with pytest.raises(ValueError, match="position_ids"):
         step_rows(3, fin, err, status, position_ids=torch.zeros(3, 2, dtype=torch.long), no_pos=NO_POS)
     with pytest.raises(ValueError, match="last_tokens"):
-        step_rows(3, fin, err, status, last_tokens=torch.zeros(2, dtype=torch.long), eos_ids=torch.tensor([1]),
+        step_rows(3, fin, err, status, last_tokens=torch.zeros(2, dtype=torch.long), end_ids=torch.tensor([1]),
                   no_pos=NO_POS)
+    with pytest.raises(ValueError, match="ending"):
+        step_rows(3, fin, err, status, last_tokens=torch.zeros(3, dtype=torch.long), end_ids=torch.tensor([1]),
+                  ending=torch.zeros(3, dtype=torch.long), no_pos=NO_POS)
+
+
+def test_a_row_ends_on_the_token_after_its_eos():
+    """The deferred end (module docstring): an EOS fed now marks the row ending and stays real; an
+    EOS or padding id fed after it ends the row; any other token clears the mark."""
+    fin = torch.zeros(4, dtype=torch.bool)
+    err, status = torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int64)
+    end_ids = torch.tensor([9, 0])  # EOS 9, padding 0
+    ending = torch.tensor([False, True, True, True])
+    tok = torch.tensor([9, 9, 0, 5])  # fresh EOS; EOS after EOS; padding after EOS; a real token after EOS
+    for fn in (lambda **k: step_rows(4, fin, err, status, **k), lambda **k: step_rows_ref(4, fin, **k)):
+        out = fn(last_tokens=tok, end_ids=end_ids, n_eos=1, ending=ending, no_pos=NO_POS)
+        assert out["ended"].tolist() == [False, True, True, False]
+        assert out["ending"].tolist() == [True, False, False, False]
+        assert out["real"].view(-1).tolist() == [True, False, False, True]
 
 
 @pytest.mark.parametrize("eos,positions", [(True, True), (False, False), (True, False)])
@@ -102,6 +125,8 @@ def test_decode_begin_step_matches_the_general_path(eos, positions, monkeypatch)
             cache.table.lens[0] += cache._step.n_new.view(1, -1, 1).to(torch.int32)  # as if the layers stored
             cache._step = None
             cache._seen += 1
+            if cache._ending_next is not None:  # what end_step adopts
+                cache.ending = cache._ending_next
         a, b = states["torch"], states["triton"]
         for name in ("real", "rank", "n_new", "q_pos", "has_query", "q_first", "q_last"):
             x, y = getattr(a, name), getattr(b, name)
@@ -109,7 +134,9 @@ def test_decode_begin_step_matches_the_general_path(eos, positions, monkeypatch)
         assert a.ordered and b.ordered
         assert torch.equal(out["torch"], out["triton"]), step
         tc, kc = caches["torch"], caches["triton"]
-        assert torch.equal(tc.finished, kc.finished), step
+        assert torch.equal(tc.finished, kc.finished) and torch.equal(tc.ending, kc.ending), step
         assert torch.equal(tc.table.n_pages, kc.table.n_pages) and torch.equal(tc.table.lens, kc.table.lens), step
         assert tc.free_list.num_free == kc.free_list.num_free, step
-    assert bool(caches["triton"].finished.any()) == eos
+    # row 0 is fed EOS 5 at every step: ending after the first, ended at the second; row 2 is fed
+    # EOS 9 once, then a real token, and goes on
+    assert caches["triton"].finished.tolist() == [eos, False, False, False]

@@ -470,7 +470,8 @@ def _assert_same_run(got, want) -> None:
 def _eos_run(backend: str, eos: int, end_at: dict, spec: str, overrides: dict, model_kw: dict, steps: int = 5):
     """A prompt and ``steps`` decode steps of a fixed-pool LeanCache (``spec``, ``overrides``)
     built with ``eos_token_id=eos`` on ``backend``, for a :func:`tiny_model` of ``model_kw``; row
-    ``b`` is fed ``eos`` at step ``end_at[b]`` (other tokens: random, never ``eos``). Returns the
+    ``b`` is fed ``eos`` at step ``end_at[b]`` and padding (id 0, the model's) after it, as ``generate``
+    feeds a row that sampled its EOS (other tokens: random, never ``eos``). Returns the
     per-step sync counters, each step's greedy tokens, pages in use after each step, and the cache."""
     patch = pytest.MonkeyPatch()
     try:
@@ -488,6 +489,8 @@ def _eos_run(backend: str, eos: int, end_at: dict, spec: str, overrides: dict, m
                 for b, at in end_at.items():
                     if at == i:
                         nxt[b] = eos
+                    elif at < i:
+                        nxt[b] = 0
                 mask, pos = torch.cat([mask, torch.ones_like(nxt)], 1), pos + 1
                 counter = SyncCounter()
                 handles = layer_phase_hooks(model, counter)
@@ -513,7 +516,7 @@ def _eos_run(backend: str, eos: int, end_at: dict, spec: str, overrides: dict, m
 @pytest.mark.filterwarnings("ignore:act=0.5")  # the tiny model's ACT block outweighs its KV: only the release is tested
 def test_a_row_that_ends_is_released_without_a_host_read(spec, overrides, model_kw):
     """A cache built with ``eos_token_id`` (as :func:`leankit.apply` builds it for ``generate``)
-    frees a row's pages (its ACT pages too) when the row's input is an end id. On the kernel
+    frees a row's pages (its ACT pages too) when the row is fed padding after an EOS. On the kernel
     backend that release is deferred (no read of whether any row ended), so a decode step still
     reads the device once, never inside a layer; the pages in use after each step, the rows'
     pages and the greedy tokens of the rows still running are the torch backend's."""
@@ -523,7 +526,7 @@ def test_a_row_that_ends_is_released_without_a_host_read(spec, overrides, model_
         assert c.total("layer") == 0 and c.total() <= 1, f"decode step {i}\n" + c.report()
     _, want_tokens, want_used, want = _eos_run("torch", 5, end_at, spec, overrides, model_kw)
     assert used == want_used, (used, want_used)
-    assert used[2] < used[1]  # the ended row's pages came back at the step that ended it
+    assert used[3] < used[2]  # the ended row's pages came back at the step after its EOS
     assert int(cache.table.n_pages[:, :, 1].sum()) == 0 and bool(cache.finished[1])
     assert torch.equal(cache.table.n_pages, want.table.n_pages) and torch.equal(cache.table.lens, want.table.lens)
     if cache.act_store is not None:

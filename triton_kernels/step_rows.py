@@ -6,7 +6,8 @@ request), where does it sit, and did the row's previous token end its request? T
 twenty small tensor ops, each a launch of a few microseconds on a GPU, before any layer runs. For
 ``Q = 1`` every answer is per row and elementwise, so one program per ``BLOCK`` rows writes them all:
 
-    ended[b]   = tok[b] in eos_ids and not finished[b]          (only with end ids)
+    ended[b]   = ending[b] and tok[b] in end_ids and not finished[b]    (only with end ids)
+    ending'[b] = tok[b] in end_ids[:N_EOS] and not (finished[b] or ended[b])
     real[b]    = mask[b, -1] != 0 and not (finished[b] or ended[b])   (mask: 1 without one)
     q_pos[b]   = position_ids[b, 0], or ``seen`` without them
     rank[b]    = 0 if real else -1;   n_new[b] = real
@@ -15,6 +16,13 @@ twenty small tensor ops, each a launch of a few microseconds on a GPU, before an
 and the first program clears the step's device error flags (a step that raised midway may have
 left one up). The caller releases the ended rows (a deferred prefix-sum launch) and marks them
 finished. Nothing is read back to the host.
+
+Why a row ends one step after its EOS is fed (``ending``): a one-token step that feeds an EOS is
+either ``generate`` feeding back the EOS a row just sampled (the row is over; ``generate`` feeds it
+padding from then on) or the first step of a new ``generate`` call continuing a turn that stopped
+on that EOS (the row goes on). Only the next token tells them apart, so the EOS is stored like any
+token and the row ends when the token after it is an end id again (``end_ids``: the EOS ids
+first, then the padding ids ``generate`` feeds a finished row).
 """
 
 from __future__ import annotations
@@ -27,14 +35,15 @@ from .tiles import cdiv, flag_bytes, jit_options, kernel_for
 
 BLOCK = 128
 # Runtime integers that change from step to step or call to call: no variant per value class.
-STEP_ROWS_DYNAMIC = ("stride_mb", "stride_tb", "N_EOS", "stride_pb", "seen", "N_ERR", "N_STATUS", "B")
-STEP_ROWS_UNALIGNED = ("mask_ptr", "tok_ptr", "eos_ptr", "fin_ptr", "pos_ptr", "ended_ptr")
+STEP_ROWS_DYNAMIC = ("stride_mb", "stride_tb", "N_EOS", "N_END", "stride_pb", "seen", "N_ERR", "N_STATUS", "B")
+STEP_ROWS_UNALIGNED = ("mask_ptr", "tok_ptr", "eos_ptr", "fin_ptr", "ending_ptr", "pos_ptr", "ended_ptr",
+                       "next_ptr")
 
 
 @triton.jit(**jit_options(STEP_ROWS_DYNAMIC, STEP_ROWS_UNALIGNED))
-def _step_rows_kernel(mask_ptr, stride_mb, tok_ptr, stride_tb, eos_ptr, N_EOS, fin_ptr, pos_ptr, stride_pb, seen,
-                      real_ptr, rank_ptr, nnew_ptr, qpos_ptr, qpos64_ptr, first_ptr, last_ptr, ended_ptr,
-                      err_ptr, N_ERR, status_ptr, N_STATUS, B, NO_POS,
+def _step_rows_kernel(mask_ptr, stride_mb, tok_ptr, stride_tb, eos_ptr, N_EOS, N_END, fin_ptr, ending_ptr, pos_ptr,
+                      stride_pb, seen, real_ptr, rank_ptr, nnew_ptr, qpos_ptr, qpos64_ptr, first_ptr, last_ptr,
+                      ended_ptr, next_ptr, err_ptr, N_ERR, status_ptr, N_STATUS, B, NO_POS,
                       HAS_MASK: tl.constexpr, HAS_EOS: tl.constexpr, HAS_POS: tl.constexpr, BLOCK: tl.constexpr):
     """Rows ``[pid * BLOCK, pid * BLOCK + BLOCK)`` of the step (see the module docstring)."""
     pid = tl.program_id(0)
@@ -43,12 +52,17 @@ def _step_rows_kernel(mask_ptr, stride_mb, tok_ptr, stride_tb, eos_ptr, N_EOS, f
     fin = tl.load(fin_ptr + b, mask=m, other=1) != 0
     if HAS_EOS:
         tok = tl.load(tok_ptr + b.to(tl.int64) * stride_tb, mask=m, other=-1)
-        hit = b < 0  # all false
+        hit_eos = b < 0  # all false
         for e in range(N_EOS):
-            hit = hit | (tok == tl.load(eos_ptr + e))
-        ended = hit & ~fin & m
+            hit_eos = hit_eos | (tok == tl.load(eos_ptr + e))
+        hit_end = hit_eos
+        for e in range(N_EOS, N_END):
+            hit_end = hit_end | (tok == tl.load(eos_ptr + e))
+        ending = tl.load(ending_ptr + b, mask=m, other=0) != 0
+        ended = ending & hit_end & ~fin & m
         tl.store(ended_ptr + b, ended.to(tl.int8), mask=m)
         fin = fin | ended
+        tl.store(next_ptr + b, (hit_eos & ~fin).to(tl.int8), mask=m)
     if HAS_MASK:
         real = (tl.load(mask_ptr + b.to(tl.int64) * stride_mb, mask=m, other=0) != 0) & ~fin
     else:
@@ -74,13 +88,20 @@ def _step_rows_kernel(mask_ptr, stride_mb, tok_ptr, stride_tb, eos_ptr, N_EOS, f
 
 def step_rows_ref(batch: int, finished: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                   position_ids: torch.Tensor | None = None, seen: int = 0, last_tokens: torch.Tensor | None = None,
-                  eos_ids: torch.Tensor | None = None, no_pos: int) -> dict:
+                  end_ids: torch.Tensor | None = None, n_eos: int | None = None,
+                  ending: torch.Tensor | None = None, no_pos: int) -> dict:
     """Plain-PyTorch reference of :func:`step_rows` (same arguments, same results; it leaves the
     error flags alone)."""
     dev = finished.device
-    has_eos = last_tokens is not None and eos_ids is not None and eos_ids.numel() > 0
-    ended = torch.isin(last_tokens, eos_ids) & ~finished if has_eos else None
-    fin = finished | ended if has_eos else finished
+    has_eos = last_tokens is not None and end_ids is not None and end_ids.numel() > 0
+    ended = ending_next = None
+    fin = finished
+    if has_eos:
+        hit_eos = torch.isin(last_tokens, end_ids[:n_eos])
+        hit_end = torch.isin(last_tokens, end_ids)
+        ended = (ending & hit_end if ending is not None else torch.zeros_like(finished)) & ~finished
+        fin = finished | ended
+        ending_next = hit_eos & ~fin
     real = attention_mask[:, -1:].bool() if attention_mask is not None else torch.ones(batch, 1, dtype=torch.bool,
                                                                                       device=dev)
     real = real & ~fin.view(-1, 1)
@@ -89,12 +110,13 @@ def step_rows_ref(batch: int, finished: torch.Tensor, *, attention_mask: torch.T
     flat = pos.reshape(-1)
     return {"real": real, "rank": real.long() - 1, "n_new": real.view(-1).long(), "q_pos": pos.to(torch.int32),
             "q_pos64": pos.clone(), "q_first": torch.where(real.view(-1), flat, no_pos),
-            "q_last": torch.where(real.view(-1), flat, -no_pos), "ended": ended}
+            "q_last": torch.where(real.view(-1), flat, -no_pos), "ended": ended, "ending": ending_next}
 
 
 def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc_status: torch.Tensor, *,
               attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-              seen: int = 0, last_tokens: torch.Tensor | None = None, eos_ids: torch.Tensor | None = None,
+              seen: int = 0, last_tokens: torch.Tensor | None = None, end_ids: torch.Tensor | None = None,
+              n_eos: int | None = None, ending: torch.Tensor | None = None,
               no_pos: int, block: int = BLOCK) -> dict:
     """The per-row state of a one-token step, in one launch (see the module docstring).
 
@@ -106,13 +128,15 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
             None (every row real).
         position_ids: int ``[B, 1]`` (an expanded ``[1, 1]`` too: stride 0), or None (``seen``
             for every row).
-        last_tokens: int ``[B]`` the rows' previous tokens and ``eos_ids`` int ``[E]``: with both,
-            rows whose previous token ends its request are reported in ``ended`` (and not real).
+        last_tokens: int ``[B]`` the tokens this step feeds and ``end_ids`` int ``[E]``, the EOS ids
+            (the first ``n_eos``; None: all) then the padding ids: with both, rows fed an EOS now
+            are reported in ``ending`` (and stay real), and rows fed an EOS last step (``ending``
+            bool ``[B]``, None: none) and any end id now are reported in ``ended`` (not real).
         no_pos: the sentinel position of a row without a real token.
 
     Returns a dict of device tensors: ``real`` bool ``[B, 1]``, ``rank`` int64 ``[B, 1]``,
     ``n_new`` int64 ``[B]``, ``q_pos`` int32 ``[B, 1]``, ``q_pos64`` int64 ``[B, 1]``, ``q_first``
-    / ``q_last`` int64 ``[B]``, ``ended`` bool ``[B]`` or None.
+    / ``q_last`` int64 ``[B]``, ``ended`` and ``ending`` bool ``[B]`` or None.
     """
     dev = finished.device
     if finished.shape != (batch,) or finished.dtype != torch.bool:
@@ -121,9 +145,11 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
         raise ValueError(f"attention_mask must be [{batch}, S], got {tuple(attention_mask.shape)}")
     if position_ids is not None and position_ids.shape != (batch, 1):
         raise ValueError(f"position_ids must be [{batch}, 1], got {tuple(position_ids.shape)}")
-    has_eos = last_tokens is not None and eos_ids is not None and eos_ids.numel() > 0
+    has_eos = last_tokens is not None and end_ids is not None and end_ids.numel() > 0
     if has_eos and last_tokens.shape != (batch,):
         raise ValueError(f"last_tokens must be [{batch}], got {tuple(last_tokens.shape)}")
+    if has_eos and ending is not None and (ending.shape != (batch,) or ending.dtype != torch.bool):
+        raise ValueError(f"ending must be bool [{batch}], got {ending.dtype} {tuple(ending.shape)}")
     if alloc_status.numel() > 4:
         raise ValueError("alloc_status holds at most 4 values")
     out = {
@@ -135,18 +161,24 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
         "q_first": torch.empty(batch, dtype=torch.int64, device=dev),
         "q_last": torch.empty(batch, dtype=torch.int64, device=dev),
         "ended": torch.empty(batch, dtype=torch.bool, device=dev) if has_eos else None,
+        "ending": torch.empty(batch, dtype=torch.bool, device=dev) if has_eos else None,
     }
     mask = flag_bytes(attention_mask[:, -1]) if attention_mask is not None else finished
     pos = position_ids[:, 0] if position_ids is not None else finished
     tok = last_tokens if has_eos else finished
-    eos = eos_ids if has_eos else finished
+    # [0, n_eos) of the end ids end a request, all of them end a row that fed an EOS last step
+    n_eos = (end_ids.numel() if n_eos is None else n_eos) if has_eos else 0
+    eos = end_ids if has_eos else finished
     fin = flag_bytes(finished.contiguous())
+    ending_flags = fin if not has_eos else \
+        flag_bytes(ending.contiguous()) if ending is not None else torch.zeros_like(fin)
     eos = eos.contiguous()
     kernel_for(_step_rows_kernel, dev)[(cdiv(batch, block),)](
         mask, mask.stride(0) if attention_mask is not None else 0, tok, tok.stride(0) if has_eos else 0, eos,
-        eos.numel() if has_eos else 0, fin, pos, pos.stride(0) if position_ids is not None else 0,
+        n_eos, eos.numel() if has_eos else 0, fin, ending_flags, pos, pos.stride(0) if position_ids is not None else 0,
         seen, out["real"].view(torch.uint8), out["rank"], out["n_new"], out["q_pos"], out["q_pos64"], out["q_first"],
-        out["q_last"], out["ended"].view(torch.uint8) if has_eos else fin, err_flags, err_flags.numel(), alloc_status,
+        out["q_last"], out["ended"].view(torch.uint8) if has_eos else fin,
+        out["ending"].view(torch.uint8) if has_eos else fin, err_flags, err_flags.numel(), alloc_status,
         alloc_status.numel(), batch, no_pos, HAS_MASK=attention_mask is not None, HAS_EOS=has_eos,
         HAS_POS=position_ids is not None, BLOCK=block, num_warps=4)
     return out

@@ -144,6 +144,9 @@ def plot_files(paths: list[str], out_dir: str | Path) -> list[Path]:
     """One PNG per ``--json`` result file, named after it, in ``out_dir``."""
     written = []
     for p in paths:
-        payload = json.loads(Path(p).read_text())
+        try:
+            payload = json.loads(Path(p).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{p}: not a results file written by `leankit bench ... --json` ({err})") from err
         written.append(plot_payload(payload, Path(out_dir) / (Path(p).stem + ".png")))
     return written
