@@ -604,3 +604,25 @@ def test_an_error_outside_attention_drops_the_step(spec, monkeypatch):
         a = model(input_ids=ids[:, 16:], **cache_kwargs(model, failed), use_cache=True).logits
         b = model(input_ids=ids[:, 16:], **cache_kwargs(model, ref), use_cache=True).logits
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ["K8V4:policy=h2o,budget=0.5", "K8V4-K4V2:th=0.3,tl=0.05"])
+def test_a_non_finite_step_leaves_the_significance_as_it_was(spec):
+    """NaN/Inf queries are refused before attention adds them to the stored tokens' significance:
+    after the dropped step every score is what it was, and the next step equals an unfailed cache's."""
+    from leankit.policy import read_tier_meta
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    failed, ref = LeanCache(model, spec), LeanCache(model, spec)
+    with torch.no_grad():
+        for c in (failed, ref):
+            model(input_ids=ids, **cache_kwargs(model, c), use_cache=True)
+        before = read_tier_meta(failed, 0, torch.arange(2)).score.clone()
+        bad = model.get_input_embeddings()(ids[:, :1]) * float("nan")
+        with pytest.raises(NonFiniteKVError, match="layer 0"):
+            model(inputs_embeds=bad, **cache_kwargs(model, failed), use_cache=True)
+        assert torch.equal(read_tier_meta(failed, 0, torch.arange(2)).score, before)
+        a = model(input_ids=ids[:, 3:4], **cache_kwargs(model, failed), use_cache=True).logits
+        b = model(input_ids=ids[:, 3:4], **cache_kwargs(model, ref), use_cache=True).logits
+    assert torch.equal(a, b)
