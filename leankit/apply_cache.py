@@ -96,4 +96,4 @@ def _fresh_cache(model, cfg: KVConfig, cache_kw: dict, kwargs: dict):
     gen_cfg = kwargs.get("generation_config") or model.generation_config
     eos = kwargs.get("eos_token_id", getattr(gen_cfg, "eos_token_id", None))
     pad = kwargs.get("pad_token_id", getattr(gen_cfg, "pad_token_id", None))
-    return LeanCache(model, cfg, eos_token_id=eos, **({"pad_token_id": pad} if pad is not None else {}), **cache_kw)
+    return LeanCache(model, cfg, eos_token_id=eos, pad_token_id=pad, **cache_kw)

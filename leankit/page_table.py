@@ -131,7 +131,7 @@ class BidirectionalPageTable:
         # list's device counters.
         stale = free_list.stale
         parts = [extra.sum(dtype=torch.int64).view(1),
-                 ((self.n_pages + extra).sum(0) > self.row_len).any().long().view(1)]
+                 self._overflows(extra).long().view(1)]
         values = torch.cat(parts + ([free_list.counters] if stale else [])).tolist()
         if stale:
             free_list.load(*values[2:])
@@ -179,10 +179,14 @@ class BidirectionalPageTable:
 
     _OVERFLOW = "a sequence outgrew its page-table row ({} pages): raise max_seq_len of the LeanCache"
 
+    def _overflows(self, extra: torch.Tensor) -> torch.Tensor:
+        """Device bool: granting ``extra[t, l, b, h]`` pages would make some head outgrow its row."""
+        return ((self.n_pages + extra).sum(0) > self.row_len).any()
+
     def check_rows(self, extra: torch.Tensor) -> None:
         """Raise ``ValueError`` if granting ``extra[t, l, b, h]`` pages would make any head outgrow its
         page-table row (one host read); :meth:`grow` makes the same check as it grants."""
-        if bool(((self.n_pages + extra).sum(0) > self.row_len).any()):
+        if bool(self._overflows(extra)):
             raise ValueError(self._OVERFLOW.format(self.row_len))
 
     def tier_plan(self, layers: torch.Tensor, lens: torch.Tensor, tokens: tuple[int, ...],
