@@ -43,7 +43,7 @@ from .hf import SUPPORTED_MODEL_TYPES
 from .page_table import HIGH, LOW, BidirectionalPageTable
 from .pages import PageLayout, PagePool
 from .prompt_attention import prompt_attention
-from .quant import NonFiniteKVError, check_finite, codes_per_byte, pad_repeating
+from .quant import NonFiniteKVError, codes_per_byte, pad_repeating
 from .rotation import hadamard, rotate, unrotate
 
 # Layer types LeanCache serves: full attention is compressed into pages; sliding-window layers keep
@@ -1018,13 +1018,12 @@ class LeanCache(Cache):
         else:
             kv = self.paged_kv(layer)
             kernels = use_triton(query)
-            if sig and not kernels:
-                # Attention below adds this step's attention to the stored tokens' significance before
-                # the store checks the step's K/V: NaN/Inf queries or keys would leave NaN there for
-                # good, past the dropped step. Checked first (the torch backend; the kernel backend's
-                # decode kernel flags the layer instead).
-                check_finite(query, "query")
-                check_finite(k_new, "key")
+            # Attention below adds this step's attention to the stored tokens' significance before
+            # the store checks the step's K/V: NaN/Inf queries or keys would leave NaN there for
+            # good, past the dropped step. Checked first (the torch backend; the kernel backend's
+            # decode kernel flags the layer instead). One host read for both.
+            if sig and not kernels and not bool(torch.isfinite(query).all() & torch.isfinite(k_new).all()):
+                raise NonFiniteKVError("query or key states contain NaN or Inf; refusing to store them in the cache")
             fused = nq == 1 and not kernels and decode_attention.serves_decode_step(kv, group, query.device)
             if fused and self.rotation is not None and query.dtype != torch.float32:
                 # the step's own token stays exact: rotated in fp32, not rounded to the model dtype

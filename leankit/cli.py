@@ -142,7 +142,7 @@ def cmd_generate(args) -> int:
         raise ValueError("the prompt gives no tokens: give some text with --prompt")
     eos = model.generation_config.eos_token_id
     if hardware is not None:
-        cache = planned_cache(model, hardware, enc.attention_mask.sum(1).tolist(), args, eos)
+        cache = planned_cache(model, hardware, enc.attention_mask.sum(1).tolist(), args, eos, tok.pad_token_id)
     else:
         cache = leankit.LeanCache(model, cfg, eos_token_id=eos, pad_token_id=tok.pad_token_id)
     gen_kwargs = dict(max_new_tokens=args.max_new_tokens, **cache_kwargs(model, cache), pad_token_id=tok.pad_token_id,
@@ -162,7 +162,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def planned_cache(model, hardware, prompts: list[int], args, eos):
+def planned_cache(model, hardware, prompts: list[int], args, eos, pad=None):
     """``--plan auto``: plan for this model, batch and machine, print the plan, build its cache."""
     import leankit
     from leankit.offload import plan_for_model
@@ -177,7 +177,7 @@ def planned_cache(model, hardware, prompts: list[int], args, eos):
                           limits=limits)
     if not plan.feasible:
         raise ValueError(f"--plan auto on {hardware.name}: {plan.infeasible_reason}")
-    cache = leankit.LeanCache.from_plan(model, plan, eos_token_id=eos)
+    cache = leankit.LeanCache.from_plan(model, plan, eos_token_id=eos, pad_token_id=pad)
     where = "pages on the host, the layers in flight on the device" if cache.offload else "every page on the device"
     print(f"[leankit] plan for {hardware.name}: {plan.choice.label()}, predicted {plan.throughput:.1f} tok/s "
           f"-> LeanCache {cache.cfg}{':act=' + format(cache.cfg.act, 'g') if cache.cfg.act else ''}, {where}",

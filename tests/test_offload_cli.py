@@ -58,3 +58,24 @@ def test_plan_auto_infeasible_names_the_limit(tiny, capsys):
     assert _gen("--plan", "auto", "--hardware", "rtx4090", "--gpu-mem", "0.5") == 2
     err = capsys.readouterr().err
     assert "no feasible plan" in err and "has 0.5 GiB" in err
+
+
+def test_plan_auto_cache_knows_the_padding_generate_feeds(tiny, monkeypatch):
+    """The planned cache gets the tokenizer's padding id, as the unplanned one does, so a finished row
+    fed that padding is released even when the model's configs name no padding id."""
+    import leankit
+
+    built = []
+    from_plan = leankit.LeanCache.from_plan.__func__
+
+    def record(cls, model, plan, **kwargs):
+        model.generation_config.pad_token_id = None  # only the tokenizer knows it now
+        model.config.pad_token_id = None
+        built.append(from_plan(cls, model, plan, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(leankit.LeanCache, "from_plan", classmethod(record))
+    assert _gen("--plan", "auto", "--hardware", "rtx4090") == 0
+    from leankit.testing import tiny_tokenizer
+
+    assert tiny_tokenizer().pad_token_id in built[0].end_ids.tolist()
