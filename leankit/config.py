@@ -140,6 +140,8 @@ def split_overrides(text: str) -> tuple[str, dict]:
             raise ValueError(f"override {item!r} of {text!r} is not key=value")
         if key not in _OVERRIDE_TYPES:
             raise ValueError(f"unknown override {key!r} in {text!r}; known: {', '.join(_OVERRIDE_TYPES)}")
+        if key in kw:  # which one was meant is a guess: say so rather than keep one silently
+            raise ValueError(f"override {key!r} is given twice in {text!r}")
         try:
             kw[key] = _OVERRIDE_TYPES[key](val)
         except ValueError:

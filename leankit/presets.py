@@ -59,12 +59,12 @@ def resolve(text: str) -> str:
     """
     if not isinstance(text, str):
         return text
-    name, _, rest = text.partition(":")
+    name = text.partition(":")[0]
     preset = PRESETS.get(name.strip().lower())
     if preset is None:
         return text
     spec, kw = split_overrides(preset.spec)
-    _, extra = split_overrides(":" + rest)
+    _, extra = split_overrides(text)
     kw.update(extra)
     return spec + (":" + ",".join(f"{k}={v}" for k, v in kw.items()) if kw else "")
 

@@ -267,6 +267,17 @@ def from_hf_config(cfg: Any, name: str | None = None) -> ModelSpec:
     (``ffn_dim``, learned positions, biases) and GPT-2 style (``n_embd``, ``n_layer``, ``n_head``,
     ``n_inner``) field names.
     """
+    if not isinstance(cfg, dict) and hasattr(cfg, "to_dict"):
+        cfg = cfg.to_dict()  # its fields as stored (no deprecated-alias properties)
+    text = _get(cfg, "text_config")
+    if text is not None and _get(cfg, "hidden_size", "n_embd", "d_model") is None:
+        # a composite (image-text) config: the decoder's shapes live in its text config, as
+        # LeanCache reads them; the outer config still names the model and its dtype
+        name = name or _get(cfg, "_name_or_path", "name_or_path", default=None) or None
+        outer_dtype = _get(cfg, "dtype", "torch_dtype")
+        cfg = dict(text)
+        if outer_dtype is not None and _get(cfg, "dtype", "torch_dtype") is None:
+            cfg["dtype"] = outer_dtype
     model_type = str(_get(cfg, "model_type", default="") or "")
     hidden = _get(cfg, "hidden_size", "n_embd", "d_model")
     layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers")
@@ -285,7 +296,7 @@ def from_hf_config(cfg: Any, name: str | None = None) -> ModelSpec:
     max_pos = int(_get(cfg, "max_position_embeddings", "n_positions", default=0) or 0) if (is_opt or is_gpt2) else 0
     if is_opt:
         max_pos += 2  # OPT's learned positions carry an offset of 2
-    torch_dtype = str(_get(cfg, "torch_dtype", "dtype", default="float16"))
+    torch_dtype = str(_get(cfg, "dtype", "torch_dtype", default="float16"))
     dtype_bytes = 4 if "float32" in torch_dtype else 2
     label = name or _get(cfg, "_name_or_path", "name_or_path", default=None) or model_type or "hf-model"
     return ModelSpec(name=str(label), num_layers=int(layers), hidden=int(hidden), num_heads=int(heads),

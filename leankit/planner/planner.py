@@ -52,7 +52,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from leankit.config import KVConfig
+from leankit.config import KVConfig, split_overrides
+from leankit.presets import resolve
 
 from . import hybrid as hyb
 from . import lm_offload as lmo
@@ -130,8 +131,16 @@ class Allowed:
 
     def __post_init__(self):
         for kv in self.kv_configs:
-            if kv is not None:
-                KVConfig.parse(kv)  # raises with the grammar on a bad spec
+            if kv is None:
+                continue
+            KVConfig.parse(kv)  # raises with the grammar on a bad spec
+            given = split_overrides(resolve(kv))[1]
+            if "act" in given or "act_order" in given:
+                # The byte model prices every token as K/V; the ACT share and order are the planner's own
+                # choice (activation_cache / kvpr), written into the cache it builds (cache_settings).
+                raise ValueError(f"KV config {kv!r} sets the activation share: the planner chooses it itself "
+                                 "(give the format without act=; disallow it with activation_cache=False and "
+                                 "kvpr=False, `leankit plan --no-act --no-kvpr`)")
         for b in self.weight_bits:
             if b not in (16, 8, 4):
                 raise ValueError(f"weight_bits must be among 16, 8, 4; got {b}")
