@@ -106,6 +106,19 @@ def _token_ids(ids, name: str) -> list[int]:
         raise ValueError(f"{name} must be a token id or a list of token ids, got {ids!r}") from None
 
 
+def _positive_int(value, name: str) -> int:
+    """``value`` as an int, or ``ValueError`` naming ``name`` unless it is a positive integer."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
+    if n <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {n}")
+    return n
+
+
 def ended_rows(tokens: torch.Tensor, end_ids: torch.Tensor, n_eos: int, finished: torch.Tensor,
                ending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ended, ending')`` bool ``[B]`` of a decode step that feeds ``tokens`` ``[B]``: rows fed an
@@ -116,6 +129,36 @@ def ended_rows(tokens: torch.Tensor, end_ids: torch.Tensor, n_eos: int, finished
     hit_end = torch.isin(tokens, end_ids)
     ended = (ending & hit_end if ending is not None else torch.zeros_like(finished)) & ~finished
     return ended, hit_eos & ~(finished | ended)
+
+
+def padding_mask_of(mask: torch.Tensor, past: int, q_len: int) -> torch.Tensor:
+    """The 2-D padding mask ``[B, past + q_len]`` (1 = real) whose causal mask is the 4-D mask ``mask``.
+
+    LeanCache keeps which tokens are real, not a mask: a stored token stays visible to every later
+    query. A 4-D mask ``[B, 1, q_len, >= past + q_len]`` (bool, 0/1, or additive with 0 where a key
+    is seen) is read as padding: a new token is real when it sees itself, an earlier one when some
+    query sees it. Raises ``ValueError`` for any other 4-D mask (packed or block-diagonal sequences,
+    per-head masks, a prefix-LM mask), which attention over the cache could not honour on later steps.
+    """
+    if mask.dim() != 4 or mask.shape[2] != q_len or mask.shape[3] < past + q_len:
+        raise ValueError(f"a 4-D attention mask for this step must be [batch, 1, {q_len}, >= {past + q_len}] "
+                         f"(the step's {q_len} queries over the {past} tokens before them and themselves), "
+                         f"got {list(mask.shape)}")
+    seen = mask == 0 if mask.is_floating_point() else mask.bool()
+    row = seen[:, 0]
+    i = torch.arange(q_len, device=mask.device)
+    new = row[:, i, past + i]  # [B, Q]: a new token is real when it sees itself
+    padding = torch.cat([row[:, :, :past].any(1), new], 1)
+    n = past + q_len
+    causal = torch.arange(n, device=mask.device) <= (past + i).unsqueeze(1)  # [Q, n]
+    expected = causal & padding.unsqueeze(1)
+    # compared on the real queries only (what a padding query sees differs between mask builders)
+    bad = (seen[..., :n] != expected.unsqueeze(1)) | seen[..., n:].any(-1, keepdim=True)
+    if bool((bad & new[:, None, :, None]).any()):
+        raise ValueError("LeanCache reads a 4-D attention mask as the causal mask of padding, and this one is "
+                         "not (packed or block-diagonal sequences, per-head or prefix-LM masks): later steps would "
+                         "see tokens the mask hides; pass the 2-D padding mask, or use DynamicCache for custom masks")
+    return padding.long()
 
 
 def attention_head_dim(config) -> int:
@@ -383,11 +426,13 @@ class LeanCache(Cache):
         self.page_cfg = padded_group_sizes(self.cfg, self.head_dim, self.page_head_dim)
         self.layouts = tuple(PageLayout.build(self.page_cfg, t, self.page_head_dim, self.dtype)
                              for t in range(len(self.cfg.tiers)))
-        self.max_seq_len = int(max_seq_len or getattr(cfg, "max_position_embeddings", 8192))
+        if max_seq_len is None:
+            max_seq_len = getattr(cfg, "max_position_embeddings", None) or 8192
+        self.max_seq_len = _positive_int(max_seq_len, "max_seq_len")
         self.row_len = math.ceil(self.max_seq_len / self.layouts[HIGH].tokens) + 1
         self.fixed_pool = num_pages is not None
-        if self.fixed_pool and num_pages <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        if self.fixed_pool:
+            num_pages = _positive_int(num_pages, "num_pages")
         self.pool = PagePool(num_pages or 64, self.cfg.page_size, self.device)
         self.free_list = FreePageList(self.pool.num_pages, self.device)
         self.table: BidirectionalPageTable | None = None
@@ -501,6 +546,8 @@ class LeanCache(Cache):
         fresh as it was, not bound to that step's batch size.
         """
         fresh = self.table is None
+        if attention_mask is not None and attention_mask.dim() == 4:  # checked before the step opens
+            attention_mask = padding_mask_of(attention_mask, self._seen, q_len)
         self._hw_before = self._hw_tokens  # what a dropped step restores (the kernels' grid bounds)
         try:
             return self._begin_step(batch, q_len, attention_mask, position_ids, input_ids)

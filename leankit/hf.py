@@ -143,6 +143,13 @@ def _pre_hook(module, args, kwargs):
     if not isinstance(cache, LeanCache):
         return None
     cache.check_model(module.config)  # a cache built for another model fails here, before any step work
+    impl = getattr(module.config, "_attn_implementation", None)
+    if impl != ATTN_NAME:
+        # Only leankit's attention reads the pages: under another implementation the layers would
+        # attend to this step's K/V alone while the cache counted tokens it never stored.
+        raise ValueError(f"the model's attention implementation is {impl!r}, not {ATTN_NAME!r}, so a LeanCache "
+                         "cannot serve it (was set_attn_implementation called after the cache was built?); "
+                         "call leankit.enable(model) again, or pass a DynamicCache")
     input_ids = _arg("input_ids", args, kwargs, params)
     embeds = _arg("inputs_embeds", args, kwargs, params)
     ref = input_ids if input_ids is not None else embeds

@@ -626,3 +626,15 @@ def test_a_non_finite_step_leaves_the_significance_as_it_was(spec):
         a = model(input_ids=ids[:, 3:4], **cache_kwargs(model, failed), use_cache=True).logits
         b = model(input_ids=ids[:, 3:4], **cache_kwargs(model, ref), use_cache=True).logits
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw,msg", [({"max_seq_len": 0}, "max_seq_len must be a positive integer, got 0"),
+                                    ({"max_seq_len": -5}, "max_seq_len must be a positive integer"),
+                                    ({"max_seq_len": 10.5}, "max_seq_len must be a positive integer"),
+                                    ({"num_pages": 2.5}, "num_pages must be a positive integer, got 2.5"),
+                                    ({"num_pages": 0}, "num_pages must be a positive integer"),
+                                    ({"num_pages": True}, "num_pages must be a positive integer")])
+def test_bad_sizes_are_refused_when_the_cache_is_built(kw, msg):
+    """A zero size is not "the default" and a fractional one is not rounded."""
+    with pytest.raises(ValueError, match=msg):
+        LeanCache(tiny_model("llama-gqa"), "K8V4", **kw)

@@ -165,3 +165,70 @@ def test_an_image_text_model_whose_decoder_gets_built_masks():
         lossy = model.generate(**kw, **cache_kwargs(model, leankit.LeanCache(model, "K8V4")))
     assert torch.equal(got, want)
     assert lossy.shape == want.shape
+
+
+def _causal_4d(mask2d: torch.Tensor, q_len: int, additive: bool) -> torch.Tensor:
+    """The causal mask of a 2-D padding mask as a 4-D ``[B, 1, q_len, T]`` mask (bool or additive)."""
+    t = mask2d.shape[1]
+    seen = torch.ones(t, t, dtype=torch.bool).tril()[-q_len:][None] & mask2d[:, None, :].bool()
+    if not additive:
+        return seen[:, None]
+    return torch.zeros(seen.shape, dtype=torch.float32).masked_fill(~seen, torch.finfo(torch.float32).min)[:, None]
+
+
+@pytest.mark.parametrize("kv", ["FP16", "K8V4"])
+@pytest.mark.parametrize("additive", [True, False])
+def test_a_4d_padding_mask_is_read_as_its_padding(kv, additive):
+    """A causal-plus-padding 4-D mask stores the same tokens and gives the same logits as its 2-D mask."""
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(rows=3, width=11)
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    logits = []
+    for four_d in (False, True):
+        cache = leankit.LeanCache(model, kv)
+        m, p, x, steps = mask, pos, ids, []
+        with torch.no_grad():
+            for _ in range(3):
+                am = _causal_4d(m, x.shape[1], additive) if four_d else m
+                out = model(x, attention_mask=am, position_ids=p, **cache_kwargs(model, cache)).logits[:, -1]
+                steps.append(out)
+                x = out.argmax(-1, keepdim=True)
+                m = torch.cat([m, torch.ones_like(x)], 1)
+                p = p[:, -1:] + 1
+        logits.append(torch.stack(steps))
+        if four_d:
+            assert cache.memory_report()["tokens_per_row"] == (mask.sum(1) + 2).tolist()  # padding not stored
+    # bool: bit-equal; additive: SDPA adds the float mask to the scores (another kernel path), ~1e-7 apart
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-6 if additive else 0)
+
+
+def test_a_4d_mask_that_is_not_padding_is_refused_and_leaves_the_cache_fresh():
+    """A block-diagonal (packed) 4-D mask cannot be honoured by later steps: a clear error, nothing stored."""
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 90, (1, 8))
+    seen = torch.ones(8, 8, dtype=torch.bool).tril()
+    seen[4:, :4] = False  # two packed sequences of 4
+    cache = leankit.LeanCache(model, "K8V4")
+    with torch.no_grad(), pytest.raises(ValueError, match="causal mask of padding"):
+        model(ids, attention_mask=seen[None, None], **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 0 and cache.table is None
+    with torch.no_grad():  # the cache still serves a plain call
+        model(ids, **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 8
+
+
+def test_switching_the_attention_implementation_after_the_cache_is_built_is_a_clear_error():
+    """Only leankit's attention reads the pages; under SDPA the layers would attend to the new tokens
+    alone while the cache counted them stored."""
+    model = tiny_model("llama-gqa")
+    cache = leankit.LeanCache(model, "FP16")
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 90, (1, 6))
+    with torch.no_grad(), pytest.raises(ValueError, match="attention implementation is 'sdpa'"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 0
+    leankit.enable(model)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, **cache_kwargs(model, cache))
+        ref = model.generate(ids, max_new_tokens=3, do_sample=False, **cache_kwargs(model, DynamicCache()))
+    assert out.tolist() == ref.tolist()
