@@ -356,6 +356,9 @@ class ActStore:
         act = torch.where(valid.unsqueeze(-1), act, torch.zeros((), dtype=act.dtype, device=act.device))
         pos = torch.where(valid, pos, torch.zeros_like(pos))
         params = self.params[layer]
+        # pages keep the dtype the cache was built with, the weights follow model.to(dtype): exact for a
+        # downcast, and a 16-bit model's activations were stored exactly in wider pages
+        act = act.to(params.dtype)
         flat_pos = pos.reshape(-1)
         rope = None
         if params.has_rope:

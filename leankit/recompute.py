@@ -321,5 +321,5 @@ def recompute_kv(pool, act_layout, page_ids: torch.Tensor, rows: torch.Tensor, p
     if act_layout.hidden != params.hidden_size:
         raise ValueError(f"ACT pages hold hidden {act_layout.hidden}, the layer expects {params.hidden_size}")
     act, pos = act_layout.read(pool, page_ids, rows)
-    k, v = act_to_kv(act, pos, params, rope=rope)
+    k, v = act_to_kv(act.to(params.dtype), pos, params, rope=rope)  # as ActStore._keys
     return k, v, pos

@@ -522,3 +522,22 @@ def test_hybrid_policy_hands_its_inner_policy_the_kv_view_for_step_status():
     assert inner.seen[-1] == ("take", [7]) and store.taken == 3
     with pytest.raises(RuntimeError, match="begin_step did not plan"):
         policy.step_status(object())
+
+
+def test_an_act_cache_follows_the_model_to_a_16_bit_dtype():
+    """Built while the model is fp32, then ``model.to(bfloat16)``: the ACT pages (fp32) still feed the
+    bf16 projection, and the tokens equal DynamicCache's as a KV-only cache's do."""
+    from leankit.testing import left_padded_batch
+
+    ids, mask = left_padded_batch(2, 9)
+    outs = {}
+    for spec in ("FP16", "FP16:act=1", "FP16:act=0.5"):
+        model = tiny_model("llama-gqa")
+        cache = LeanCache(model, spec)
+        model.to(torch.bfloat16)
+        with torch.no_grad():
+            outs[spec] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                        pad_token_id=0, **cache_kwargs(model, cache)).tolist()
+            outs["dynamic"] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                             pad_token_id=0, **cache_kwargs(model, DynamicCache())).tolist()
+    assert outs["FP16:act=1"] == outs["FP16:act=0.5"] == outs["FP16"] == outs["dynamic"]
