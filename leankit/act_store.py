@@ -68,6 +68,7 @@ from fractions import Fraction
 
 import torch
 
+from .allocator import PoolExhausted
 from .attention import merge_attention
 from .backend import use_triton
 from .config import act_kv_token_bytes
@@ -296,7 +297,8 @@ class ActStore:
         defer = self._dense and blocks_bound * self.layout.slices <= self.table.row_len
         # A row's new ACT tokens (at most Q) fill what its last block has left, then ceil(Q / T) blocks.
         pages_bound = extra.numel() * -(-step.q_len // self.block) * self.layout.slices
-        cache.grow_pages(extra, table=self.table, defer=defer, bound=pages_bound)
+        deferred_ok = cache.grow_pages(extra, table=self.table, defer=defer, bound=pages_bound)
+        self._extra, self.deferred_grant = extra, deferred_ok is not None
         self._mask, self._rank, self._n_new = mask, torch.cumsum(mask.int(), 1) - 1, n_act_new
         if self._dense:
             self._n_max = self._n_max_read
@@ -306,6 +308,10 @@ class ActStore:
         kv = step.real & ~mask
         # Its own derived indices: the step's would list the ACT tokens too.
         return dataclasses.replace(step, real=kv, rank=torch.cumsum(kv.int(), 1) - 1, n_new=kv.sum(1), derived={})
+
+    def granted_pages(self) -> int:
+        """Pages of the ACT blocks this step's plan asked for (a host read: failure paths only)."""
+        return int(self._extra.sum()) * self.layout.slices
 
     def end_step(self, step) -> None:
         """Advance the per-row counters once every layer stored the step."""
@@ -516,9 +522,20 @@ class HybridPolicy:
         return self._kv
 
     def begin_step(self, step) -> None:
-        kv = self.act.plan(step)
+        try:
+            kv = self.act.plan(step)
+        except PoolExhausted as e:  # the ACT grant comes first: its KV pages would come on top
+            raise PoolExhausted(e.needed, e.free, e.total, " for its ACT blocks alone (its KV pages on top)") from None
         self._full, self._kv = step, kv
-        self.inner.begin_step(kv)
+        try:
+            self.inner.begin_step(kv)
+        except PoolExhausted as e:
+            # The step's ACT blocks were granted first (given back when the step is dropped):
+            # the step needs both, out of the pages free before it.
+            act = self.act.granted_pages()
+            taken = 0 if self.act.deferred_grant else act
+            raise PoolExhausted(e.needed + act, e.free + taken, e.total,
+                                f" ({act} for ACT blocks, {e.needed} for KV)") from None
 
     def store(self, layer, k, v, step, received=None) -> None:
         self.inner.store(layer, k, v, self._view(step), received)

@@ -22,10 +22,10 @@ import torch
 class PoolExhausted(RuntimeError):
     """The page pool cannot serve an allocation. The cache is left unchanged."""
 
-    def __init__(self, needed: int, free: int, total: int):
+    def __init__(self, needed: int, free: int, total: int, detail: str = ""):
         self.needed, self.free, self.total = needed, free, total
         super().__init__(
-            f"KV page pool exhausted: this step needs {needed} pages but only {free} of {total} are free. "
+            f"KV page pool exhausted: this step needs {needed} pages{detail} but only {free} of {total} are free. "
             "Give LeanCache more pages (num_pages=...), use a lower-precision KV config, or shorten the batch."
         )
 

@@ -541,3 +541,23 @@ def test_an_act_cache_follows_the_model_to_a_16_bit_dtype():
             outs["dynamic"] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                                              pad_token_id=0, **cache_kwargs(model, DynamicCache())).tolist()
     assert outs["FP16:act=1"] == outs["FP16:act=0.5"] == outs["FP16"] == outs["dynamic"]
+
+
+@pytest.mark.parametrize("pages", [24, 30, 47])
+def test_a_short_pool_names_what_an_act_step_needs_in_all(pages):
+    """The ACT blocks are granted before the KV pages: the refusal counts both, out of the pages
+    free before the step (the step is dropped, so its ACT blocks come back)."""
+    from leankit import PoolExhausted
+    from leankit.testing import left_padded_batch
+
+    model = tiny_model("llama-mha")
+    ids, mask = left_padded_batch(3, 13)
+    roomy = LeanCache(model, "FP16:act=0.5,page_size=512", num_pages=200)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, roomy))
+    need = roomy.memory_report()["pages_used"]
+    cache = LeanCache(model, "FP16:act=0.5,page_size=512", num_pages=pages)
+    with torch.no_grad(), pytest.raises(PoolExhausted, match="for ACT blocks") as e:
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache))
+    assert (e.value.needed, e.value.free, e.value.total) == (need, pages, pages)
+    assert cache.free_list.num_free == pages
