@@ -125,3 +125,27 @@ def test_infeasible_reason_comes_from_the_closest_candidate():
     p = plan("opt-30b", "rtx4090-pcie4", Workload(4, 64, 8), limits=Limits(gpu_mem=1 * GiB))
     assert not p.feasible and "closest candidate" in p.infeasible_reason
     assert "0 layers resident" in p.infeasible_reason  # the smallest GPU need, not an arbitrary one
+
+
+def test_save_profile_needs_detect(tmp_path, capsys):
+    """A named profile measures nothing: --save-profile with it is refused, not silently ignored."""
+    out = tmp_path / "prof.json"
+    assert main(["plan", "--hardware", "rtx4090", "--save-profile", str(out)]) == 2
+    assert "--save-profile" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("kv", ["k8v4:act=0.5", "K8V4:act_order=prefix", "fp16,K8V4:group_size=32,act=1"])
+def test_a_kv_format_carrying_an_act_share_is_refused(kv, capsys):
+    """The planner prices every token as K/V and picks the ACT share itself."""
+    assert main(["plan", "--hardware", "rtx4090", "--kv", kv]) == 2
+    assert "the planner chooses it itself" in capsys.readouterr().err
+
+
+def test_the_infeasible_memory_message_adds_up(capsys):
+    """Each part of the fixed GPU memory is named, and the parts sum to the total."""
+    import re
+
+    p = plan("opt-6.7b", get_hardware("rtx4090"), Workload(4, 512, 32), Allowed(), Limits(gpu_mem=1.5 * GiB))
+    assert not p.feasible
+    total, *parts = (float(x) for x in re.findall(r"([0-9.]+) GiB", p.infeasible_reason)[:5])
+    assert "reserve" in p.infeasible_reason and abs(sum(parts) - total) <= 0.25

@@ -152,6 +152,9 @@ def run_plan(args) -> int:
         limits = Limits(gpu_mem=None if args.gpu_mem is None else args.gpu_mem * GiB,
                         host_mem=None if args.host_mem is None else args.host_mem * GiB)
         wl = Workload(args.batch, args.prompt, args.gen)
+        if args.save_profile is not None and str(args.hardware).lower() != "detect":
+            raise ValueError("--save-profile saves what --hardware detect measures; a named profile is "
+                             "already a file (drop --save-profile, or profile with --hardware detect)")
         if str(args.hardware).lower() == "detect":
             print("profiling this machine (a few seconds)...", file=sys.stderr)
         hw = get_hardware(args.hardware, model=model, save_path=args.save_profile)

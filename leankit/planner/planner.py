@@ -405,8 +405,9 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
     mem.update(gpu_weights=k * w16 + emb + wbuf, gpu_buffers=buffers + work + GPU_RESERVE)
     if fixed > gpu_cap:
         mem["shortfall"] = _shortfall(fixed, gpu_cap)
-        why = (f"GPU needs {fixed / GiB:.1f} GiB before any cache ({k} resident layers and buffers "
-               f"{mem['gpu_weights'] / GiB:.1f} GiB, batch working memory {work / GiB:.1f} GiB), "
+        why = (f"GPU needs {fixed / GiB:.1f} GiB before any cache ({k} resident layers, embeddings and "
+               f"streaming buffers {mem['gpu_weights'] / GiB:.1f} GiB, cache buffers {buffers / GiB:.1f} GiB, "
+               f"batch working memory {work / GiB:.1f} GiB, reserve {GPU_RESERVE / GiB:.1f} GiB), "
                f"has {gpu_cap / GiB:.1f} GiB")
         return False, why, mem, 0.0
     free = gpu_cap - fixed
