@@ -382,7 +382,7 @@ class LeanCache(Cache):
             present, and only the layers in flight on the device (:mod:`leankit.offload`). Takes
             ``True``/``"host"``, a dict of :class:`~leankit.offload.OffloadConfig` fields
             (``prefetch``: layers copied in ahead, default 1; ``device_pages``: a fixed device
-            budget) or an ``OffloadConfig``. ``None`` (default): every page on the device.
+            budget) or an ``OffloadConfig``. ``None`` (default) or ``False``: every page on the device.
             Tokens are identical either way; ``memory_report()["offload"]`` gives the bytes moved.
         **overrides: :class:`KVConfig` overrides (``window``, ``th``, ``tl``, ``page_size`` ...).
     """
@@ -478,7 +478,7 @@ class LeanCache(Cache):
 
             attach(self, model)
         self.offload = None
-        if offload is not None:  # host tier and per-layer pipeline (leankit.offload)
+        if offload is not None and offload is not False:  # host tier and per-layer pipeline (leankit.offload)
             from .offload import make_runtime
 
             self.offload = make_runtime(self, offload)
@@ -1317,7 +1317,8 @@ class LeanCache(Cache):
             does ``FP16`` on it: 16 bits means "unquantized", kept in the model's dtype).
             The plain layers count the same in the baselines as in the total.
         Ratios: ``ratio`` = total_bytes / fp16_bytes, ``dense_ratio`` = total_bytes / dense_bytes,
-            ``pages_ratio`` = kv_bytes / fp16 bytes of the compressed layers (pages alone).
+            ``pages_ratio`` = bytes of every page in use (with ACT blocks, their pages too: ``kv_bytes``
+            then counts the KV pages alone) / fp16 bytes of the compressed layers.
         Tokens: ``tokens_per_row`` real tokens each row has seen (0 for a finished row);
             ``tokens_per_tier`` high/low/pruned tokens summed over rows and averaged over the
             compressed layers and KV heads (all high: equals ``sum(tokens_per_row)``);
