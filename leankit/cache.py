@@ -38,7 +38,7 @@ from .attention import (
     step_attention,
 )
 from .backend import use_triton
-from .config import KVConfig, fp16_token_bytes
+from .config import FULL_ATTENTION, SLIDING_ATTENTION, KVConfig, attention_layer_types, fp16_token_bytes
 from .hf import SUPPORTED_MODEL_TYPES
 from .page_table import HIGH, LOW, BidirectionalPageTable
 from .pages import PageLayout, PagePool
@@ -48,7 +48,7 @@ from .rotation import hadamard, rotate, unrotate
 
 # Layer types LeanCache serves: full attention is compressed into pages; sliding-window layers keep
 # transformers' own plain sliding-window cache layer (their window already bounds their memory).
-COMPRESSED, PLAIN = "full_attention", "sliding_attention"
+COMPRESSED, PLAIN = FULL_ATTENTION, SLIDING_ATTENTION
 # Steps of at most this many queries keep their attention logits for the significance update
 # (decode and eval chunks); longer prompts use the chunked second pass, which never holds Q x N.
 LOGITS_QUERY_LIMIT = 64
@@ -214,13 +214,7 @@ def _text_config(config):
 def layer_types(config) -> list[str]:
     """Attention type of every decoder layer: ``config.layer_types`` when the model declares it,
     else sliding for all layers when a sliding window is set and enabled, else full."""
-    config = _text_config(config)
-    n = config.num_hidden_layers
-    declared = getattr(config, "layer_types", None)
-    if declared:
-        return list(declared)
-    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    return [PLAIN if sliding else COMPRESSED] * n
+    return attention_layer_types(_text_config(config))
 
 
 def check_model_supported(config) -> None:

@@ -534,3 +534,21 @@ def act_kv_token_bytes(cfg: KVConfig, hidden: int, num_kv_heads: int, head_dim: 
     act = act_geometry(hidden, dense_itemsize, cfg.page_size).bytes_per_token
     kv = cfg.kv_bytes_per_token(head_dim, num_kv_heads, 0, dense_itemsize)
     return {"act": act, "kv": kv, "act_over_kv": act / kv, "act_saves": act < kv}
+
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+def attention_layer_types(config) -> list[str]:
+    """Attention type of every decoder layer of a (text) model config, an object or its dict:
+    ``layer_types`` when the model declares it, else sliding for all layers when a sliding window
+    is set and enabled, else full. LeanCache pages the full-attention layers; sliding-window layers
+    keep transformers' own window-bounded cache (and the planner keeps them on the device)."""
+    def get(name, default=None):
+        return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+    declared = get("layer_types")
+    if declared:
+        return list(declared)
+    sliding = get("sliding_window") if get("use_sliding_window", True) else None
+    return [SLIDING_ATTENTION if sliding else FULL_ATTENTION] * int(get("num_hidden_layers"))

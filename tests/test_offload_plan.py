@@ -27,7 +27,8 @@ def host_plan(model, kv: str, prompts, gen: int, gpu_share: float = 0.0, **allow
     kw.update(allowed)
     hw = get_hardware(HW)
     roomy = plan_for_model(model, hw, len(prompts), prompts, gen, kv_configs=(kv,), **kw)
-    cap = roomy.memory["gpu_weights"] + roomy.memory["gpu_buffers"] + max(1.0, gpu_share * roomy.memory["gpu_cache"])
+    cap = roomy.memory["gpu_weights"] + roomy.memory["gpu_buffers"] + roomy.memory["gpu_window"] + \
+        max(1.0, gpu_share * roomy.memory["gpu_cache"])
     return plan_for_model(model, hw, len(prompts), prompts, gen, kv_configs=(kv,),
                           limits=Limits(gpu_mem=cap), **kw)
 
@@ -75,6 +76,38 @@ def test_counted_link_bytes_match_the_plan_within_one_percent(kv, mode, gpu_shar
     h2d, d2h = history[step]
     assert relative_gap(h2d, predicted["h2d"]) < 0.01, (h2d, predicted)
     assert relative_gap(d2h, predicted["d2h"]) < 0.01, (d2h, predicted)
+
+
+@pytest.mark.parametrize("gpu_share", [0.0, 0.15])
+def test_sliding_window_layers_stay_on_the_device_in_the_plan_as_in_the_cache(gpu_share):
+    """Gemma3's local layers keep their window on the device (LeanCache pages the full-attention
+    layer alone): the plan moves only that layer's cache, and the runtime counts the same bytes."""
+    model = tiny_model("gemma3", hidden_size=128, max_position_embeddings=4096, sliding_window=64,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                       num_hidden_layers=4)
+    prompts, gen = (700, 555), 3
+    plan = host_plan(model, "K8V4", prompts, gen, gpu_share)
+    assert plan.feasible and plan.model.sliding_layers == (0, 2) and plan.model.cache_layers == 2
+    # two layers x two rows of a 64-token window x K and V, in the model's dtype
+    assert plan.memory["gpu_window"] == 2 * (64 + 64) * 2 * plan.model.kv_dim * plan.model.dtype_bytes
+    assert [lc.sliding for lc in plan.layers] == [True, False, True, False]
+    assert all(lc.kv_load == lc.store == 0 for lc in plan.layers if lc.sliding)
+    predicted = predicted_link_bytes(plan)
+    cache = LeanCache.from_plan(model, plan)
+    assert cache.num_layers == 2 and cache.offload is not None
+    width = max(prompts)
+    ids = torch.randint(3, 97, (len(prompts), width), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        mask[r, width - p:] = 1
+        ids[r, : width - p] = 0
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=gen + 1,
+                       do_sample=False, pad_token_id=0)
+    step = int(predicted["context"] - sum(prompts) / len(prompts)) + 1
+    h2d, d2h = cache.memory_report()["offload"]["bytes_per_step"][step]
+    assert relative_gap(h2d, predicted["h2d"]) < 0.02, (h2d, predicted)
+    assert relative_gap(d2h, predicted["d2h"]) < 0.02, (d2h, predicted)
 
 
 def test_from_plan_settings_and_errors():

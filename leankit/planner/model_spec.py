@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from leankit.config import KVConfig, act_geometry
+from leankit.config import FULL_ATTENTION, SLIDING_ATTENTION, KVConfig, act_geometry, attention_layer_types
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class ModelSpec:
         max_positions: learned position embeddings (OPT) add ``max_positions * hidden`` parameters; 0
             for rotary models.
         dtype_bytes: bytes per weight/activation element (2 for fp16/bf16).
+        sliding_layers: indices of the sliding-window attention layers (Gemma3's local layers, Mistral
+            with a window). Their cache holds at most ``sliding_window`` tokens a row, in the model's
+            dtype, and stays on the device: LeanCache pages, compresses and offloads the others.
+        sliding_window: tokens a sliding layer keeps per row.
     """
 
     name: str
@@ -54,6 +58,8 @@ class ModelSpec:
     bias: bool = False
     max_positions: int = 0
     dtype_bytes: int = 2
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
 
     def __post_init__(self):
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab",
@@ -62,6 +68,26 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.{f} must be positive, got {getattr(self, f)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        object.__setattr__(self, "sliding_layers", tuple(sorted(set(self.sliding_layers))))
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ValueError(f"sliding_layers must be layer indices in [0, {self.num_layers}), got {self.sliding_layers}")
+        if self.sliding_layers and self.sliding_window <= 0:
+            raise ValueError(f"sliding layers need a positive sliding_window, got {self.sliding_window}")
+
+    # ------------------------------------------------------------------ layers
+    @property
+    def cache_layers(self) -> int:
+        """Layers whose cache grows with the context (full attention): the ones the planner places,
+        moves and compresses."""
+        return self.num_layers - len(self.sliding_layers)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` is a sliding-window layer (its cache bounded, kept on the device)."""
+        return layer in self.sliding_layers
+
+    def sliding_tokens(self, lengths) -> float:
+        """Tokens one sliding layer holds for rows of ``lengths`` tokens (each capped at the window)."""
+        return float(sum(min(n, self.sliding_window) for n in lengths)) if self.sliding_layers else 0.0
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -299,10 +325,14 @@ def from_hf_config(cfg: Any, name: str | None = None) -> ModelSpec:
     torch_dtype = str(_get(cfg, "dtype", "torch_dtype", default="float16"))
     dtype_bytes = 4 if "float32" in torch_dtype else 2
     label = name or _get(cfg, "_name_or_path", "name_or_path", default=None) or model_type or "hf-model"
+    types = attention_layer_types({**cfg, "num_hidden_layers": int(layers)}) if isinstance(cfg, dict) else \
+        [FULL_ATTENTION] * int(layers)
+    sliding = tuple(i for i, t in enumerate(types) if t == SLIDING_ATTENTION)
     return ModelSpec(name=str(label), num_layers=int(layers), hidden=int(hidden), num_heads=int(heads),
                      num_kv_heads=int(kv_heads), head_dim=int(head_dim), intermediate=int(inter), vocab=int(vocab),
                      tied_embeddings=tied, gated_mlp=gated, bias=bias, max_positions=max_pos,
-                     dtype_bytes=dtype_bytes)
+                     dtype_bytes=dtype_bytes, sliding_layers=sliding,
+                     sliding_window=int(_get(cfg, "sliding_window", default=0) or 0) if sliding else 0)
 
 
 ModelSpec.from_hf_config = staticmethod(from_hf_config)  # type: ignore[attr-defined]

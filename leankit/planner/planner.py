@@ -215,6 +215,7 @@ class LayerCost:
     act_share: float = 0.0
     gpu_cache_tokens: float = 0.0
     minibatches: int = 1
+    sliding: bool = False  # a sliding-window layer: its window on the device, nothing moved
 
     @property
     def bottleneck(self) -> str:
@@ -373,8 +374,13 @@ def _shortfall(need: float, cap: float) -> float:
 
 
 def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_host):
-    """GPU and host memory accounting. Returns (ok, reason, memory dict, GPU cache tokens per layer)."""
+    """GPU and host memory accounting. Returns (ok, reason, memory dict, GPU cache tokens per layer).
+
+    The cache of the full-attention layers (``model.cache_layers``) is what is placed: sliding-window
+    layers hold at most their window a row, in the model's dtype, on the device (``gpu_window``).
+    """
     L = model.num_layers
+    Lc = model.cache_layers
     unified = hw.device == "cpu"
     k = choice.gpu_layers
     w16 = model.weight_bytes_per_layer(16)
@@ -385,11 +391,14 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
     gpu_cap = limits.gpu(hw)
     host_cap = limits.host(hw)
     work = B * (4 * model.hidden + model.intermediate) * 4
-    mem: dict[str, float] = {"gpu_capacity": gpu_cap, "host_capacity": 0.0 if unified else host_cap}
+    window = len(model.sliding_layers) * model.sliding_tokens([p + wl.gen for p in wl.prompts]) * \
+        model.kv_bytes_per_token(None)
+    mem: dict[str, float] = {"gpu_capacity": gpu_cap, "host_capacity": 0.0 if unified else host_cap,
+                             "gpu_window": window}
     if unified:
         per_tok = {"hybrid": actb, "kvpr": kvb + actb}.get(choice.mode, kvb)
-        need = L * w16 + emb + work + n_final * L * per_tok
-        mem.update(gpu_weights=L * w16 + emb, gpu_cache=n_final * L * per_tok, gpu_used=need, host_used=0.0)
+        need = L * w16 + emb + work + window + n_final * Lc * per_tok
+        mem.update(gpu_weights=L * w16 + emb, gpu_cache=n_final * Lc * per_tok, gpu_used=need, host_used=0.0)
         if need > gpu_cap:
             mem["shortfall"] = _shortfall(need, gpu_cap)
             return False, f"needs {need / GiB:.1f} GiB, memory holds {gpu_cap / GiB:.1f} GiB", mem, 0.0
@@ -401,30 +410,35 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
         buffers = 2 * mb * (actb + 2 * kvb)  # ACT, KV and attention buffers, double-buffered
     streamed = L - k
     wbuf = 2 * wq if streamed else 0.0
-    fixed = k * w16 + emb + wbuf + buffers + work + GPU_RESERVE
+    fixed = k * w16 + emb + wbuf + buffers + work + window + GPU_RESERVE
     mem.update(gpu_weights=k * w16 + emb + wbuf, gpu_buffers=buffers + work + GPU_RESERVE)
     if fixed > gpu_cap:
         mem["shortfall"] = _shortfall(fixed, gpu_cap)
         why = (f"GPU needs {fixed / GiB:.1f} GiB before any cache ({k} resident layers, embeddings and "
                f"streaming buffers {mem['gpu_weights'] / GiB:.1f} GiB, cache buffers {buffers / GiB:.1f} GiB, "
-               f"batch working memory {work / GiB:.1f} GiB, reserve {GPU_RESERVE / GiB:.1f} GiB), "
-               f"has {gpu_cap / GiB:.1f} GiB")
+               f"batch working memory {work / GiB:.1f} GiB, "
+               + (f"sliding-window layers' K/V {window / GiB:.1f} GiB, " if window else "")
+               + f"reserve {GPU_RESERVE / GiB:.1f} GiB), has {gpu_cap / GiB:.1f} GiB")
         return False, why, mem, 0.0
     free = gpu_cap - fixed
     if choice.mode == "attn_offload":
         gpu_tokens = 0.0
+    elif Lc == 0:  # every layer slides: nothing to place
+        gpu_tokens = float(n_final)
+        mem["gpu_cache"] = 0.0
+        mem["gpu_cache_tokens"] = gpu_tokens
     else:
         per_tok_gpu = actb if choice.mode == "hybrid" else kvb
-        gpu_tokens = min(float(n_final), free / (L * per_tok_gpu))
-        mem["gpu_cache"] = gpu_tokens * L * per_tok_gpu
+        gpu_tokens = min(float(n_final), free / (Lc * per_tok_gpu))
+        mem["gpu_cache"] = gpu_tokens * Lc * per_tok_gpu
         mem["gpu_cache_tokens"] = gpu_tokens  # per layer, summed over the batch (what a runtime keeps resident)
     host_tok = max(0.0, n_final - gpu_tokens)
     if choice.mode == "kvpr":
         # KV of every token plus the activations of the prompt tokens, the only ones Eq. 11 recomputes
-        host_cache = host_tok * L * kvb + min(float(sum(wl.prompts)), host_tok) * L * actb
+        host_cache = host_tok * Lc * kvb + min(float(sum(wl.prompts)), host_tok) * Lc * actb
     else:
         host_per_tok = act_share_host * actb + (1 - act_share_host) * kvb if choice.mode == "hybrid" else kvb
-        host_cache = host_tok * L * host_per_tok
+        host_cache = host_tok * Lc * host_per_tok
     host_w = streamed * wq
     mem.update(host_weights=host_w, host_cache=host_cache, host_used=host_w + host_cache,
                gpu_used=fixed + mem.get("gpu_cache", 0.0))
@@ -507,10 +521,22 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
     class _Layer:
         """One layer type at one context: its components and the affine terms of its time in ``phi``."""
 
-        def __init__(self, res_layer: bool, nxt_streamed: bool, n_tok: float):
+        def __init__(self, res_layer: bool, nxt_streamed: bool, n_tok: float, window_tok: float | None = None):
             self.res_layer = res_layer
             self.n_tok = n_tok
             self.w_next = wq / hw.h2d_bw if nxt_streamed else 0.0
+            self.sliding = window_tok is not None
+            if self.sliding:
+                # A sliding-window layer: its window of dense K/V stays on the device, nothing moves
+                # but the next layer's weights.
+                self.m, self.n_gpu, self.n_host, self.res_act, self.q = 1, window_tok, 0.0, 0.0, 0.0
+                wbytes = w16 if res_layer else wq
+                self.lin = max(2 * B * P / hw.gpu_flops, wbytes / hw.gpu_mem_bw)
+                self.attn = max(model.attention_flops(1) * window_tok / hw.gpu_flops,
+                                window_tok * model.kv_bytes_per_token(None) / hw.gpu_mem_bw)
+                self.store = (0.0, 0.0)
+                self.terms = [(self.w_next, 0.0), (self.lin + self.attn, 0.0)]
+                return
             self.m = 1 if unified or choice.mode == "attn_offload" else max(1, math.ceil(n_tok / mb_tokens))
             self.lin, self.attn, self.q = fwd(n_tok, self.m, res_layer)
             m = self.m
@@ -551,7 +577,11 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
 
         def cost(self, i: int, phi: float) -> LayerCost:
             lc = LayerCost(index=i, resident=self.res_layer, weight_load=self.w_next, forward=self.lin,
-                           attention=self.attn, quant=self.q, minibatches=self.m, time=self.time(phi))
+                           attention=self.attn, quant=self.q, minibatches=self.m, time=self.time(phi),
+                           sliding=self.sliding)
+            if self.sliding:
+                lc.link, lc.gpu, lc.gpu_cache_tokens = self.w_next, self.lin + self.attn, self.n_gpu
+                return lc
             if choice.mode == "attn_offload":
                 lc.cpu, lc.store = self.cpu, self.store_c
                 lc.link, lc.gpu = self.w_next + self.back, self.lin + self.q
@@ -569,15 +599,19 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
             return lc
 
     # layer types: (own placement, next layer's placement) decide the cost
-    type_count: dict[tuple[bool, bool], int] = {}
+    # layer types: (own placement, next layer's placement, sliding window) decide the cost
+    def layer_key(i: int) -> tuple[bool, bool, bool]:
+        return resident[i], resident[(i + 1) % L], model.is_sliding(i)
+
+    type_count: dict[tuple[bool, bool, bool], int] = {}
     for i in range(L):
-        key = (resident[i], resident[(i + 1) % L])
-        type_count[key] = type_count.get(key, 0) + 1
+        type_count[layer_key(i)] = type_count.get(layer_key(i), 0) + 1
     keys = list(type_count)
 
-    def layers_at(j: int) -> dict[tuple[bool, bool], _Layer]:
+    def layers_at(j: int) -> dict[tuple[bool, bool, bool], _Layer]:
         n_tok = float(sum(p + j for p in prompts))
-        return {k: _Layer(k[0], (not k[1]) and not unified, n_tok) for k in keys}
+        window_tok = model.sliding_tokens([p + j for p in prompts])
+        return {k: _Layer(k[0], (not k[1]) and not unified, n_tok, window_tok if k[2] else None) for k in keys}
 
     def kvpr_phi(lay: _Layer) -> float:
         """KVPR §3.2: the split re-solved at this step, exactly; Eq. 11 keeps it within the prompt."""
@@ -607,9 +641,9 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
             nxt_streamed = (not key[1]) and not unified
             link = wq / hw.h2d_bw if nxt_streamed else 0.0
             gpu = 2 * s_sum * P / hw.gpu_flops + 2 * s_sq * model.q_dim / hw.gpu_flops
-            if kvq and choice.mode != "attn_offload":
+            if kvq and choice.mode != "attn_offload" and not key[2]:
                 gpu += lmo.quan_cache(s_sum * 2 * model.kv_dim, hw, minmax_per_cycle=False)  # Eq. 5 / Eqs. 20-23
-            if unified:
+            if unified or key[2]:  # (a sliding-window layer keeps its window on the device)
                 store = (0.0, 0.0)
             elif choice.mode == "attn_offload":
                 store = (s_sum * kvw / hw.d2h_bw, 0.0)
@@ -655,7 +689,7 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
             share += type_count[k] * f
         decode += wgt * tot
         if choice.mode == "kvpr":
-            plan.kvpr_splits.append((j, share / L))
+            plan.kvpr_splits.append((j, share / max(model.cache_layers, 1)))
     plan.decode_time = decode if steps else 0.0
     plan.prefill_time = sum(cnt * max(a + b * phi for a, b in ts) for cnt, ts in pf_terms)
     if choice.weight_bits < 16:
@@ -665,10 +699,11 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
         rep = (wl.gen - 1) // 2 + 1 if wl.gen > 1 else 1
         lays = layers_at(rep)
         costs = {k: lay.cost(0, kvpr_phi(lay) if choice.mode == "kvpr" else phi) for k, lay in lays.items()}
-        plan.layers = [replace(costs[(resident[i], resident[(i + 1) % L])], index=i) for i in range(L)]
+        plan.layers = [replace(costs[layer_key(i)], index=i) for i in range(L)]
         plan.step_context = wl.mean_prompt + rep
         if choice.mode == "hybrid" and not unified:
-            lc0 = next((x for x in plan.layers if not x.resident), plan.layers[0])
+            lc0 = next((x for x in plan.layers if not x.resident and not x.sliding),
+                       next((x for x in plan.layers if not x.sliding), plan.layers[0]))
             bt = hyb.BLOCK_TOKENS
             blocks = math.ceil(plan.step_context / bt) * B
             gpu_blocks = int(lc0.gpu_cache_tokens // bt)
@@ -696,7 +731,8 @@ def _bisect_feasible(ok, iters: int = 50) -> float:
 
 def _minibatch_report(wl: Workload, plan: Plan, gen_t: float, kv_t: float, allowed: Allowed) -> dict[str, float]:
     """Per-request blocks under Eq. 11 at the representative step, packed by the greedy of §4.3.3."""
-    lc = next((x for x in plan.layers if not x.resident), plan.layers[0])
+    lc = next((x for x in plan.layers if not x.resident and not x.sliding),
+              next((x for x in plan.layers if not x.sliding), plan.layers[0]))
     phi = lc.act_share
     total_share = phi if lc.gpu_cache_tokens == 0 else None
     n_tok = sum(p for p in wl.prompts) + wl.batch * (plan.step_context - wl.mean_prompt)
