@@ -428,8 +428,9 @@ class KVConfig:
             t -= 1
         if t == 0:
             raise ValueError(
-                f"page_size {self.page_size} cannot hold one {self.tiers[tier]} token of head_dim {head_dim} "
-                f"({tb.total} bytes)"
+                f"page_size {self.page_size} cannot hold one {self.tiers[tier]} token of head_dim {head_dim}: "
+                f"its {tb.total} bytes span six segments each padded to {PAGE_ALIGN} bytes, "
+                f"{sum(_align(s) for s in sizes)} bytes a page at least"
             )
         return t
 
