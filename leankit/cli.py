@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from importlib import metadata
 
@@ -54,8 +55,8 @@ def check_generate_args(args) -> None:
             raise ValueError(f"{which} is empty: give the text to continue, e.g. --prompt \"{DEFAULT_PROMPT}\"")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature is not None and not args.temperature > 0:
-        raise ValueError(f"--temperature must be > 0 (omit it for greedy decoding), got {args.temperature}")
+    if args.temperature is not None and not 0 < args.temperature < float("inf"):
+        raise ValueError(f"--temperature must be a finite number > 0 (omit it for greedy decoding), got {args.temperature}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must lie in (0, 1], got {args.top_p}")
     if args.stream and len(args.prompt or [None]) > 1:
@@ -248,11 +249,29 @@ def main(argv=None) -> int:
         return lm_eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv[1:] if argv[:1] == ["bench"] else argv  # the exact command, for tables that record it
+    with _quiet_loading(getattr(args, "no_progress", False)):
+        try:
+            return args.func(args)
+        except (ValueError, ModuleNotFoundError) as e:
+            print(f"leankit: error: {e}", file=sys.stderr)
+            return 2
+
+
+@contextlib.contextmanager
+def _quiet_loading(quiet: bool):
+    """With ``--no-progress``, transformers' own bars (the "Loading weights" one) stay off too."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
-        return args.func(args)
-    except (ValueError, ModuleNotFoundError) as e:
-        print(f"leankit: error: {e}", file=sys.stderr)
-        return 2
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 if __name__ == "__main__":

@@ -133,3 +133,28 @@ def test_missing_matplotlib_is_one_clear_error_for_every_figure(monkeypatch, cap
 
     with pytest.raises(MatplotlibMissing, match="drawing the timeline needs matplotlib"):
         draw_timeline(None, "timeline.png")
+
+
+@pytest.mark.parametrize("payload,why", [([1, 2], "JSON list"), ({"mode": "step", "results": [{"kv": "K8V4"}]}, "lack"),
+                                         ({"mode": "throughput", "results": {"caches": [{"name": "x"}]}}, "lack")])
+def test_plot_names_a_json_file_that_is_not_a_results_file(tmp_path, capsys, payload, why):
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps(payload))
+    assert main(["bench", "plot", str(bad), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: not a results file" in err and why in err and "Traceback" not in err
+
+
+def test_outputs_that_cannot_be_written_fail_before_any_work(tmp_path, capsys, monkeypatch):
+    """--out under a file for plot; --json under a file for a measurement, refused before the model loads."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    good = tmp_path / "step.json"
+    good.write_text(json.dumps({"mode": "step", "results": []}))
+    assert main(["bench", "plot", str(good), "--out", str(blocker / "figs")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    monkeypatch.setattr(leankit, "load_model", lambda name: pytest.fail("the model loaded"))
+    assert main(["bench", "step", "--model", "tiny", "--json", str(blocker / "x.json"), "--no-progress"]) == 2
+    assert "--json" in capsys.readouterr().err
+    assert main(["bench", "step", "--model", "tiny", "--json", str(tmp_path), "--no-progress"]) == 2
+    assert "is a folder" in capsys.readouterr().err

@@ -100,3 +100,28 @@ def test_progress_bar_counts_decoding_steps(tiny, capsys, monkeypatch):
     monkeypatch.setattr(cli, "make_streamer", spy)
     assert main(["generate", "--model", "tiny", "--max-new-tokens", "6", "--prompt", "w5"]) == 0
     assert seen[0].bar.total == 6 and seen[0].steps == 6
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_no_progress_also_silences_the_weight_loading_bar(monkeypatch, quiet):
+    """transformers' "Loading weights" bar is off while the model loads under --no-progress, and
+    back on afterwards (main may run in a process that wants it)."""
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+
+    def load(name):
+        seen.append(hf_logging.is_progress_bar_enabled())
+        return tiny_model("llama-gqa"), tiny_tokenizer()
+
+    monkeypatch.setattr(leankit, "load_model", load)
+    assert hf_logging.is_progress_bar_enabled()
+    flags = ["--no-progress"] if quiet else []
+    assert main(["generate", "--model", "tiny", "--max-new-tokens", "2", "--prompt", "w5", *flags]) == 0
+    assert seen == [not quiet] and hf_logging.is_progress_bar_enabled()
+
+
+def test_an_infinite_temperature_is_refused(tiny, capsys):
+    """An infinite temperature samples uniformly: not a decoding anyone asks for."""
+    assert main(["generate", "--model", "tiny", "--temperature", "inf"]) == 2
+    assert "--temperature must be a finite number > 0" in capsys.readouterr().err and not tiny

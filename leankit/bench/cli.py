@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..plotting import check_output_path
 from .malloc import pin_glibc_malloc
 from .readme import replace_block
 from .text import read_text, text_source
@@ -204,6 +205,9 @@ def _setup(args, block: str):
 
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    for flag in ("json", "plot"):  # an output that cannot be written fails before the measurement
+        if getattr(args, flag, None):
+            check_output_path(getattr(args, flag), f"--{flag}")
     if args.text is not None:
         read_text(args.text)  # a missing, empty or binary file fails before the model loads
     if args.write_readme:
@@ -341,6 +345,7 @@ def cmd_plot(args) -> int:
     missing = [f for f in args.files if not Path(f).is_file()]
     if missing:
         raise ValueError(f"no such results file: {', '.join(missing)}")
+    check_output_path(args.out, "--out", folder=True)
     for path in plot_files(args.files, args.out):
         print(f"wrote {path}")
     return 0

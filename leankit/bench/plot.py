@@ -144,9 +144,15 @@ def plot_files(paths: list[str], out_dir: str | Path) -> list[Path]:
     """One PNG per ``--json`` result file, named after it, in ``out_dir``."""
     written = []
     for p in paths:
+        what = f"{p}: not a results file written by `leankit bench ... --json`"
         try:
             payload = json.loads(Path(p).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{p}: not a results file written by `leankit bench ... --json` ({err})") from err
-        written.append(plot_payload(payload, Path(out_dir) / (Path(p).stem + ".png")))
+            raise ValueError(f"{what} ({err})") from err
+        if not isinstance(payload, dict):  # bad input: reported as the command's other input errors are
+            raise ValueError(f"{what} (it holds a JSON {type(payload).__name__}, not an object)")  # noqa: TRY004
+        try:
+            written.append(plot_payload(payload, Path(out_dir) / (Path(p).stem + ".png")))
+        except (KeyError, TypeError, AttributeError, IndexError) as err:
+            raise ValueError(f"{what} (its results lack {err})") from err
     return written
