@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -34,6 +35,36 @@ def add_run_options(ap) -> None:
     """Add the options every evaluation script shares: ``--threads`` and ``--out``."""
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def out_problem(path: str | None) -> str | None:
+    """Why results cannot be written to ``path`` (``None`` when they can), found without writing.
+
+    The results are written after the first config is measured, so a path under a file or in a
+    read-only directory would otherwise fail only after minutes of work.
+    """
+    if not path:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        return f"{path} is a directory; give a file name"
+    parent = p.parent
+    while not parent.exists():  # the nearest existing ancestor is where write_json creates folders
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot create {path}: {parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        return f"cannot write {path}: permission denied"
+    return None
+
+
+def check_run_options(ap, args) -> None:
+    """Refuse bad ``--threads``/``--out`` values through ``ap.error``, before the model loads."""
+    if args.threads < 0:
+        ap.error(f"--threads must be at least 0 (0: torch's default), got {args.threads}")
+    problem = out_problem(args.out)
+    if problem:
+        ap.error(f"--out: {problem}")
 
 
 def start_run(args):

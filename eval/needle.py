@@ -35,7 +35,7 @@ from leankit.config import KVConfig
 from leankit.data import paul_graham_essays
 from leankit.hf import cache_kwargs, output_cache
 
-from .common import Timer, add_run_options, label, parse_config, start_run, write_json
+from .common import Timer, add_run_options, check_run_options, label, parse_config, start_run, write_json
 
 KEYS = ["apple", "river", "falcon", "copper", "violet", "harbor", "meadow", "lantern", "glacier", "orchid"]
 
@@ -117,6 +117,26 @@ def full_pages(cfg: KVConfig, model, n_tokens: int) -> int:
     return c.num_hidden_layers * c.num_key_value_heads * math.ceil(n_tokens / t)
 
 
+def static_config(cfg: KVConfig, static: str, budget: float, prompt_tokens: int) -> tuple[str, dict]:
+    """``(spec, overrides)`` of the static baseline for dynamic config ``cfg`` at ``budget``.
+
+    The static run stores its tokens exactly like the dynamic run's high tier: same precision,
+    page size, quantization group and rotation, taken from the parsed config (a preset or the
+    spec's own overrides set them as well as keyword overrides do), so the two differ only in
+    which tokens each head keeps. Settings equal to the static spec's defaults are left out of
+    the overrides, so the label names only what was carried over.
+    """
+    spec = str(cfg.high)
+    if static == "h2o":
+        kw = {"policy": "h2o", "budget": budget}
+    else:
+        keep = max(int(budget * prompt_tokens), cfg.sink + 1)
+        kw = {"policy": "streaming", "window": keep - cfg.sink, "sink": cfg.sink}
+    plain = KVConfig.parse(spec)
+    kw.update({k: getattr(cfg, k) for k in ("page_size", "group_size", "rotate") if getattr(cfg, k) != getattr(plain, k)})
+    return spec, kw
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dynamic", action="append", required=True,
@@ -132,30 +152,37 @@ def main(argv=None) -> dict:
                     help="count the (layer, KV head) pairs that still store every needle token after the prompt")
     add_run_options(ap)
     args = ap.parse_args(argv)
+    if args.context < 1:
+        ap.error(f"--context must be at least 1 haystack token, got {args.context}")
+    if args.offset < 0:
+        ap.error(f"--offset must be at least 0, got {args.offset}")
+    bad = [d for d in args.depths if not 0.0 <= d <= 1.0]
+    if bad:
+        ap.error(f"--depths must lie in [0, 1] (0 = start of the haystack, 1 = end), got {bad}")
+    check_run_options(ap, args)
+    try:  # every config is checked before the model loads
+        dynamic = [parse_config(d) for d in args.dynamic]
+    except ValueError as err:
+        ap.error(str(err))
     model, tok = start_run(args)
     hay = "\n\n".join(t for _, t in paul_graham_essays())
-    hay_ids = tok(hay, add_special_tokens=False)["input_ids"][args.offset:]
+    hay_ids = tok(hay, add_special_tokens=False)["input_ids"]
+    if args.offset + args.context > len(hay_ids):  # a shorter haystack would pass silently
+        ap.error(f"--offset {args.offset} + --context {args.context} runs past the essays' {len(hay_ids)} tokens")
+    hay_ids = hay_ids[args.offset:]
     rng = random.Random(args.seed)
     samples = [make_sample(tok, hay_ids, args.context, d, rng) for d in args.depths]
     needles = [needle_positions(tok, p, value) if args.survival else None for p, _, value in samples]
     rows = []
-    for dyn in args.dynamic:
-        spec, kw = parse_config(dyn)
+    for spec, kw in dynamic:
         cfg = KVConfig.parse(spec, **kw)
-        static_spec = str(cfg.high)
         per = []
         with Timer() as t:
             for (p, a, value), depth, pos in zip(samples, args.depths, needles, strict=True):
                 d = run(model, p, a, spec, kw, pos)
                 used = d["prompt_report"]["pages_used"]
                 budget = min(1.0, used / full_pages(cfg, model, p.numel()))
-                if args.static == "h2o":
-                    skw = {"policy": "h2o", "budget": budget}
-                else:
-                    keep = max(int(budget * p.numel()), cfg.sink + 1)
-                    skw = {"policy": "streaming", "window": keep - cfg.sink, "sink": cfg.sink}
-                # The static run stores its tokens exactly like the dynamic run's high tier.
-                skw.update({k: kw[k] for k in ("page_size", "group_size") if k in kw})
+                static_spec, skw = static_config(cfg, args.static, budget, p.numel())
                 s = run(model, p, a, static_spec, skw, pos)
                 row = {"depth": depth, "value": value, "prompt_tokens": int(p.numel()),
                        "dynamic": {"hit": d["hit"], "logp": d["logp"], "kv_bytes": d["prompt_report"]["kv_bytes"],

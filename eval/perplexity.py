@@ -32,10 +32,15 @@ import torch
 from tqdm.auto import tqdm
 
 from leankit.cache import LeanCache
+from leankit.config import KVConfig
 from leankit.data import wiki_articles
 from leankit.hf import cache_kwargs
 
-from .common import Timer, add_run_options, label, parse_config, start_run, write_json
+from .common import Timer, add_run_options, check_run_options, label, parse_config, start_run, write_json
+
+
+class TooFewArticles(ValueError):
+    """Fewer Wikipedia articles than ``--docs`` (after ``--skip``) are long enough for the run."""
 
 
 def documents(tok, n_docs: int, need: int, skip: int = 0) -> list[torch.Tensor]:
@@ -45,9 +50,10 @@ def documents(tok, n_docs: int, need: int, skip: int = 0) -> list[torch.Tensor]:
     corpus into disjoint sets (for example, tune thresholds on ``--docs 3`` and confirm them on
     ``--skip 3 --docs 8``).
     """
-    out, seen = [], 0
+    out, seen, longest = [], 0, 0
     for _, text in wiki_articles():
         ids = tok(text, add_special_tokens=False)["input_ids"]
+        longest = max(longest, len(ids) + 1)
         if len(ids) + 1 < need:
             continue
         seen += 1
@@ -56,7 +62,8 @@ def documents(tok, n_docs: int, need: int, skip: int = 0) -> list[torch.Tensor]:
         if len(out) == n_docs:
             break
     if len(out) < n_docs:
-        raise RuntimeError(f"only {len(out)} articles (after skipping {skip}) have {need} tokens")
+        raise TooFewArticles(f"only {seen} of the {len(wiki_articles())} Wikipedia articles have {need} tokens "
+                             f"(the longest has {longest}); {skip} skipped + {n_docs} scored are needed")
     return out
 
 
@@ -126,20 +133,34 @@ def main(argv=None) -> dict:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.skip < 0:
         ap.error(f"--skip must be at least 0, got {args.skip}")
+    check_run_options(ap, args)
     try:
         configs = [parse_config(c) for c in args.config]
     except ValueError as err:
         ap.error(str(err))
-    # FP16 runs first, so that every other config's KL to it is computed as it goes.
-    configs.sort(key=lambda c: label(*c) != "FP16")
+    if args.skip + args.docs > len(wiki_articles()):  # the token counts need the tokenizer; this does not
+        ap.error(f"--skip {args.skip} + --docs {args.docs} asks for more than the {len(wiki_articles())} "
+                 "Wikipedia articles there are")
+    # The baseline is the first lossless config however it is written ("FP16", "fp16", "K16V16",
+    # the "lossless" preset), one without ACT blocks if there is one; it runs first, so every other
+    # config's KL to it is computed as it goes.
+    parsed = [(c, KVConfig.parse(c[0], **c[1])) for c in configs]
+    exact = [(cfg.act != 0, i, c) for i, (c, cfg) in enumerate(parsed) if cfg.lossless]
+    base = min(exact)[2] if exact else None
+    if base is not None:
+        configs.remove(base)
+        configs.insert(0, base)
     model, tok = start_run(args)
-    docs = documents(tok, args.docs, args.context + args.chunk * args.chunks + 1, args.skip)
+    try:
+        docs = documents(tok, args.docs, args.context + args.chunk * args.chunks + 1, args.skip)
+    except TooFewArticles as err:
+        ap.error(f"{err}: lower --context, --chunk or --chunks, or --docs or --skip")
     results = []
     token_nll = {}
-    base_logprobs = None  # FP16's next-token log-probabilities per document
-    for spec, kw in configs:
+    base_logprobs = None  # the baseline's next-token log-probabilities per document
+    for i, (spec, kw) in enumerate(configs):
         nlls, reports, kls = [], [], []
-        is_base = label(spec, kw) == "FP16"
+        is_base = i == 0 and base is not None
         if is_base:
             base_logprobs = []
         with Timer() as t:
@@ -172,13 +193,15 @@ def main(argv=None) -> dict:
               f"high/low/pruned {tiers['high'] / tot:.2f}/{tiers['low'] / tot:.2f}/{tiers['pruned'] / tot:.2f}  "
               f"pages {sum(row['pages_used'])}"
               + (f"  KL {row['kl_vs_fp16']:.5f}" if kls else "") + f"  ({t.seconds:.0f}s)", flush=True)
-    if "FP16" in token_nll:
-        print("relative to FP16 (95% interval from paired per-token differences):")
+    if base is not None:
+        base_nll = token_nll[results[0]["config"]]
+        print(f"relative to {results[0]['config']} (95% interval from paired per-token differences):")
         for r in results:
-            g = paired_gap(token_nll[r["config"]], token_nll["FP16"])
+            g = paired_gap(token_nll[r["config"]], base_nll)
             r["ppl_vs_fp16"], r["ppl_vs_fp16_ci95"] = g["gap"], [g["gap_lo"], g["gap_hi"]]
             print(f"  {r['config']:<44} {100 * g['gap']:+.2f}%  [{100 * g['gap_lo']:+.2f}%, {100 * g['gap_hi']:+.2f}%]")
     payload = {"args": vars(args), "torch_threads": torch.get_num_threads(), "results": results,
+               "baseline": None if base is None else results[0]["config"],
                "cmd": "python -m eval.perplexity " + " ".join(os.sys.argv[1:] if argv is None else argv)}
     write_json(args.out, payload)
     return payload

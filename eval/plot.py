@@ -40,8 +40,8 @@ def _short(config: str) -> str:
 def plot_perplexity(payloads: list[dict], out: Path) -> Path:
     """Perplexity change vs FP16 (%) against ``kv_bytes / fp16`` for every config of every file.
 
-    Each file is normalized by its own ``FP16`` row (files scored on different documents are not
-    mixed); the issue's targets (+1% at 0.33, +5% at 0.20) are drawn as a guide. Rows with a
+    Each file is normalized by its own lossless row (its ``baseline``, else ``FP16``; files scored on
+    different documents are not mixed); the issue's targets (+1% at 0.33, +5% at 0.20) are drawn as a guide. Rows with a
     ``ppl_vs_fp16_ci95`` interval get it as an error bar.
     """
     plt = pyplot("drawing the evaluation plots")
@@ -49,9 +49,10 @@ def plot_perplexity(payloads: list[dict], out: Path) -> Path:
     y_top = 8.0
     for i, payload in enumerate(payloads):
         rows = payload["results"]
-        base = next((r for r in rows if r["config"] == "FP16"), None)
+        # eval.perplexity names its lossless baseline (however it was spelled); older files have "FP16"
+        base = next((r for r in rows if r["config"] == (payload.get("baseline") or "FP16")), None)
         if base is None:
-            raise ValueError("a perplexity file needs an FP16 row to normalize against")
+            raise ValueError("a perplexity file needs an FP16 (lossless) row to normalize against")
         args = payload.get("args", {})
         name = f"articles {args.get('skip', 0)}-{args.get('skip', 0) + args.get('docs', 0) - 1}"
         if "source" in payload:

@@ -23,7 +23,7 @@ from leankit.data import wiki_articles
 from leankit.hf import cache_kwargs
 from leankit.policy import stored_token_reference
 
-from .common import add_run_options, start_run, write_json
+from .common import add_run_options, check_run_options, start_run, write_json
 
 CASES = (("K", 8, None), ("K", 4, None), ("K", 4, 32), ("V", 4, None), ("V", 4, 32), ("V", 2, None), ("V", 2, 32))
 
@@ -52,11 +52,17 @@ def relative_mse(states, side: str, bits: int, group: int | None, rotate: bool) 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--article", type=int, default=40, help="index into the Wikipedia articles")
-    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens, BOS included (fewer when the article is shorter)")
     add_run_options(ap)
     args = ap.parse_args(argv)
+    if args.tokens < 1:  # the slice below would wrap around and measure most of the article
+        ap.error(f"--tokens must be at least 1, got {args.tokens}")
+    check_run_options(ap, args)
+    articles = wiki_articles()
+    if not 0 <= args.article < len(articles):
+        ap.error(f"--article must be between 0 and {len(articles) - 1}, got {args.article}")
     model, tok = start_run(args)
-    text = wiki_articles()[args.article][1]
+    text = articles[args.article][1]
     ids = torch.tensor([tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"][: args.tokens - 1])
     states = layer_states(model, ids)
     rows = []

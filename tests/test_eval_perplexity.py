@@ -8,6 +8,22 @@ import torch
 from eval.perplexity import paired_gap, score_document, token_kl
 from leankit.testing import tiny_model
 
+# Three "articles" of 30, 60 and 90 words for the word-per-token tokenizer below.
+FAKE_ARTICLES = tuple((f"article {n}", " ".join(["word"] * n)) for n in (30, 60, 90))
+
+
+class WordTokenizer:
+    """One token per word, BOS 1: enough for ``documents`` without a real tokenizer."""
+
+    bos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [5] * len(text.split())}
+
+
+def no_model(args):
+    raise AssertionError("the model was loaded before the arguments were refused")
+
 
 def test_paired_gap_interval():
     gen = torch.Generator().manual_seed(0)
@@ -58,12 +74,16 @@ def test_token_kl_matches_the_definition():
 
 @pytest.mark.parametrize("argv,what", [(["--chunks", "0"], "--chunks"), (["--chunk", "0"], "--chunk"),
                                        (["--context", "0"], "--context"), (["--docs", "0"], "--docs"),
-                                       (["--skip", "-1"], "--skip"), (["--config", "K8V3"], "grammar")])
-def test_bad_arguments_are_usage_errors(argv, what, capsys):
-    """Bad numbers and a malformed config stop at the argument check, with a usage message and no
-    model loaded (``--docs 0`` had silently scored every article)."""
+                                       (["--skip", "-1"], "--skip"), (["--config", "K8V3"], "grammar"),
+                                       (["--threads", "-1"], "--threads"), (["--docs", "3", "--skip", "1"], "--docs")])
+def test_bad_arguments_are_usage_errors(argv, what, capsys, monkeypatch):
+    """Bad numbers, a malformed config and more documents than there are articles stop at the
+    argument check, with a usage message and no model loaded (``--docs 0`` had silently scored
+    every article; ``--threads -1`` and ``--docs 200`` ended in tracebacks)."""
     from eval import perplexity
 
+    monkeypatch.setattr(perplexity, "start_run", no_model)
+    monkeypatch.setattr(perplexity, "wiki_articles", lambda: FAKE_ARTICLES)
     with pytest.raises(SystemExit) as exit_info:
         perplexity.main(["--config", "FP16", *argv])
     assert exit_info.value.code == 2 and what in capsys.readouterr().err
@@ -77,13 +97,60 @@ def test_act_configs_count_their_act_pages(monkeypatch):
     model = tiny_model("llama-mha", hidden_size=64)
     ids = torch.randint(3, 97, (1 + 40 + 2 * 8,), generator=torch.Generator().manual_seed(3))
     monkeypatch.setattr(perplexity, "start_run", lambda args: (model, None))
+    monkeypatch.setattr(perplexity, "wiki_articles", lambda: FAKE_ARTICLES)
     monkeypatch.setattr(perplexity, "documents", lambda tok, n, need, skip=0: [ids[:need]])
-    out = perplexity.main(["--config", "FP16", "--config", "FP16:act=1", "--docs", "1", "--context", "40",
+    out = perplexity.main(["--config", "FP16:act=1", "--config", "FP16", "--docs", "1", "--context", "40",
                            "--chunk", "8", "--chunks", "2"])
     rows = {r["config"]: r for r in out["results"]}
     fp16, act = rows["FP16"], rows["FP16:act=1.0"]
+    assert out["baseline"] == "FP16" and act["kl_vs_fp16"] == pytest.approx(0.0, abs=1e-6)  # the KV-only one
     assert act["ppl"] == pytest.approx(fp16["ppl"], rel=1e-6)  # lossless either way
     _, rep, _ = score_document(model, ids, "FP16", {"act": 1}, context=40, chunk=8, chunks=2)
     assert rep["act_bytes"] > 0
     assert act["kv_ratio"] == pytest.approx(rep["act_bytes"] / rep["fp16_bytes"])
     assert act["tier_fraction"] == {"high": 0.0, "low": 0.0, "pruned": 0.0}
+
+
+def test_out_under_a_file_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """An ``--out`` that cannot be written had failed only after the first config was measured."""
+    from eval import perplexity
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(perplexity, "start_run", no_model)
+    monkeypatch.setattr(perplexity, "wiki_articles", lambda: FAKE_ARTICLES)
+    for out in (tmp_path / "file" / "sub" / "ppl.json", tmp_path):
+        with pytest.raises(SystemExit) as exit_info:
+            perplexity.main(["--config", "FP16", "--docs", "1", "--out", str(out)])
+        assert exit_info.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_too_short_articles_are_a_usage_error(monkeypatch, capsys):
+    """A context longer than the articles names the flags to change instead of raising."""
+    from eval import perplexity
+
+    monkeypatch.setattr(perplexity, "start_run", lambda args: (None, WordTokenizer()))
+    monkeypatch.setattr(perplexity, "wiki_articles", lambda: FAKE_ARTICLES)
+    assert len(perplexity.documents(WordTokenizer(), 2, 61)) == 2  # articles of 60 and 90 words, BOS first
+    with pytest.raises(SystemExit) as exit_info:
+        perplexity.main(["--config", "FP16", "--docs", "2", "--context", "80", "--chunk", "4", "--chunks", "1"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--context" in err and "the longest has 91" in err
+
+
+@pytest.mark.parametrize("base", ["fp16", "lossless", "K16V16"])
+def test_lossless_baseline_is_found_by_its_config(base, monkeypatch):
+    """Any spelling of the lossless config (lowercase, the preset, explicit bits) is the baseline:
+    it runs first and every other config gets its KL and paired gap (only "FP16" had)."""
+    from eval import perplexity
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 97, (1 + 24 + 2 * 4,), generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(perplexity, "start_run", lambda args: (model, None))
+    monkeypatch.setattr(perplexity, "wiki_articles", lambda: FAKE_ARTICLES)
+    monkeypatch.setattr(perplexity, "documents", lambda tok, n, need, skip=0: [ids[:need]])
+    out = perplexity.main(["--config", "K4V2", "--config", base, "--docs", "1", "--context", "24",
+                           "--chunk", "4", "--chunks", "2"])
+    first, lossy = out["results"]
+    assert first["config"] == base == out["baseline"] and "kl_vs_fp16" not in first
+    assert first["ppl_vs_fp16"] == 0.0
+    assert lossy["config"] == "K4V2" and lossy["kl_vs_fp16"] > 0 and "ppl_vs_fp16_ci95" in lossy

@@ -35,6 +35,16 @@ def test_perplexity_plot_needs_an_fp16_row(tmp_path):
         plot.main(["--ppl", ppl, "--out", str(tmp_path)])
 
 
+def test_perplexity_plot_uses_the_named_baseline(tmp_path):
+    """A file whose lossless config was written "lossless" (its ``baseline``) plots against that row."""
+    path = tmp_path / "ppl.json"
+    path.write_text(json.dumps({"args": {"docs": 1}, "baseline": "lossless",
+                                "results": [{"config": "lossless", "ppl": 10.0, "kv_ratio": 2.67},
+                                            {"config": "K8V4", "ppl": 10.1, "kv_ratio": 0.44}]}))
+    made = plot.main(["--ppl", str(path), "--out", str(tmp_path / "png")])
+    assert [p.name for p in made] == ["perplexity_vs_memory.png"]
+
+
 def test_no_inputs_is_a_usage_error():
     with pytest.raises(SystemExit):
         plot.main([])
