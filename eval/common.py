@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from leankit.config import KVConfig, split_overrides
+from leankit.outputs import output_problem
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -37,32 +37,11 @@ def add_run_options(ap) -> None:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
 
 
-def out_problem(path: str | None) -> str | None:
-    """Why results cannot be written to ``path`` (``None`` when they can), found without writing.
-
-    The results are written after the first config is measured, so a path under a file or in a
-    read-only directory would otherwise fail only after minutes of work.
-    """
-    if not path:
-        return None
-    p = Path(path)
-    if p.is_dir():
-        return f"{path} is a directory; give a file name"
-    parent = p.parent
-    while not parent.exists():  # the nearest existing ancestor is where write_json creates folders
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"cannot create {path}: {parent} is a file, not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        return f"cannot write {path}: permission denied"
-    return None
-
-
 def check_run_options(ap, args) -> None:
     """Refuse bad ``--threads``/``--out`` values through ``ap.error``, before the model loads."""
     if args.threads < 0:
         ap.error(f"--threads must be at least 0 (0: torch's default), got {args.threads}")
-    problem = out_problem(args.out)
+    problem = output_problem(args.out)
     if problem:
         ap.error(f"--out: {problem}")
 

@@ -34,22 +34,6 @@ def pyplot(what: str = "drawing a figure"):
     return plt
 
 
-def check_output_path(path: str | Path, flag: str, folder: bool = False) -> Path:
-    """Make sure ``path`` (a file, or with ``folder`` a folder) can be written, before any work:
-    its folder is created if needed; ``ValueError`` naming ``flag`` when it cannot be."""
-    out = Path(path)
-    parent = out if folder else out.parent
-    if not folder and out.is_dir():
-        raise ValueError(f"{flag} {path} is a folder; give a file path")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ValueError(f"{flag} {path}: {parent} or a folder above it is a file") from None
-    except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot create its folder ({err.strerror})") from None
-    return out
-
-
 def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
     """Write ``fig`` to the PNG ``path`` (its folder created if needed) and close it."""
     import matplotlib.pyplot as plt

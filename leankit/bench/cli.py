@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..plotting import check_output_path
+from ..outputs import output_problem
 from .malloc import pin_glibc_malloc
 from .readme import replace_block
 from .text import read_text, text_source
@@ -206,8 +206,9 @@ def _setup(args, block: str):
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     for flag in ("json", "plot"):  # an output that cannot be written fails before the measurement
-        if getattr(args, flag, None):
-            check_output_path(getattr(args, flag), f"--{flag}")
+        problem = output_problem(getattr(args, flag, None))
+        if problem:
+            raise ValueError(f"--{flag}: {problem}")
     if args.text is not None:
         read_text(args.text)  # a missing, empty or binary file fails before the model loads
     if args.write_readme:
@@ -345,7 +346,9 @@ def cmd_plot(args) -> int:
     missing = [f for f in args.files if not Path(f).is_file()]
     if missing:
         raise ValueError(f"no such results file: {', '.join(missing)}")
-    check_output_path(args.out, "--out", folder=True)
+    problem = output_problem(args.out, folder=True)
+    if problem:
+        raise ValueError(f"--out: {problem}")
     for path in plot_files(args.files, args.out):
         print(f"wrote {path}")
     return 0
