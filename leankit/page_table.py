@@ -131,11 +131,13 @@ class BidirectionalPageTable:
         # list's device counters.
         stale = free_list.stale
         parts = [extra.sum(dtype=torch.int64).view(1),
-                 self._overflows(extra).long().view(1)]
+                 self._overflows(extra).long().view(1), (extra < 0).any().long().view(1)]
         values = torch.cat(parts + ([free_list.counters] if stale else [])).tolist()
         if stale:
-            free_list.load(*values[2:])
-        total, overflow = values[0], values[1]
+            free_list.load(*values[3:])
+        total, overflow, negative = values[0], values[1], values[2]
+        if negative:  # the prefix sum would hand the same pages out twice
+            raise ValueError("a page demand is negative: grow only adds pages (shrink gives them back)")
         if total == 0:
             return
         if overflow:

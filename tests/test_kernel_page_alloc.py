@@ -297,3 +297,27 @@ def test_plan_tier_pages_matches_torch(shape, tokens, with_reserve):
     assert int(got[1].sum()) > 0 or len(tokens) == 1, f"seed {seed}: no page moves"
     with pytest.raises(ValueError, match="lens must be"):
         plan_tier_pages(table, layers, lens[..., :0], tokens)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_negative_demand_is_refused_and_changes_nothing(monkeypatch, backend):
+    """A prefix sum over a negative demand would hand the same pages to two heads."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    free, table = FreePageList(20), BidirectionalPageTable(1, 1, 2, 8, "cpu")
+    table.grow(torch.tensor([[[[3, 2]]], [[[0, 0]]]], dtype=torch.int32), free)
+    before = table.tables.clone(), table.n_pages.clone(), free.num_free
+    with pytest.raises(ValueError, match="negative"):
+        table.grow(torch.tensor([[[[-2, 3]]], [[[0, 0]]]], dtype=torch.int32), free)
+    assert torch.equal(table.tables, before[0]) and torch.equal(table.n_pages, before[1]) and free.num_free == before[2]
+
+
+def test_a_deferred_grant_reads_a_negative_demand_as_none():
+    """The deferred kernel grant reads nothing back, so it cannot raise: it grants 0 there, and every
+    page it hands out has one owner."""
+    free, table = FreePageList(20), BidirectionalPageTable(1, 1, 2, 8, "cpu")
+    grow_pages(table, torch.tensor([[[[3, 2]]], [[[0, 0]]]], dtype=torch.int32), free)
+    status = torch.zeros(3, dtype=torch.int64)
+    grow_pages(table, torch.tensor([[[[-2, 3]]], [[[0, 0]]]], dtype=torch.int32), free, status=status, taken=3)
+    assert table.n_pages[0].view(-1).tolist() == [3, 5] and status.tolist() == [0, 0, 0]
+    held = table.tables[table.tables >= 0]
+    assert held.numel() == 8 and held.unique().numel() == 8  # no page twice

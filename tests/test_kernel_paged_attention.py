@@ -399,3 +399,18 @@ def test_decode_step_attention_over_an_empty_cache_and_bad_shapes():
         decode_step_attention(torch.cat([q, q], 2), empty.kv, q_pos, 0.125, k_new, v_new, real)
     with pytest.raises(ValueError, match="one query and one new token"):
         decode_step_attention(q, empty.kv, q_pos, 0.125, k_new[:, :2], v_new, real)
+
+
+@pytest.mark.parametrize("shape,why", [((2, 4, 1, 32), "head_dim=64"), ((2, 5, 1, 64), "multiple of the 2 KV"),
+                                       ((3, 4, 1, 64), "batch=2"), ((2, 1, 1, 64), "multiple of the 2 KV")])
+def test_a_query_the_pages_cannot_serve_raises_before_any_launch(shape, why):
+    """The kernels index pages and output by the layer's shapes: a query that does not match would
+    read or write out of bounds, so the launchers refuse it first (host shapes only)."""
+    gen, _ = testing.fresh_generator()
+    fc = testing.build_paged_kv("K8V4", 2, 2, 64, torch.tensor([20, 9]), generator=gen)
+    q = torch.randn(*shape, generator=gen)
+    q_pos = torch.full(shape[:1] + (1,), 8)
+    with pytest.raises(ValueError, match=why):
+        paged_attention(q, fc.kv, q_pos, 0.1, num_splits=1)
+    with pytest.raises(ValueError, match=why):
+        prefill_attention(q, fc.kv, q_pos, 0.1)

@@ -303,3 +303,47 @@ def test_store_step_tokens_rejects_bad_shapes():
     with pytest.raises(ValueError, match="score"):
         store_step_tokens(pool.storage, lay, k, v, real, rank, q_pos, lens, table, err, score=torch.zeros(5))
     assert torch.equal(pool.storage, before)
+
+
+@pytest.mark.parametrize("where", ["row", "page", "negative row"])
+def test_a_slot_outside_the_pool_raises_and_writes_nothing(where):
+    """As the reference's indexing raises: a row past the page's T slots would land in the next
+    segment (another token's metadata), a page past the pool outside it."""
+    cfg = KVConfig.parse("K8V4")
+    lay = PageLayout.build(cfg, 0, 64, torch.float32)
+    gen, _ = fresh_generator()
+    k = torch.randn(2, 64, generator=gen)
+    page, slot = {"row": ([0, 1], [0, lay.tokens]), "page": ([0, 2], [0, 1]), "negative row": ([1, 0], [-1, 3])}[where]
+    pool = PagePool(2, cfg.page_size)
+    pool.storage.zero_()
+    with pytest.raises(IndexError, match="outside the pool"):
+        quantize_into_pages(pool.storage, lay, torch.tensor(page), torch.tensor(slot), k, k, torch.tensor([5, 6]),
+                            torch.tensor([0.5, 0.5]))
+    assert not pool.storage.any()
+    with pytest.raises(IndexError, match="outside the pool"):
+        dequantize_from_pages(pool.storage, lay, torch.tensor(page), torch.tensor(slot))
+
+
+def test_the_in_step_store_never_writes_past_a_full_row():
+    """store_step_tokens skips a slot past the head's R pages instead of writing the next head's page."""
+    from leankit_kernels.quant import store_step_tokens
+
+    cfg = KVConfig.parse("K8V4")
+    lay = PageLayout.build(cfg, 0, 64, torch.float32)
+    t = lay.tokens
+    gen, _ = fresh_generator()
+    pool = PagePool(2, cfg.page_size)
+    pool.storage.zero_()
+    err = torch.zeros(1, dtype=torch.int32)
+    table = torch.tensor([[[0], [1]]], dtype=torch.int32)  # one page a head
+    kk = torch.randn(1, 2, 1, 64, generator=gen)
+    store_step_tokens(pool.storage, lay, kk, kk, torch.tensor([[True]]), torch.zeros(1, 1, dtype=torch.long),
+                      torch.tensor([[111]], dtype=torch.int32), torch.tensor([[t - 1, 0]], dtype=torch.int32), table,
+                      err, update_lens=False)
+    page1 = pool.storage[1].clone()
+    store_step_tokens(pool.storage, lay, kk, kk, torch.tensor([[True]]), torch.zeros(1, 1, dtype=torch.long),
+                      torch.tensor([[222]], dtype=torch.int32), torch.tensor([[t, 1]], dtype=torch.int32), table, err,
+                      update_lens=False)  # head 0's row is full: its token has nowhere to go
+    assert dequantize_from_pages(pool.storage, lay, torch.tensor([1]), torch.tensor([0]))[3].item() == 111
+    assert dequantize_from_pages(pool.storage, lay, torch.tensor([1]), torch.tensor([1]))[3].item() == 222
+    assert not torch.equal(pool.storage[1], page1)  # head 1's token did land, in its own slot

@@ -140,3 +140,10 @@ def test_decode_begin_step_matches_the_general_path(eos, positions, monkeypatch)
     # row 0 is fed EOS 5 at every step: ending after the first, ended at the second; row 2 is fed
     # EOS 9 once, then a real token, and goes on
     assert caches["triton"].finished.tolist() == [eos, False, False, False]
+
+
+def test_an_empty_batch_still_clears_the_error_flags():
+    """The first program clears the step's flags; an empty batch still runs that one program."""
+    err, status = torch.ones(3, dtype=torch.int32), torch.tensor([1, 40, 3])
+    step_rows(0, torch.zeros(0, dtype=torch.bool), err, status, no_pos=1 << 30)
+    assert err.tolist() == [0, 0, 0] and status.tolist() == [0, 0, 0]

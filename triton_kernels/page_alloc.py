@@ -57,7 +57,7 @@ def _carry(d_ptr, c0, BLOCK: tl.constexpr):
     tot = tl.zeros([BLOCK], tl.int32)
     for s in range(0, c0, BLOCK):
         i = s + tl.arange(0, BLOCK)
-        tot += tl.load(d_ptr + i, mask=i < c0, other=0)
+        tot += tl.maximum(tl.load(d_ptr + i, mask=i < c0, other=0), 0)
     return tl.sum(tot, 0)
 
 
@@ -69,7 +69,9 @@ def _requesters(d_ptr, N, LBH, R, BLOCK: tl.constexpr):
     c0 = tl.program_id(0) * BLOCK
     i = c0 + tl.arange(0, BLOCK)
     m = i < N
-    d = tl.load(d_ptr + i, mask=m, other=0)
+    # A negative demand is read as none: the prefix sum would otherwise hand the same pages out twice
+    # (the eager grant refuses it on the host; a deferred one reads nothing back).
+    d = tl.maximum(tl.load(d_ptr + i, mask=m, other=0), 0)
     excl = _carry(d_ptr, c0, BLOCK) + tl.cumsum(d, 0) - d
     return i, m, d, excl, i // LBH, (i % LBH).to(tl.int64) * R
 
@@ -176,7 +178,7 @@ def _demand(extra_ptr, lens_ptr, npages_ptr, nnew_ptr, i, m, BH, H, T, TOKENS: t
     """Pages requester ``i`` is granted: ``extra[i]``, or with ``TOKENS`` :func:`_token_demand`."""
     if TOKENS:
         return _token_demand(lens_ptr, npages_ptr, nnew_ptr, i, m, BH, H, T)
-    return tl.load(extra_ptr + i, mask=m, other=0)
+    return tl.maximum(tl.load(extra_ptr + i, mask=m, other=0), 0)  # (negative: none, as in _requesters)
 
 
 @triton.jit

@@ -128,7 +128,9 @@ def _token_slots(page_ptr, slot_ptr, n, BLOCK_N: tl.constexpr):
     page = tl.load(page_ptr + tok, mask=valid, other=0).to(tl.int64)
     row = tl.load(slot_ptr + tok, mask=valid, other=0).to(tl.int64)
     # A negative page id marks a token that is not written (padding, or a slot whose page the
-    # step could not get): the host never has to filter tokens (no host sync).
+    # step could not get): the host never has to filter tokens (no host sync). Rows are taken as
+    # inside the page (check_slots proves it on the eager path; the cache's come from its table):
+    # a bound here costs the K4V2 variant a spill on sm_90a.
     valid = valid & (page >= 0)
     return tok, valid, page, row
 
@@ -200,6 +202,9 @@ def _store_step_kernel(k_ptr, v_ptr, skb, skh, skq, svb, svh, svq, real_ptr, srb
     bh = b * H + h
     lens = tl.load(lens_ptr + bh, mask=inb, other=0)
     slot = lens + tl.load(rank_ptr + b * sxb + h * sxh + q * sxq, mask=keep, other=0).to(tl.int32)
+    # The host proves rows fit before a step (BidirectionalPageTable.check_rows / grow); a slot past
+    # the row's R pages would read a neighbouring head's column, so it is never written.
+    keep = keep & (slot < R * TIER.T)
     page, row = tiles.slot_pages(tab_ptr + bh * R, slot, keep, R, TIER.T, LOW)
     # A page the step could not get is -1 in the table: the token is skipped (the step's refused
     # grant raises at its end), as in quantize_into_pages.
@@ -251,6 +256,18 @@ def quant_block_n(head_dim: int) -> int:
     return max(8, min(32, 2048 // head_dim))
 
 
+def check_slots(page: torch.Tensor, slot: torch.Tensor, tokens: int, num_pages: int) -> None:
+    """Raise ``IndexError`` (as the reference's indexing does) where a written token's slot is not a
+    row of a page of the pool: a page id >= ``num_pages`` or a row outside ``[0, tokens)``. One host
+    read, on the eager path only (the cache's own slots come from its page table)."""
+    written = page >= 0
+    bad = written & ((page >= num_pages) | (slot < 0) | (slot >= tokens))
+    if page.numel() and bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"token {i}: slot (page {int(page[i])}, row {int(slot[i])}) is outside the pool "
+                         f"({num_pages} pages of {tokens} rows)")
+
+
 def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.Tensor, slot: torch.Tensor,
                         k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor,
                         *, block_n: int | None = None, err: torch.Tensor | None = None) -> None:
@@ -294,6 +311,7 @@ def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.T
     eager = err is None
     if eager:
         err = torch.zeros(1, dtype=torch.int32, device=dev)
+        check_slots(page, slot, layout.tokens, storage.shape[0])
     elif err.dtype != torch.int32 or err.numel() < 1 or err.device != dev:
         raise ValueError(f"err must be an int32 flag on {dev}, got {err.dtype} [{err.numel()}] on {err.device}")
     bn = block_n or quant_block_n(f)
@@ -389,6 +407,7 @@ def dequantize_from_pages(storage: torch.Tensor, layout: PageLayout, page: torch
     slot = slot.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
     n, f = page.numel(), layout.head_dim
     check_head_dim(f)
+    check_slots(page, slot, layout.tokens, storage.shape[0])
     k = tiles.empty((n, f), dtype=torch.float32, device=dev)
     v = torch.empty_like(k)
     score = tiles.empty(n, dtype=torch.float32, device=dev)

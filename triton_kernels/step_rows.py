@@ -173,7 +173,8 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
     ending_flags = fin if not has_eos else \
         flag_bytes(ending.contiguous()) if ending is not None else torch.zeros_like(fin)
     eos = eos.contiguous()
-    kernel_for(_step_rows_kernel, dev)[(cdiv(batch, block),)](
+    # at least one program: the first clears the error flags even for an empty batch
+    kernel_for(_step_rows_kernel, dev)[(max(1, cdiv(batch, block)),)](
         mask, mask.stride(0) if attention_mask is not None else 0, tok, tok.stride(0) if has_eos else 0, eos,
         n_eos, eos.numel() if has_eos else 0, fin, ending_flags, pos, pos.stride(0) if position_ids is not None else 0,
         seen, out["real"].view(torch.uint8), out["rank"], out["n_new"], out["q_pos"], out["q_pos64"], out["q_first"],

@@ -503,9 +503,16 @@ def layer_launch(q: torch.Tensor, kv):
     """
     check_head_dim(q.shape[-1])
     tables, n_pages, lens, stride_tier = layer_views(kv)
+    # Shapes only (host ints, no device read): the kernels index the pages and the output by them,
+    # so a query the layer cannot serve would read or write out of bounds instead of raising.
+    batch, kv_heads = tables.shape[0], tables.shape[1]
+    if q.dim() != 4 or q.shape[0] != batch or q.shape[1] < kv_heads or q.shape[1] % kv_heads \
+            or q.shape[-1] != kv.layouts[0].head_dim:
+        raise ValueError(f"query {list(q.shape)} does not fit this layer's pages: it needs [batch={batch}, a "
+                         f"multiple of the {kv_heads} KV heads, Q, head_dim={kv.layouts[0].head_dim}]")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    return q, tables, n_pages, lens, stride_tier, q.shape[1] // tables.shape[1], tier_args(kv.layouts)
+    return q, tables, n_pages, lens, stride_tier, q.shape[1] // kv_heads, tier_args(kv.layouts)
 
 
 def page_counts(n_pages: torch.Tensor, has_low: bool) -> tuple[int, int, int, int]:
