@@ -221,9 +221,11 @@ def test_throughput_refuses_a_bad_request_count_before_any_model_work(requests, 
 
 def test_throughput_ceiling_runs_dynamic_cache_at_the_largest_lean_batch():
     model, tok = _tiny_lm()
-    res = throughput.run(model, tok, requests=4, prompt_range=(9, 14), output_range=(2, 5), kvs=("K8V4",),
-                         quantized=False, progress=False, ceiling=True)
+    # small pages and longer prompts, so the LeanCache batch exceeds DynamicCache's (what a ceiling needs)
+    res = throughput.run(model, tok, requests=12, prompt_range=(40, 50), output_range=(2, 3),
+                         kvs=("K8V4:page_size=256",), quantized=False, progress=False, ceiling=True)
     top, lean = res["ceiling"], res["caches"][1]
+    assert lean["batch"] > res["caches"][0]["batch"]
     assert top["batch"] == lean["batch"] and top["tokens"] == res["requested_tokens"]
     assert top["tokens_per_s_ratio"] == top["tokens_per_s"] / res["caches"][0]["tokens_per_s"]
     assert f"at batch {top['batch']}" in throughput.notes(res)
@@ -440,3 +442,25 @@ def test_pinned_malloc_reuses_a_freed_block_instead_of_faulting_it_in_again():
     reused, note = probe("pin")
     assert none == "None" and note.startswith("Allocator: glibc")
     assert min(fresh[-3:]) > 8000 and max(reused[-3:]) < 1000, (fresh, reused)
+
+
+def test_rows_whose_sliding_window_layers_fill_the_budget_do_not_run():
+    """Gemma3's plain sliding-window layers count against the budget: rows that leave no page for
+    the pool do not fit (the verify step asked for batch + 1 rows and got a pool of 0 pages)."""
+    model = tiny_model("gemma3", seed=1)
+    prompt, new = torch.arange(5, 5 + 20) % 90 + 4, 3
+    kind = throughput.LeanKind("K8V4")
+    plain = throughput.plain_row_bytes(model, len(prompt) + new)
+    budget = 3 * plain + kind.cfg.page_size // 2
+    assert kind.pool_pages(model, budget, len(prompt) + new, 4) == 0
+    assert kind.runs(model, budget, prompt, new, 0, 4) is False
+
+
+def test_no_ceiling_run_where_no_leancache_batch_beats_dynamic_cache():
+    """FP16 pages of an fp32 model hold fewer rows than DynamicCache: DynamicCache "over the budget"
+    at that batch would be under it, so the run says so instead of mislabelling it."""
+    model, tok = _tiny_lm()
+    res = throughput.run(model, tok, requests=3, prompt_range=(9, 14), output_range=(2, 3), kvs=("FP16",),
+                         quantized=False, progress=False, ceiling=True)
+    assert res["caches"][1]["batch"] <= res["caches"][0]["batch"]
+    assert res["ceiling"] is None and any(n.startswith("no ceiling run") for n in res["notes"])

@@ -249,6 +249,8 @@ class LeanKind:
         """Whether ``rows`` rows of the longest request run in the fixed pool without exhausting it."""
         from ..allocator import PoolExhausted
 
+        if self.pool_pages(model, budget, len(longest) + new_tokens, rows) < 1:
+            return False  # the rows' sliding-window layers alone take the whole budget
         cache = self.make(model, budget, len(longest) + new_tokens, rows)
         try:
             generate(model, cache, [longest] * rows, new_tokens, pad)
@@ -389,8 +391,11 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
     bar.close()
     base = caches[0]
     top = None
-    if ceiling:
-        batch = max(c["batch"] for c in caches[1:]) if len(caches) > 1 else base["batch"]
+    batch = max(c["batch"] for c in caches[1:]) if len(caches) > 1 else base["batch"]
+    if ceiling and batch <= base["batch"]:
+        notes.append(f"no ceiling run: no LeanCache batch ({batch}) exceeds DynamicCache's own ({base['batch']}), "
+                     "so DynamicCache over the budget would be DynamicCache within it")
+    elif ceiling:
         bar = tqdm(total=n, desc="ceiling: DynamicCache over the budget", unit="req", leave=False,
                    disable=not progress)
         out = serve(model, kinds[0], reqs, batch, budget, pad, bar)
