@@ -147,14 +147,19 @@ def padding_mask_of(mask: torch.Tensor, past: int, q_len: int) -> torch.Tensor:
     seen = mask == 0 if mask.is_floating_point() else mask.bool()
     row = seen[:, 0]
     i = torch.arange(q_len, device=mask.device)
-    new = row[:, i, past + i]  # [B, Q]: a new token is real when it sees itself
-    padding = torch.cat([row[:, :, :past].any(1), new], 1)
     n = past + q_len
     causal = torch.arange(n, device=mask.device) <= (past + i).unsqueeze(1)  # [Q, n]
+    # A query row that sees every key, later ones included, is a padding row some mask builders
+    # "unmask" (so SDPA meets no all-masked row): it says nothing about which keys are real. Any
+    # other row that sees a later key is not causal, and refused below.
+    future = (row[..., :n] & ~causal).any(-1)  # [B, Q]
+    unmasked = future & row[..., :n].all(-1)
+    new = row[:, i, past + i] & ~future  # a new token is real when it sees itself
+    padding = torch.cat([(row[:, :, :past] & ~future.unsqueeze(-1)).any(1), new], 1)
     expected = causal & padding.unsqueeze(1)
     # compared on the real queries only (what a padding query sees differs between mask builders)
     bad = (seen[..., :n] != expected.unsqueeze(1)) | seen[..., n:].any(-1, keepdim=True)
-    if bool((bad & new[:, None, :, None]).any()):
+    if bool((bad & new[:, None, :, None]).any()) or bool((future & ~unmasked).any()):
         raise ValueError("LeanCache reads a 4-D attention mask as the causal mask of padding, and this one is "
                          "not (packed or block-diagonal sequences, per-head or prefix-LM masks): later steps would "
                          "see tokens the mask hides; pass the 2-D padding mask, or use DynamicCache for custom masks")
@@ -530,6 +535,17 @@ class LeanCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ------------------------------------------------------------------ step protocol
+    def padding_mask(self, attention_mask, batch: int, q_len: int):
+        """The step's mask as the cache reads it: a 2-D mask (or None) as given; a 4-D mask as the
+        ``[batch, seen + q_len]`` padding mask whose causal mask it is (:func:`padding_mask_of`,
+        which refuses any other), a batch-broadcast ``[1, 1, q, k]`` one repeated for every row."""
+        if attention_mask is None or attention_mask.dim() != 4:
+            return attention_mask
+        padding = padding_mask_of(attention_mask, self._seen, q_len)
+        if padding.shape[0] not in (1, batch):
+            raise ValueError(f"a 4-D attention mask for a batch of {batch} rows has {padding.shape[0]}")
+        return padding.expand(batch, -1).contiguous()
+
     @inference_only
     def begin_step(self, batch: int, q_len: int, attention_mask=None, position_ids=None,
                    input_ids=None) -> torch.Tensor:
@@ -540,8 +556,7 @@ class LeanCache(Cache):
         fresh as it was, not bound to that step's batch size.
         """
         fresh = self.table is None
-        if attention_mask is not None and attention_mask.dim() == 4:  # checked before the step opens
-            attention_mask = padding_mask_of(attention_mask, self._seen, q_len)
+        attention_mask = self.padding_mask(attention_mask, batch, q_len)  # checked before the step opens
         self._hw_before = self._hw_tokens  # what a dropped step restores (the kernels' grid bounds)
         try:
             return self._begin_step(batch, q_len, attention_mask, position_ids, input_ids)

@@ -155,10 +155,12 @@ def _pre_hook(module, args, kwargs):
     ref = input_ids if input_ids is not None else embeds
     position_ids = _arg("position_ids", args, kwargs, params)
     mask = _arg("attention_mask", args, kwargs, params)
-    if isinstance(mask, dict):  # masks an outer model built per layer type: its 2-D padding mask instead
+    if isinstance(mask, dict):  # masks an outer model built per layer type: the mask it was called with
         outer = _PADDING_MASK.get()
-        mask = outer if outer is not None and outer.shape[0] == ref.shape[0] and outer.shape[1] >= ref.shape[1] \
-            else None
+        mask = outer if outer is not None and outer.shape[0] in (1, ref.shape[0]) and \
+            outer.shape[-1] >= ref.shape[1] else None
+    if isinstance(mask, torch.Tensor):  # a 4-D mask read as its padding (refused if it is not one)
+        mask = cache.padding_mask(mask, ref.shape[0], ref.shape[1])
     if position_ids is None and module._leankit_mask_positions and mask is not None and mask.dim() == 2:
         # OPT's own default: positions count the real tokens of the row (left padding starts at 0).
         # Pad tokens get 0 instead of OPT's -1; they are never stored, so real tokens are unchanged.
@@ -193,7 +195,7 @@ def _failure_hook(module, args, kwargs, output):
 
 def _outer_pre_hook(module, args, kwargs):
     mask = _arg("attention_mask", args, kwargs, module._leankit_params)
-    _PADDING_MASK.set(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+    _PADDING_MASK.set(mask if isinstance(mask, torch.Tensor) and mask.dim() in (2, 4) else None)
 
 
 def _outer_post_hook(module, args, kwargs, output):
@@ -210,9 +212,11 @@ def enable(model):
     check_model_supported(model.config)
     AttentionInterface.register(ATTN_NAME, leankit_attention)
     AttentionMaskInterface.register(ATTN_NAME, leankit_mask)
-    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
-        model.set_attn_implementation(ATTN_NAME)
     dec = _decoder(model)
+    # the decoder's own config too: a composite model's text config can be switched on its own
+    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME or \
+            getattr(dec.config, "_attn_implementation", ATTN_NAME) != ATTN_NAME:
+        model.set_attn_implementation(ATTN_NAME)
     if not getattr(dec, _HOOKED, False):
         dec._leankit_params = list(inspect.signature(dec.forward).parameters)
         # OPT derives missing positions from the padding mask, Llama-family models from the cache length.

@@ -176,30 +176,83 @@ def _causal_4d(mask2d: torch.Tensor, q_len: int, additive: bool) -> torch.Tensor
     return torch.zeros(seen.shape, dtype=torch.float32).masked_fill(~seen, torch.finfo(torch.float32).min)[:, None]
 
 
+def _mask_steps(model, ids, mask, four_d, cache, additive=True, positions=True, steps=3):
+    """Logits of a prompt and ``steps - 1`` greedy steps, each called with the 2-D mask or its 4-D
+    causal mask (and the rows' positions, unless ``positions`` is off)."""
+    p = (mask.cumsum(1) - 1).clamp_min(0) if positions else None
+    m, x, out = mask, ids, []
+    with torch.no_grad():
+        for _ in range(steps):
+            kw = {"attention_mask": _causal_4d(m, x.shape[1], additive) if four_d else m}
+            if p is not None:
+                kw["position_ids"] = p
+                p = p[:, -1:] + 1
+            out.append(model(x, **kw, **cache_kwargs(model, cache)).logits[:, -1])
+            x = out[-1].argmax(-1, keepdim=True)
+            m = torch.cat([m, torch.ones(m.shape[0], 1, dtype=m.dtype)], 1)
+    return torch.stack(out)
+
+
+def _image_text_gemma3():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from leankit.testing import tiny_config
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    # a window longer than the tests' sequences: one 4-D mask serves every layer type (transformers)
+    cfg = Gemma3Config(text_config=tiny_config("gemma3", sliding_window=64).to_dict(), vision_config=vision.to_dict(),
+                       mm_tokens_per_image=4, image_token_index=96, boi_token_index=94, eoi_token_index=95)
+    return Gemma3ForConditionalGeneration(cfg).eval()
+
+
 @pytest.mark.parametrize("kv", ["FP16", "K8V4"])
 @pytest.mark.parametrize("additive", [True, False])
-def test_a_4d_padding_mask_is_read_as_its_padding(kv, additive):
-    """A causal-plus-padding 4-D mask stores the same tokens and gives the same logits as its 2-D mask."""
-    model = tiny_model("llama-gqa")
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt", "image-text"])
+def test_a_4d_padding_mask_is_read_as_its_padding(kv, additive, kind):
+    """A causal-plus-padding 4-D mask stores the same tokens and gives the same logits as its 2-D mask:
+    on a plain decoder, on OPT with no positions given (they come from the padding), and on an
+    image-text model whose decoder is handed the masks the outer model built."""
+    model = _image_text_gemma3() if kind == "image-text" else tiny_model(kind)
     ids, mask = left_padded_batch(rows=3, width=11)
-    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    positions = kind != "opt"
     logits = []
     for four_d in (False, True):
         cache = leankit.LeanCache(model, kv)
-        m, p, x, steps = mask, pos, ids, []
-        with torch.no_grad():
-            for _ in range(3):
-                am = _causal_4d(m, x.shape[1], additive) if four_d else m
-                out = model(x, attention_mask=am, position_ids=p, **cache_kwargs(model, cache)).logits[:, -1]
-                steps.append(out)
-                x = out.argmax(-1, keepdim=True)
-                m = torch.cat([m, torch.ones_like(x)], 1)
-                p = p[:, -1:] + 1
-        logits.append(torch.stack(steps))
-        if four_d:
-            assert cache.memory_report()["tokens_per_row"] == (mask.sum(1) + 2).tolist()  # padding not stored
+        logits.append(_mask_steps(model, ids, mask, four_d, cache, additive, positions))
+        assert cache.memory_report()["tokens_per_row"] == (mask.sum(1) + 2).tolist()  # padding not stored
     # bool: bit-equal; additive: SDPA adds the float mask to the scores (another kernel path), ~1e-7 apart
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-6 if additive else 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_batch_broadcast_4d_mask_serves_every_row(monkeypatch, backend):
+    """``[1, 1, q, k]`` (one mask for the batch) is every row's padding, on the decode path of either backend."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(1, 7, dtype=torch.long)
+    ref = _mask_steps(model, ids, mask.expand(2, -1), False, leankit.LeanCache(model, "K8V4"), positions=False)
+    got = _mask_steps(model, ids, mask, True, leankit.LeanCache(model, "K8V4"), positions=False)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    cache = leankit.LeanCache(model, "K8V4")
+    with torch.no_grad(), pytest.raises(ValueError, match="batch of 2 rows has 3"):
+        model(ids, attention_mask=_causal_4d(torch.ones(3, 7, dtype=torch.long), 7, True), **cache_kwargs(model, cache))
+
+
+def test_padding_rows_a_mask_builder_unmasked_are_read_as_padding():
+    """Some builders let an all-masked padding query see every key (so SDPA meets no empty row): those
+    rows are padding; a row that sees some later keys but not all is not causal and is refused."""
+    from leankit.cache import padding_mask_of
+
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    seen = _causal_4d(mask, 5, additive=False)
+    seen[0, 0, :2] = True  # rows 0 and 1 of the padded row see every key
+    assert padding_mask_of(seen, 0, 5).tolist() == mask.tolist()
+    inverted = ~_causal_4d(mask, 5, additive=False)
+    with pytest.raises(ValueError, match="causal mask of padding"):
+        padding_mask_of(inverted, 0, 5)
 
 
 def test_a_4d_mask_that_is_not_padding_is_refused_and_leaves_the_cache_fresh():
@@ -232,3 +285,18 @@ def test_switching_the_attention_implementation_after_the_cache_is_built_is_a_cl
         out = model.generate(ids, max_new_tokens=3, do_sample=False, **cache_kwargs(model, cache))
         ref = model.generate(ids, max_new_tokens=3, do_sample=False, **cache_kwargs(model, DynamicCache()))
     assert out.tolist() == ref.tolist()
+
+
+def test_enable_switches_an_image_text_models_decoder_back():
+    """The decoder's own (text) config can be switched alone; enable switches it back, as the error
+    raised meanwhile says."""
+    model = _image_text_gemma3()
+    cache = leankit.LeanCache(model, "K8V4")
+    model.set_attn_implementation({"text_config": "sdpa"})
+    ids = torch.randint(3, 90, (1, 6))
+    with torch.no_grad(), pytest.raises(ValueError, match="attention implementation is 'sdpa'"):
+        model(ids, **cache_kwargs(model, cache))
+    leankit.enable(model)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 6

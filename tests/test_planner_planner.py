@@ -246,3 +246,28 @@ def test_cli_detect_on_this_machine(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and prof.exists()
     assert "R^2" in out and "activation_cache   declined" in out and "grouped-query attention" in out
+
+
+def test_a_config_dict_without_layer_types_gets_its_class_layer_types():
+    """A config.json often leaves the layer types to its config class (Gemma3's sliding-window
+    pattern, Qwen2's max_window_layers): planned as the model runs, not every layer sliding."""
+    from leankit.planner import from_hf_config
+
+    gemma = dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
+                 sliding_window_pattern=6)
+    spec = from_hf_config(gemma)
+    assert spec.cache_layers == 4 and spec.sliding_layers == tuple(i for i in range(26) if (i + 1) % 6)
+    qwen = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, sliding_window=32768,
+                use_sliding_window=True, max_window_layers=21)
+    assert from_hf_config(qwen).sliding_layers == (21, 22, 23)
+    assert from_hf_config({**qwen, "use_sliding_window": False}).sliding_layers == ()
+
+
+def test_allowed_takes_kv_config_objects_and_refuses_one_with_activations():
+    from leankit.config import KVConfig
+
+    assert Allowed(kv_configs=(KVConfig.parse("K8V4"),)).kv_configs[0].label() == "K8V4"
+    with pytest.raises(ValueError, match="the planner chooses it itself"):
+        Allowed(kv_configs=(KVConfig.parse("K8V4:act=0.5"),))

@@ -325,14 +325,30 @@ def from_hf_config(cfg: Any, name: str | None = None) -> ModelSpec:
     torch_dtype = str(_get(cfg, "dtype", "torch_dtype", default="float16"))
     dtype_bytes = 4 if "float32" in torch_dtype else 2
     label = name or _get(cfg, "_name_or_path", "name_or_path", default=None) or model_type or "hf-model"
-    types = attention_layer_types({**cfg, "num_hidden_layers": int(layers)}) if isinstance(cfg, dict) else \
-        [FULL_ATTENTION] * int(layers)
+    types = _layer_types(cfg, model_type, int(layers)) if isinstance(cfg, dict) else [FULL_ATTENTION] * int(layers)
     sliding = tuple(i for i, t in enumerate(types) if t == SLIDING_ATTENTION)
     return ModelSpec(name=str(label), num_layers=int(layers), hidden=int(hidden), num_heads=int(heads),
                      num_kv_heads=int(kv_heads), head_dim=int(head_dim), intermediate=int(inter), vocab=int(vocab),
                      tied_embeddings=tied, gated_mlp=gated, bias=bias, max_positions=max_pos,
                      dtype_bytes=dtype_bytes, sliding_layers=sliding,
                      sliding_window=int(_get(cfg, "sliding_window", default=0) or 0) if sliding else 0)
+
+
+def _layer_types(cfg: dict, model_type: str, layers: int) -> list[str]:
+    """Attention type of every layer of a config dict. A ``config.json`` often leaves ``layer_types``
+    to its config class (Gemma3's ``sliding_window_pattern``, Qwen2's ``max_window_layers``), so the
+    class transformers registers for ``model_type`` derives them when the dict has none."""
+    if not cfg.get("layer_types") and model_type:
+        try:
+            from transformers import AutoConfig
+
+            fields = {k: v for k, v in cfg.items() if k != "model_type"}
+            derived = getattr(AutoConfig.for_model(model_type, **fields), "layer_types", None)
+        except (ValueError, TypeError, KeyError):  # a model type transformers does not know
+            derived = None
+        if derived and len(derived) == layers:
+            return list(derived)
+    return attention_layer_types({**cfg, "num_hidden_layers": layers})
 
 
 ModelSpec.from_hf_config = staticmethod(from_hf_config)  # type: ignore[attr-defined]

@@ -133,9 +133,9 @@ class Allowed:
         for kv in self.kv_configs:
             if kv is None:
                 continue
-            KVConfig.parse(kv)  # raises with the grammar on a bad spec
-            given = split_overrides(resolve(kv))[1]
-            if "act" in given or "act_order" in given:
+            cfg = KVConfig.parse(kv)  # raises with the grammar on a bad spec
+            given = split_overrides(resolve(kv))[1] if isinstance(kv, str) else {}
+            if cfg.act or "act" in given or "act_order" in given:
                 # The byte model prices every token as K/V; the ACT share and order are the planner's own
                 # choice (activation_cache / kvpr), written into the cache it builds (cache_settings).
                 raise ValueError(f"KV config {kv!r} sets the activation share: the planner chooses it itself "
