@@ -253,14 +253,14 @@ def test_a_config_dict_without_layer_types_gets_its_class_layer_types():
     pattern, Qwen2's max_window_layers): planned as the model runs, not every layer sliding."""
     from leankit.planner import from_hf_config
 
-    gemma = dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-                 num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
-                 sliding_window_pattern=6)
+    gemma = {"model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+             "sliding_window": 512, "sliding_window_pattern": 6}
     spec = from_hf_config(gemma)
     assert spec.cache_layers == 4 and spec.sliding_layers == tuple(i for i in range(26) if (i + 1) % 6)
-    qwen = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, sliding_window=32768,
-                use_sliding_window=True, max_window_layers=21)
+    qwen = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+            "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "sliding_window": 32768,
+            "use_sliding_window": True, "max_window_layers": 21}
     assert from_hf_config(qwen).sliding_layers == (21, 22, 23)
     assert from_hf_config({**qwen, "use_sliding_window": False}).sliding_layers == ()
 
