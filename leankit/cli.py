@@ -135,6 +135,9 @@ def cmd_generate(args) -> int:
     model, tok = leankit.load_model(args.model)
     prompts = args.prompt or [DEFAULT_PROMPT]
     if args.chat:
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"--chat: {args.model} has no chat template (a base model, not an instruct one); "
+                             "drop --chat to continue the prompt as plain text")
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                    for p in prompts]
     tok.padding_side = "left"

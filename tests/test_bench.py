@@ -464,3 +464,10 @@ def test_no_ceiling_run_where_no_leancache_batch_beats_dynamic_cache():
                          quantized=False, progress=False, ceiling=True)
     assert res["caches"][1]["batch"] <= res["caches"][0]["batch"]
     assert res["ceiling"] is None and any(n.startswith("no ceiling run") for n in res["notes"])
+
+
+def test_a_run_with_its_own_ranges_is_labelled_a_custom_mix():
+    res = {"mix": "decode-heavy", "prompt_range": [512, 1024], "output_range": [128, 256]}
+    assert throughput.mix_label(res) == "decode-heavy mix"
+    assert throughput.mix_label({**res, "output_range": [2, 3]}) == "custom mix"
+    assert throughput.mix_label({**res, "mix": "prefill-heavy"}) == "custom mix"

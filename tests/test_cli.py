@@ -125,3 +125,10 @@ def test_an_infinite_temperature_is_refused(tiny, capsys):
     """An infinite temperature samples uniformly: not a decoding anyone asks for."""
     assert main(["generate", "--model", "tiny", "--temperature", "inf"]) == 2
     assert "--temperature must be a finite number > 0" in capsys.readouterr().err and not tiny
+
+
+def test_chat_on_a_model_without_a_chat_template_says_to_drop_it(tiny, capsys):
+    assert tiny_tokenizer().chat_template is None
+    assert main(["generate", "--model", "tiny", "--chat", "--max-new-tokens", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template" in err and "drop --chat" in err and "Traceback" not in err

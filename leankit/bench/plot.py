@@ -75,8 +75,9 @@ def plot_throughput(results: dict, title: str = ""):
     ax_t.set_xlabel("wall time (s)")
     ax_t.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     budget = results.get("budget_bytes")
-    mix = results.get("mix", "")
-    head = f"{mix} mix, {results.get('requests', '?')} requests"
+    from .throughput import mix_label
+
+    head = f"{mix_label(results)}, {results.get('requests', '?')} requests"
     if budget:
         head += f", KV budget {budget / 2**20:.1f} MiB"
     fig.suptitle(f"{title}: {head}" if title else head, fontsize=10)

@@ -410,9 +410,19 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
                 budget_bytes=budget, seed=seed, text=text_source(text_path), caches=caches, notes=notes, ceiling=top)
 
 
+def mix_label(res: dict) -> str:
+    """``"<mix> mix"`` when the run used that mix's own ranges, else ``"custom mix"`` (ranges overridden)."""
+    mix = res.get("mix", "")
+    own = MIXES.get(mix)
+    ranges = (tuple(res.get("prompt_range") or ()), tuple(res.get("output_range") or ()))
+    if own is None or ranges != (tuple(own[0]), tuple(own[1])):
+        return "custom mix"
+    return f"{mix} mix"
+
+
 def summary(res: dict) -> str:
     """The budget and the mix, in one line."""
-    return (f"budget {res['budget_bytes']} bytes ({_fmt_bytes(res['budget_bytes'])}); {res['mix']} mix: "
+    return (f"budget {res['budget_bytes']} bytes ({_fmt_bytes(res['budget_bytes'])}); {mix_label(res)}: "
             f"{res['requests']} requests, prompts {res['prompt_range'][0]}-{res['prompt_range'][1]} tokens, "
             f"outputs {res['output_range'][0]}-{res['output_range'][1]} tokens ({res['requested_tokens']} "
             f"requested tokens in all, seed {res['seed']}{_text_note(res)})")
