@@ -36,9 +36,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_t
 # prompt, whose compressed layers read no attention mask (they attend over pages with the step's
 # own real flags and positions, LeanCache.begin_step).
 _FULL_MASK_UNUSED = contextvars.ContextVar("leankit_full_mask_unused", default=False)
-# The 2-D padding mask the whole model was called with. A composite model (Gemma3's image-text
-# model) builds its per-layer-type masks itself and hands its decoder a dict of them, where the
-# cache needs the rows' padding: the pre-hook on the outer model keeps the 2-D one here.
+# The mask the whole model was called with (2-D, or 4-D read as its padding). A composite model
+# (Gemma3's image-text model) builds its per-layer-type masks itself and hands its decoder a dict
+# of them, where the cache needs the rows' padding: the pre-hook on the outer model keeps it here.
 _PADDING_MASK = contextvars.ContextVar("leankit_padding_mask", default=None)
 
 
@@ -226,7 +226,7 @@ def enable(model):
         dec.register_forward_hook(_failure_hook, with_kwargs=True, always_call=True)
         setattr(dec, _HOOKED, True)
     if dec is not model and not getattr(model, _HOOKED, False):
-        # the outer model's 2-D padding mask, for a decoder that is handed per-layer-type masks
+        # the mask the outer model was called with, for a decoder that is handed per-layer-type masks
         model._leankit_params = list(inspect.signature(model.forward).parameters)
         model.register_forward_pre_hook(_outer_pre_hook, with_kwargs=True)
         model.register_forward_hook(_outer_post_hook, with_kwargs=True, always_call=True)

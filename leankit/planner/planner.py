@@ -530,8 +530,7 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
                 # A sliding-window layer: its window of dense K/V stays on the device, nothing moves
                 # but the next layer's weights.
                 self.m, self.n_gpu, self.n_host, self.res_act, self.q = 1, window_tok, 0.0, 0.0, 0.0
-                wbytes = w16 if res_layer else wq
-                self.lin = max(2 * B * P / hw.gpu_flops, wbytes / hw.gpu_mem_bw)
+                self.lin = fwd(window_tok, 1, res_layer)[0]  # the matmuls as any layer's; attention below
                 self.attn = max(model.attention_flops(1) * window_tok / hw.gpu_flops,
                                 window_tok * model.kv_bytes_per_token(None) / hw.gpu_mem_bw)
                 self.store = (0.0, 0.0)
