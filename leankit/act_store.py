@@ -256,7 +256,9 @@ class ActStore:
     # -------------------------------------------------------------- step
     def _weights_key(self) -> tuple:
         """Which tensors the compressed layers and the rotary tables hold now, and their in-place
-        versions: a ``load_state_dict``, ``model.to(dtype)`` or in-place edit changes it."""
+        versions: a ``load_state_dict``, ``model.to(dtype)`` or in-place edit changes it. An edit
+        through ``.data`` does not: autograd gives ``.data`` its own version counter, and comparing
+        the weights' values at every prompt would cost a read of every K/V projection (README)."""
         base, layers = _decoder_layers(self._model)
         tensors = [t for g in self.compressed for t in layers[g].parameters()]
         tensors += [t for name, child in base.named_children() if "rotary" in name for t in child.buffers()]

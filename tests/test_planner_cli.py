@@ -149,3 +149,21 @@ def test_the_infeasible_memory_message_adds_up(capsys):
     assert not p.feasible
     total, *parts = (float(x) for x in re.findall(r"([0-9.]+) GiB", p.infeasible_reason)[:5])
     assert "reserve" in p.infeasible_reason and abs(sum(parts) - total) <= 0.25
+
+
+def test_a_need_just_over_the_memory_does_not_print_as_the_memory():
+    """A GPU a little too small: the message shows a need larger than the memory, to enough digits."""
+    import re
+
+    from leankit.planner.planner import _gib_pair
+
+    assert _gib_pair(1.216 * GiB, 1.2 * GiB) == ("1.22", "1.20")
+    assert _gib_pair(2 * GiB, 1 * GiB) == ("2.0", "1.0")
+    assert _gib_pair(1.0 * GiB, 1.2 * GiB) == ("1.0", "1.2")  # a need within the memory keeps one digit
+    ok = plan("opt-6.7b", get_hardware("rtx4090"), Workload(4, 512, 32), Allowed(), Limits(gpu_mem=1.5 * GiB))
+    need = float(re.search(r"GPU needs ([0-9.]+) GiB", ok.infeasible_reason).group(1)) * GiB
+    p = plan("opt-6.7b", get_hardware("rtx4090"), Workload(4, 512, 32), Allowed(), Limits(gpu_mem=need - 0.004 * GiB))
+    assert not p.feasible
+    shown_need, shown_cap = (float(x) for x in re.search(r"GPU needs ([0-9.]+) GiB.*has ([0-9.]+) GiB",
+                                                         p.infeasible_reason).groups())
+    assert shown_need > shown_cap, p.infeasible_reason

@@ -373,6 +373,16 @@ def _shortfall(need: float, cap: float) -> float:
     return need / cap if cap > 0 else math.inf
 
 
+def _gib_pair(need: float, have: float) -> tuple[str, str]:
+    """``need`` and ``have`` in GiB, with as many decimals (1 to 4) as it takes for a need that
+    exceeds what is had not to print as the same number ("needs 1.2 GiB, has 1.2 GiB")."""
+    for digits in range(1, 5):
+        a, b = f"{need / GiB:.{digits}f}", f"{have / GiB:.{digits}f}"
+        if a != b or need <= have:
+            break
+    return a, b
+
+
 def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_host):
     """GPU and host memory accounting. Returns (ok, reason, memory dict, GPU cache tokens per layer).
 
@@ -401,7 +411,8 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
         mem.update(gpu_weights=L * w16 + emb, gpu_cache=n_final * Lc * per_tok, gpu_used=need, host_used=0.0)
         if need > gpu_cap:
             mem["shortfall"] = _shortfall(need, gpu_cap)
-            return False, f"needs {need / GiB:.1f} GiB, memory holds {gpu_cap / GiB:.1f} GiB", mem, 0.0
+            need_s, cap_s = _gib_pair(need, gpu_cap)
+            return False, f"needs {need_s} GiB, memory holds {cap_s} GiB", mem, 0.0
         return True, "", mem, float(n_final)
     mb = allowed.minibatch_tokens
     if choice.mode == "attn_offload":
@@ -414,11 +425,12 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
     mem.update(gpu_weights=k * w16 + emb + wbuf, gpu_buffers=buffers + work + GPU_RESERVE)
     if fixed > gpu_cap:
         mem["shortfall"] = _shortfall(fixed, gpu_cap)
-        why = (f"GPU needs {fixed / GiB:.1f} GiB before any cache ({k} resident layers, embeddings and "
+        fixed_s, cap_s = _gib_pair(fixed, gpu_cap)
+        why = (f"GPU needs {fixed_s} GiB before any cache ({k} resident layers, embeddings and "
                f"streaming buffers {mem['gpu_weights'] / GiB:.1f} GiB, cache buffers {buffers / GiB:.1f} GiB, "
                f"batch working memory {work / GiB:.1f} GiB, "
                + (f"sliding-window layers' K/V {window / GiB:.1f} GiB, " if window else "")
-               + f"reserve {GPU_RESERVE / GiB:.1f} GiB), has {gpu_cap / GiB:.1f} GiB")
+               + f"reserve {GPU_RESERVE / GiB:.1f} GiB), has {cap_s} GiB")
         return False, why, mem, 0.0
     free = gpu_cap - fixed
     if choice.mode == "attn_offload":
@@ -444,8 +456,8 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
                gpu_used=fixed + mem.get("gpu_cache", 0.0))
     if host_w + host_cache > host_cap:
         mem["shortfall"] = _shortfall(host_w + host_cache, host_cap)
-        return (False, f"host needs {(host_w + host_cache) / GiB:.1f} GiB, has {host_cap / GiB:.1f} GiB", mem,
-                gpu_tokens)
+        need_s, cap_s = _gib_pair(host_w + host_cache, host_cap)
+        return False, f"host needs {need_s} GiB, has {cap_s} GiB", mem, gpu_tokens
     return True, "", mem, gpu_tokens
 
 
@@ -804,13 +816,14 @@ def _infeasible_summary(model: ModelSpec, hw: HardwareProfile, wl: Workload, all
     weights = model.num_layers * model.weight_bytes_per_layer(bits) + model.embedding_params() * model.dtype_bytes
     where = "memory" if unified else "GPU and host memory together"
     if cache > total_cap:
-        return (f"no feasible plan: the cache alone needs {cache / GiB:.1f} GiB ({tokens} tokens x "
+        cache_s, cap_s = _gib_pair(cache, total_cap)
+        return (f"no feasible plan: the cache alone needs {cache_s} GiB ({tokens} tokens x "
                 f"{model.num_layers} layers x {per_tok:.0f} B per token at best), more than the {where} "
-                f"({total_cap / GiB:.1f} GiB); lower --batch, --prompt or --gen, or allow a smaller --kv")
+                f"({cap_s} GiB); lower --batch, --prompt or --gen, or allow a smaller --kv")
     if cache + weights > total_cap:
+        need_s, cap_s = _gib_pair(weights + cache, total_cap)
         return (f"no feasible plan: the weights ({weights / GiB:.1f} GiB at {bits} bits) and the cache "
-                f"({cache / GiB:.1f} GiB at best) need {(weights + cache) / GiB:.1f} GiB, more than the {where} "
-                f"({total_cap / GiB:.1f} GiB)")
+                f"({cache / GiB:.1f} GiB at best) need {need_s} GiB, more than the {where} ({cap_s} GiB)")
     best = min(candidates, key=lambda p: p.memory.get("shortfall", math.inf))
     return f"no feasible plan: the closest candidate ({best.choice.label()}) fails: {best.infeasible_reason}"
 
