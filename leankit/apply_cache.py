@@ -60,8 +60,9 @@ def apply(model, kv: str | KVConfig | None, **overrides):
     @functools.wraps(original)
     def generate(*args, **kwargs):
         given = any(kwargs.get(name) is not None for name in CACHE_KWARGS)  # either name a transformers takes
-        if not given and kwargs.get("use_cache", True) is not False:
-            kwargs.update(cache_kwargs(model, _fresh_cache(model, cfg, cache_kw, kwargs)))
+        gen_cfg = _generation_config(model, args, kwargs)
+        if not given and kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True)) is not False:
+            kwargs.update(cache_kwargs(model, _fresh_cache(model, cfg, cache_kw, kwargs, gen_cfg)))
         return original(*args, **kwargs)
 
     generate.leankit_config = cfg
@@ -88,12 +89,21 @@ def remove(model):
     return model
 
 
-def _fresh_cache(model, cfg: KVConfig, cache_kw: dict, kwargs: dict):
+def _generation_config(model, args: tuple, kwargs: dict):
+    """The GenerationConfig a ``generate(inputs, generation_config, ...)`` call runs under: given by
+    keyword or as the second positional argument, else the model's own. Its ``use_cache``,
+    ``eos_token_id`` and ``pad_token_id`` apply unless the call overrides them by keyword."""
+    given = kwargs.get("generation_config")
+    if given is None and len(args) > 1:
+        given = args[1]
+    return given if given is not None else getattr(model, "generation_config", None)
+
+
+def _fresh_cache(model, cfg: KVConfig, cache_kw: dict, kwargs: dict, gen_cfg):
     """A new LeanCache for one ``generate`` call, freeing rows on the ids that call stops on and
     the padding it feeds a finished row."""
     from .cache import LeanCache
 
-    gen_cfg = kwargs.get("generation_config") or model.generation_config
     eos = kwargs.get("eos_token_id", getattr(gen_cfg, "eos_token_id", None))
     pad = kwargs.get("pad_token_id", getattr(gen_cfg, "pad_token_id", None))
     return LeanCache(model, cfg, eos_token_id=eos, pad_token_id=pad, **cache_kw)

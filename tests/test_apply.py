@@ -66,6 +66,32 @@ def test_plain_generate_and_eos_from_the_call(built):
     assert built[3:] == [own]
 
 
+def test_a_generation_config_given_any_way_is_honoured(built):
+    """``use_cache`` and the stop ids come from the call's GenerationConfig, whether it is passed by
+    keyword, as generate's second positional argument, or set on the model."""
+    from transformers import GenerationConfig
+
+    from leankit.testing import left_padded_batch
+
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(2, 9, seed=1)
+    no_cache = GenerationConfig(use_cache=False, do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None)
+    stops = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=[96, 95])
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=no_cache)
+        ref_stops = model.generate(ids, stops, attention_mask=mask)
+        leankit.apply(model, "FP16")
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, generation_config=no_cache), ref)
+        assert torch.equal(model.generate(ids, no_cache, attention_mask=mask), ref)
+        model.generation_config.use_cache = False
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6,
+                                          pad_token_id=0, eos_token_id=None), ref)
+        assert built == []  # no call above stores anything in a LeanCache
+        model.generation_config.use_cache = True
+        assert torch.equal(model.generate(ids, stops, attention_mask=mask), ref_stops)
+    assert len(built) == 1 and built[0].eos_ids.tolist() == [96, 95] and built[0].end_ids.tolist() == [96, 95, 0]
+
+
 def test_apply_none_and_remove_restore_the_model():
     model = tiny_model("llama-gqa")
     attn = model.config._attn_implementation
