@@ -756,8 +756,9 @@ class LeanKVPolicy(_Base):
     (:func:`plan_unified`); tokens are compacted/re-quantized and the unused pages go back in one
     batched recycle per layer.
 
-    Generation phase (every later step): at ``begin_step`` the tokens that leave the window are
-    the candidates of Algorithm 1; they and their victims are decided from the scores already
+    Generation phase (every later step): at ``begin_step`` the tokens that leave the window of
+    the step's first query are the candidates of Algorithm 1 (so every query of a multi-token
+    step still sees its window ``W`` in the high tier); they and their victims are decided from the scores already
     stored in the pages, for all layers at once, and the step's pages are allocated in one
     batched call (at most one new page per head and tier for a one-token step). After each
     layer's attention the running significance of every stored token is updated
@@ -848,10 +849,14 @@ class LeanKVPolicy(_Base):
             if not self._direct:  # a prompt-only step allocates per layer as it stores (store)
                 self._grow_for_new(step)
             return
-        # Candidates: stored tokens that leave the window (pos <= q_last - W), not yet classified.
+        # Candidates: stored tokens that leave the window of the step's FIRST query (pos <= q_first
+        # - W), not yet classified. Algorithm 1 runs before the step's attention, so a token inside
+        # any query's window must stay high: a multi-token step (a chunk, a new turn) places only
+        # what its first query no longer sees in full precision, and its later queries' candidates
+        # wait for the next step. W = 0 still keeps the step's own positions out (max(W, 1)).
         # Algorithm 1 runs for a row once `compress_every` of them are waiting (the last ones of
         # a request may stay high until it ends).
-        cut = torch.minimum(q_last - self.window, q_first - 1)
+        cut = q_first - max(self.window, 1)
         gen = has & self.started & (cut - self.watermark + 1 >= self.every)
         # Kernel backend, every row generating: Algorithm 1 runs for the due rows at fixed shapes
         # with no device read (rows not due are masked out), the tokens it moves bounded per head

@@ -159,3 +159,38 @@ def test_live_page_score_update_equals_the_padded_one(monkeypatch):
         for (pos_a, score_a), (pos_b, score_b) in zip(tiers_a, tiers_b):
             assert torch.equal(pos_a, pos_b), mode
             torch.testing.assert_close(score_a, score_b, rtol=2e-3, atol=1e-6, msg=mode)  # fp16 score segment
+
+
+def _chunked_logits(model, ids, spec, prompt, chunk):
+    cache = LeanCache(model, spec)
+    with torch.no_grad():
+        model(input_ids=ids[:, :prompt], position_ids=torch.arange(prompt)[None], **cache_kwargs(model, cache))
+        out = model(input_ids=ids[:, prompt:prompt + chunk], position_ids=torch.arange(prompt, prompt + chunk)[None],
+                    **cache_kwargs(model, cache))
+    return out.logits[0], cache
+
+
+def test_a_multi_token_step_keeps_every_querys_window_in_the_high_tier():
+    """Algorithm 1 runs before a step's attention, so in a chunk fed after the prompt it may only
+    place the tokens its first query no longer has in its window: the chunk's queries whose
+    window holds every stored token attend exactly as the one-tier high config does."""
+    from leankit.testing import tiny_model
+
+    model = tiny_model("llama-gqa", seed=3)
+    torch.manual_seed(3)
+    ids = torch.randint(4, model.config.vocab_size, (1, 40))
+    prompt, chunk, window = 12, 24, 16
+    one_tier, _ = _chunked_logits(model, ids, f"K8V4:window={window}", prompt, chunk)
+    for spec in (f"K8V4-K4V2:th=0.4,tl=0,window={window},compress_every=1",
+                 f"K8V4-K4V2:th=0.4,tl=0.1,window={window},compress_every=1"):
+        two_tier, cache = _chunked_logits(model, ids, spec, prompt, chunk)
+        inside = window - prompt  # queries prompt .. window - 1 have every stored token in their window
+        torch.testing.assert_close(two_tier[:inside], one_tier[:inside], rtol=0, atol=1e-6)
+        # the next step places what the chunk's first query left behind: compression still happens
+        with torch.no_grad():
+            model(input_ids=ids[:, prompt + chunk:prompt + chunk + 1],
+                  position_ids=torch.tensor([[prompt + chunk]]), **cache_kwargs(model, cache))
+        lens = cache.table.lens.long()  # [tier, layer, B, H]
+        stored = prompt + chunk + 1
+        assert int(lens[1].sum()) > 0, "nothing reached the low tier"
+        assert int(lens.sum(0).max()) <= stored and (int(lens.sum(0).min()) < stored) == ("tl=0.1" in spec)
