@@ -309,6 +309,9 @@ class StepState:
 
 
 _NO_POS = 1 << 30  # sentinel position of a row with no real token in the step
+_ENDED_ROWS_CONTINUE = ("rows {rows} of this LeanCache ended their request with an EOS token in an earlier step and "
+                        "their pages were freed, so a new turn cannot continue them: pass a fresh LeanCache (or "
+                        "build this one without eos_token_id to keep finished rows)")
 
 
 class LeanLayer(CacheLayerMixin):
@@ -467,6 +470,9 @@ class LeanCache(Cache):
         # the old ones).
         self.ending: torch.Tensor | None = None
         self._ending_next: torch.Tensor | None = None
+        # Kernel backend, a decode step: the rows step_rows found continuing after their request
+        # ended (bool [B], None without end ids), refused at the step's one host read.
+        self._continued: torch.Tensor | None = None
         from .policy import make_policy  # the placement policy of this config
 
         self.policy = make_policy(self)
@@ -525,6 +531,12 @@ class LeanCache(Cache):
                 f"this LeanCache was built for a model with {self._shape_text()}, but a layer handed keys of shape "
                 f"{tuple(key_states.shape)} and values of shape {tuple(value_states.shape)} (expected "
                 f"[batch, {self.num_kv_heads}, tokens, {self.head_dim}]): build a LeanCache for this model")
+        if torch.promote_types(self.dtype, key_states.dtype) != self.dtype:
+            # the pages would round the K/V to a narrower dtype: FP16 would no longer be lossless
+            raise ValueError(
+                f"this LeanCache was built for a {str(self.dtype).removeprefix('torch.')} model, but a layer handed "
+                f"{str(key_states.dtype).removeprefix('torch.')} keys, which its pages cannot hold exactly: build the "
+                "LeanCache after model.to(...)")
 
     @inference_only
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -557,6 +569,7 @@ class LeanCache(Cache):
         """
         fresh = self.table is None
         attention_mask = self.padding_mask(attention_mask, batch, q_len)  # checked before the step opens
+        self._check_mask_width(attention_mask, q_len)
         self._hw_before = self._hw_tokens  # what a dropped step restores (the kernels' grid bounds)
         try:
             return self._begin_step(batch, q_len, attention_mask, position_ids, input_ids)
@@ -578,6 +591,7 @@ class LeanCache(Cache):
                              "use a fresh LeanCache per batch")
         if q_len == 1 and use_triton(self._kv_err):
             return self._begin_decode_step(batch, attention_mask, position_ids, input_ids)
+        self._continued = None  # refused up front below, on this path
         if attention_mask is not None and attention_mask.dim() == 2:
             real = attention_mask[:, -q_len:].to(dev).bool()
         else:
@@ -633,6 +647,7 @@ class LeanCache(Cache):
                          position_ids=pos, seen=self._seen, no_pos=_NO_POS,
                          last_tokens=input_ids[:, 0].to(dev) if ends else None, end_ids=self.end_ids if ends else None,
                          n_eos=self.eos_ids.numel(), ending=self.ending)
+        self._continued = rows["continued"]
         if rows["ended"] is not None:
             self._release_ended(rows["ended"])
         self._hw_tokens = max(self._hw_tokens, self._seen + 1)
@@ -642,6 +657,23 @@ class LeanCache(Cache):
         self._open_step(step)
         self._ending_next = rows["ending"]
         return rows["q_pos64"]
+
+    def _check_mask_width(self, attention_mask, q_len: int) -> None:
+        """Raise ``ValueError`` where a 2-D mask after the prompt covers neither the whole sequence
+        (the ``S`` tokens this cache has seen, then the step's ``Q``) nor the step's tokens alone.
+
+        Such a mask belongs to another sequence: most often a used cache handed to a second
+        ``generate`` call, which then cuts the new prompt by the old length and attends to the old
+        request's tokens. A shape check, with no device read."""
+        if attention_mask is None or attention_mask.dim() != 2 or self._seen == 0:
+            return
+        width = attention_mask.shape[1]
+        if width not in (q_len, self._seen + q_len):
+            raise ValueError(
+                f"the attention mask has {width} columns, but this LeanCache has seen {self._seen} tokens per row "
+                f"and this step brings {q_len}: a mask after the first step covers the whole sequence "
+                f"({self._seen + q_len}) or the step's tokens alone ({q_len}). A LeanCache holds one request "
+                "batch: pass a fresh LeanCache to each generate call (a new turn passes the whole sequence so far)")
 
     def _check_mask_keeps_stored_tokens(self, attention_mask, q_len: int) -> None:
         """Raise ``ValueError`` where a new turn's 2-D mask hides tokens this cache already stores.
@@ -671,13 +703,11 @@ class LeanCache(Cache):
         earlier step: that row's pages were freed, so its context is gone. A step of several tokens
         reads the device here, as it already does to order its positions; so does a one-token step on
         the torch backend, where ``real`` leaves out the end ids ``generate`` feeds a finished row
-        (the kernel backend's decode step, which reads nothing, does not check)."""
+        (the kernel backend's decode step reads nothing here: ``step_rows`` flags such rows, and
+        :meth:`_check_step_flags` drops the step and raises at the step's one host read)."""
         ended = self.finished & real.any(1)
         if bool(ended.any()):
-            rows = ended.nonzero().flatten().tolist()
-            raise ValueError(f"rows {rows} of this LeanCache ended their request with an EOS token in an earlier "
-                             "step and their pages were freed, so a new turn cannot continue them: pass a fresh "
-                             "LeanCache (or build this one without eos_token_id to keep finished rows)")
+            raise ValueError(_ENDED_ROWS_CONTINUE.format(rows=ended.nonzero().flatten().tolist()))
 
     def _release_ended(self, ended: torch.Tensor) -> None:
         """Free the pages of the rows whose previous token ended their request (bool ``[B]``)."""
@@ -709,11 +739,12 @@ class LeanCache(Cache):
         if self.offload is not None:  # start copying the first layer's host pages in
             self.offload.begin_step(step)
 
-    def reads_no_full_mask(self) -> bool:
+    def reads_no_full_mask(self, opening: bool = False) -> bool:
         """Whether the open step's compressed layers ignore the model's full-attention mask: every
         step after the prompt attends over the pages with its own real flags and positions (only a
-        prompt hands the model's mask to attention)."""
-        return self._step is not None and self._seen > 0
+        prompt hands the model's mask to attention). ``opening``: asked for the step about to open
+        (an outer model that builds its decoder's masks before the step begins)."""
+        return (opening or self._step is not None) and self._seen > 0
 
     @staticmethod
     def _positions_increase(real: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
@@ -760,22 +791,30 @@ class LeanCache(Cache):
         status = self.policy.step_status(self._step)
         free_list = self.free_list
         stale = free_list.stale  # a deferred allocation moved the device counters
+        continued, self._continued = self._continued, None
         parts = [self._kv_err.long(), self._alloc_status] + ([free_list.counters] if stale else []) \
-            + ([] if status is None else [status.long().reshape(-1)])
+            + ([] if status is None else [status.long().reshape(-1)]) \
+            + ([] if continued is None else [continued])  # bool: cat promotes it (no extra launch)
         values = torch.cat(parts).tolist()
         n = self._kv_err.numel()
         flags, alloc, rest = values[:n], values[n: n + 3], values[n + 3:]
         if stale:
             free_list.load(*rest[:2])
             rest = rest[2:]
+        went_on = []
+        if continued is not None:
+            went_on = [b for b, f in enumerate(rest[-continued.numel():]) if f]
+            rest = rest[: -continued.numel()]
         bad = [i for i, f in enumerate(flags) if f]
-        if not bad and not alloc[0]:
+        if not bad and not alloc[0] and not went_on:
             if status is not None:
                 self.policy.take_status(rest)
             return
         self._kv_err.zero_()
         self._alloc_status.zero_()
         self.drop_failed_step()
+        if went_on:
+            raise ValueError(_ENDED_ROWS_CONTINUE.format(rows=went_on))
         if alloc[0]:
             raise PoolExhausted(alloc[1], alloc[2], free_list.capacity)
         from leankit_kernels.quant import NON_FINITE_MESSAGE
@@ -908,7 +947,7 @@ class LeanCache(Cache):
             layer.__dict__.clear()
             layer.__dict__.update(saved)
         self._plain_saved = []
-        self._step, self._pending, self._ending_next = None, {}, None
+        self._step, self._pending, self._ending_next, self._continued = None, {}, None, None
 
     @inference_only
     def drop_failed_step(self) -> None:
@@ -1246,7 +1285,7 @@ class LeanCache(Cache):
             self.table.release_sequences(torch.ones(self.table.shape[1], dtype=torch.bool, device=self.device),
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
-        self.ending = self._ending_next = None
+        self.ending = self._ending_next = self._continued = None
         self._plain_saved = []
         self._hw_tokens = 0
         self._peak = (0, 0)  # a reused cache reports its own runs' peak

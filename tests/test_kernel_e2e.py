@@ -378,3 +378,24 @@ def test_a_refused_chunk_leaves_later_steps_bit_equal_on_the_kernel_backend(spec
         a, mask_f = step(failed, x, mask_f)
         b, mask_r = step(ref, x, mask_r)
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_row_that_goes_on_after_its_request_ended_is_refused_on_both_backends(backend, monkeypatch):
+    """A cache told to end rows on an id that ``generate`` does not stop on frees a row's pages
+    when it is fed that id twice, then sees the row go on: its context is gone, so the step is
+    refused with a clear error on the torch backend (up front) and on the kernel backend (at the
+    decode step's one host read, from step_rows' flag), never answered from an empty row."""
+    from leankit.testing import left_padded_batch, tiny_model
+
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(2, 9, seed=1)
+    kw = {"do_sample": False, "max_new_tokens": 8, "pad_token_id": 0, "eos_token_id": None}
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        assert ref[1, 9:12].tolist() == [32, 32, 10]  # the fixture's premise: row 1 goes on after 32, 32
+        cache = LeanCache(model, "FP16", eos_token_id=32)
+        with pytest.raises(ValueError, match=r"rows \[1\] of this LeanCache ended their request"):
+            model.generate(input_ids=ids, attention_mask=mask, **kw, **cache_kwargs(model, cache))
+        assert cache.finished.tolist() == [False, True] and cache._step is None  # the refused step was dropped

@@ -8,6 +8,7 @@ twenty small tensor ops, each a launch of a few microseconds on a GPU, before an
 
     ended[b]   = ending[b] and tok[b] in end_ids and not finished[b]    (only with end ids)
     ending'[b] = tok[b] in end_ids[:N_EOS] and not (finished[b] or ended[b])
+    continued[b] = finished[b] and mask[b, -1] != 0 and tok[b] not in end_ids   (only with end ids)
     real[b]    = mask[b, -1] != 0 and not (finished[b] or ended[b])   (mask: 1 without one)
     q_pos[b]   = position_ids[b, 0], or ``seen`` without them
     rank[b]    = 0 if real else -1;   n_new[b] = real
@@ -15,7 +16,9 @@ twenty small tensor ops, each a launch of a few microseconds on a GPU, before an
 
 and the first program clears the step's device error flags (a step that raised midway may have
 left one up). The caller releases the ended rows (a deferred prefix-sum launch) and marks them
-finished. Nothing is read back to the host.
+finished. Nothing is read back to the host: ``continued`` marks rows whose request ended in an
+earlier step (their pages are freed) but that are fed a real token that is no end id, which the
+caller reads with the step's one host read and refuses (the general path refuses them up front).
 
 Why a row ends one step after its EOS is fed (``ending``): a one-token step that feeds an EOS is
 either ``generate`` feeding back the EOS a row just sampled (the row is over; ``generate`` feeds it
@@ -37,19 +40,23 @@ BLOCK = 128
 # Runtime integers that change from step to step or call to call: no variant per value class.
 STEP_ROWS_DYNAMIC = ("stride_mb", "stride_tb", "N_EOS", "N_END", "stride_pb", "seen", "N_ERR", "N_STATUS", "B")
 STEP_ROWS_UNALIGNED = ("mask_ptr", "tok_ptr", "eos_ptr", "fin_ptr", "ending_ptr", "pos_ptr", "ended_ptr",
-                       "next_ptr")
+                       "next_ptr", "cont_ptr")
 
 
 @triton.jit(**jit_options(STEP_ROWS_DYNAMIC, STEP_ROWS_UNALIGNED))
 def _step_rows_kernel(mask_ptr, stride_mb, tok_ptr, stride_tb, eos_ptr, N_EOS, N_END, fin_ptr, ending_ptr, pos_ptr,
                       stride_pb, seen, real_ptr, rank_ptr, nnew_ptr, qpos_ptr, qpos64_ptr, first_ptr, last_ptr,
-                      ended_ptr, next_ptr, err_ptr, N_ERR, status_ptr, N_STATUS, B, NO_POS,
+                      ended_ptr, next_ptr, cont_ptr, err_ptr, N_ERR, status_ptr, N_STATUS, B, NO_POS,
                       HAS_MASK: tl.constexpr, HAS_EOS: tl.constexpr, HAS_POS: tl.constexpr, BLOCK: tl.constexpr):
     """Rows ``[pid * BLOCK, pid * BLOCK + BLOCK)`` of the step (see the module docstring)."""
     pid = tl.program_id(0)
     b = pid * BLOCK + tl.arange(0, BLOCK)
     m = b < B
     fin = tl.load(fin_ptr + b, mask=m, other=1) != 0
+    if HAS_MASK:
+        fed = tl.load(mask_ptr + b.to(tl.int64) * stride_mb, mask=m, other=0) != 0
+    else:
+        fed = m
     if HAS_EOS:
         tok = tl.load(tok_ptr + b.to(tl.int64) * stride_tb, mask=m, other=-1)
         hit_eos = b < 0  # all false
@@ -61,12 +68,10 @@ def _step_rows_kernel(mask_ptr, stride_mb, tok_ptr, stride_tb, eos_ptr, N_EOS, N
         ending = tl.load(ending_ptr + b, mask=m, other=0) != 0
         ended = ending & hit_end & ~fin & m
         tl.store(ended_ptr + b, ended.to(tl.int8), mask=m)
+        tl.store(cont_ptr + b, (fin & fed & ~hit_end).to(tl.int8), mask=m)
         fin = fin | ended
         tl.store(next_ptr + b, (hit_eos & ~fin).to(tl.int8), mask=m)
-    if HAS_MASK:
-        real = (tl.load(mask_ptr + b.to(tl.int64) * stride_mb, mask=m, other=0) != 0) & ~fin
-    else:
-        real = ~fin
+    real = fed & ~fin
     if HAS_POS:
         pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pb, mask=m, other=0).to(tl.int64)
     else:
@@ -94,23 +99,25 @@ def step_rows_ref(batch: int, finished: torch.Tensor, *, attention_mask: torch.T
     error flags alone)."""
     dev = finished.device
     has_eos = last_tokens is not None and end_ids is not None and end_ids.numel() > 0
-    ended = ending_next = None
+    ended = ending_next = continued = None
     fin = finished
+    fed = attention_mask[:, -1:].bool() if attention_mask is not None else torch.ones(batch, 1, dtype=torch.bool,
+                                                                                     device=dev)
     if has_eos:
         hit_eos = torch.isin(last_tokens, end_ids[:n_eos])
         hit_end = torch.isin(last_tokens, end_ids)
         ended = (ending & hit_end if ending is not None else torch.zeros_like(finished)) & ~finished
+        continued = finished & fed.view(-1) & ~hit_end
         fin = finished | ended
         ending_next = hit_eos & ~fin
-    real = attention_mask[:, -1:].bool() if attention_mask is not None else torch.ones(batch, 1, dtype=torch.bool,
-                                                                                      device=dev)
-    real = real & ~fin.view(-1, 1)
+    real = fed & ~fin.view(-1, 1)
     pos = (position_ids.long() if position_ids is not None
            else torch.full((batch, 1), seen, dtype=torch.long, device=dev)).expand(batch, 1)
     flat = pos.reshape(-1)
     return {"real": real, "rank": real.long() - 1, "n_new": real.view(-1).long(), "q_pos": pos.to(torch.int32),
             "q_pos64": pos.clone(), "q_first": torch.where(real.view(-1), flat, no_pos),
-            "q_last": torch.where(real.view(-1), flat, -no_pos), "ended": ended, "ending": ending_next}
+            "q_last": torch.where(real.view(-1), flat, -no_pos), "ended": ended, "ending": ending_next,
+            "continued": continued}
 
 
 def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc_status: torch.Tensor, *,
@@ -136,7 +143,7 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
 
     Returns a dict of device tensors: ``real`` bool ``[B, 1]``, ``rank`` int64 ``[B, 1]``,
     ``n_new`` int64 ``[B]``, ``q_pos`` int32 ``[B, 1]``, ``q_pos64`` int64 ``[B, 1]``, ``q_first``
-    / ``q_last`` int64 ``[B]``, ``ended`` and ``ending`` bool ``[B]`` or None.
+    / ``q_last`` int64 ``[B]``, ``ended``, ``ending`` and ``continued`` bool ``[B]`` or None.
     """
     dev = finished.device
     if finished.shape != (batch,) or finished.dtype != torch.bool:
@@ -162,6 +169,7 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
         "q_last": torch.empty(batch, dtype=torch.int64, device=dev),
         "ended": torch.empty(batch, dtype=torch.bool, device=dev) if has_eos else None,
         "ending": torch.empty(batch, dtype=torch.bool, device=dev) if has_eos else None,
+        "continued": torch.empty(batch, dtype=torch.bool, device=dev) if has_eos else None,
     }
     mask = flag_bytes(attention_mask[:, -1]) if attention_mask is not None else finished
     pos = position_ids[:, 0] if position_ids is not None else finished
@@ -179,7 +187,8 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
         n_eos, eos.numel() if has_eos else 0, fin, ending_flags, pos, pos.stride(0) if position_ids is not None else 0,
         seen, out["real"].view(torch.uint8), out["rank"], out["n_new"], out["q_pos"], out["q_pos64"], out["q_first"],
         out["q_last"], out["ended"].view(torch.uint8) if has_eos else fin,
-        out["ending"].view(torch.uint8) if has_eos else fin, err_flags, err_flags.numel(), alloc_status,
+        out["ending"].view(torch.uint8) if has_eos else fin,
+        out["continued"].view(torch.uint8) if has_eos else fin, err_flags, err_flags.numel(), alloc_status,
         alloc_status.numel(), batch, no_pos, HAS_MASK=attention_mask is not None, HAS_EOS=has_eos,
         HAS_POS=position_ids is not None, BLOCK=block, num_warps=4)
     return out
