@@ -63,9 +63,21 @@ def leankit_attention(module, query, key, value, attention_mask, dropout: float 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     cache, layer = handle
+    if kwargs.get("output_attentions"):
+        _warn_no_attention_weights()
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     return cache.attend(layer, query, scaling, module=module, attention_mask=attention_mask), None
+
+
+@functools.cache
+def _warn_no_attention_weights() -> None:
+    """Once per process, as transformers' SDPA path does: ``output_attentions=True`` gets no weights."""
+    import warnings
+
+    warnings.warn("output_attentions=True: a LeanCache step returns no attention weights (its layers attend over "
+                  "compressed pages, never forming the full probability matrix); for weights run the model with "
+                  "attn_implementation='eager' and a DynamicCache", UserWarning, stacklevel=3)
 
 
 def _decoder(model):
@@ -194,12 +206,21 @@ def _failure_hook(module, args, kwargs, output):
 
 
 def _outer_pre_hook(module, args, kwargs):
-    mask = _arg("attention_mask", args, kwargs, module._leankit_params)
+    from .cache import LeanCache
+
+    params = module._leankit_params
+    mask = _arg("attention_mask", args, kwargs, params)
     _PADDING_MASK.set(mask if isinstance(mask, torch.Tensor) and mask.dim() in (2, 4) else None)
+    # A composite model builds its decoder's masks here, before the decoder's pre-hook opens the
+    # step: a LeanCache step after the prompt reads no full-attention mask, so it is not built
+    # (building it reads the device once per step on a GPU; see leankit_mask).
+    cache = cache_argument(args, kwargs, params)
+    _FULL_MASK_UNUSED.set(isinstance(cache, LeanCache) and cache.reads_no_full_mask(opening=True))
 
 
 def _outer_post_hook(module, args, kwargs, output):
     _PADDING_MASK.set(None)
+    _FULL_MASK_UNUSED.set(False)
 
 
 def enable(model):

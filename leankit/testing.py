@@ -65,10 +65,20 @@ def left_padded_batch(rows: int = 3, width: int = 13, seed: int = 0, pad_step: i
 
 
 def tiny_model(kind: str = "llama-gqa", seed: int = 0, **kw):
-    """A tiny random-init causal LM in eval mode."""
+    """A tiny random-init causal LM in eval mode: a :func:`tiny_config` kind, or
+    ``gemma3-image-text`` (Gemma3's image-text model around the ``gemma3`` text config built from
+    ``kw``, with a one-layer vision tower; image token 96, begin/end of image 94/95)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    if kind == "gemma3-image-text":
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        cfg = Gemma3Config(text_config=tiny_config("gemma3", **kw).to_dict(), vision_config=vision.to_dict(),
+                           mm_tokens_per_image=4, image_token_index=96, boi_token_index=94, eoi_token_index=95)
+        return Gemma3ForConditionalGeneration(cfg).eval()
     return AutoModelForCausalLM.from_config(tiny_config(kind, **kw)).eval()
 
 

@@ -194,17 +194,10 @@ def _mask_steps(model, ids, mask, four_d, cache, additive=True, positions=True, 
 
 
 def _image_text_gemma3():
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+    from leankit.testing import tiny_model
 
-    from leankit.testing import tiny_config
-
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    torch.manual_seed(0)
     # a window longer than the tests' sequences: one 4-D mask serves every layer type (transformers)
-    cfg = Gemma3Config(text_config=tiny_config("gemma3", sliding_window=64).to_dict(), vision_config=vision.to_dict(),
-                       mm_tokens_per_image=4, image_token_index=96, boi_token_index=94, eoi_token_index=95)
-    return Gemma3ForConditionalGeneration(cfg).eval()
+    return tiny_model("gemma3-image-text", sliding_window=64)
 
 
 @pytest.mark.parametrize("kv", ["FP16", "K8V4"])
@@ -300,3 +293,45 @@ def test_enable_switches_an_image_text_models_decoder_back():
     with torch.no_grad():
         model(ids, **cache_kwargs(model, cache))
     assert cache.get_seq_length() == 6
+
+
+def test_a_used_cache_handed_to_another_generate_call_is_refused():
+    """A second generate call on a used LeanCache cuts its prompt by the old length and would attend
+    to the old request: its mask does not cover the sequence the cache holds, so the step is refused
+    before it opens, and the cache still continues its own sequence (whole mask, or the new tokens')."""
+    from leankit.testing import left_padded_batch, tiny_model
+
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(3, 9, seed=1)
+    kw = {"do_sample": False, "max_new_tokens": 6, "pad_token_id": 0, "eos_token_id": None}
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
+        cache = leankit.LeanCache(model, "FP16")
+        first = model.generate(input_ids=ids, attention_mask=mask, **kw, **cache_kwargs(model, cache))
+        seen = cache.get_seq_length()
+        for prompt, m in ((ids, mask), (ids[:, :5], mask[:, :5])):
+            with pytest.raises(ValueError, match="pass a fresh LeanCache to each generate call"):
+                model.generate(input_ids=prompt, attention_mask=m, **kw, **cache_kwargs(model, cache))
+            assert cache.get_seq_length() == seen and cache._step is None
+        whole = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], 1)
+        more = model.generate(input_ids=first, attention_mask=whole, **kw, **cache_kwargs(model, cache))
+        assert torch.equal(more, ref)
+        # a manual step may bring a mask of its own tokens alone
+        logits = model(input_ids=more[:, -1:], attention_mask=torch.ones(3, 1, dtype=mask.dtype),
+                       **cache_kwargs(model, cache)).logits
+        assert logits.shape[:2] == (3, 1)
+
+
+def test_output_attentions_with_a_leancache_warns_that_no_weights_come(recwarn):
+    """transformers' SDPA path warns that it returns no attention weights; a LeanCache step, which
+    returns none either, says so too instead of handing back empty tuples silently."""
+    from leankit import hf
+    from leankit.testing import left_padded_batch, tiny_model
+
+    hf._warn_no_attention_weights.cache_clear()
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(2, 9)
+    with torch.no_grad(), pytest.warns(UserWarning, match="a LeanCache step returns no attention weights"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, output_attentions=True,
+                       return_dict_in_generate=True, **cache_kwargs(model, leankit.LeanCache(model, "FP16")))

@@ -399,6 +399,8 @@ OTHER_FAMILIES = [
                                        "page_size": 256}, {"kind": "phi3"}),
     ("gemma3-h2o", "K4V2", {"policy": "h2o", "budget": 0.6, "page_size": 256}, {"kind": "gemma3"}),
     ("opt-streaming", "K8V8", {"policy": "streaming", "sink": 1, "window": 4, "page_size": 256}, {"kind": "opt"}),
+    # the outer model builds the decoder's masks before the decoder's step opens
+    ("gemma3-image-text", "K8V4", {"page_size": 256}, {"kind": "gemma3-image-text"}),
 ]
 
 
