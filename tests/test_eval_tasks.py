@@ -171,15 +171,19 @@ def test_each_override_is_its_own_model_argument(tiny):
     want = KVConfig.parse("K8V4-K4V2", th=0.3, tl=0.05, group_size=32, rotate=True)
     assert lm.kv == want
     del lm
-    lm = LeanKitLM(pretrained=model, tokenizer=tok, kv="neutral:th=0.3", kv_overrides={"tl": 0.02}, window=16)
-    assert lm.kv == KVConfig.parse("K8V4-K4V2", th=0.3, tl=0.02, group_size=32, rotate=True, window=16)
+    # (the tiny model's head_dim is 16: the preset's group of 32 is overridden to one that divides it)
+    lm = LeanKitLM(pretrained=model, tokenizer=tok, kv="neutral:th=0.3", kv_overrides={"tl": 0.02}, window=16,
+                   group_size=8)
+    assert lm.kv == KVConfig.parse("K8V4-K4V2", th=0.3, tl=0.02, group_size=8, rotate=True, window=16)
 
 
 @pytest.mark.parametrize("args,match", [({"group_sise": 32}, "unknown leankit model argument"),
                                         ({"revision": "main"}, "unknown leankit model argument"),
                                         ({"th": "high"}, "bad value"),
                                         ({"kv": "K9V4"}, "K9V4"),
-                                        ({"chunk": 0}, "chunk")])
+                                        ({"chunk": 0}, "chunk"),
+                                        # what only the model can refuse, refused when the model is built
+                                        ({"kv": "K8V4", "group_size": 7}, "does not fit .*group_size 7 must divide")])
 def test_bad_model_arguments_raise(tiny, args, match):
     from leankit.eval import LeanKitLM
 

@@ -133,6 +133,10 @@ class LeanKitLM(HFLM):
             model, tok = pretrained, tokenizer
         enable(model)
         super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
+        try:  # what only the model can check (a group size that must divide its head_dim ...): now,
+            self._new_cache()  # not at the first request, after the tasks are built
+        except ValueError as e:
+            raise ValueError(f"model argument kv={self.kv.label()} does not fit {type(model).__name__}: {e}") from e
 
     def _new_cache(self) -> LeanCache:
         # rows as long as the longest sequence lm-eval passes (it truncates to max_length)
