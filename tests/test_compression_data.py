@@ -68,3 +68,19 @@ def test_missing_corpus_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("LEANKIT_DATA", str(tmp_path))
     with pytest.raises(data.CorpusUnavailable, match="not cached"):
         data.cached_wheel("gensim", "4.4.0", download=False)
+
+
+def test_one_variable_moves_all_of_leankits_cache(monkeypatch, tmp_path):
+    """``$LEANKIT_CACHE`` moves converted models, compiled kernels and corpora together; the
+    narrower variables still move their part alone."""
+    from leankit import native
+    from leankit.data import data_dir
+    from leankit.models import cache_dir
+
+    for name in ("LEANKIT_CACHE_DIR", "LEANKIT_DATA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LEANKIT_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path and native._cache_dir() == tmp_path and data_dir() == tmp_path / "data"
+    monkeypatch.setenv("LEANKIT_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setenv("LEANKIT_DATA", str(tmp_path / "corpora"))
+    assert native._cache_dir() == tmp_path / "kernels" and data_dir() == tmp_path / "corpora"

@@ -88,10 +88,14 @@ _state: dict = {}
 
 
 def _cache_dir() -> Path:
+    """Where built kernels go: ``$LEANKIT_CACHE_DIR`` (these builds alone), else leankit's cache
+    directory (``$LEANKIT_CACHE``, ``$XDG_CACHE_HOME/leankit`` or ``~/.cache/leankit``)."""
     root = os.environ.get("LEANKIT_CACHE_DIR")
     if root:
         return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leankit"
+    from ..models import cache_dir
+
+    return cache_dir()
 
 
 def _cpu_features() -> str:
