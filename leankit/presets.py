@@ -41,7 +41,7 @@ PRESETS = {p.name: p for p in (
            _PPL.format(skip=3, docs=8) + " --config FP16 --config K8V4",
            "short contexts and chats; the safe default"),
     Preset("neutral", "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1", 0.324,
-           "+0.49% [+0.30%, +0.67%] (64-token chunks; -0.05% [-0.92%, +0.83%] token by token, articles 11-22)",
+           "+0.48% [+0.30%, +0.65%] (64-token chunks; -0.05% [-0.92%, +0.83%] token by token, articles 11-22)",
            "SmolLM2-135M, articles 11-54",
            _PPL.format(skip=11, docs=44) + ' --config FP16 --config "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1"',
            "long contexts (hundreds of tokens and more); keeps every token, so retrieval survives"),
