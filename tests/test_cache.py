@@ -638,3 +638,18 @@ def test_bad_sizes_are_refused_when_the_cache_is_built(kw, msg):
     """A zero size is not "the default" and a fractional one is not rounded."""
     with pytest.raises(ValueError, match=msg):
         LeanCache(tiny_model("llama-gqa"), "K8V4", **kw)
+
+
+def test_kv_wider_than_the_pages_are_refused_and_the_cache_stays_fresh():
+    """Built for a bf16 model that then goes to fp32: the pages would round its K/V to bf16 (so
+    FP16 would not be lossless), so the step is refused with a clear error and dropped. A cache
+    built wider than the K/V (fp32 pages, a bf16 model) holds them exactly and runs."""
+    from leankit.testing import left_padded_batch, tiny_model
+
+    ids, mask = left_padded_batch(2, 9)
+    model = tiny_model("llama-gqa").to(torch.bfloat16)
+    cache = LeanCache(model, "FP16")
+    model.to(torch.float32)
+    with torch.no_grad(), pytest.raises(ValueError, match="built for a bfloat16 model.*float32 keys"):
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache))
+    assert cache.table is None and cache.get_seq_length() == 0
