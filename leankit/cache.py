@@ -309,6 +309,10 @@ class StepState:
 
 
 _NO_POS = 1 << 30  # sentinel position of a row with no real token in the step
+# Page dtypes that hold K/V of a narrower float dtype exactly (a host table: torch.promote_types
+# would be an aten call inside every layer of a decode step)
+_HOLDS_EXACTLY = {torch.float32: (torch.float16, torch.bfloat16),
+                  torch.float64: (torch.float32, torch.float16, torch.bfloat16)}
 _ENDED_ROWS_CONTINUE = ("rows {rows} of this LeanCache ended their request with an EOS token in an earlier step and "
                         "their pages were freed, so a new turn cannot continue them: pass a fresh LeanCache (or "
                         "build this one without eos_token_id to keep finished rows)")
@@ -531,7 +535,7 @@ class LeanCache(Cache):
                 f"this LeanCache was built for a model with {self._shape_text()}, but a layer handed keys of shape "
                 f"{tuple(key_states.shape)} and values of shape {tuple(value_states.shape)} (expected "
                 f"[batch, {self.num_kv_heads}, tokens, {self.head_dim}]): build a LeanCache for this model")
-        if torch.promote_types(self.dtype, key_states.dtype) != self.dtype:
+        if key_states.dtype != self.dtype and key_states.dtype not in _HOLDS_EXACTLY.get(self.dtype, ()):
             # the pages would round the K/V to a narrower dtype: FP16 would no longer be lossless
             raise ValueError(
                 f"this LeanCache was built for a {str(self.dtype).removeprefix('torch.')} model, but a layer handed "
