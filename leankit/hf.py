@@ -173,6 +173,9 @@ def _pre_hook(module, args, kwargs):
             outer.shape[-1] >= ref.shape[1] else None
     if isinstance(mask, torch.Tensor):  # a 4-D mask read as its padding (refused if it is not one)
         mask = cache.padding_mask(mask, ref.shape[0], ref.shape[1])
+        # the model's own code reads the whole mask: sliding-window layers, OPT's missing positions
+        derives_positions = position_ids is None and module._leankit_mask_positions
+        cache.check_mask_width(mask, ref.shape[1], whole_only=cache.has_plain_layers or derives_positions)
     if position_ids is None and module._leankit_mask_positions and mask is not None and mask.dim() == 2:
         # OPT's own default: positions count the real tokens of the row (left padding starts at 0).
         # Pad tokens get 0 instead of OPT's -1; they are never stored, so real tokens are unchanged.
@@ -213,9 +216,12 @@ def _outer_pre_hook(module, args, kwargs):
     _PADDING_MASK.set(mask if isinstance(mask, torch.Tensor) and mask.dim() in (2, 4) else None)
     # A composite model builds its decoder's masks here, before the decoder's pre-hook opens the
     # step: a LeanCache step after the prompt reads no full-attention mask, so it is not built
-    # (building it reads the device once per step on a GPU; see leankit_mask).
+    # (building it reads the device once per step on a GPU; see leankit_mask). Not with token
+    # types: Gemma3 then builds its sliding-window mask through the full-mask builder (an and-mask,
+    # no local_size), which leankit_mask could not tell from the full mask.
     cache = cache_argument(args, kwargs, params)
-    _FULL_MASK_UNUSED.set(isinstance(cache, LeanCache) and cache.reads_no_full_mask(opening=True))
+    _FULL_MASK_UNUSED.set(isinstance(cache, LeanCache) and cache.reads_no_full_mask(opening=True)
+                          and _arg("token_type_ids", args, kwargs, params) is None)
 
 
 def _outer_post_hook(module, args, kwargs, output):

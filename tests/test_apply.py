@@ -86,10 +86,18 @@ def test_a_generation_config_given_any_way_is_honoured(built):
         model.generation_config.use_cache = False
         assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6,
                                           pad_token_id=0, eos_token_id=None), ref)
+        # a passed config that leaves use_cache unset takes the model's, as generate resolves it
+        unset = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=0)
+        if unset.use_cache is None:  # (transformers that fill unset fields from the model's config)
+            assert torch.equal(model.generate(ids, unset, attention_mask=mask), model.__class__.generate(
+                model, ids, unset, attention_mask=mask))
         assert built == []  # no call above stores anything in a LeanCache
         model.generation_config.use_cache = True
         assert torch.equal(model.generate(ids, stops, attention_mask=mask), ref_stops)
-    assert len(built) == 1 and built[0].eos_ids.tolist() == [96, 95] and built[0].end_ids.tolist() == [96, 95, 0]
+        model.generation_config.eos_token_id = 95
+        model.generate(ids, GenerationConfig(do_sample=False, max_new_tokens=2, pad_token_id=0), attention_mask=mask)
+    assert len(built) == 2 and built[0].eos_ids.tolist() == [96, 95] and built[0].end_ids.tolist() == [96, 95, 0]
+    assert built[1].eos_ids.tolist() == [95]  # unset in the passed config: the model's
 
 
 def test_apply_none_and_remove_restore_the_model():

@@ -335,3 +335,46 @@ def test_output_attentions_with_a_leancache_warns_that_no_weights_come(recwarn):
     with torch.no_grad(), pytest.warns(UserWarning, match="a LeanCache step returns no attention weights"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, output_attentions=True,
                        return_dict_in_generate=True, **cache_kwargs(model, leankit.LeanCache(model, "FP16")))
+
+
+@pytest.mark.parametrize("kind", ["opt", "gemma3", "mistral-sliding"])
+def test_a_mask_of_the_steps_tokens_alone_is_refused_where_the_model_reads_all_of_it(kind):
+    """OPT derives positions from the whole mask, and sliding-window layers (transformers' own
+    cache) mask with it: a mask of the new tokens alone would give wrong tokens, so it is refused
+    before the step opens, and the whole mask still serves the step."""
+    from leankit.testing import left_padded_batch, tiny_model
+
+    model = tiny_model(kind)
+    ids, mask = left_padded_batch(2, 9)
+    cache = leankit.LeanCache(model, "FP16")
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache))
+        nxt = torch.tensor([[5], [6]])
+        with pytest.raises(ValueError, match="read all of it"):
+            model(input_ids=nxt, attention_mask=torch.ones(2, 1, dtype=mask.dtype), **cache_kwargs(model, cache))
+        assert cache.get_seq_length() == 9
+        whole = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        got = model(input_ids=nxt, attention_mask=whole, **cache_kwargs(model, cache)).logits
+        dyn = DynamicCache(config=model.config)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, dyn))
+        want = model(input_ids=nxt, attention_mask=whole, **cache_kwargs(model, dyn)).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_image_text_step_with_token_types_after_the_prompt_keeps_its_sliding_masks():
+    """With token types, Gemma3's image-text model builds its sliding-window mask through the
+    full-mask builder: a chunked prompt with an image (and a text new turn) must still give
+    DynamicCache's tokens, the plain sliding layers masked as transformers masks them."""
+    from leankit.testing import tiny_model
+
+    model = tiny_model("gemma3-image-text", sliding_window=64)
+    ids = torch.tensor([[1, 5, 94, 96, 96, 96, 96, 95, 7, 8, 9, 10], [0, 0, 0, 0, 94, 96, 96, 96, 96, 95, 7, 8]])
+    mask = (ids != 0).long()
+    torch.manual_seed(0)
+    kw = {"input_ids": ids, "attention_mask": mask, "token_type_ids": (ids == 96).long(),
+          "pixel_values": torch.randn(2, 3, 28, 28), "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0,
+          "prefill_chunk_size": 4}
+    with torch.no_grad():
+        want = model.generate(**kw, **cache_kwargs(model, DynamicCache(config=model.config)))
+        got = model.generate(**kw, **cache_kwargs(model, leankit.LeanCache(model, "FP16")))
+    assert torch.equal(got, want)

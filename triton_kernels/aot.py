@@ -263,7 +263,7 @@ def cases() -> list[Case]:
                     {"mask_ptr": "*i64", "tok_ptr": "*i64", "eos_ptr": "*i64", "fin_ptr": "*u8", "ending_ptr": "*u8",
                      "pos_ptr": "*i64", "real_ptr": "*u8", "rank_ptr": "*i64", "nnew_ptr": "*i64", "qpos_ptr": "*i32",
                      "qpos64_ptr": "*i64", "first_ptr": "*i64", "last_ptr": "*i64", "ended_ptr": "*u8",
-                     "next_ptr": "*u8", "cont_ptr": "*u8", "err_ptr": "*i32", "status_ptr": "*i64"},
+                     "next_ptr": "*u8", "cont_ptr": "*i64", "err_ptr": "*i32", "status_ptr": "*i64"},
                     {"HAS_MASK": True, "HAS_EOS": True, "HAS_POS": True, "BLOCK": RBLOCK}))
     from .prompt_plan import BISECT_STEPS, INF_BITS, MAX_BLOCK
 

@@ -40,7 +40,7 @@ BLOCK = 128
 # Runtime integers that change from step to step or call to call: no variant per value class.
 STEP_ROWS_DYNAMIC = ("stride_mb", "stride_tb", "N_EOS", "N_END", "stride_pb", "seen", "N_ERR", "N_STATUS", "B")
 STEP_ROWS_UNALIGNED = ("mask_ptr", "tok_ptr", "eos_ptr", "fin_ptr", "ending_ptr", "pos_ptr", "ended_ptr",
-                       "next_ptr", "cont_ptr")
+                       "next_ptr")
 
 
 @triton.jit(**jit_options(STEP_ROWS_DYNAMIC, STEP_ROWS_UNALIGNED))
@@ -68,7 +68,7 @@ def _step_rows_kernel(mask_ptr, stride_mb, tok_ptr, stride_tb, eos_ptr, N_EOS, N
         ending = tl.load(ending_ptr + b, mask=m, other=0) != 0
         ended = ending & hit_end & ~fin & m
         tl.store(ended_ptr + b, ended.to(tl.int8), mask=m)
-        tl.store(cont_ptr + b, (fin & fed & ~hit_end).to(tl.int8), mask=m)
+        tl.store(cont_ptr + b, (fin & fed & ~hit_end).to(tl.int64), mask=m)
         fin = fin | ended
         tl.store(next_ptr + b, (hit_eos & ~fin).to(tl.int8), mask=m)
     real = fed & ~fin
@@ -107,7 +107,7 @@ def step_rows_ref(batch: int, finished: torch.Tensor, *, attention_mask: torch.T
         hit_eos = torch.isin(last_tokens, end_ids[:n_eos])
         hit_end = torch.isin(last_tokens, end_ids)
         ended = (ending & hit_end if ending is not None else torch.zeros_like(finished)) & ~finished
-        continued = finished & fed.view(-1) & ~hit_end
+        continued = (finished & fed.view(-1) & ~hit_end).long()
         fin = finished | ended
         ending_next = hit_eos & ~fin
     real = fed & ~fin.view(-1, 1)
@@ -143,7 +143,9 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
 
     Returns a dict of device tensors: ``real`` bool ``[B, 1]``, ``rank`` int64 ``[B, 1]``,
     ``n_new`` int64 ``[B]``, ``q_pos`` int32 ``[B, 1]``, ``q_pos64`` int64 ``[B, 1]``, ``q_first``
-    / ``q_last`` int64 ``[B]``, ``ended``, ``ending`` and ``continued`` bool ``[B]`` or None.
+    / ``q_last`` int64 ``[B]``, ``ended`` and ``ending`` bool ``[B]`` or None, ``continued`` int64
+    ``[B]`` (0/1: int64, so the caller's one host read concatenates it with its other int64 flags
+    in one copy) or None.
     """
     dev = finished.device
     if finished.shape != (batch,) or finished.dtype != torch.bool:
@@ -169,7 +171,7 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
         "q_last": torch.empty(batch, dtype=torch.int64, device=dev),
         "ended": torch.empty(batch, dtype=torch.bool, device=dev) if has_eos else None,
         "ending": torch.empty(batch, dtype=torch.bool, device=dev) if has_eos else None,
-        "continued": torch.empty(batch, dtype=torch.bool, device=dev) if has_eos else None,
+        "continued": torch.empty(batch, dtype=torch.int64, device=dev) if has_eos else None,
     }
     mask = flag_bytes(attention_mask[:, -1]) if attention_mask is not None else finished
     pos = position_ids[:, 0] if position_ids is not None else finished
@@ -188,7 +190,7 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
         seen, out["real"].view(torch.uint8), out["rank"], out["n_new"], out["q_pos"], out["q_pos64"], out["q_first"],
         out["q_last"], out["ended"].view(torch.uint8) if has_eos else fin,
         out["ending"].view(torch.uint8) if has_eos else fin,
-        out["continued"].view(torch.uint8) if has_eos else fin, err_flags, err_flags.numel(), alloc_status,
+        out["continued"] if has_eos else fin, err_flags, err_flags.numel(), alloc_status,
         alloc_status.numel(), batch, no_pos, HAS_MASK=attention_mask is not None, HAS_EOS=has_eos,
         HAS_POS=position_ids is not None, BLOCK=block, num_warps=4)
     return out

@@ -17,8 +17,8 @@ Dense (unquantized) sides are read and stored in place too, in the model's dtype
 (:data:`DENSE_FORMATS`), so the lossless ``FP16`` config takes the same path.
 
 The C files have no dependencies. They are compiled together, with the system's C compiler
-(``$CC``, else ``cc``/``gcc``/``clang``), into one library in ``$LEANKIT_CACHE_DIR`` (default
-``~/.cache/leankit``), keyed by the sources and headers, the flags and the CPU's feature flags,
+(``$CC``, else ``cc``/``gcc``/``clang``), into one library in ``$LEANKIT_CACHE_DIR`` (default:
+leankit's cache directory, ``$LEANKIT_CACHE``, ``$XDG_CACHE_HOME/leankit`` or ``~/.cache/leankit``), keyed by the sources and headers, the flags and the CPU's feature flags,
 and loaded with :mod:`ctypes`. Without a compiler, or with ``LEANKIT_NATIVE=0``, :func:`kernels`
 returns ``None`` and leankit runs the torch path, which computes the same thing
 (``tests/test_native.py`` checks one against the other).
