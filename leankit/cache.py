@@ -819,10 +819,9 @@ class LeanCache(Cache):
         if stale:
             free_list.load(*rest[:2])
             rest = rest[2:]
-        went_on = []
-        if continued is not None:
-            went_on = [b for b, f in enumerate(rest[-continued.numel():]) if f]
-            rest = rest[: -continued.numel()]
+        cut = len(rest) - (0 if continued is None else continued.numel())  # the continued flags come last
+        went_on = [b for b, f in enumerate(rest[cut:]) if f]
+        rest = rest[:cut]
         bad = [i for i, f in enumerate(flags) if f]
         if not bad and not alloc[0] and not went_on:
             if status is not None:
