@@ -77,6 +77,26 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * p)
 
 
+# Smallest normal fp16 (2^-14): below it fp16 values are spaced 2^-24 apart, not relatively.
+FP16_MIN_NORMAL = 2.0 ** -14
+
+
+def round_scale_up_if_subnormal(step: torch.Tensor) -> torch.Tensor:
+    """The fp16 scale of a quantization step ``step`` (fp32, ``(max - min16) / qmax``).
+
+    Rounded to nearest, except where that lands below ``step`` in fp16's subnormal range, where it
+    is taken one unit (2^-24) up. Why: in the normal range rounding moves the scale by at most
+    2^-11 of itself, so the top code ``(max - min16) / scale`` rises by at most ``qmax * 2^-11``
+    (< 0.5 for 8 bits) and never clamps; below 2^-14 the spacing is absolute, so a small group's
+    scale rounded down could clamp its top codes by many steps, or round to 0 and dequantize the
+    whole group to its minimum (8-bit codes of K/V near 1e-6 then erred far more than 4-bit ones).
+    The native and Triton store kernels round the same way, bit for bit.
+    """
+    sc16 = step.to(META_DTYPE)
+    up = (step > 0) & (sc16.float() < step) & (sc16.float() < FP16_MIN_NORMAL)
+    return torch.where(up, (sc16.view(torch.int16) + 1).view(META_DTYPE), sc16)
+
+
 def quantize(x: torch.Tensor, bits: int, group_size: int | None = None):
     """Quantize ``x`` ``[..., F]`` per group along the last dim.
 
@@ -92,7 +112,8 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None):
     lo, hi = torch.aminmax(xg, dim=-1)
     mn16 = lo.to(META_DTYPE)
     # Scale from the stored minimum so that the largest element maps inside [0, qmax].
-    sc16 = ((hi - mn16.float()) / qmax).to(META_DTYPE)
+    step = (hi - mn16.float()) / qmax
+    sc16 = round_scale_up_if_subnormal(step)
     # One check on the stored scale covers the input and the stored min too: a NaN/Inf element
     # makes its group's min or max non-finite, and a non-finite min (NaN, or beyond the fp16
     # range) makes hi - min NaN or infinite, so the scale is then non-finite as well.
@@ -121,8 +142,9 @@ def error_bound(x: torch.Tensor, bits: int, group_size: int | None = None) -> to
     """Worst-case absolute round-trip error per group of :func:`quantize` (for tests).
 
     Half a quantization step, plus the fp16 rounding of the stored scale accumulated over up to
-    ``2**bits - 1`` steps and of the stored minimum: relative ``2^-11`` for normal fp16 values,
-    absolute ``2^-25`` (half the subnormal spacing) near zero.
+    ``2**bits - 1`` steps and of the stored minimum: relative ``2^-11`` for normal fp16 values;
+    near zero a scale rounded up by less than 2^-24 (:func:`round_scale_up_if_subnormal`) adds
+    less than 2^-25 to the half step, and the minimum's rounding at most 2^-25.
     """
     f = x.shape[-1]
     gs = group_size or f
@@ -130,6 +152,4 @@ def error_bound(x: torch.Tensor, bits: int, group_size: int | None = None) -> to
     lo, hi = xg.amin(-1), xg.amax(-1)
     step = (hi - lo) / ((1 << bits) - 1)
     eps16 = 2.0 ** -11
-    qmax = (1 << bits) - 1
-    sub = 2.0 ** -25 * (qmax + 1)
-    return step / 2 + eps16 * (hi.abs() + lo.abs()) * 2 + sub + 1e-7
+    return step / 2 + eps16 * (hi.abs() + lo.abs()) * 2 + 2.0 ** -24

@@ -125,6 +125,22 @@ def test_quantize_property(bits, n, scale, seed):
     assert torch.equal(pool.storage, ref)
 
 
+@pytest.mark.parametrize("spec", ["K8V8", "K4V2"])
+@pytest.mark.parametrize("magnitude", [1e-5, 1e-6, 1e-7])
+def test_groups_with_subnormal_steps_match_the_reference(spec, magnitude):
+    """Data whose quantization steps are fp16 subnormals, where the scale rounds up, not to
+    nearest (leankit.quant.round_scale_up_if_subnormal): bytes identical to the reference."""
+    gen, seed = fresh_generator()
+    n = 37
+    lay, pool, page, slot = _setup(spec, torch.float32, n, 64, None, gen)
+    k = torch.randn(n, 64, generator=gen) * magnitude
+    v = torch.rand(n, 64, generator=gen) * magnitude - magnitude / 3
+    pos, score = torch.randint(0, 99, (n,), generator=gen), torch.rand(n, generator=gen)
+    ref = _reference_write(pool, lay, page, slot, lay.encode(k, v, score, pos))
+    quantize_into_pages(pool.storage, lay, page, slot, k, v, pos, score)
+    assert torch.equal(pool.storage, ref), f"seed {seed}"
+
+
 @pytest.mark.parametrize("spec", ["K8V4", "K4V2", "K2V1", "K16V4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dequantize_matches_decode(spec, dtype):

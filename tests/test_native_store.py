@@ -75,6 +75,21 @@ def test_store_writes_the_bytes_encode_and_write_rows_write(spec, dim, group_siz
     assert torch.equal(pool.storage, want.storage), f"bytes outside the written slots differ (seed {seed})"
 
 
+@pytest.mark.parametrize("spec", ["K8V8", "K4V2:group_size=16"])
+@pytest.mark.parametrize("magnitude", [1e-5, 1e-6, 1e-7])
+def test_groups_with_subnormal_steps_write_the_torch_bytes(spec, magnitude):
+    """Tokens whose quantization steps are fp16 subnormals: the scale rounds up there
+    (leankit.quant.round_scale_up_if_subnormal), on both paths, byte for byte."""
+    gen, seed = testing.fresh_generator()
+    lay, pool, page, slot, k, v, score, pos = _case(gen, spec, 64, 29)
+    k, v = k * magnitude, v * magnitude
+    want = PagePool(pool.num_pages, pool.page_size, pool.device)
+    want.storage.copy_(pool.storage)
+    _torch_write(want, lay, page, slot, k, v, score, pos)
+    _native_write(pool, lay, page, slot, k, v, score, pos)
+    assert torch.equal(pool.storage, want.storage), f"seed {seed}, {spec}, magnitude {magnitude}"
+
+
 def test_keep_skips_tokens_and_many_tokens_split_over_threads():
     """A token with ``keep`` false (negative page id) writes nothing; enough tokens for a team of
     threads give the one-thread bytes."""

@@ -51,6 +51,27 @@ def test_roundtrip_error_bound(bits, rows, groups, data):
     assert (err <= error_bound(x, bits, gs)).all()
 
 
+@pytest.mark.parametrize("magnitude", [1e-4, 1e-5, 1e-6, 3e-7, 1e-7])
+def test_small_groups_keep_their_precision_and_more_bits_err_less(magnitude):
+    """Groups whose quantization step is an fp16 subnormal (below 2^-14): rounded to nearest, the
+    stored scale could fall under the step, clamping the top codes, or to 0, leaving every element
+    at its group's minimum; 8-bit codes then erred more than 4-bit ones. It rounds up there."""
+    gen = torch.Generator().manual_seed(int(-np.log10(magnitude) * 10))
+    x = torch.randn(257, 64, generator=gen) * magnitude
+    errs = {}
+    for bits in BITS:
+        packed, scale, mn = quantize(x, bits)
+        xh = dequantize(packed, scale, mn, bits)
+        assert (scale.float() > 0).all()  # no group of distinct values collapses to its minimum
+        step = (x.amax(-1, keepdim=True) - mn.float()) / ((1 << bits) - 1)
+        subnormal = scale.float() < 2.0 ** -14
+        assert (scale.float()[subnormal] >= step[subnormal]).all()  # the top code never clamps
+        err = (xh - x).abs().amax(-1, keepdim=True)
+        assert (err <= error_bound(x, bits)).all()
+        errs[bits] = ((xh - x).norm() / x.norm()).item()
+    assert errs[8] <= errs[4] <= errs[2] <= errs[1], errs
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_random_normal_error_is_half_step(bits):
     x = torch.randn(123, 64) * 3

@@ -96,7 +96,12 @@ def _quant_side(src_rows, valid, pool, page, row,
         mn16 = lo.to(tl.float16)
         mnf = mn16.to(tl.float32)
         # Scale from the *stored* minimum so the largest element maps inside [0, QMAX] (Eq. 2).
-        sc16 = tl.math.div_rn(hi - mnf, tl.full(hi.shape, QMAX, tl.float32)).to(tl.float16)
+        step = tl.math.div_rn(hi - mnf, tl.full(hi.shape, QMAX, tl.float32))
+        sc16 = step.to(tl.float16)
+        # Among fp16's subnormals (< 2^-14) a scale rounded under the step goes one unit up, so a
+        # small group's top codes never clamp (leankit.quant.round_scale_up_if_subnormal).
+        up = (step > 0.0) & (sc16.to(tl.float32) < step) & (sc16.to(tl.float32) < 6.103515625e-05)
+        sc16 = tl.where(up, (sc16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), sc16)
         scf = sc16.to(tl.float32)
         nonconst = scf > 0.0
         safe = tl.where(nonconst, scf, 1.0)

@@ -8,6 +8,8 @@
  *
  *   mn16 = fp16(min_g x)             the stored minimum, rounded to nearest even
  *   sc16 = fp16((max_g x - mn16) / qmax)   in fp32, then rounded; qmax = 2^bits - 1
+ *          (to nearest, or one unit up where that lands below the step among fp16's subnormals:
+ *          leankit.quant.round_scale_up_if_subnormal says why)
  *   Q    = clamp(rint((x - mn16) / sc16), 0, qmax)     0 where sc16 <= 0 (a constant group)
  *
  * codes packed little-endian (code i of byte j is column j * (8 / bits) + i), and per token per
@@ -42,7 +44,10 @@ static inline int group_meta(const float *restrict x, int n, int qmax, uint16_t 
     }
     if (nan || isinf(lo) || isinf(hi)) return LK_NON_FINITE;
     const uint16_t mn16 = float_to_half(lo);
-    const uint16_t sc16 = float_to_half((hi - half_to_float(mn16)) / (float)qmax);
+    const float step = (hi - half_to_float(mn16)) / (float)qmax;
+    uint16_t sc16 = float_to_half(step);
+    /* below 2^-14 (bits < 0x0400, sign clear as step > 0) a scale rounded under the step goes one unit up */
+    if (step > 0.0f && sc16 < 0x0400u && half_to_float(sc16) < step) sc16 += 1u;
     if ((sc16 & 0x7c00u) == 0x7c00u) return LK_META_RANGE; /* fp16 Inf or NaN */
     meta[0] = sc16;
     meta[1] = mn16;
