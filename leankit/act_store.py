@@ -516,6 +516,11 @@ class HybridPolicy:
         self._inner_values = 0  # how many values of the step's status are the inner policy's
 
     def __getattr__(self, name):
+        # Only for attributes this wrapper lacks. ``inner`` itself and dunder lookups (copy and
+        # pickle probe ``__setstate__`` and friends on an instance built without __init__) must not
+        # recurse through a missing ``inner``.
+        if name == "inner" or name.startswith("__"):
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def _view(self, step):

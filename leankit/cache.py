@@ -283,7 +283,9 @@ class MemoryReport(dict):
             f"  total               {size(self['total_bytes'])}",
             f"  vs fp16 cache       {self['ratio']:.3f}x of {size(self['fp16_bytes'])}",
             f"{dense:<22}{self['dense_ratio']:.3f}x of {size(self['dense_bytes'])} (the model's own dtype)",
-            f"  peak pages          {size(self['peak_kv_bytes'])}, {self['peak_ratio']:.3f}x fp16",
+            # peak_ratio is NaN (0 / 0) on a model with no compressed layer
+            f"  peak pages          {size(self['peak_kv_bytes'])}"
+            + (f", {self['peak_ratio']:.3f}x fp16" if not math.isnan(self["peak_ratio"]) else ""),
         ]
         return "\n".join(lines)
 
@@ -316,6 +318,12 @@ _HOLDS_EXACTLY = {torch.float32: (torch.float16, torch.bfloat16),
 _ENDED_ROWS_CONTINUE = ("rows {rows} of this LeanCache ended their request with an EOS token in an earlier step and "
                         "their pages were freed, so a new turn cannot continue them: pass a fresh LeanCache (or "
                         "build this one without eos_token_id to keep finished rows)")
+_POSITIONS_GO_BACK = ("rows {rows}: this step's tokens sit at positions no later than tokens this LeanCache already "
+                      "stores for the row, which a query then could not see (stored tokens are masked by position, "
+                      "not by order). Positions must grow across steps: a manual forward without position_ids on "
+                      "a left-padded batch counts padding that generate's mask-derived positions do not (pass "
+                      "position_ids = attention_mask.cumsum(-1) - 1), and a used cache handed another request "
+                      "restarts them (pass a fresh LeanCache)")
 
 
 class LeanLayer(CacheLayerMixin):
@@ -481,6 +489,12 @@ class LeanCache(Cache):
         # Kernel backend, a decode step: the rows step_rows found continuing after their request
         # ended (int64 0/1 [B], None without end ids), refused at the step's one host read.
         self._continued: torch.Tensor | None = None
+        # Highest real position stored per row (int64 [B], -1 for none), adopted when a step ends:
+        # a step's queries must come after it (_POSITIONS_GO_BACK). On the kernel backend's decode
+        # step step_rows makes the comparison (``_behind``) and the update (``_last_pos_next``).
+        self._last_pos: torch.Tensor | None = None
+        self._behind: torch.Tensor | None = None
+        self._last_pos_next: torch.Tensor | None = None
         from .policy import make_policy  # the placement policy of this config
 
         self.policy = make_policy(self)
@@ -579,6 +593,10 @@ class LeanCache(Cache):
         driving layers by hand. A first step that fails (a short fixed pool) leaves the cache as
         fresh as it was, not bound to that step's batch size.
         """
+        if q_len < 1:
+            raise ValueError(f"a forward step of {q_len} tokens: generate cut this step's input by the {self._seen} "
+                             "tokens per row this LeanCache has seen, so the cache most likely holds another request "
+                             "(pass a fresh LeanCache to each generate call; a new turn passes the whole sequence)")
         fresh = self.table is None
         attention_mask = self.padding_mask(attention_mask, batch, q_len)  # checked before the step opens
         self.check_mask_width(attention_mask, q_len)
@@ -598,6 +616,7 @@ class LeanCache(Cache):
             self.table = BidirectionalPageTable(self.num_layers, batch, self.num_kv_heads, self.row_len, dev)
             self.finished = torch.zeros(batch, dtype=torch.bool, device=dev)
             self.ending = torch.zeros(batch, dtype=torch.bool, device=dev)
+            self._last_pos = torch.full((batch,), -1, dtype=torch.long, device=dev)
         elif self.table.shape[1] != batch:
             raise ValueError(f"this LeanCache holds a batch of {self.table.shape[1]} rows, got {batch}; "
                              "use a fresh LeanCache per batch")
@@ -608,6 +627,11 @@ class LeanCache(Cache):
             real = attention_mask[:, -q_len:].to(dev).bool()
         else:
             real = torch.ones(batch, q_len, dtype=torch.bool, device=dev)
+        if position_ids is None:
+            q_pos = (torch.arange(q_len, device=dev) + self._seen).expand(batch, q_len)
+        else:
+            q_pos = position_ids.to(dev).expand(batch, q_len)
+        qp = q_pos.long()
         # the rows' ending flags after this step (None: unchanged); a longer step (a prompt, a new
         # turn) continues every row it feeds, so no row is left waiting on an EOS
         ending_next = torch.zeros_like(self.finished) if q_len > 1 and self.eos_ids.numel() else None
@@ -618,23 +642,21 @@ class LeanCache(Cache):
             # feeds the same token).
             fed = input_ids[:, 0].to(dev)
             self._check_no_finished_row_continues(real & ~torch.isin(fed, self.end_ids).unsqueeze(1))
+            self._check_positions_grow(real & ~self.finished.unsqueeze(1), qp)  # before the release below
             ended, ending_next = ended_rows(fed, self.end_ids, self.eos_ids.numel(), self.finished, self.ending)
             self._release_ended(ended)
-        elif q_len > 1 and self._seen > 0:
-            self._check_mask_keeps_stored_tokens(attention_mask, q_len)
-            if self.eos_ids.numel():
-                self._check_no_finished_row_continues(real)
+        elif self._seen > 0:  # the more specific refusals first; a refused step changes nothing
+            if q_len > 1:
+                self._check_mask_keeps_stored_tokens(attention_mask, q_len)
+                if self.eos_ids.numel():
+                    self._check_no_finished_row_continues(real)
+            self._check_positions_grow(real & ~self.finished.unsqueeze(1), qp)
         real = real & ~self.finished.unsqueeze(1)
-        if position_ids is None:
-            q_pos = (torch.arange(q_len, device=dev) + self._seen).expand(batch, q_len)
-        else:
-            q_pos = position_ids.to(dev).expand(batch, q_len)
         self._hw_tokens = max(self._hw_tokens, self._seen + q_len)
         if use_triton(self._kv_err):  # a step that raised midway may have left a flag up
             self._kv_err.zero_()
             self._alloc_status.zero_()
         rank = torch.cumsum(real.int(), dim=1) - 1
-        qp = q_pos.long()
         q_first = torch.where(real, qp, torch.full_like(qp, _NO_POS)).amin(1)
         q_last = torch.where(real, qp, torch.full_like(qp, -_NO_POS)).amax(1)
         # One check per step (a host read on GPU, prompts only): causal work can stop at the diagonal.
@@ -658,8 +680,11 @@ class LeanCache(Cache):
         rows = step_rows(batch, self.finished, self._kv_err, self._alloc_status, attention_mask=mask,
                          position_ids=pos, seen=self._seen, no_pos=_NO_POS,
                          last_tokens=input_ids[:, 0].to(dev) if ends else None, end_ids=self.end_ids if ends else None,
-                         n_eos=self.eos_ids.numel(), ending=self.ending)
+                         n_eos=self.eos_ids.numel(), ending=self.ending, last_pos=self._last_pos)
         self._continued = rows["continued"]
+        # rows whose token sits at or before a stored position, read with the step's flags; the
+        # highest stored positions once the step ends (step_rows works both out in its launch)
+        self._behind, self._last_pos_next = rows["behind"], rows["last_pos"]
         if rows["ended"] is not None:
             self._release_ended(rows["ended"])
         self._hw_tokens = max(self._hw_tokens, self._seen + 1)
@@ -669,6 +694,15 @@ class LeanCache(Cache):
         self._open_step(step)
         self._ending_next = rows["ending"]
         return rows["q_pos64"]
+
+    def _check_positions_grow(self, real: torch.Tensor, q_pos: torch.Tensor) -> None:
+        """Raise ``ValueError`` where a row's real token of this step sits at or before a position the
+        row already stores (one host read; the kernel backend's decode step makes the same test on
+        the device and reads it with the step's flags, :meth:`_check_step_flags`)."""
+        first = torch.where(real, q_pos, torch.full_like(q_pos, _NO_POS)).amin(1)
+        behind = first <= self._last_pos
+        if bool(behind.any()):
+            raise ValueError(_POSITIONS_GO_BACK.format(rows=behind.nonzero().flatten().tolist()))
 
     def check_mask_width(self, attention_mask, q_len: int, whole_only: bool = False) -> None:
         """Raise ``ValueError`` where a 2-D mask after the prompt covers neither the whole sequence
@@ -790,6 +824,9 @@ class LeanCache(Cache):
                 self.drop_failed_step()
                 raise
             self._seen += self._step.q_len
+            # rows without a real token have q_last = -_NO_POS: the maximum keeps their last position
+            last_next, self._last_pos_next = self._last_pos_next, None
+            self._last_pos = last_next if last_next is not None else torch.maximum(self._last_pos, self._step.q_last)
             self._step = None
             if self._ending_next is not None:  # the rows fed an EOS in this step (leankit_kernels.step_rows)
                 self.ending = self._ending_next
@@ -810,20 +847,27 @@ class LeanCache(Cache):
         free_list = self.free_list
         stale = free_list.stale  # a deferred allocation moved the device counters
         continued, self._continued = self._continued, None
+        behind, self._behind = self._behind, None
         parts = [self._kv_err.long(), self._alloc_status] + ([free_list.counters] if stale else []) \
             + ([] if status is None else [status.long().reshape(-1)]) \
-            + ([] if continued is None else [continued])  # int64, as the parts before it
+            + ([] if continued is None else [continued]) \
+            + ([] if behind is None else [behind])  # int64, as the parts before it
         values = torch.cat(parts).tolist()
         n = self._kv_err.numel()
         flags, alloc, rest = values[:n], values[n: n + 3], values[n + 3:]
         if stale:
             free_list.load(*rest[:2])
             rest = rest[2:]
-        cut = len(rest) - (0 if continued is None else continued.numel())  # the continued flags come last
+        if behind is not None:  # the position flags come last
+            went_back = [b for b, f in enumerate(rest[len(rest) - behind.numel():]) if f]
+            rest = rest[: len(rest) - behind.numel()]
+        else:
+            went_back = []
+        cut = len(rest) - (0 if continued is None else continued.numel())  # then the continued flags
         went_on = [b for b, f in enumerate(rest[cut:]) if f]
         rest = rest[:cut]
         bad = [i for i, f in enumerate(flags) if f]
-        if not bad and not alloc[0] and not went_on:
+        if not bad and not alloc[0] and not went_on and not went_back:
             if status is not None:
                 self.policy.take_status(rest)
             return
@@ -832,6 +876,8 @@ class LeanCache(Cache):
         self.drop_failed_step()
         if went_on:
             raise ValueError(_ENDED_ROWS_CONTINUE.format(rows=went_on))
+        if went_back:
+            raise ValueError(_POSITIONS_GO_BACK.format(rows=went_back))
         if alloc[0]:
             raise PoolExhausted(alloc[1], alloc[2], free_list.capacity)
         from leankit_kernels.quant import NON_FINITE_MESSAGE
@@ -964,7 +1010,8 @@ class LeanCache(Cache):
             layer.__dict__.clear()
             layer.__dict__.update(saved)
         self._plain_saved = []
-        self._step, self._pending, self._ending_next, self._continued = None, {}, None, None
+        self._step, self._pending, self._ending_next, self._continued, self._behind = None, {}, None, None, None
+        self._last_pos_next = None
 
     @inference_only
     def drop_failed_step(self) -> None:
@@ -974,6 +1021,8 @@ class LeanCache(Cache):
         if self._step is None:
             return
         self.abort_step()
+        if self.offload is not None:  # pages prefetched for later layers of the dropped step are stale
+            self.offload.abandon_prefetch()
         if self._seen == 0:
             self.reset()
         elif self.fixed_pool and self.act_store is not None and use_triton(self._kv_err):
@@ -1302,7 +1351,8 @@ class LeanCache(Cache):
             self.table.release_sequences(torch.ones(self.table.shape[1], dtype=torch.bool, device=self.device),
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
-        self.ending = self._ending_next = self._continued = None
+        self.ending = self._ending_next = self._continued = self._behind = self._last_pos = None
+        self._last_pos_next = None
         self._plain_saved = []
         self._hw_tokens = 0
         self._peak = (0, 0)  # a reused cache reports its own runs' peak
@@ -1322,6 +1372,14 @@ class LeanCache(Cache):
         release's counts, and the copy's page lists), so a beam-search step on a GPU stalls more
         than once.
         """
+        if self.table is not None:  # before anything moves: a refused reorder leaves the cache as it was
+            batch = self.table.shape[1]
+            idx = torch.as_tensor(beam_idx)
+            if idx.dim() != 1 or idx.shape[0] != batch or idx.is_floating_point() or idx.dtype == torch.bool:
+                raise ValueError(f"reorder_cache: beam_idx must be an integer tensor [{batch}] (one source row per "
+                                 f"row of this cache), got {idx.dtype} {tuple(idx.shape)}")
+            if batch and not bool(((idx >= 0) & (idx < batch)).all()):
+                raise ValueError(f"reorder_cache: beam_idx {idx.tolist()} names rows outside [0, {batch})")
         if self.offload is not None:  # a clear error where the host tier cannot reorder (leankit.offload)
             self.offload.check_reorder()
         self._reorder_pages(beam_idx)  # may raise PoolExhausted, before any plain layer moved
@@ -1351,6 +1409,7 @@ class LeanCache(Cache):
         old.release_sequences(torch.ones(old.shape[1], dtype=torch.bool, device=self.device), self.free_list)
         self.finished = self.finished.index_select(0, beam_idx)
         self.ending = self.ending.index_select(0, beam_idx)
+        self._last_pos = self._last_pos.index_select(0, beam_idx)
         self.policy.reorder(beam_idx)
 
     def crop(self, max_length: int) -> None:
@@ -1386,7 +1445,8 @@ class LeanCache(Cache):
             then counts the KV pages alone) / fp16 bytes of the compressed layers.
         Tokens: ``tokens_per_row`` real tokens each row has seen (0 for a finished row);
             ``tokens_per_tier`` high/low/pruned tokens summed over rows and averaged over the
-            compressed layers and KV heads (all high: equals ``sum(tokens_per_row)``);
+            compressed layers and KV heads (all high: equals ``sum(tokens_per_row)``; all 0 on a
+            model with no compressed layer, whose every layer slides);
             ``slots_per_tier`` the same as raw (token, layer, KV head) slot counts.
         Peak: ``peak_kv_bytes``/``peak_ratio``, pages against the fp16 bytes of the compressed
             layers at the step that used the most pages (finished requests still show).
@@ -1427,7 +1487,8 @@ class LeanCache(Cache):
             fp16_bytes=fp16, dense_bytes=dense, dense_dtype=str(self.dtype).removeprefix("torch."),
             ratio=div(total, fp16), dense_ratio=div(total, dense), pages_ratio=div(kv_bytes, compressed_fp16),
             tokens_per_row=rows,
-            tokens_per_tier={"high": div(high, slots), "low": div(low, slots), "pruned": div(pruned, slots)},
+            tokens_per_tier={tier: n / slots if slots else 0.0
+                             for tier, n in (("high", high), ("low", low), ("pruned", pruned))},
             slots_per_tier={"high": high, "low": low, "pruned": pruned},
             compressed_layers=self.num_layers, plain_layers=len(plain), model_layers=self.model_layers,
             peak_kv_bytes=self._peak[0], peak_ratio=div(self._peak[0], int(self._peak[1])),

@@ -78,6 +78,8 @@ def _parse_bool(text: str) -> bool:
 _OVERRIDE_TYPES = {"window": int, "compress_every": int, "page_size": int, "group_size": int, "low_group_size": int, "sink": int,
                    "th": float, "tl": float, "budget": float, "policy": str, "rotate": _parse_bool,
                    "act": float, "act_order": str}
+# Largest integer setting: positions and counts are int32 on the pages and in the page table.
+INT32_MAX = 2**31 - 1
 # Settings whose default is ``None`` ("not set"), so ``None`` is a legal keyword value for them.
 _NULLABLE = ("group_size", "low_group_size", "budget", "page_size")
 # Settings only some policies read: giving one to a policy that ignores it is an error, not a no-op.
@@ -276,6 +278,10 @@ class KVConfig:
     spec: str = field(default="", compare=False)
 
     def __post_init__(self):
+        for name in ("policy", "act_order"):  # names read as tier names are: in any case
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, value.strip().lower())
         if self.page_size is None:  # resolved once, so every reader sees a number
             dense = all(not (t.k_quantized or t.v_quantized) for t in self.tiers)
             object.__setattr__(self, "page_size", DENSE_PAGE_SIZE if dense else QUANTIZED_PAGE_SIZE)
@@ -344,8 +350,11 @@ class KVConfig:
         """Reject settings that were given but that this config's policy never reads.
 
         ``th`` separates the high from the low tier, so it also needs two tiers; a single-tier
-        ``leankv`` config reads only ``tl`` (its pruning threshold).
+        ``leankv`` config reads only ``tl`` (its pruning threshold). An unknown policy is named
+        first, not blamed for ignoring a setting.
         """
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} not in {POLICIES}")
         for key in sorted(set(given) & set(_POLICY_SETTINGS)):
             users = _POLICY_SETTINGS[key]
             if self.policy not in users:
@@ -359,6 +368,10 @@ class KVConfig:
         """Check the settings that do not depend on the model."""
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} not in {POLICIES}")
+        for name, typ in _OVERRIDE_TYPES.items():  # positions and counts are int32 on the pages
+            value = getattr(self, name)
+            if typ is int and value is not None and value > INT32_MAX:
+                raise ValueError(f"{name} must be at most {INT32_MAX} (an int32), got {value}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
         if self.compress_every < 1:

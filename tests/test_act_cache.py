@@ -561,3 +561,25 @@ def test_a_short_pool_names_what_an_act_step_needs_in_all(pages):
         model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache))
     assert (e.value.needed, e.value.free, e.value.total) == (need, pages, pages)
     assert cache.free_list.num_free == pages
+
+
+@pytest.mark.parametrize("spec", ["FP16:act=0.5", "K8V4:act=0.5,act_order=prefix"])
+def test_a_deep_copied_act_cache_continues_like_a_fresh_prefix(spec):
+    """transformers' prefix-cache recipe: prefill a prompt once, deep-copy the cache per continuation.
+    An ACT cache's policy wrapper forwards unknown attributes to its inner policy; copy probes dunder
+    methods on an instance built without __init__, which recursed without end before."""
+    import copy
+
+    model = model_of("llama-gqa", 6)
+    prefix = torch.arange(5, 17).view(1, -1)
+    kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    prompt_cache = lean(model, spec)
+    with torch.no_grad():
+        model(input_ids=prefix, **cache_kwargs(model, prompt_cache))
+        for tail in ([20, 21], [30, 31, 32]):
+            ids = torch.cat([prefix, torch.tensor([tail])], 1)
+            fresh = lean(model, spec)
+            model(input_ids=prefix, **cache_kwargs(model, fresh))
+            want = model.generate(input_ids=ids, **kw, **cache_kwargs(model, fresh))
+            got = model.generate(input_ids=ids, **kw, **cache_kwargs(model, copy.deepcopy(prompt_cache)))
+            assert torch.equal(got, want)

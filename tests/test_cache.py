@@ -97,6 +97,24 @@ def test_beam_search_matches_dynamic_cache():
     assert owned.unique().numel() == owned.numel()  # beams never share a page
 
 
+@pytest.mark.parametrize("bad", [[0, 1, 1], [0], [[0, 1]], [0.0, 1.0], [0, 2], [-1, 0]], ids=str)
+def test_a_bad_beam_index_is_refused_and_leaves_the_cache_as_it_was(bad):
+    """reorder_cache checks beam_idx before any page moves: a wrong length or rank, a float index or
+    a row outside the batch raises ValueError, and the cache continues as if never asked (before, it
+    switched to a half-built page table, leaking the old pages and giving other tokens after)."""
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    ref, cache = DynamicCache(config=model.config), LeanCache(model, "FP16")
+    out = _generate(model, ids, mask, ref, max_new_tokens=3)
+    _generate(model, ids, mask, cache, max_new_tokens=3)
+    used = cache.memory_report()["pages_used"]
+    with pytest.raises(ValueError, match="reorder_cache: beam_idx"):
+        cache.reorder_cache(torch.tensor(bad))
+    assert cache.memory_report()["pages_used"] == used == int(cache.table.n_pages.sum())
+    more = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
+    assert torch.equal(_generate(model, out, more, cache, max_new_tokens=3), _generate(model, out, more, ref, max_new_tokens=3))
+
+
 def test_max_new_tokens_to_model_limit():
     model = tiny_model("llama-gqa", max_position_embeddings=64)
     ids, mask = _batch(rows=1, width=10)

@@ -190,3 +190,31 @@ def test_keyword_override_types_accepted_and_widened():
     for kw in ({"tl": 0.5}, {"window": "8"}, {"windw": 8}):
         with pytest.raises(ValueError):
             KVConfig.parse(base, **kw)
+
+
+@pytest.mark.parametrize("spec", ["K8V4:policy=H2O,budget=0.5", "K8V4:policy=Streaming,sink=4",
+                                  "K8V4-K4V2:policy=LeanKV,th=0.2", "K8V4:act=0.5,act_order=Prefix"])
+def test_policy_and_act_order_names_are_read_in_any_case(spec):
+    """Tier names parse in any case (``k8v4``), and so do the policy and ACT order names, through
+    the string and as keywords; the settings those policies read are then accepted."""
+    cfg = KVConfig.parse(spec)
+    assert cfg.policy == cfg.policy.lower() and cfg.act_order == cfg.act_order.lower()
+    base, inline = split_overrides(spec)
+    assert KVConfig.parse(base, **inline) == cfg == KVConfig.parse(cfg.label())
+
+
+@pytest.mark.parametrize("spec", ["K8V4:policy=foo,budget=0.5", "K8V4-K4V2:policy=lean,th=0.2"])
+def test_an_unknown_policy_is_named_before_the_settings_it_would_read(spec):
+    with pytest.raises(ValueError, match="policy '.*' not in"):
+        KVConfig.parse(spec)
+
+
+@pytest.mark.parametrize("key", ["window", "compress_every", "sink", "page_size", "group_size"])
+def test_integer_settings_beyond_int32_are_refused_when_parsed(key):
+    """Positions and counts are int32 on the pages: a larger setting is refused by name at parse
+    time, not by an OverflowError inside the first forward."""
+    policy = {"sink": "policy=streaming,", "compress_every": ""}.get(key, "")
+    spec = "K8V4-K4V2" if key == "compress_every" else "K8V4"
+    with pytest.raises(ValueError, match=rf"{key} must be at most 2147483647"):
+        KVConfig.parse(f"{spec}:{policy}{key}={10**20}")
+    assert getattr(KVConfig.parse(f"{spec}:{policy}{key}={2**31 - 64}"), key) == 2**31 - 64

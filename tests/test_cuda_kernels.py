@@ -376,8 +376,9 @@ def test_step_setup_kernels_real_sizes(layers, batch, heads, tokens):
     eos = torch.tensor([3, 17], device=dev)
     err, status = torch.ones(layers + 1, dtype=torch.int32, device=dev), torch.ones(3, dtype=torch.int64, device=dev)
     ending = (torch.rand(batch, generator=gen) < 0.3).to(dev)
+    last_pos = torch.randint(-1, 8000, (batch,), generator=gen).to(dev)
     kw = {"attention_mask": mask, "position_ids": pos, "seen": 9, "last_tokens": tok, "end_ids": eos, "n_eos": 1,
-          "ending": ending, "no_pos": 1 << 30}
+          "ending": ending, "last_pos": last_pos, "no_pos": 1 << 30}
     got, want = step_rows(batch, finished, err, status, **kw), step_rows_ref(batch, finished, **kw)
     for name, ref in want.items():
         assert torch.equal(got[name], ref), f"step_rows {name} (seed {seed})"

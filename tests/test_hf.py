@@ -378,3 +378,62 @@ def test_an_image_text_step_with_token_types_after_the_prompt_keeps_its_sliding_
         want = model.generate(**kw, **cache_kwargs(model, DynamicCache(config=model.config)))
         got = model.generate(**kw, **cache_kwargs(model, leankit.LeanCache(model, "FP16")))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_step_whose_positions_go_back_is_refused_and_leaves_the_cache_as_it_was(monkeypatch, backend):
+    """A manual prefill without position_ids on a left-padded batch stores a padded row's tokens at
+    positions that count its padding; generate then derives the next positions from the mask, lower
+    than the stored ones. Stored tokens are masked by position, so that query would not see its row's
+    prompt: silently wrong tokens before, a clear error now (the kernel backend's decode step finds it
+    on the device and drops the step at its one read). With position_ids from the mask, the same
+    calls give DynamicCache's tokens."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("llama-gqa")
+    ids = torch.tensor([[0, 0, 0, 0, 0, 0, 11, 12], [21, 22, 23, 24, 25, 26, 27, 28]])
+    mask = (ids != 0).long()
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+
+    def prefill_then_generate(cache, positions):
+        extra = {"position_ids": (mask.cumsum(-1) - 1).clamp_min(0)} if positions else {}
+        with torch.no_grad():
+            nxt = model(input_ids=ids, attention_mask=mask, **extra, **cache_kwargs(model, cache)).logits[:, -1:]
+            full = torch.cat([ids, nxt.argmax(-1)], 1)
+            m2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            return model.generate(input_ids=full, attention_mask=m2, **kw, **cache_kwargs(model, cache))
+
+    cache = leankit.LeanCache(model, "FP16")
+    with pytest.raises(ValueError, match=r"rows \[0\]: this step's tokens sit at positions no later"):
+        prefill_then_generate(cache, positions=False)
+    assert cache.get_seq_length() == 8 and cache._step is None
+    # the refused step left the cache as the prefill did: continuing with the stored positions works
+    with torch.no_grad():
+        m9 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        step = model(input_ids=torch.tensor([[5], [6]]), attention_mask=m9, position_ids=torch.tensor([[8], [8]]),
+                     **cache_kwargs(model, cache)).logits
+        dyn = DynamicCache(config=model.config)
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, dyn))
+        want = model(input_ids=torch.tensor([[5], [6]]), attention_mask=m9, position_ids=torch.tensor([[8], [8]]),
+                     **cache_kwargs(model, dyn)).logits
+    assert torch.allclose(step, want, atol=1e-5)
+    ref = prefill_then_generate(DynamicCache(config=model.config), positions=True)
+    assert torch.equal(prefill_then_generate(leankit.LeanCache(model, "FP16"), positions=True), ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_used_cache_handed_an_unpadded_prompt_is_refused(monkeypatch, backend):
+    """transformers drops an all-ones mask before the forward, so the mask-width check never sees a
+    single unpadded prompt on a used cache; its positions, which restart below the stored ones, do.
+    A prompt no longer than what the cache has seen reaches the cache as a step of no token."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("llama-gqa")
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    cache = leankit.LeanCache(model, "FP16")
+    with torch.no_grad():
+        model.generate(input_ids=torch.arange(10, 21).view(1, -1), **kw, **cache_kwargs(model, cache))
+        seen = cache.get_seq_length()
+        with pytest.raises(ValueError, match="positions no later than tokens this LeanCache already stores"):
+            model.generate(input_ids=torch.arange(40, 50).view(1, -1), **kw, **cache_kwargs(model, cache))
+        assert cache.get_seq_length() == seen and cache._step is None
+        with pytest.raises(ValueError, match="a forward step of 0 tokens"):
+            cache.begin_step(1, 0)

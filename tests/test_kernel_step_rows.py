@@ -45,9 +45,11 @@ def test_step_rows_match_reference(batch, block, mask_dtype, with_mask, with_pos
     seen = int(torch.randint(1, 3000, (1,), generator=gen))
     err = torch.randint(1, 5, (7,), generator=gen, dtype=torch.int32)
     status = torch.tensor([1, 40, 3])
+    # the rows' highest stored positions: none (-1), or around this step's so some rows go back
+    last_pos = torch.randint(-1, 5000, (batch,), generator=gen) if with_pos else None
     kw = {"attention_mask": mask, "position_ids": pos, "seen": seen, "last_tokens": tok,
           "end_ids": None if eos is None else torch.cat([eos, pads]), "n_eos": None if eos is None else len(eos),
-          "ending": ending, "no_pos": NO_POS}
+          "ending": ending, "last_pos": last_pos, "no_pos": NO_POS}
     got = step_rows(batch, finished, err, status, block=block, **kw)
     want = step_rows_ref(batch, finished, **kw)
     for name, ref in want.items():
@@ -147,3 +149,18 @@ def test_an_empty_batch_still_clears_the_error_flags():
     err, status = torch.ones(3, dtype=torch.int32), torch.tensor([1, 40, 3])
     step_rows(0, torch.zeros(0, dtype=torch.bool), err, status, no_pos=1 << 30)
     assert err.tolist() == [0, 0, 0] and status.tolist() == [0, 0, 0]
+
+
+def test_rows_whose_token_does_not_follow_their_stored_positions_are_flagged():
+    """``behind`` flags a real row whose position is at or before the highest it stores; a padding
+    or finished row never is, and ``last_pos`` moves only for real rows."""
+    err, status = torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int64)
+    fin = torch.tensor([False, False, False, True, False])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 1], [1, 0]])
+    pos = torch.tensor([[7], [5], [9], [1], [0]])
+    last = torch.tensor([6, 5, -1, 4, 8])
+    for fn in (lambda **k: step_rows(5, fin, err, status, **k), lambda **k: step_rows_ref(5, fin, **k)):
+        out = fn(attention_mask=mask, position_ids=pos, last_pos=last, no_pos=NO_POS)
+        assert out["behind"].tolist() == [0, 1, 0, 0, 0]
+        assert out["last_pos"].tolist() == [7, 5, 9, 4, 8]
+        assert fn(no_pos=NO_POS)["behind"] is None

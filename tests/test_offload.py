@@ -170,7 +170,8 @@ def test_decode_step_moves_the_filled_rows_in_and_the_new_rows_out():
     ids, mask = left_padded_batch(2, 8, seed=1)
     cache = cache_of(model, "K8V4", offload=True)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0),
+                    **cache_kwargs(model, cache), use_cache=True)
         lens = cache.table.lens[HIGH].clone()
         layout = cache.layouts[HIGH]
         # full pages cross whole, a partly filled page as its filled rows
@@ -368,3 +369,35 @@ def test_smollm2_offload_is_exact(smollm2, spec):
     out, logits = generate(model, cache, enc.input_ids, enc.attention_mask, new=12, scores=True)
     assert torch.equal(out, ref) and torch.equal(logits, ref_logits)
     assert cache.offload.working.peak <= 256 < cache.memory_report()["pages_used"]
+
+
+@pytest.mark.parametrize("spec", ["K8V4", "FP16:act=0.5"])
+def test_a_step_that_raises_inside_a_layer_leaves_the_offloaded_cache_as_it_was(spec):
+    """An error inside a decoder layer drops the step; the pages the runtime prefetched for the
+    layers after it belong to the dropped step and are forgotten, so a later step that needs new
+    pages reads its own (before, it read stale device slots: 'a page id lies outside the pool')."""
+    model = model_of("llama-gqa", layers=3)
+    ids, mask = left_padded_batch(2, 9, seed=4)
+
+    class Boom(Exception):
+        pass
+
+    def boom(*args):
+        raise Boom
+
+    def run(fail: bool):
+        cache = scribble(cache_of(model, spec, page_size=512, offload=True))
+        out = generate(model, cache, ids, mask, new=5)
+        if fail:  # a new turn that raises inside layer 0, after layer 1's pages were prefetched
+            handle = model.model.layers[0].register_forward_hook(boom)
+            try:
+                with pytest.raises(Boom):
+                    bad = torch.cat([out, torch.full((2, 2), 7)], 1)
+                    generate(model, cache, bad, torch.cat([mask, torch.ones(2, 7, dtype=mask.dtype)], 1), new=2)
+            finally:
+                handle.remove()
+            assert not cache.offload._loaded  # no layer of the dropped step stays prefetched
+        turn = torch.cat([out, torch.full((2, 30), 9)], 1)  # a longer turn: new pages
+        return generate(model, cache, turn, torch.cat([mask, torch.ones(2, 35, dtype=mask.dtype)], 1), new=3)
+
+    assert torch.equal(run(True), run(False))

@@ -263,8 +263,9 @@ def cases() -> list[Case]:
                     {"mask_ptr": "*i64", "tok_ptr": "*i64", "eos_ptr": "*i64", "fin_ptr": "*u8", "ending_ptr": "*u8",
                      "pos_ptr": "*i64", "real_ptr": "*u8", "rank_ptr": "*i64", "nnew_ptr": "*i64", "qpos_ptr": "*i32",
                      "qpos64_ptr": "*i64", "first_ptr": "*i64", "last_ptr": "*i64", "ended_ptr": "*u8",
-                     "next_ptr": "*u8", "cont_ptr": "*i64", "err_ptr": "*i32", "status_ptr": "*i64"},
-                    {"HAS_MASK": True, "HAS_EOS": True, "HAS_POS": True, "BLOCK": RBLOCK}))
+                     "next_ptr": "*u8", "cont_ptr": "*i64", "lastpos_ptr": "*i64", "behind_ptr": "*i64",
+                     "newlast_ptr": "*i64", "err_ptr": "*i32", "status_ptr": "*i64"},
+                    {"HAS_MASK": True, "HAS_EOS": True, "HAS_POS": True, "HAS_LAST": True, "BLOCK": RBLOCK}))
     from .prompt_plan import BISECT_STEPS, INF_BITS, MAX_BLOCK
 
     # LeanKV's prompt classification at the longest tile (prompts of 2k tokens or more), 8 warps
