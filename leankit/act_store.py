@@ -62,6 +62,7 @@ where its pages cost at least as much as this config's KV pages warns, and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from fractions import Fraction
@@ -247,6 +248,18 @@ class ActStore:
         self._rope: dict[int, tuple] = {}
         self._rope_group = rope_groups(self.params)
         self._ahead: dict[int, tuple] = {}  # layer -> K/V recomputed before its attention (offload)
+
+    def __deepcopy__(self, memo):
+        """A copy of the store's state that shares the model and the stacked weights with the
+        original: they are read only (replaced, never edited, when the weights change), and a
+        prefix cache copied per continuation would otherwise copy the whole model each time."""
+        memo[id(self._model)] = self._model
+        memo[id(self.params)] = self.params
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
 
     # -------------------------------------------------------------- bytes
     def token_bytes(self) -> dict:

@@ -594,9 +594,10 @@ class LeanCache(Cache):
         fresh as it was, not bound to that step's batch size.
         """
         if q_len < 1:
-            raise ValueError(f"a forward step of {q_len} tokens: generate cut this step's input by the {self._seen} "
-                             "tokens per row this LeanCache has seen, so the cache most likely holds another request "
-                             "(pass a fresh LeanCache to each generate call; a new turn passes the whole sequence)")
+            why = (f": generate cut this step's input by the {self._seen} tokens per row this LeanCache has seen, "
+                   "so the cache most likely holds another request (pass a fresh LeanCache to each generate "
+                   "call; a new turn passes the whole sequence)") if self._seen else ": a step needs a token"
+            raise ValueError(f"a forward step of {q_len} tokens{why}")
         fresh = self.table is None
         attention_mask = self.padding_mask(attention_mask, batch, q_len)  # checked before the step opens
         self.check_mask_width(attention_mask, q_len)
@@ -606,6 +607,8 @@ class LeanCache(Cache):
         except BaseException:
             if self._step is None:
                 self._hw_tokens = self._hw_before
+                # a decode step refused after step_rows ran: its row flags belong to no open step
+                self._continued = self._behind = self._last_pos_next = None
                 if fresh:
                     self.reset()
             raise
@@ -622,7 +625,7 @@ class LeanCache(Cache):
                              "use a fresh LeanCache per batch")
         if q_len == 1 and use_triton(self._kv_err):
             return self._begin_decode_step(batch, attention_mask, position_ids, input_ids)
-        self._continued = None  # refused up front below, on this path
+        self._continued = self._behind = self._last_pos_next = None  # refused up front below, on this path
         if attention_mask is not None and attention_mask.dim() == 2:
             real = attention_mask[:, -q_len:].to(dev).bool()
         else:
@@ -642,8 +645,9 @@ class LeanCache(Cache):
             # feeds the same token).
             fed = input_ids[:, 0].to(dev)
             self._check_no_finished_row_continues(real & ~torch.isin(fed, self.end_ids).unsqueeze(1))
-            self._check_positions_grow(real & ~self.finished.unsqueeze(1), qp)  # before the release below
             ended, ending_next = ended_rows(fed, self.end_ids, self.eos_ids.numel(), self.finished, self.ending)
+            # before the release: rows ending now store no token, as step_rows leaves them out too
+            self._check_positions_grow(real & ~(self.finished | ended).unsqueeze(1), qp)
             self._release_ended(ended)
         elif self._seen > 0:  # the more specific refusals first; a refused step changes nothing
             if q_len > 1:

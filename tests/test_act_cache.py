@@ -581,5 +581,8 @@ def test_a_deep_copied_act_cache_continues_like_a_fresh_prefix(spec):
             fresh = lean(model, spec)
             model(input_ids=prefix, **cache_kwargs(model, fresh))
             want = model.generate(input_ids=ids, **kw, **cache_kwargs(model, fresh))
-            got = model.generate(input_ids=ids, **kw, **cache_kwargs(model, copy.deepcopy(prompt_cache)))
+            twin = copy.deepcopy(prompt_cache)
+            # the copy shares the model and the stacked [Wk Wv] (read only): no weights are copied
+            assert twin.act_store._model is model and twin.act_store.params is prompt_cache.act_store.params
+            got = model.generate(input_ids=ids, **kw, **cache_kwargs(model, twin))
             assert torch.equal(got, want)

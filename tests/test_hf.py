@@ -437,3 +437,48 @@ def test_a_used_cache_handed_an_unpadded_prompt_is_refused(monkeypatch, backend)
         assert cache.get_seq_length() == seen and cache._step is None
         with pytest.raises(ValueError, match="a forward step of 0 tokens"):
             cache.begin_step(1, 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_step_refused_as_it_opens_leaves_no_position_flags_behind(monkeypatch, backend):
+    """A decode step that raises after the kernel backend's step_rows ran, before the step opened
+    (here its policy raises, as a row outgrowing its page-table row does), must not leave that
+    launch's position flags for the next step: a correct later step would be refused, or adopt
+    the failed step's positions."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("llama-gqa")
+    cache = leankit.LeanCache(model, "FP16")
+    with torch.no_grad():
+        model(input_ids=torch.arange(5, 13).view(1, -1), **cache_kwargs(model, cache))  # positions 0..7
+        for bad_pos in (100, 3):
+            monkeypatch.setattr(cache.policy, "begin_step", lambda step: (_ for _ in ()).throw(RuntimeError("boom")))
+            # position 3 goes back: the torch backend refuses it up front, the kernel backend's
+            # policy raises first (its position flag is read at the step's end, never reached)
+            with pytest.raises((RuntimeError, ValueError), match="boom|positions no later"):
+                model(input_ids=torch.tensor([[3]]), position_ids=torch.tensor([[bad_pos]]),
+                      **cache_kwargs(model, cache))
+            monkeypatch.undo()
+            monkeypatch.setenv("LEANKIT_BACKEND", backend)
+        model(input_ids=torch.tensor([[4, 5]]), position_ids=torch.tensor([[8, 9]]), **cache_kwargs(model, cache))
+        assert cache._last_pos.tolist() == [9]
+        model(input_ids=torch.tensor([[6]]), position_ids=torch.tensor([[10]]), **cache_kwargs(model, cache))
+        assert cache._last_pos.tolist() == [10] and cache.get_seq_length() == 11
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_row_that_ends_in_a_step_is_not_held_to_its_positions(monkeypatch, backend):
+    """A row fed an end id after its EOS ends in that step and stores nothing, so its position is
+    not checked, on either backend (the torch backend checked it and refused the step)."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("llama-gqa")
+    eos, pad = 2, 0
+    cache = leankit.LeanCache(model, "FP16", eos_token_id=eos, pad_token_id=pad)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    with torch.no_grad():
+        model(input_ids=torch.arange(5, 21).view(2, 8), attention_mask=mask,
+              position_ids=torch.arange(8).expand(2, 8), **cache_kwargs(model, cache))
+        for toks, pos in (([[eos], [30]], [[8], [8]]), ([[pad], [31]], [[8], [9]])):  # row 0's position stays
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            model(input_ids=torch.tensor(toks), attention_mask=mask, position_ids=torch.tensor(pos),
+                  **cache_kwargs(model, cache))
+    assert cache.finished.tolist() == [True, False] and cache._last_pos.tolist()[1] == 9
