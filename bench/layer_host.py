@@ -123,8 +123,8 @@ def measure(spec: str, batch: int, context: int, steps: int, layers: int, profil
         # The stubbed launches leave step_rows' outputs unwritten: clear the rows' position flags
         # (outside the timed call) so the step's one read finds no row going back.
         out = begin(*args, **kwargs)
-        if cache._behind is not None:
-            cache._behind.zero_()
+        if cache._step.behind is not None:
+            cache._step.behind.zero_()
         return out
 
     cache.attend, cache.begin_step, cache.end_step = attend, begin_untimed_flags, end

@@ -308,6 +308,14 @@ class StepState:
     # policy's store rows (every layer stores the same tokens) and the prompt's additive masks
     # (every layer gets the same mask). They go with the step when it ends or is dropped.
     derived: dict = field(default_factory=dict)
+    # Kernel backend, a decode step (None on other steps): step_rows' int64 0/1 [B] flags of rows
+    # going on after their request ended (``continued``, only with end ids) and of rows whose token
+    # does not follow their stored positions (``behind``), both read at the step's one host read,
+    # and the rows' highest stored positions once the step ends (``last_pos_next``). A step that
+    # is dropped, or never opens, takes them with it.
+    continued: torch.Tensor | None = None
+    behind: torch.Tensor | None = None
+    last_pos_next: torch.Tensor | None = None
 
 
 _NO_POS = 1 << 30  # sentinel position of a row with no real token in the step
@@ -324,6 +332,14 @@ _POSITIONS_GO_BACK = ("rows {rows}: this step's tokens sit at positions no later
                       "a left-padded batch counts padding that generate's mask-derived positions do not (pass "
                       "position_ids = attention_mask.cumsum(-1) - 1), and a used cache handed another request "
                       "restarts them (pass a fresh LeanCache)")
+
+
+def _split_row_flags(values: list, row_flags: torch.Tensor | None) -> tuple[list, list]:
+    """``values`` read back with ``row_flags`` (one per row, None: not read) as their last part:
+    the values before them, and the rows whose flag is raised. An explicit cut, not a negative
+    slice: an empty batch's flags must not take the whole list."""
+    cut = len(values) - (0 if row_flags is None else row_flags.numel())
+    return values[:cut], [b for b, f in enumerate(values[cut:]) if f]
 
 
 class LeanLayer(CacheLayerMixin):
@@ -486,15 +502,10 @@ class LeanCache(Cache):
         # the old ones).
         self.ending: torch.Tensor | None = None
         self._ending_next: torch.Tensor | None = None
-        # Kernel backend, a decode step: the rows step_rows found continuing after their request
-        # ended (int64 0/1 [B], None without end ids), refused at the step's one host read.
-        self._continued: torch.Tensor | None = None
         # Highest real position stored per row (int64 [B], -1 for none), adopted when a step ends:
         # a step's queries must come after it (_POSITIONS_GO_BACK). On the kernel backend's decode
-        # step step_rows makes the comparison (``_behind``) and the update (``_last_pos_next``).
+        # step step_rows makes the comparison and the update (StepState.behind, .last_pos_next).
         self._last_pos: torch.Tensor | None = None
-        self._behind: torch.Tensor | None = None
-        self._last_pos_next: torch.Tensor | None = None
         from .policy import make_policy  # the placement policy of this config
 
         self.policy = make_policy(self)
@@ -607,8 +618,6 @@ class LeanCache(Cache):
         except BaseException:
             if self._step is None:
                 self._hw_tokens = self._hw_before
-                # a decode step refused after step_rows ran: its row flags belong to no open step
-                self._continued = self._behind = self._last_pos_next = None
                 if fresh:
                     self.reset()
             raise
@@ -625,7 +634,6 @@ class LeanCache(Cache):
                              "use a fresh LeanCache per batch")
         if q_len == 1 and use_triton(self._kv_err):
             return self._begin_decode_step(batch, attention_mask, position_ids, input_ids)
-        self._continued = self._behind = self._last_pos_next = None  # refused up front below, on this path
         if attention_mask is not None and attention_mask.dim() == 2:
             real = attention_mask[:, -q_len:].to(dev).bool()
         else:
@@ -646,22 +654,24 @@ class LeanCache(Cache):
             fed = input_ids[:, 0].to(dev)
             self._check_no_finished_row_continues(real & ~torch.isin(fed, self.end_ids).unsqueeze(1))
             ended, ending_next = ended_rows(fed, self.end_ids, self.eos_ids.numel(), self.finished, self.ending)
-            # before the release: rows ending now store no token, as step_rows leaves them out too
-            self._check_positions_grow(real & ~(self.finished | ended).unsqueeze(1), qp)
-            self._release_ended(ended)
-        elif self._seen > 0:  # the more specific refusals first; a refused step changes nothing
-            if q_len > 1:
+        else:
+            ended = None
+            if q_len > 1 and self._seen > 0:
                 self._check_mask_keeps_stored_tokens(attention_mask, q_len)
                 if self.eos_ids.numel():
                     self._check_no_finished_row_continues(real)
-            self._check_positions_grow(real & ~self.finished.unsqueeze(1), qp)
-        real = real & ~self.finished.unsqueeze(1)
+        # A row that ended earlier, or ends now (it stores nothing, as in step_rows), has no real token.
+        real = real & ~(self.finished if ended is None else self.finished | ended).unsqueeze(1)
+        q_first = torch.where(real, qp, torch.full_like(qp, _NO_POS)).amin(1)
+        if self._seen > 0:  # the more specific refusals above first; a refused step changes nothing
+            self._check_positions_grow(q_first)
+        if ended is not None:
+            self._release_ended(ended)
         self._hw_tokens = max(self._hw_tokens, self._seen + q_len)
         if use_triton(self._kv_err):  # a step that raised midway may have left a flag up
             self._kv_err.zero_()
             self._alloc_status.zero_()
         rank = torch.cumsum(real.int(), dim=1) - 1
-        q_first = torch.where(real, qp, torch.full_like(qp, _NO_POS)).amin(1)
         q_last = torch.where(real, qp, torch.full_like(qp, -_NO_POS)).amax(1)
         # One check per step (a host read on GPU, prompts only): causal work can stop at the diagonal.
         ordered = q_len == 1 or bool(self._positions_increase(real, qp))
@@ -685,26 +695,23 @@ class LeanCache(Cache):
                          position_ids=pos, seen=self._seen, no_pos=_NO_POS,
                          last_tokens=input_ids[:, 0].to(dev) if ends else None, end_ids=self.end_ids if ends else None,
                          n_eos=self.eos_ids.numel(), ending=self.ending, last_pos=self._last_pos)
-        self._continued = rows["continued"]
-        # rows whose token sits at or before a stored position, read with the step's flags; the
-        # highest stored positions once the step ends (step_rows works both out in its launch)
-        self._behind, self._last_pos_next = rows["behind"], rows["last_pos"]
         if rows["ended"] is not None:
             self._release_ended(rows["ended"])
         self._hw_tokens = max(self._hw_tokens, self._seen + 1)
         real = rows["real"]
         step = StepState(real, rows["rank"], rows["n_new"], rows["q_pos"], 1, real.view(-1), rows["q_first"],
-                         rows["q_last"], self.table.lens, True)
+                         rows["q_last"], self.table.lens, True, continued=rows["continued"], behind=rows["behind"],
+                         last_pos_next=rows["last_pos"])
         self._open_step(step)
         self._ending_next = rows["ending"]
         return rows["q_pos64"]
 
-    def _check_positions_grow(self, real: torch.Tensor, q_pos: torch.Tensor) -> None:
-        """Raise ``ValueError`` where a row's real token of this step sits at or before a position the
-        row already stores (one host read; the kernel backend's decode step makes the same test on
-        the device and reads it with the step's flags, :meth:`_check_step_flags`)."""
-        first = torch.where(real, q_pos, torch.full_like(q_pos, _NO_POS)).amin(1)
-        behind = first <= self._last_pos
+    def _check_positions_grow(self, q_first: torch.Tensor) -> None:
+        """Raise ``ValueError`` where a row's first real token of this step (``q_first``, a large
+        sentinel for a row with none) sits at or before a position the row already stores (one host
+        read; the kernel backend's decode step makes the same test on the device and reads it with
+        the step's flags, :meth:`_check_step_flags`)."""
+        behind = q_first <= self._last_pos
         if bool(behind.any()):
             raise ValueError(_POSITIONS_GO_BACK.format(rows=behind.nonzero().flatten().tolist()))
 
@@ -829,7 +836,7 @@ class LeanCache(Cache):
                 raise
             self._seen += self._step.q_len
             # rows without a real token have q_last = -_NO_POS: the maximum keeps their last position
-            last_next, self._last_pos_next = self._last_pos_next, None
+            last_next = self._step.last_pos_next  # worked out by the kernel backend's decode step
             self._last_pos = last_next if last_next is not None else torch.maximum(self._last_pos, self._step.q_last)
             self._step = None
             if self._ending_next is not None:  # the rows fed an EOS in this step (leankit_kernels.step_rows)
@@ -850,26 +857,18 @@ class LeanCache(Cache):
         status = self.policy.step_status(self._step)
         free_list = self.free_list
         stale = free_list.stale  # a deferred allocation moved the device counters
-        continued, self._continued = self._continued, None
-        behind, self._behind = self._behind, None
+        continued, behind = self._step.continued, self._step.behind
         parts = [self._kv_err.long(), self._alloc_status] + ([free_list.counters] if stale else []) \
             + ([] if status is None else [status.long().reshape(-1)]) \
-            + ([] if continued is None else [continued]) \
-            + ([] if behind is None else [behind])  # int64, as the parts before it
+            + [row_flags for row_flags in (continued, behind) if row_flags is not None]  # int64, as the rest
         values = torch.cat(parts).tolist()
         n = self._kv_err.numel()
         flags, alloc, rest = values[:n], values[n: n + 3], values[n + 3:]
         if stale:
             free_list.load(*rest[:2])
             rest = rest[2:]
-        if behind is not None:  # the position flags come last
-            went_back = [b for b, f in enumerate(rest[len(rest) - behind.numel():]) if f]
-            rest = rest[: len(rest) - behind.numel()]
-        else:
-            went_back = []
-        cut = len(rest) - (0 if continued is None else continued.numel())  # then the continued flags
-        went_on = [b for b, f in enumerate(rest[cut:]) if f]
-        rest = rest[:cut]
+        rest, went_back = _split_row_flags(rest, behind)  # the last part read
+        rest, went_on = _split_row_flags(rest, continued)
         bad = [i for i, f in enumerate(flags) if f]
         if not bad and not alloc[0] and not went_on and not went_back:
             if status is not None:
@@ -1014,8 +1013,7 @@ class LeanCache(Cache):
             layer.__dict__.clear()
             layer.__dict__.update(saved)
         self._plain_saved = []
-        self._step, self._pending, self._ending_next, self._continued, self._behind = None, {}, None, None, None
-        self._last_pos_next = None
+        self._step, self._pending, self._ending_next = None, {}, None
 
     @inference_only
     def drop_failed_step(self) -> None:
@@ -1355,8 +1353,7 @@ class LeanCache(Cache):
             self.table.release_sequences(torch.ones(self.table.shape[1], dtype=torch.bool, device=self.device),
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
-        self.ending = self._ending_next = self._continued = self._behind = self._last_pos = None
-        self._last_pos_next = None
+        self.ending = self._ending_next = self._last_pos = None
         self._plain_saved = []
         self._hw_tokens = 0
         self._peak = (0, 0)  # a reused cache reports its own runs' peak

@@ -93,7 +93,8 @@ def round_scale_up_if_subnormal(step: torch.Tensor) -> torch.Tensor:
     The native and Triton store kernels round the same way, bit for bit.
     """
     sc16 = step.to(META_DTYPE)
-    up = (step > 0) & (sc16.float() < step) & (sc16.float() < FP16_MIN_NORMAL)
+    rounded = sc16.float()
+    up = (step > 0) & (rounded < step) & (rounded < FP16_MIN_NORMAL)
     return torch.where(up, (sc16.view(torch.int16) + 1).view(META_DTYPE), sc16)
 
 
