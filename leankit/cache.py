@@ -609,6 +609,11 @@ class LeanCache(Cache):
                    "so the cache most likely holds another request (pass a fresh LeanCache to each generate "
                    "call; a new turn passes the whole sequence)") if self._seen else ": a step needs a token"
             raise ValueError(f"a forward step of {q_len} tokens{why}")
+        if position_ids is not None and (position_ids.dim() > 2 or position_ids.shape[-1] != q_len
+                                         or position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch)):
+            # a row's tokens take one position each (multimodal RoPE's [3, B, Q] sections do not)
+            raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} for a step of {batch} rows of "
+                             f"{q_len} tokens: a LeanCache takes one position per token, [B, Q] or [Q]")
         fresh = self.table is None
         attention_mask = self.padding_mask(attention_mask, batch, q_len)  # checked before the step opens
         self.check_mask_width(attention_mask, q_len)

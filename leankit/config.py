@@ -553,16 +553,32 @@ def act_kv_token_bytes(cfg: KVConfig, hidden: int, num_kv_heads: int, head_dim: 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
+# How a supported model type's own attention picks its sliding layers, where it does not read
+# ``layer_types``: Llama and OPT never slide (a stray ``sliding_window`` is ignored), Mistral and
+# Phi-3 slide every layer whenever ``sliding_window`` is set (their mask builder reads it alone,
+# ignoring a declared ``layer_types`` and ``use_sliding_window``).
+NEVER_SLIDING_MODEL_TYPES = ("llama", "opt")
+WINDOW_ONLY_MODEL_TYPES = ("mistral", "phi3")
+
+
 def attention_layer_types(config) -> list[str]:
-    """Attention type of every decoder layer of a (text) model config, an object or its dict:
-    ``layer_types`` when the model declares it, else sliding for all layers when a sliding window
-    is set and enabled, else full. LeanCache pages the full-attention layers; sliding-window layers
-    keep transformers' own window-bounded cache (and the planner keeps them on the device)."""
+    """Attention type of every decoder layer of a (text) model config, an object or its dict, as
+    the model's own attention sees it: none slides in Llama and OPT; every layer slides in Mistral
+    and Phi-3 when a sliding window is set; elsewhere ``layer_types`` when the model declares it,
+    else sliding for all layers when a sliding window is set and enabled, else full. LeanCache
+    pages the full-attention layers; sliding-window layers keep transformers' own window-bounded
+    cache (and the planner keeps them on the device)."""
     def get(name, default=None):
         return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
 
+    mtype = get("model_type")
+    layers = int(get("num_hidden_layers"))
+    if mtype in NEVER_SLIDING_MODEL_TYPES:
+        return [FULL_ATTENTION] * layers
+    if mtype in WINDOW_ONLY_MODEL_TYPES:
+        return [SLIDING_ATTENTION if get("sliding_window") else FULL_ATTENTION] * layers
     declared = get("layer_types")
     if declared:
         return list(declared)
     sliding = get("sliding_window") if get("use_sliding_window", True) else None
-    return [SLIDING_ATTENTION if sliding else FULL_ATTENTION] * int(get("num_hidden_layers"))
+    return [SLIDING_ATTENTION if sliding else FULL_ATTENTION] * layers

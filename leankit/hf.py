@@ -63,6 +63,10 @@ def leankit_attention(module, query, key, value, attention_mask, dropout: float 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     cache, layer = handle
+    if dropout:  # HF passes the module's dropout only in training mode
+        raise ValueError(f"attention dropout {dropout} (the model is in training mode): a LeanCache step applies "
+                         "none, so it would silently differ from the model's own attention; call model.eval() "
+                         "for inference, or pass a DynamicCache")
     if kwargs.get("output_attentions"):
         _warn_no_attention_weights()
     if scaling is None:
@@ -80,10 +84,23 @@ def _warn_no_attention_weights() -> None:
                   "attn_implementation='eager' and a DynamicCache", UserWarning, stacklevel=3)
 
 
-def _decoder(model):
-    """The decoder stack whose forward takes ``input_ids, attention_mask, position_ids`` and the cache."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    return base
+def decoder_stack(model):
+    """The decoder stack of ``model``: the module that holds its decoder ``layers`` and whose forward
+    takes ``input_ids, attention_mask, position_ids`` and the cache.
+
+    Follows ``get_decoder`` (or ``.model``) until a module with ``layers``: a causal LM's is one
+    step away, a composite model's may be two (BLIP-2's ``get_decoder`` is its whole language
+    model, an ``OPTForCausalLM``). Raises ``ValueError`` where no such module is found.
+    """
+    base = model
+    for _ in range(4):
+        if isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
+            return base
+        inner = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, "model", None)
+        if inner is None or inner is base:
+            break
+        base = inner
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
 def _arg(name, args, kwargs, params):
@@ -234,12 +251,12 @@ def enable(model):
 
     Returns the model. Raises ``ValueError`` for architectures LeanCache cannot serve.
     """
-    from .cache import check_model_supported
+    from .cache import _text_config, check_model_supported
 
     check_model_supported(model.config)
+    dec = decoder_stack(model)  # before any change: a model whose layers are not found is left as it was
     AttentionInterface.register(ATTN_NAME, leankit_attention)
     AttentionMaskInterface.register(ATTN_NAME, leankit_mask)
-    dec = _decoder(model)
     # the decoder's own config too: a composite model's text config can be switched on its own
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME or \
             getattr(dec.config, "_attn_implementation", ATTN_NAME) != ATTN_NAME:
@@ -247,7 +264,8 @@ def enable(model):
     if not getattr(dec, _HOOKED, False):
         dec._leankit_params = list(inspect.signature(dec.forward).parameters)
         # OPT derives missing positions from the padding mask, Llama-family models from the cache length.
-        dec._leankit_mask_positions = getattr(model.config, "model_type", None) == "opt"
+        # (the text model's type: a composite such as InstructBLIP wraps an OPT decoder)
+        dec._leankit_mask_positions = getattr(_text_config(model.config), "model_type", None) == "opt"
         dec.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         dec.register_forward_hook(_post_hook, with_kwargs=True)
         dec.register_forward_hook(_failure_hook, with_kwargs=True, always_call=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .hf import SUPPORTED_MODEL_TYPES
+from .hf import SUPPORTED_MODEL_TYPES, decoder_stack
 
 NORMS = ("none", "rms", "layer")
 
@@ -114,11 +114,8 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def _decoder_layers(model):
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
-    return base, layers
+    base = decoder_stack(model)
+    return base, base.layers
 
 
 def _kv_weight(mtype: str, cfg, attn) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -683,3 +683,17 @@ def test_kv_wider_than_the_pages_are_rounded_with_one_warning():
         warnings.simplefilter("always")
         model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache))
     assert not [w for w in caught if "pages round" in str(w.message)]
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 7), (2, 6), (3, 7)], ids=["3-d", "short", "rows"])
+def test_positions_of_another_shape_are_refused_and_leave_the_cache_fresh(shape):
+    """One position per token, ``[B, Q]`` or ``[Q]``: multimodal RoPE's ``[3, B, Q]`` sections, a
+    position row of the wrong length or a batch of another size get a clear error, not a raw
+    broadcast error mid-step, and the cache stays fresh."""
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(rows=2, width=7)
+    cache = LeanCache(model, "K8V4")
+    with torch.no_grad(), pytest.raises(ValueError, match="one position per token"):
+        model(input_ids=ids, attention_mask=mask, position_ids=torch.zeros(shape, dtype=torch.long),
+              **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 0 and cache.table is None

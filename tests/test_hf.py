@@ -482,3 +482,90 @@ def test_a_row_that_ends_in_a_step_is_not_held_to_its_positions(monkeypatch, bac
             model(input_ids=torch.tensor(toks), attention_mask=mask, position_ids=torch.tensor(pos),
                   **cache_kwargs(model, cache))
     assert cache.finished.tolist() == [True, False] and cache._last_pos.tolist()[1] == 9
+
+
+@pytest.mark.parametrize("kind,extra", [
+    ("llama-gqa", {"sliding_window": 4}),  # Llama's attention ignores a stray window: no layer slides
+    ("mistral-sliding", {"layer_types": ["full_attention", "sliding_attention"]}),  # Mistral slides them all
+], ids=["llama-stray-window", "mistral-declared-layer-types"])
+def test_layers_slide_as_the_models_own_attention_slides(kind, extra):
+    """The cache reads a layer's type as the model's attention does, not from config fields that
+    model ignores, so a left-padded batch that outgrows the window gives DynamicCache's tokens."""
+    from leankit.cache import layer_types
+
+    model = tiny_model(kind, **extra)
+    sliding = kind.startswith("mistral")
+    assert layer_types(model.config) == ["sliding_attention" if sliding else "full_attention"] * 2
+    ids, mask = left_padded_batch(rows=3, width=13, pad_step=3)
+    kw = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        want = model.generate(**kw, **cache_kwargs(model, DynamicCache()))
+        got = model.generate(**kw, **cache_kwargs(model, leankit.LeanCache(model, "FP16")))
+    assert torch.equal(got, want)
+
+
+def _image_text_opt(kind: str):
+    """A tiny BLIP-2 or InstructBLIP around an OPT language model, and a left-padded batch of
+    image-token prompts (image token 99) with its pixels and, for InstructBLIP, Q-Former ids."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    parts = {"vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+             "qformer_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "encoder_hidden_size": 32, "vocab_size": 50},
+             "text_config": tf.OPTConfig(vocab_size=100, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=128, pad_token_id=0,
+                                         bos_token_id=2, eos_token_id=2).to_dict(),
+             "num_query_tokens": 4, "image_token_index": 99}
+    if kind == "blip2":
+        model = tf.Blip2ForConditionalGeneration(tf.Blip2Config(**parts)).eval()
+    else:
+        model = tf.InstructBlipForConditionalGeneration(tf.InstructBlipConfig(**parts)).eval()
+    g = torch.Generator().manual_seed(1)
+    lens, width = (9, 5, 2), 13
+    ids, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+    for r, n in enumerate(lens):
+        row = torch.cat([torch.full((4,), 99), torch.randint(5, 95, (n,), generator=g)])
+        ids[r, width - len(row):], mask[r, width - len(row):] = row, 1
+    inputs = {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(3, 3, 28, 28, generator=g)}
+    if kind == "instructblip":
+        q = torch.randint(5, 45, (3, 5), generator=g)
+        inputs.update(qformer_input_ids=q, qformer_attention_mask=torch.ones_like(q))
+    return model, inputs
+
+
+@pytest.mark.parametrize("kind", ["blip2", "instructblip"])
+def test_an_image_text_model_around_opt_gives_dynamic_caches_logits(kind):
+    """OPT inside BLIP-2 and InstructBLIP: the cache finds the decoder two ``get_decoder`` steps
+    down (BLIP-2's is the whole OPT language model) and, as for OPT alone, derives a padded row's
+    missing positions from its mask (the text model's type decides, not the composite's). A
+    forward without positions and greedy generate both give DynamicCache's logits."""
+    model, inputs = _image_text_opt(kind)
+    real = inputs["attention_mask"][..., None].bool()
+    with torch.no_grad():
+        want = model(**inputs, **cache_kwargs(model, DynamicCache())).logits
+        got = model(**inputs, **cache_kwargs(model, leankit.LeanCache(model, "FP16"))).logits
+        assert torch.allclose(want * real, got * real, atol=1e-6, rtol=0)
+        kw = {**inputs, "max_new_tokens": 4, "do_sample": False, "output_logits": True,
+              "return_dict_in_generate": True, "pad_token_id": 0, "eos_token_id": None}
+        want = model.generate(**kw, **cache_kwargs(model, DynamicCache()))
+        got = model.generate(**kw, **cache_kwargs(model, leankit.LeanCache(model, "FP16")))
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.allclose(torch.stack(got.logits), torch.stack(want.logits), atol=1e-6, rtol=0)
+
+
+def test_attention_dropout_in_training_mode_is_refused_and_leaves_the_cache_fresh():
+    """A model in training mode with attention dropout: a LeanCache applies none, so the forward is
+    refused rather than silently giving eval-mode logits; the cache is left as it was."""
+    model = tiny_model("llama-gqa", attention_dropout=0.5).train()
+    ids, mask = left_padded_batch(rows=2, width=7)
+    cache = leankit.LeanCache(model, "K8V4")
+    with torch.no_grad(), pytest.raises(ValueError, match="training mode"):
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 0
+    model.eval()
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache)).logits
+        want = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, leankit.LeanCache(model, "K8V4"))).logits
+    assert torch.equal(got, want)

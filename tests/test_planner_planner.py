@@ -265,6 +265,19 @@ def test_a_config_dict_without_layer_types_gets_its_class_layer_types():
     assert from_hf_config({**qwen, "use_sliding_window": False}).sliding_layers == ()
 
 
+def test_a_config_dict_is_planned_with_the_layers_its_model_slides():
+    """Mistral slides every layer when a window is set, whatever ``layer_types`` says; Llama never
+    slides, whatever ``sliding_window`` says (as the cache reads them, attention_layer_types)."""
+    from leankit.planner import from_hf_config
+
+    dims = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "vocab_size": 32000, "sliding_window": 256}
+    mistral = {**dims, "model_type": "mistral", "layer_types": ["full_attention", "sliding_attention"] * 2}
+    assert from_hf_config(mistral).sliding_layers == (0, 1, 2, 3)
+    assert from_hf_config({**mistral, "sliding_window": None}).sliding_layers == ()
+    assert from_hf_config({**dims, "model_type": "llama"}).sliding_layers == ()
+
+
 def test_allowed_takes_kv_config_objects_and_refuses_one_with_activations():
     from leankit.config import KVConfig
 

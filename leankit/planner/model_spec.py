@@ -23,7 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from leankit.config import FULL_ATTENTION, SLIDING_ATTENTION, KVConfig, act_geometry, attention_layer_types
+from leankit.config import (
+    FULL_ATTENTION,
+    NEVER_SLIDING_MODEL_TYPES,
+    SLIDING_ATTENTION,
+    WINDOW_ONLY_MODEL_TYPES,
+    KVConfig,
+    act_geometry,
+    attention_layer_types,
+)
 
 
 @dataclass(frozen=True)
@@ -338,7 +346,8 @@ def _layer_types(cfg: dict, model_type: str, layers: int) -> list[str]:
     """Attention type of every layer of a config dict. A ``config.json`` often leaves ``layer_types``
     to its config class (Gemma3's ``sliding_window_pattern``, Qwen2's ``max_window_layers``), so the
     class transformers registers for ``model_type`` derives them when the dict has none."""
-    if not cfg.get("layer_types") and model_type:
+    if not cfg.get("layer_types") and model_type and model_type not in NEVER_SLIDING_MODEL_TYPES + \
+            WINDOW_ONLY_MODEL_TYPES:  # those models' attention decides alone (attention_layer_types)
         try:
             from transformers import AutoConfig
 
@@ -348,7 +357,7 @@ def _layer_types(cfg: dict, model_type: str, layers: int) -> list[str]:
             derived = None
         if derived and len(derived) == layers:
             return list(derived)
-    return attention_layer_types({**cfg, "num_hidden_layers": layers})
+    return attention_layer_types({**cfg, "model_type": model_type, "num_hidden_layers": layers})
 
 
 ModelSpec.from_hf_config = staticmethod(from_hf_config)  # type: ignore[attr-defined]
