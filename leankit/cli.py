@@ -183,7 +183,9 @@ def planned_cache(model, hardware, prompts: list[int], args, eos, pad=None):
         raise ValueError(f"--plan auto on {hardware.name}: {plan.infeasible_reason}")
     cache = leankit.LeanCache.from_plan(model, plan, eos_token_id=eos, pad_token_id=pad)
     where = "pages on the host, the layers in flight on the device" if cache.offload else "every page on the device"
-    print(f"[leankit] plan for {hardware.name}: {plan.choice.label()}, predicted {plan.throughput:.1f} tok/s "
+    from .planner.planner import plan_label
+
+    print(f"[leankit] plan for {hardware.name}: {plan_label(plan)}, predicted {plan.throughput:.1f} tok/s "
           f"-> LeanCache {cache.cfg}{':act=' + format(cache.cfg.act, 'g') if cache.cfg.act else ''}, {where}",
           file=sys.stderr)
     return cache

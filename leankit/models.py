@@ -113,14 +113,18 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
         dtype: weight dtype (fp32 by default: the CPU path is fastest and exact in fp32).
         device: where to put the model.
 
-    Raises ``ValueError`` for an unknown name and ``ModuleNotFoundError`` (naming the install
-    command) if the embedded model's package is missing.
+    Raises ``ValueError`` for an unknown name or a checkpoint directory that cannot be loaded (no
+    weights or tokenizer files), and ``ModuleNotFoundError`` (naming the install command) if the
+    embedded model's package is missing.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_path(name_or_path)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    except OSError as err:  # a checkpoint directory missing its weights or tokenizer files
+        raise ValueError(f"cannot load the checkpoint in {path}: {err}") from err
     if tok.pad_token_id is None:
         # A pad id inside the vocabulary is needed for batching (and by lm-eval).
         tok.pad_token = tok.eos_token

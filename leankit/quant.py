@@ -111,10 +111,13 @@ def quantize(x: torch.Tensor, bits: int, group_size: int | None = None):
     xg = x.float().reshape(*x.shape[:-1], f // gs, gs)
     qmax = (1 << bits) - 1
     lo, hi = torch.aminmax(xg, dim=-1)
-    mn16 = lo.to(META_DTYPE)
+    # + 0 makes a zero minimum or scale +0: which zero aminmax picks from a group holding both is
+    # unspecified (and a constant group's min may round above its max, its step to -0), and the
+    # stored bytes must not depend on it (the kernels store +0 too)
+    mn16 = lo.to(META_DTYPE).add_(0.0)
     # Scale from the stored minimum so that the largest element maps inside [0, qmax].
     step = (hi - mn16.float()) / qmax
-    sc16 = round_scale_up_if_subnormal(step)
+    sc16 = round_scale_up_if_subnormal(step).add_(0.0)
     # One check on the stored scale covers the input and the stored min too: a NaN/Inf element
     # makes its group's min or max non-finite, and a non-finite min (NaN, or beyond the fp16
     # range) makes hi - min NaN or infinite, so the scale is then non-finite as well.

@@ -285,6 +285,15 @@ def test_throughput_rejects_bad_ranges_before_any_model_work():
         throughput.run(model, tok, prompt_range=(9, 14), output_range=(5, 2), progress=False)
 
 
+def test_sequences_beyond_the_models_positions_are_refused_before_any_model_work():
+    model, tok = _tiny_lm()
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        throughput.run(model, tok, requests=2, prompt_range=(limit - 1, limit), output_range=(2, 3), progress=False)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        step.run(model, tok, batch=1, contexts=(limit - 2,), steps=2, warmup=1, progress=False)
+
+
 def test_tensor_bytes_counts_the_inner_tensors_of_containers():
     t = torch.zeros(3, 4, dtype=torch.float16)
     assert throughput.tensor_bytes((t, {"s": torch.zeros(5), "shape": (3, 4)}, None)) == 24 + 20
@@ -333,7 +342,7 @@ def test_bench_step_cli_writes_json_and_readme(tiny, tmp_path, capsys):
     readme = tmp_path / "README.md"
     start, end = markers("step")
     readme.write_text(f"intro\n{start}\n{end}\nend\n")
-    js = tmp_path / "step.json"
+    js = tmp_path / "new" / "step.json"  # a folder the run creates
     argv = ["bench", "step", "--model", "tiny", "--batch", "2", "--context", "17", "--steps", "2", "--warmup", "1",
             "--kv", "K8V4", "--json", str(js), "--write-readme", "--readme", str(readme), "--no-progress",
             "--default-malloc"]  # the pinned allocator is checked in a process of its own below

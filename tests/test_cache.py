@@ -697,3 +697,10 @@ def test_positions_of_another_shape_are_refused_and_leave_the_cache_fresh(shape)
         model(input_ids=ids, attention_mask=mask, position_ids=torch.zeros(shape, dtype=torch.long),
               **cache_kwargs(model, cache))
     assert cache.get_seq_length() == 0 and cache.table is None
+
+
+def test_a_cache_built_from_something_other_than_a_model_says_what_it_needs():
+    with pytest.raises(TypeError, match="leankit.load_model"):
+        LeanCache("smollm2-135m", "K8V4")
+    with pytest.raises(TypeError, match="got a dict"):
+        LeanCache({"config": None}, "K8V4")

@@ -132,3 +132,12 @@ def test_chat_on_a_model_without_a_chat_template_says_to_drop_it(tiny, capsys):
     assert main(["generate", "--model", "tiny", "--chat", "--max-new-tokens", "2", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "has no chat template" in err and "drop --chat" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_folder_without_weights_is_a_clear_error(tmp_path, capsys):
+    """A folder with a config and a tokenizer but no weight file: a one-line error, no traceback."""
+    tiny_model().config.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "leankit: error: cannot load the checkpoint in" in err and "Traceback" not in err

@@ -114,6 +114,22 @@ def test_shared_rope_tables_and_strided_input():
     assert (v1 - v2).abs().max() <= TOL[torch.float32] * v2.abs().max(), f"seed {seed}"
 
 
+@pytest.mark.parametrize("name", ["bias", "norm_weight", "norm_bias", "k_norm_weight"])
+def test_strided_parameter_views_are_read_as_their_values(name):
+    """A layer parameter handed as a strided view (a column of a wider tensor) is read by value."""
+    gen, seed = fresh_generator()
+    p = make_params(gen, 56, 2, 32, torch.float32, norm="layer", bias=True, k_norm=True)
+    vec = getattr(p, name)
+    wide = torch.randn(vec.numel(), 3, generator=gen)
+    wide[:, 1] = vec
+    p = dataclasses.replace(p, **{name: wide[:, 1]})
+    act, pos = torch.randn(9, 56, generator=gen), torch.randint(0, 300, (9,), generator=gen)
+    k, v = act_to_kv(act, pos, p)
+    k_ref, v_ref = act_to_kv_ref(act, pos, p)
+    assert (k - k_ref).abs().max() <= TOL[torch.float32] * k_ref.abs().max(), f"seed {seed}"
+    assert (v - v_ref).abs().max() <= TOL[torch.float32] * v_ref.abs().max(), f"seed {seed}"
+
+
 def test_empty_and_bad_inputs():
     gen, _ = fresh_generator()
     p = make_params(gen, 64, 2, 32, torch.float32)

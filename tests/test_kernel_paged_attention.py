@@ -49,6 +49,18 @@ def test_decode_matches_reference(case):
     testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
 
 
+@pytest.mark.parametrize("spec", ["K8V8", "K8V4", "K8V4-K4V2"])
+def test_fp16_decode_keeps_small_values_out_of_subnormals(spec):
+    """fp16 operands, values near 1e-3: the ``p s`` operand (probability times the value scale) is
+    lifted by a power of two before its fp16 MMA, so its products do not round to fp16's absolute
+    subnormal grid (K8V8 erred 9x the fp16 tolerance without the lift)."""
+    gen, seed = testing.fresh_generator()
+    fc = testing.build_paged_kv(spec, 2, 2, 64, torch.tensor([200, 37]), dtype=F16, generator=gen, scale_v=1e-3)
+    q, q_pos = testing.random_queries(2, 8, 1, 64, fc.ctx, dtype=F16, generator=gen)
+    out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+
+
 def test_decode_query_that_sees_nothing_and_empty_cache():
     gen, seed = testing.fresh_generator()
     fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [40, 9], 3, 2, 1)

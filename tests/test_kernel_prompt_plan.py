@@ -61,6 +61,18 @@ def test_prompt_classes_match_reference(batch, heads, nq, block, th, tl, ties, p
     _assert_same(got, want, real, seed)
 
 
+def test_prompt_classes_fill_every_output_of_a_poisoned_launch(monkeypatch):
+    """Under the kernel tests' poison (outputs start as NaN or the integer type's poison, an int8
+    one included) every output the rule defines is written."""
+    from leankit_kernels import testing
+
+    testing.poison_outputs(monkeypatch)
+    gen, seed = fresh_generator()
+    received, pos, real, q_last, pm, lens = _inputs(2, 3, 45, gen, False, True)
+    got = prompt_classes(received, pos, real, q_last, pm, lens, 2, 0.3, 0.1, block=32)
+    _assert_same(got, prompt_classes_ref(received, pos, real, q_last, pm, lens, 2, 0.3, 0.1), real, seed)
+
+
 def test_prompt_classes_follow_the_cumulative_rule():
     """On one hand-made head: window tokens stay high, candidates below cumulative ``Tl`` are
     pruned, below ``Th`` low, the rest high, and the counts and ranks follow."""

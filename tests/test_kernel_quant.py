@@ -141,6 +141,27 @@ def test_groups_with_subnormal_steps_match_the_reference(spec, magnitude):
     assert torch.equal(pool.storage, ref), f"seed {seed}"
 
 
+def _signed_zero_groups(gen, n: int, dim: int, dtype) -> torch.Tensor:
+    """``[n, dim]`` rows of +0 and -0 at random, half of them with one positive element: groups
+    whose minimum, or whose step too, is a zero of either sign."""
+    x = torch.where(torch.rand(n, dim, generator=gen) < 0.5, -0.0, 0.0)
+    x[::2, 0] = 1.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_groups_of_signed_zeros_match_the_reference(dtype):
+    """A group holding +0 and -0 stores a +0 minimum (and step), whichever zero a reduction finds."""
+    gen, seed = fresh_generator()
+    n = 23
+    lay, pool, page, slot = _setup("K4V2", dtype, n, 64, None, gen)
+    k, v = _signed_zero_groups(gen, n, 64, dtype), _signed_zero_groups(gen, n, 64, dtype).flip(1)
+    pos, score = torch.randint(0, 99, (n,), generator=gen), torch.rand(n, generator=gen)
+    ref = _reference_write(pool, lay, page, slot, lay.encode(k, v, score, pos))
+    quantize_into_pages(pool.storage, lay, page, slot, k, v, pos, score)
+    assert torch.equal(pool.storage, ref), f"seed {seed}"
+
+
 @pytest.mark.parametrize("spec", ["K8V4", "K4V2", "K2V1", "K16V4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dequantize_matches_decode(spec, dtype):

@@ -90,3 +90,12 @@ def test_local_task_through_cache(smollm2, tmp_path):
         accs[kv] = res["results"]["leankit_capitals"]["acc,none"]
     assert accs["FP16"] >= 4 / 6  # SmolLM2 knows most of these capitals
     assert accs["K8V4"] >= accs["FP16"] - 1 / 6
+
+
+def test_a_model_argument_lm_eval_also_sets_is_refused_by_name():
+    """``--model_args batch_size=2`` next to lm-eval's own ``--batch_size``: a clear error naming
+    the option, before any model loads (not a TypeError about a keyword given twice)."""
+    from leankit.eval.lm import LeanKitLM
+
+    with pytest.raises(ValueError, match="batch_size given in --model_args and by lm-eval's own option"):
+        LeanKitLM.create_from_arg_string("kv=K8V4,batch_size=2", {"batch_size": 2, "device": None})

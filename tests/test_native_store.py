@@ -90,6 +90,20 @@ def test_groups_with_subnormal_steps_write_the_torch_bytes(spec, magnitude):
     assert torch.equal(pool.storage, want.storage), f"seed {seed}, {spec}, magnitude {magnitude}"
 
 
+def test_groups_of_signed_zeros_write_the_torch_bytes():
+    """A group holding +0 and -0 stores a +0 minimum (and step) on both paths."""
+    gen, seed = testing.fresh_generator()
+    lay, pool, page, slot, k, v, score, pos = _case(gen, "K4V2", 64, 21)
+    k = torch.where(torch.rand(k.shape, generator=gen) < 0.5, -0.0, 0.0)
+    v = torch.where(torch.rand(v.shape, generator=gen) < 0.5, -0.0, 0.0)
+    k[::2, 0], v[1::2, 5] = 1.0, 2.0
+    want = PagePool(pool.num_pages, pool.page_size, pool.device)
+    want.storage.copy_(pool.storage)
+    _torch_write(want, lay, page, slot, k, v, score, pos)
+    _native_write(pool, lay, page, slot, k, v, score, pos)
+    assert torch.equal(pool.storage, want.storage), f"seed {seed}"
+
+
 def test_keep_skips_tokens_and_many_tokens_split_over_threads():
     """A token with ``keep`` false (negative page id) writes nothing; enough tokens for a team of
     threads give the one-thread bytes."""

@@ -79,3 +79,14 @@ def test_plan_auto_cache_knows_the_padding_generate_feeds(tiny, monkeypatch):
     from leankit.testing import tiny_tokenizer
 
     assert tiny_tokenizer().pad_token_id in built[0].end_ids.tolist()
+
+
+def test_plan_auto_on_this_cpu_is_named_as_leankit_plan_names_it(tiny, capsys):
+    """On a CPU (one memory) the plan is not called offloading, as ``leankit plan`` says too."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("detect profiles the GPU here")
+    assert _gen("--plan", "auto", "--hardware", "detect") == 0
+    err = capsys.readouterr().err
+    assert "no offloading (the CPU is the compute device, one memory)" in err and "layers resident" not in err

@@ -215,14 +215,12 @@ def act_to_kv(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKV
         cos, sin = cos.to(dev, act.dtype).contiguous(), sin.to(dev, act.dtype).contiguous()
     else:
         cos = sin = act  # never read
-    dummy = w
+    # the kernel reads each vector parameter at ptr + i (a strided view is read as its storage)
+    bias, norm_w, norm_b, k_norm_w = (w if t is None else t.contiguous() for t in tensors[1:])
     consts = kernel_constexprs(params)
     grid = (tiles.cdiv(n, BLOCK_M), h)
     kernel_for(_act_to_kv_kernel, dev)[grid](
-        act, w, params.bias if params.bias is not None else dummy,
-        params.norm_weight if params.norm_weight is not None else dummy,
-        params.norm_bias if params.norm_bias is not None else dummy,
-        params.k_norm_weight if params.k_norm_weight is not None else dummy,
+        act, w, bias, norm_w, norm_b, k_norm_w,
         cos, sin, k, v, n, act.stride(0), float(params.norm_eps), float(params.k_norm_eps),
         num_warps=4, **consts)
     return k, v

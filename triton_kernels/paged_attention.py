@@ -153,7 +153,9 @@ def _decode_step(m, l, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row, valid
     VQ: tl.constexpr = TIER.VBITS < 16 and TIER.NG == 1
     vx, vs, vm = side_tile(pool, page, row, valid, TIER.VOFF, TIER.VMOFF, TIER.VBITS, TIER, F, DENSE,
                            PAGE_SIZE, BLOCK, DOT, False)
-    ps = (p * vs[:, None]).to(DOT)
+    # p <= 1 times the value scale, lifted by an exact power of two so that the products of small
+    # values stay out of fp16's subnormals, where rounding is absolute (_value_lift)
+    ps = (p * (vs * _value_lift(TIER.NG, TIER.VBITS, DOT))[:, None]).to(DOT)
     # Transposed (v^T p): the F output columns fill the MMA's M dimension and the few query rows
     # its N, so no padded query rows are copied into the operand registers each tile.
     pv = tl.dot(tl.trans(vx), ps, input_precision=PREC)
@@ -173,7 +175,7 @@ def _value_units(acc, TIER: tl.constexpr, F: tl.constexpr, DOT: tl.constexpr, VP
     (:func:`code_scale`, :func:`code_unit`; word order when ``VPERM``). An exact power-of-two
     scale per row; other tiers' values are already in value units."""
     if TIER.VBITS < 16 and TIER.NG == 1:
-        unit: tl.constexpr = _side_unit(TIER.NG, TIER.VBITS, DOT)
+        unit: tl.constexpr = _side_unit(TIER.NG, TIER.VBITS, DOT) * _value_lift(TIER.NG, TIER.VBITS, DOT)
         if VPERM:
             row_unit = (code_scale(F, TIER.VBITS, DOT, False) * unit)[:, None]
         else:
@@ -193,6 +195,26 @@ def _side_unit(NG: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
     :class:`~leankit_kernels.tiles.Tier` as a plain tuple."""
     if BITS < 16 and NG == 1:
         return code_unit(DOT)
+    return 1.0
+
+
+@triton.constexpr_function
+def _value_lift(NG: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
+    """Power of two the ``p s`` operand of one-group quantized values carries into an fp16 MMA (1
+    for other operands and sides; divided out with the codes' unit, :func:`_value_units`).
+
+    ``p s`` is below the value scale ``s`` (``p <= 1``), and a small ``s`` (values of small range,
+    more so at 8 bits, whose step is the range / 255) lands it among fp16's subnormals, whose
+    rounding is absolute: with values near 1e-4, K8V8 outputs erred 6% of their norm. The lift is
+    the largest power of two at most ``(2^BITS - 1) / 2``: values within fp16's range span at most
+    2 x 65504, so ``s <= 131008 / (2^BITS - 1)`` and ``p s`` times the lift stays under 65504 (64
+    for 8 bits, 4 for 4, 1 for 2); the subnormal threshold falls by that much.
+    """
+    if DOT == tl.float16 and NG == 1 and BITS < 16:
+        e = 0
+        while 2 ** (e + 1) <= (2 ** BITS - 1) / 2:
+            e += 1
+        return float(2 ** e)
     return 1.0
 
 

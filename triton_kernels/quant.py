@@ -94,6 +94,7 @@ def _quant_side(src_rows, valid, pool, page, row,
         lo = tl.min(xg, axis=2)
         hi = tl.max(xg, axis=2)
         mn16 = lo.to(tl.float16)
+        mn16 = (mn16 + 0.0).to(tl.float16)  # a zero minimum stored as +0 (leankit.quant)
         mnf = mn16.to(tl.float32)
         # Scale from the *stored* minimum so the largest element maps inside [0, QMAX] (Eq. 2).
         step = tl.math.div_rn(hi - mnf, tl.full(hi.shape, QMAX, tl.float32))
@@ -102,6 +103,7 @@ def _quant_side(src_rows, valid, pool, page, row,
         # small group's top codes never clamp (leankit.quant.round_scale_up_if_subnormal).
         up = (step > 0.0) & (sc16.to(tl.float32) < step) & (sc16.to(tl.float32) < 6.103515625e-05)
         sc16 = tl.where(up, (sc16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), sc16)
+        sc16 = (sc16 + 0.0).to(tl.float16)  # a zero scale stored as +0 (leankit.quant)
         scf = sc16.to(tl.float32)
         nonconst = scf > 0.0
         safe = tl.where(nonconst, scf, 1.0)

@@ -38,7 +38,7 @@ def build_paged_kv(spec: str, batch: int, kv_heads: int, head_dim: int, ctx, *, 
                    group_size: int | None = None, low_group_size: int | None = None,
                    page_size: int | None = None, spare_pages: int = 3,
                    generator: torch.Generator | None = None, device="cpu", scale_k: float = 2.0,
-                   fill: int | None = 0xFF) -> FilledCache:
+                   scale_v: float = 1.0, fill: int | None = 0xFF) -> FilledCache:
     """Fill layer ``layer`` of a fresh cache with random tokens, per-head tier mixes and pruning.
 
     ``ctx`` (int or ``[B]``) is each sequence's context length; token ``j`` of head ``(b, h)`` has
@@ -111,7 +111,7 @@ def build_paged_kv(spec: str, batch: int, kv_heads: int, head_dim: int, ctx, *, 
         if n == 0:
             continue
         k = (torch.randn(n, head_dim, generator=gen) * scale_k).to(dtype).to(device)
-        v = torch.randn(n, head_dim, generator=gen).to(dtype).to(device)
+        v = (torch.randn(n, head_dim, generator=gen) * scale_v).to(dtype).to(device)
         score = torch.rand(n, generator=gen).to(device)
         page, off = table.locate(t, layer, bb, hh, ss, lay.tokens)
         pool.write_rows(lay, page, off, lay.encode(k, v, score, pp))

@@ -432,10 +432,16 @@ def row_flags(flags: torch.Tensor, rows: int, device) -> torch.Tensor:
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.empty`` for kernel outputs; poisoned (NaN / ``-7777``) when :data:`POISON` is set."""
+    """``torch.empty`` for kernel outputs; poisoned when :data:`POISON` is set: NaN for floats, True
+    for bools, and for integers ``-7777``, or the type's most negative value where that does not fit."""
     t = torch.empty(shape, dtype=dtype, device=device)
     if POISON:
-        t.fill_(float("nan") if dtype.is_floating_point else -7777)
+        if dtype.is_floating_point:
+            t.fill_(float("nan"))
+        elif dtype == torch.bool:
+            t.fill_(True)
+        else:
+            t.fill_(max(-7777, torch.iinfo(dtype).min))
     return t
 
 

@@ -258,6 +258,7 @@ def _finish(args, mode: str, body: str, results) -> None:
                "threads": threads, "torch": torch.__version__, "cpu": cpu_model(),
                "allocator": getattr(args, "allocator", None), "results": results}
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # output_problem found them creatable
         Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
         print(f"wrote {args.json}")
     if getattr(args, "plot", None):

@@ -20,7 +20,7 @@ import time
 import torch
 
 from .step import decode, prefill
-from .text import corpus_ids, left_padded, pad_id, step_batch
+from .text import check_positions, corpus_ids, left_padded, pad_id, step_batch
 
 
 def _sync(device) -> None:
@@ -45,6 +45,7 @@ def run(model, tok, hardware, batch: int, context: int, steps: int, warmup: int,
     from ..offload import plan_for_model, predicted_link_bytes
     from ..offload.plan import cache_settings, relative_gap
 
+    check_positions(model, context + warmup + steps + 1, "--context plus the warm-up and timed steps")
     device = next(model.parameters()).device
     ids, mask = left_padded(step_batch(corpus_ids(tok, text_path), batch, context), pad_id(tok))
     ids, mask = ids.to(device), mask.to(device)

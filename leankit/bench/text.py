@@ -28,6 +28,18 @@ def read_text(path) -> str:
     return text
 
 
+def check_positions(model, tokens: int, what: str) -> None:
+    """Refuse a benchmark whose sequences reach ``tokens`` tokens, beyond the positions the model
+    was built for (its text config's ``max_position_embeddings``): OPT's position table ends there,
+    and a RoPE model's output past it measures nothing a user would run (a long prefill that looks
+    like a hang)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit and tokens > limit:
+        raise ValueError(f"{what} reach {tokens} tokens, beyond the {limit} positions this model takes "
+                         "(max_position_embeddings); ask for shorter sequences")
+
+
 def corpus_ids(tok, text_path=None) -> torch.Tensor:
     """Token ids of ``tok`` for the benchmark prompts, as one long tensor: every shipped Wikipedia
     article in order, or the text of ``text_path`` (a UTF-8 file) when one is given. Prompts longer

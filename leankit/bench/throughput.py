@@ -42,7 +42,7 @@ from importlib import metadata
 import torch
 
 from ..cli import _fmt_bytes
-from .text import Request, corpus_ids, left_padded, pad_id, request_mix, text_source
+from .text import Request, check_positions, corpus_ids, left_padded, pad_id, request_mix, text_source
 
 NEUTRAL = "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1"
 PRUNING = "K8V4-K4V2:th=0.3,tl=0.05"
@@ -350,6 +350,7 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
     output_range = tuple(output_range or MIXES[mix][1])
     ids, pad = corpus_ids(tok, text_path), pad_id(tok)
     request_mix(ids, 1 if requests is None else requests, prompt_range, output_range)  # checks before any model work
+    check_positions(model, prompt_range[1] + output_range[1], "the longest request's prompt and output")
     if budget is None:
         budget = default_budget(model, prompt_range, output_range)
     if budget < 1:

@@ -111,6 +111,20 @@ class LeanKitLM(HFLM):
             in ``HFLM_ARGS`` (``batch_size``, ``max_length`` ...). Anything else raises ``ValueError``.
     """
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lm-eval's constructor from ``--model_args``; a setting lm-eval also passes from its own
+        option (``--batch_size``, ``--device`` ...) is refused by name instead of a TypeError."""
+        from lm_eval import utils
+
+        args = utils.simple_parse_args_string(arg_string)
+        given = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        twice = sorted(set(args) & set(given))
+        if twice:
+            raise ValueError(f"{', '.join(twice)} given in --model_args and by lm-eval's own option "
+                             f"({', '.join('--' + k for k in twice)}); set each once, with the option")
+        return cls(**args, **given)
+
     def __init__(self, pretrained="smollm2-135m", kv="K8V4", kv_overrides=None, chunk: int = 64, tokenizer=None,
                  device=None, dtype=None, **kwargs):
         unknown = sorted(set(kwargs) - set(KV_OVERRIDES) - set(HFLM_ARGS))

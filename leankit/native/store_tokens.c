@@ -43,9 +43,11 @@ static inline int group_meta(const float *restrict x, int n, int qmax, uint16_t 
         nan |= x[c] != x[c];
     }
     if (nan || isinf(lo) || isinf(hi)) return LK_NON_FINITE;
-    const uint16_t mn16 = float_to_half(lo);
+    uint16_t mn16 = float_to_half(lo);
+    if ((mn16 & 0x7fffu) == 0) mn16 = 0; /* a zero minimum is stored as +0, whichever zero came first */
     const float step = (hi - half_to_float(mn16)) / (float)qmax;
     uint16_t sc16 = float_to_half(step);
+    if ((sc16 & 0x7fffu) == 0) sc16 = 0; /* a zero step is +0 too (bits: this build ignores signed zeros) */
     /* below 2^-14 (bits < 0x0400, sign clear as step > 0) a scale rounded under the step goes one unit up */
     if (step > 0.0f && sc16 < 0x0400u && half_to_float(sc16) < step) sc16 += 1u;
     if ((sc16 & 0x7c00u) == 0x7c00u) return LK_META_RANGE; /* fp16 Inf or NaN */

@@ -206,7 +206,9 @@ class HardwareProfile:
             f"  memory device/host  {self.gpu_mem / GiB:8.1f} / {self.host_mem / GiB:.1f} GiB",
         ]
         for k, f in self.fits.items():
-            rows.append(f"  fit {k:<16} {f.slope * 1e9:8.3f} ns/token + {f.intercept * 1e6:.1f} us  (R^2 {f.r2:.4f})")
+            sign = "-" if f.intercept < 0 else "+"
+            rows.append(f"  fit {k:<16} {f.slope * 1e9:8.3f} ns/token {sign} {abs(f.intercept) * 1e6:.1f} us  "
+                        f"(R^2 {f.r2:.4f})")
         return "\n".join(rows)
 
 

@@ -1036,6 +1036,15 @@ def group_layers(layers: Sequence[LayerCost]) -> list[tuple[str, int, LayerCost]
     return sorted(rows, key=lambda r: r[2].index)
 
 
+def plan_label(pp: Plan) -> str:
+    """A plan's choice in words; on a CPU (one memory, nothing offloaded) without the offloading
+    terms that would describe a GPU's."""
+    if pp.hardware.device == "cpu":
+        mode = {"kv": "no offloading", "hybrid": "activation cache instead of KV"}.get(pp.choice.mode, pp.choice.mode)
+        return f"{mode} (the CPU is the compute device, one memory), cache {pp.choice.kv or 'fp16'}"
+    return pp.choice.label()
+
+
 def format_plan(p: Plan) -> str:
     """The plan as text tables: summary, memory, per-layer breakdown, mechanism reasons."""
     wl = p.workload
@@ -1046,12 +1055,7 @@ def format_plan(p: Plan) -> str:
         out.append(f"  infeasible: {p.infeasible_reason}")
         return "\n".join(out)
     unified = p.hardware.device == "cpu"
-
-    def label(pp: Plan) -> str:
-        if unified:
-            mode = {"kv": "no offloading", "hybrid": "activation cache instead of KV"}.get(pp.choice.mode, pp.choice.mode)
-            return f"{mode} (the CPU is the compute device, one memory), cache {pp.choice.kv or 'fp16'}"
-        return pp.choice.label()
+    label = plan_label
 
     out.append(f"  plan       {label(p)}")
     out.append(f"  predicted  {p.throughput:10.2f} tok/s end to end, {p.decode_throughput:.2f} tok/s decode "
