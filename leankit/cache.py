@@ -218,8 +218,8 @@ def _text_config(config):
 
 
 def layer_types(config) -> list[str]:
-    """Attention type of every decoder layer: ``config.layer_types`` when the model declares it,
-    else sliding for all layers when a sliding window is set and enabled, else full."""
+    """Attention type of every decoder layer of ``config`` (its text config), as the model's own
+    attention sees it (:func:`leankit.config.attention_layer_types`)."""
     return attention_layer_types(_text_config(config))
 
 

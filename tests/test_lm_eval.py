@@ -92,10 +92,18 @@ def test_local_task_through_cache(smollm2, tmp_path):
     assert accs["K8V4"] >= accs["FP16"] - 1 / 6
 
 
-def test_a_model_argument_lm_eval_also_sets_is_refused_by_name():
-    """``--model_args batch_size=2`` next to lm-eval's own ``--batch_size``: a clear error naming
-    the option, before any model loads (not a TypeError about a keyword given twice)."""
+def test_a_model_argument_lm_eval_also_passes_wins_over_lm_evals_value(caplog):
+    """``--model_args batch_size=2`` next to lm-eval's own ``batch_size`` (its option's value or
+    default, passed on every call, from a string or a dict of model arguments): the model argument
+    wins, with a warning, where HFLM raises a TypeError for the keyword given twice."""
     from leankit.eval.lm import LeanKitLM
+    from leankit.testing import tiny_model, tiny_tokenizer
 
-    with pytest.raises(ValueError, match="batch_size given in --model_args and by lm-eval's own option"):
-        LeanKitLM.create_from_arg_string("kv=K8V4,batch_size=2", {"batch_size": 2, "device": None})
+    model, tok = tiny_model(), tiny_tokenizer()
+    lm = LeanKitLM.create_from_arg_obj({"pretrained": model, "tokenizer": tok, "kv": "K8V4", "batch_size": 2},
+                                       {"batch_size": 1, "max_batch_size": None, "device": None})
+    assert lm.batch_size == 2 and "overrides lm-eval's batch_size=1" in caplog.text
+    caplog.clear()
+    lm = LeanKitLM.create_from_arg_obj({"pretrained": model, "tokenizer": tok, "kv": "K8V4"},
+                                       {"batch_size": 3, "device": None})
+    assert lm.batch_size == 3 and "overrides" not in caplog.text

@@ -433,7 +433,8 @@ def row_flags(flags: torch.Tensor, rows: int, device) -> torch.Tensor:
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.empty`` for kernel outputs; poisoned when :data:`POISON` is set: NaN for floats, True
-    for bools, and for integers ``-7777``, or the type's most negative value where that does not fit."""
+    for bools, and for integers ``-7777``, or where that does not fit the type's most negative value
+    (its largest for an unsigned type)."""
     t = torch.empty(shape, dtype=dtype, device=device)
     if POISON:
         if dtype.is_floating_point:
@@ -441,7 +442,8 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
         elif dtype == torch.bool:
             t.fill_(True)
         else:
-            t.fill_(max(-7777, torch.iinfo(dtype).min))
+            info = torch.iinfo(dtype)
+            t.fill_(max(-7777, info.min) if info.min < 0 else info.max)
     return t
 
 

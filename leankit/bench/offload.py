@@ -45,7 +45,7 @@ def run(model, tok, hardware, batch: int, context: int, steps: int, warmup: int,
     from ..offload import plan_for_model, predicted_link_bytes
     from ..offload.plan import cache_settings, relative_gap
 
-    check_positions(model, context + warmup + steps + 1, "--context plus the warm-up and timed steps")
+    check_positions(model, context + warmup + steps, "--context plus the warm-up and timed steps")
     device = next(model.parameters()).device
     ids, mask = left_padded(step_batch(corpus_ids(tok, text_path), batch, context), pad_id(tok))
     ids, mask = ids.to(device), mask.to(device)

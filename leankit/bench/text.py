@@ -29,7 +29,7 @@ def read_text(path) -> str:
 
 
 def check_positions(model, tokens: int, what: str) -> None:
-    """Refuse a benchmark whose sequences reach ``tokens`` tokens, beyond the positions the model
+    """Refuse a benchmark that feeds a row ``tokens`` tokens, beyond the positions the model
     was built for (its text config's ``max_position_embeddings``): OPT's position table ends there,
     and a RoPE model's output past it measures nothing a user would run (a long prefill that looks
     like a hang)."""

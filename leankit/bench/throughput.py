@@ -350,7 +350,8 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
     output_range = tuple(output_range or MIXES[mix][1])
     ids, pad = corpus_ids(tok, text_path), pad_id(tok)
     request_mix(ids, 1 if requests is None else requests, prompt_range, output_range)  # checks before any model work
-    check_positions(model, prompt_range[1] + output_range[1], "the longest request's prompt and output")
+    # generate feeds every token but the last one it makes
+    check_positions(model, prompt_range[1] + output_range[1] - 1, "the longest request's prompt and output")
     if budget is None:
         budget = default_budget(model, prompt_range, output_range)
     if budget < 1:

@@ -113,17 +113,22 @@ class LeanKitLM(HFLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        """lm-eval's constructor from ``--model_args``; a setting lm-eval also passes from its own
-        option (``--batch_size``, ``--device`` ...) is refused by name instead of a TypeError."""
+        """lm-eval's constructor from a ``--model_args`` string (:meth:`create_from_arg_obj`)."""
         from lm_eval import utils
 
-        args = utils.simple_parse_args_string(arg_string)
+        return cls.create_from_arg_obj(utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """lm-eval's constructor from ``--model_args``: lm-eval also passes its own ``batch_size``,
+        ``max_batch_size`` and ``device`` (its options' values, defaults included), and a setting
+        the model arguments give too wins over those, with a warning where the two differ (HFLM
+        raises a TypeError for a keyword given twice)."""
         given = {k: v for k, v in (additional_config or {}).items() if v is not None}
-        twice = sorted(set(args) & set(given))
-        if twice:
-            raise ValueError(f"{', '.join(twice)} given in --model_args and by lm-eval's own option "
-                             f"({', '.join('--' + k for k in twice)}); set each once, with the option")
-        return cls(**args, **given)
+        for k in sorted(set(arg_dict) & set(given)):
+            if str(arg_dict[k]) != str(given[k]):
+                log.warning("--model_args %s=%s overrides lm-eval's %s=%s", k, arg_dict[k], k, given[k])
+        return cls(**{**given, **arg_dict})
 
     def __init__(self, pretrained="smollm2-135m", kv="K8V4", kv_overrides=None, chunk: int = 64, tokenizer=None,
                  device=None, dtype=None, **kwargs):
