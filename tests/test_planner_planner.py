@@ -284,3 +284,23 @@ def test_allowed_takes_kv_config_objects_and_refuses_one_with_activations():
     assert Allowed(kv_configs=(KVConfig.parse("K8V4"),)).kv_configs[0].label() == "K8V4"
     with pytest.raises(ValueError, match="the planner chooses it itself"):
         Allowed(kv_configs=(KVConfig.parse("K8V4:act=0.5"),))
+
+
+def test_plans_that_predict_the_same_time_go_to_the_simpler_one():
+    """A transfer hidden behind compute costs nothing, so several plans can predict one time: the
+    tie goes to the earlier mode, then the most resident layers, full-precision weights and cache."""
+    from types import SimpleNamespace
+
+    from leankit.planner.planner import Choice, _fastest
+
+    def p(t, *choice):
+        return SimpleNamespace(total_time=t, choice=Choice(*choice))
+
+    streamed, resident = p(1.0, None, "kv", 0), p(1.0 + 1e-12, None, "kv", 2)
+    assert _fastest([streamed, resident]) is resident
+    quant_w = p(1.0, None, "kv", 2, 4)
+    assert _fastest([quant_w, resident]) is resident
+    quant_kv = p(1.0, "K8V4", "kv", 2)
+    assert _fastest([quant_kv, resident]) is resident
+    faster = p(0.9, "K8V4", "kv", 0, 4)
+    assert _fastest([streamed, resident, faster]) is faster
