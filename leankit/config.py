@@ -561,6 +561,12 @@ NEVER_SLIDING_MODEL_TYPES = ("llama", "opt")
 WINDOW_ONLY_MODEL_TYPES = ("mistral", "phi3")
 
 
+def reads_layer_types(model_type: str | None) -> bool:
+    """Whether a model type's attention reads a declared ``layer_types`` (not Llama, OPT,
+    Mistral or Phi-3, whose sliding layers :func:`attention_layer_types` derives alone)."""
+    return model_type not in NEVER_SLIDING_MODEL_TYPES + WINDOW_ONLY_MODEL_TYPES
+
+
 def attention_layer_types(config) -> list[str]:
     """Attention type of every decoder layer of a (text) model config, an object or its dict, as
     the model's own attention sees it: none slides in Llama and OPT; every layer slides in Mistral

@@ -43,6 +43,14 @@ def _torch_write(pool, lay, page, slot, k, v, score, pos, keep=None):
     pool.write_rows(lay, page, slot, lay.encode(k, v, score, pos))
 
 
+def _torch_written_copy(pool, lay, page, slot, k, v, score, pos, keep=None):
+    """A copy of ``pool`` with the tokens written by the torch path, for the native path to match."""
+    want = PagePool(pool.num_pages, pool.page_size, pool.device)
+    want.storage.copy_(pool.storage)
+    _torch_write(want, lay, page, slot, k, v, score, pos, keep)
+    return want
+
+
 def _native_write(pool, lay, page, slot, k, v, score, pos, keep=None):
     if keep is not None:
         page = torch.where(keep, page, torch.full_like(page, -1))
@@ -65,9 +73,7 @@ def test_store_writes_the_bytes_encode_and_write_rows_write(spec, dim, group_siz
     gen, seed = testing.fresh_generator()
     spec = spec if group_size is None else f"{spec}:group_size={group_size}"
     lay, pool, page, slot, k, v, score, pos = _case(gen, spec, dim, 29, tier, dense_dtype=dtype)
-    want = PagePool(pool.num_pages, pool.page_size, pool.device)
-    want.storage.copy_(pool.storage)
-    _torch_write(want, lay, page, slot, k, v, score, pos)
+    want = _torch_written_copy(pool, lay, page, slot, k, v, score, pos)
     _native_write(pool, lay, page, slot, k, v, score, pos)
     for name in SEGMENTS:
         got, ref = pool.segment_view(lay, name), want.segment_view(lay, name)
@@ -83,9 +89,7 @@ def test_groups_with_subnormal_steps_write_the_torch_bytes(spec, magnitude):
     gen, seed = testing.fresh_generator()
     lay, pool, page, slot, k, v, score, pos = _case(gen, spec, 64, 29)
     k, v = k * magnitude, v * magnitude
-    want = PagePool(pool.num_pages, pool.page_size, pool.device)
-    want.storage.copy_(pool.storage)
-    _torch_write(want, lay, page, slot, k, v, score, pos)
+    want = _torch_written_copy(pool, lay, page, slot, k, v, score, pos)
     _native_write(pool, lay, page, slot, k, v, score, pos)
     assert torch.equal(pool.storage, want.storage), f"seed {seed}, {spec}, magnitude {magnitude}"
 
@@ -97,9 +101,7 @@ def test_groups_of_signed_zeros_write_the_torch_bytes():
     k = torch.where(torch.rand(k.shape, generator=gen) < 0.5, -0.0, 0.0)
     v = torch.where(torch.rand(v.shape, generator=gen) < 0.5, -0.0, 0.0)
     k[::2, 0], v[1::2, 5] = 1.0, 2.0
-    want = PagePool(pool.num_pages, pool.page_size, pool.device)
-    want.storage.copy_(pool.storage)
-    _torch_write(want, lay, page, slot, k, v, score, pos)
+    want = _torch_written_copy(pool, lay, page, slot, k, v, score, pos)
     _native_write(pool, lay, page, slot, k, v, score, pos)
     assert torch.equal(pool.storage, want.storage), f"seed {seed}"
 
@@ -110,9 +112,7 @@ def test_keep_skips_tokens_and_many_tokens_split_over_threads():
     gen, seed = testing.fresh_generator()
     lay, pool, page, slot, k, v, score, pos = _case(gen, "K4V2:group_size=32", 64, 600, num_pages=40)
     keep = torch.rand(600, generator=gen) < 0.7
-    want = PagePool(pool.num_pages, pool.page_size, pool.device)
-    want.storage.copy_(pool.storage)
-    _torch_write(want, lay, page, slot, k, v, score, pos, keep)
+    want = _torch_written_copy(pool, lay, page, slot, k, v, score, pos, keep)
     before = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
@@ -239,15 +239,13 @@ def test_store_step_finds_each_slot_from_the_table_and_advances_the_counts(spec,
     batch, heads = 5, 3
     lay, pool, table, first, step, lens, k, v, q_pos, real, score = _step_case(gen, spec, dim, batch, heads, low=low)
     score = score if with_score else None
-    want = PagePool(pool.num_pages, pool.page_size, pool.device)
-    want.storage.copy_(pool.storage)
     b_idx, h_idx = (i.reshape(-1) for i in torch.meshgrid(torch.arange(batch), torch.arange(heads), indexing="ij"))
     keep = real[b_idx]
     slot = lens.reshape(-1).long()
     page = table[b_idx, h_idx, first + step * (slot // lay.tokens)]
-    _torch_write(want, lay, page, slot % lay.tokens, k.reshape(-1, dim), v.reshape(-1, dim),
-                 torch.zeros(batch * heads) if score is None else score.reshape(-1),
-                 q_pos[b_idx].to(torch.int32), keep)
+    want = _torch_written_copy(pool, lay, page, slot % lay.tokens, k.reshape(-1, dim), v.reshape(-1, dim),
+                               torch.zeros(batch * heads) if score is None else score.reshape(-1),
+                               q_pos[b_idx].to(torch.int32), keep)
     lens_before = lens.clone()
     _store_step(pool, lay, table, first, step, lens, k, v, q_pos, real, score)
     assert torch.equal(pool.storage, want.storage), f"seed {seed}, {spec}"

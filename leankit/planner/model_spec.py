@@ -25,12 +25,11 @@ from typing import Any
 
 from leankit.config import (
     FULL_ATTENTION,
-    NEVER_SLIDING_MODEL_TYPES,
     SLIDING_ATTENTION,
-    WINDOW_ONLY_MODEL_TYPES,
     KVConfig,
     act_geometry,
     attention_layer_types,
+    reads_layer_types,
 )
 
 
@@ -346,8 +345,7 @@ def _layer_types(cfg: dict, model_type: str, layers: int) -> list[str]:
     """Attention type of every layer of a config dict. A ``config.json`` often leaves ``layer_types``
     to its config class (Gemma3's ``sliding_window_pattern``, Qwen2's ``max_window_layers``), so the
     class transformers registers for ``model_type`` derives them when the dict has none."""
-    if not cfg.get("layer_types") and model_type and model_type not in NEVER_SLIDING_MODEL_TYPES + \
-            WINDOW_ONLY_MODEL_TYPES:  # those models' attention decides alone (attention_layer_types)
+    if not cfg.get("layer_types") and model_type and reads_layer_types(model_type):
         try:
             from transformers import AutoConfig
 

@@ -1066,14 +1066,13 @@ def format_plan(p: Plan) -> str:
         out.append(f"  infeasible: {p.infeasible_reason}")
         return "\n".join(out)
     unified = p.hardware.device == "cpu"
-    label = plan_label
 
-    out.append(f"  plan       {label(p)}")
+    out.append(f"  plan       {plan_label(p)}")
     out.append(f"  predicted  {p.throughput:10.2f} tok/s end to end, {p.decode_throughput:.2f} tok/s decode "
                f"(prefill {p.prefill_time:.3f} s, decode {p.decode_time:.3f} s)")
     if p.baseline is not None and p.baseline.feasible:
         b = p.baseline
-        out.append(f"  baseline   {b.throughput:10.2f} tok/s  ({label(b)})")
+        out.append(f"  baseline   {b.throughput:10.2f} tok/s  ({plan_label(b)})")
         out.append(f"  speedup    {p.speedup:10.2f}x over {'the plain fp16 cache' if unified else 'KV-only offloading'}")
     m = p.memory
     if p.hardware.device == "cpu":
