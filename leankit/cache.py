@@ -317,6 +317,7 @@ class StepState:
     continued: torch.Tensor | None = None
     behind: torch.Tensor | None = None
     last_pos_next: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # the step's 2-D mask as given (the whole sequence), for error messages
 
 
 _NO_POS = 1 << 30  # sentinel position of a row with no real token in the step
@@ -333,6 +334,25 @@ _POSITIONS_GO_BACK = ("rows {rows}: this step's tokens sit at positions no later
                       "a left-padded batch counts padding that generate's mask-derived positions do not (pass "
                       "position_ids = attention_mask.cumsum(-1) - 1), and a used cache handed another request "
                       "restarts them (pass a fresh LeanCache)")
+_RIGHT_PADDED = ("rows {rows} are padded on the right, after real tokens, and generate gives a step after right "
+                 "padding positions that restart, at or before positions the row stores (stored tokens are "
+                 "masked by position, not by order): pad a decoder-only batch on the left "
+                 "(tokenizer.padding_side = 'left')")
+
+
+def positions_go_back_message(rows: list[int], attention_mask, q_len: int) -> str:
+    """The error for rows whose step sits at positions they already store. Rows that
+    ``attention_mask`` (2-D, the whole sequence; None: unknown) shows padded on the right are named
+    first, with that cause: generate counts positions from the mask, and right padding restarts them."""
+    padded_rows = []
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > q_len:
+        stored = attention_mask[rows, :-q_len].bool()
+        right_padded = (~stored & (stored.int().cumsum(1) > 0)).any(1)  # a pad after a real token
+        padded_rows = [r for r, flag in zip(rows, right_padded.tolist()) if flag]
+    other_rows = [r for r in rows if r not in padded_rows]
+    parts = ([_RIGHT_PADDED.format(rows=padded_rows)] if padded_rows else []) \
+        + ([_POSITIONS_GO_BACK.format(rows=other_rows)] if other_rows else [])
+    return "; ".join(parts)
 
 
 def _split_row_flags(values: list, row_flags: torch.Tensor | None) -> tuple[list, list]:
@@ -674,7 +694,7 @@ class LeanCache(Cache):
         real = real & ~(self.finished if ended is None else self.finished | ended).unsqueeze(1)
         q_first = torch.where(real, qp, torch.full_like(qp, _NO_POS)).amin(1)
         if self._seen > 0:  # the more specific refusals above first; a refused step changes nothing
-            self._check_positions_grow(q_first)
+            self._check_positions_grow(q_first, attention_mask, q_len)
         if ended is not None:
             self._release_ended(ended)
         self._hw_tokens = max(self._hw_tokens, self._seen + q_len)
@@ -711,19 +731,19 @@ class LeanCache(Cache):
         real = rows["real"]
         step = StepState(real, rows["rank"], rows["n_new"], rows["q_pos"], 1, real.view(-1), rows["q_first"],
                          rows["q_last"], self.table.lens, True, continued=rows["continued"], behind=rows["behind"],
-                         last_pos_next=rows["last_pos"])
+                         last_pos_next=rows["last_pos"], mask=mask)
         self._open_step(step)
         self._ending_next = rows["ending"]
         return rows["q_pos64"]
 
-    def _check_positions_grow(self, q_first: torch.Tensor) -> None:
+    def _check_positions_grow(self, q_first: torch.Tensor, attention_mask, q_len: int) -> None:
         """Raise ``ValueError`` where a row's first real token of this step (``q_first``, a large
         sentinel for a row with none) sits at or before a position the row already stores (one host
         read; the kernel backend's decode step makes the same test on the device and reads it with
         the step's flags, :meth:`_check_step_flags`)."""
         behind = q_first <= self._last_pos
         if bool(behind.any()):
-            raise ValueError(_POSITIONS_GO_BACK.format(rows=behind.nonzero().flatten().tolist()))
+            raise ValueError(positions_go_back_message(behind.nonzero().flatten().tolist(), attention_mask, q_len))
 
     def check_mask_width(self, attention_mask, q_len: int, whole_only: bool = False) -> None:
         """Raise ``ValueError`` where a 2-D mask after the prompt covers neither the whole sequence
@@ -867,7 +887,7 @@ class LeanCache(Cache):
         status = self.policy.step_status(self._step)
         free_list = self.free_list
         stale = free_list.stale  # a deferred allocation moved the device counters
-        continued, behind = self._step.continued, self._step.behind
+        continued, behind, step_mask = self._step.continued, self._step.behind, self._step.mask
         parts = [self._kv_err.long(), self._alloc_status] + ([free_list.counters] if stale else []) \
             + ([] if status is None else [status.long().reshape(-1)]) \
             + [row_flags for row_flags in (continued, behind) if row_flags is not None]  # int64, as the rest
@@ -890,7 +910,7 @@ class LeanCache(Cache):
         if went_on:
             raise ValueError(_ENDED_ROWS_CONTINUE.format(rows=went_on))
         if went_back:
-            raise ValueError(_POSITIONS_GO_BACK.format(rows=went_back))
+            raise ValueError(positions_go_back_message(went_back, step_mask, 1))
         if alloc[0]:
             raise PoolExhausted(alloc[1], alloc[2], free_list.capacity)
         from leankit_kernels.quant import NON_FINITE_MESSAGE

@@ -113,6 +113,8 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
         dtype: weight dtype (fp32 by default: the CPU path is fastest and exact in fp32).
         device: where to put the model.
 
+    The tokenizer pads on the left, as batched generation with a decoder-only model needs.
+
     Raises ``ValueError`` for an unknown name or a checkpoint directory that cannot be loaded (no
     weights or tokenizer files), and ``ModuleNotFoundError`` (naming the install command) if the
     embedded model's package is missing.
@@ -128,6 +130,9 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
     if tok.pad_token_id is None:
         # A pad id inside the vocabulary is needed for batching (and by lm-eval).
         tok.pad_token = tok.eos_token
+    # A decoder-only batch is generated padded on the left (generate's positions restart after
+    # right padding, which a LeanCache refuses and DynamicCache runs with a warning).
+    tok.padding_side = "left"
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok

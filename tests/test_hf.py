@@ -421,6 +421,31 @@ def test_a_step_whose_positions_go_back_is_refused_and_leaves_the_cache_as_it_wa
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_right_padded_batch_is_refused_at_its_first_decode_step_with_the_cause(monkeypatch, backend):
+    """generate gives the first new token of a right-padded row a position just past its padding's
+    fill value (1 for every pad), not past its real tokens: the step goes back. The error names the
+    right-padded rows and the fix (pad on the left), a row padded on the left goes unnamed, and the
+    refused step leaves the cache as the prompt left it."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("llama-gqa")
+    ids = torch.tensor([[31, 32, 33, 34, 35, 36, 37], [41, 42, 43, 0, 0, 0, 0], [0, 0, 51, 52, 53, 54, 55],
+                        [61, 62, 63, 64, 65, 0, 0]])
+    mask = (ids != 0).long()
+    kw = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    cache = leankit.LeanCache(model, "K8V4")
+    with pytest.raises(ValueError, match=r"^rows \[1, 3\] are padded on the right.*padding_side = 'left'") as err:
+        model.generate(input_ids=ids, attention_mask=mask, **kw, **cache_kwargs(model, cache))
+    assert "rows [2]" not in str(err.value) and "[1, 2, 3]" not in str(err.value)
+    assert cache.get_seq_length() == 7 and cache._step is None
+    assert cache.table.lens.sum(0)[0].tolist() == [[7, 7], [3, 3], [5, 5], [5, 5]]
+    # padded on the left, the same requests run (and the row padded on the left was never named)
+    left = torch.stack([torch.cat([r[m.bool()].new_zeros(int((m == 0).sum())), r[m.bool()]]) for r, m in zip(ids, mask)])
+    out = model.generate(input_ids=left, attention_mask=(left != 0).long(), **kw,
+                         **cache_kwargs(model, leankit.LeanCache(model, "FP16")))
+    assert torch.equal(out, model.generate(input_ids=left, attention_mask=(left != 0).long(), **kw))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_used_cache_handed_an_unpadded_prompt_is_refused(monkeypatch, backend):
     """transformers drops an all-ones mask before the forward, so the mask-width check never sees a
     single unpadded prompt on a used cache; its positions, which restart below the stored ones, do.

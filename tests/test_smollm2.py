@@ -45,6 +45,19 @@ def test_fp16_identical_to_dynamic_cache_batched_and_alone(smollm2):
         assert torch.equal(alone[0], ref[i])
 
 
+def test_the_loaded_tokenizer_pads_a_batch_on_the_left_and_its_generate_matches_dynamic_cache(smollm2):
+    """load_model's tokenizer pads on the left, as batched generation needs: a batch encoded with
+    its defaults runs through a LeanCache and gives DynamicCache's tokens."""
+    model, tok = smollm2
+    enc = tok(["Paris is", "The longest river in Europe is the"], return_tensors="pt", padding=True)
+    assert enc.attention_mask[0, 0] == 0 and bool(enc.attention_mask[:, -1].all())
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tok.pad_token_id, "eos_token_id": None}
+    with torch.no_grad():
+        got = model.generate(**enc, **kw, **cache_kwargs(model, LeanCache(model, "FP16")))
+        want = model.generate(**enc, **kw, **cache_kwargs(model, DynamicCache(config=model.config)))
+    assert torch.equal(got, want)
+
+
 def test_fp16_on_a_bf16_model_parts_from_dynamic_cache_only_at_a_tie(smollm2):
     """On a 16-bit model FP16 keeps the model's K/V bits but sums attention in fp32, where SDPA
     rounds its own way: logits stay within a few bf16 units of DynamicCache's, and greedy tokens
