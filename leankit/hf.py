@@ -198,7 +198,16 @@ def _pre_hook(module, args, kwargs):
         # Pad tokens get 0 instead of OPT's -1; they are never stored, so real tokens are unchanged.
         position_ids = (mask.long().cumsum(1) - 1).clamp_min(0)[:, -ref.shape[1]:]
         kwargs["position_ids"] = position_ids
-    q_pos = cache.begin_step(ref.shape[0], ref.shape[1], mask, position_ids, input_ids)
+    held = cache.get_seq_length()
+    try:
+        q_pos = cache.begin_step(ref.shape[0], ref.shape[1], mask, position_ids, input_ids)
+    except ValueError as err:
+        if held and _arg("use_cache", args, kwargs, params) is False:
+            # generate without the cache feeds the whole sequence each step, tokens this cache holds
+            raise ValueError(f"a LeanCache was passed with use_cache=False, under which generate feeds the whole "
+                             f"sequence at every step, the {held} tokens per row this cache already holds "
+                             f"included: pass use_cache=True with a LeanCache, or no cache ({err})") from err
+        raise
     if position_ids is None:
         kwargs["position_ids"] = q_pos
     _FULL_MASK_UNUSED.set(cache.reads_no_full_mask())

@@ -446,6 +446,22 @@ def test_a_right_padded_batch_is_refused_at_its_first_decode_step_with_the_cause
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_generate_with_use_cache_false_is_refused_at_its_second_step_naming_the_flag(monkeypatch, backend):
+    """use_cache=False makes generate feed the whole sequence at every step, to a cache that holds
+    its prompt already (DynamicCache then stores the prompt again each step). The refusal names
+    the flag, and the cache keeps what the prompt stored."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(rows=2, width=9)
+    cache = leankit.LeanCache(model, "K8V4")
+    with pytest.raises(ValueError, match=r"^a LeanCache was passed with use_cache=False.* the 9 tokens per row"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       eos_token_id=None, use_cache=False, **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == 9 and cache._step is None
+    assert cache.table.lens.sum(0)[0, :, 0].tolist() == mask.sum(1).tolist()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_used_cache_handed_an_unpadded_prompt_is_refused(monkeypatch, backend):
     """transformers drops an all-ones mask before the forward, so the mask-width check never sees a
     single unpadded prompt on a used cache; its positions, which restart below the stored ones, do.
