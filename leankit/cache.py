@@ -345,7 +345,8 @@ def positions_go_back_message(rows: list[int], attention_mask, q_len: int) -> st
     ``attention_mask`` (2-D, the whole sequence; None: unknown) shows padded on the right are named
     first, with that cause: generate counts positions from the mask, and right padding restarts them."""
     padded_rows = []
-    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > q_len:
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] > q_len \
+            and attention_mask.shape[0] > max(rows):
         stored = attention_mask[rows, :-q_len].bool()
         right_padded = (~stored & (stored.int().cumsum(1) > 0)).any(1)  # a pad after a real token
         padded_rows = [r for r, flag in zip(rows, right_padded.tolist()) if flag]
