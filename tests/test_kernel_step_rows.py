@@ -76,6 +76,9 @@ def test_step_rows_check_shapes():
     with pytest.raises(ValueError, match="ending"):
         step_rows(3, fin, err, status, last_tokens=torch.zeros(3, dtype=torch.long), end_ids=torch.tensor([1]),
                   ending=torch.zeros(3, dtype=torch.long), no_pos=NO_POS)
+    with pytest.raises(ValueError, match=r"n_eos must lie in \[0, 2\]"):  # more EOS ids than end ids given
+        step_rows(3, fin, err, status, last_tokens=torch.zeros(3, dtype=torch.long), end_ids=torch.tensor([1, 7]),
+                  n_eos=3, no_pos=NO_POS)
 
 
 def test_a_row_ends_on_the_token_after_its_eos():

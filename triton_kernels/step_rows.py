@@ -181,6 +181,9 @@ def step_rows(batch: int, finished: torch.Tensor, err_flags: torch.Tensor, alloc
         raise ValueError(f"last_pos must be int64 [{batch}], got {last_pos.dtype} {tuple(last_pos.shape)}")
     if alloc_status.numel() > 4:
         raise ValueError("alloc_status holds at most 4 values")
+    if has_eos and n_eos is not None and not 0 <= n_eos <= end_ids.numel():
+        # the kernel reads the first n_eos ids as EOS ids: more would read past the end ids
+        raise ValueError(f"n_eos must lie in [0, {end_ids.numel()}] (the end ids given), got {n_eos}")
     out = {
         "real": torch.empty(batch, 1, dtype=torch.bool, device=dev),
         "rank": torch.empty(batch, 1, dtype=torch.int64, device=dev),
