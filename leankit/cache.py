@@ -317,7 +317,9 @@ class StepState:
     continued: torch.Tensor | None = None
     behind: torch.Tensor | None = None
     last_pos_next: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # the step's 2-D mask as given (the whole sequence), for error messages
+    # The step's 2-D padding mask (None: no padding), right-aligned with the tokens seen once the
+    # step ends: what an error message and a later crop read of which columns held real tokens.
+    mask: torch.Tensor | None = None
 
 
 _NO_POS = 1 << 30  # sentinel position of a row with no real token in the step
@@ -532,6 +534,9 @@ class LeanCache(Cache):
         # a step's queries must come after it (_POSITIONS_GO_BACK). On the kernel backend's decode
         # step step_rows makes the comparison and the update (StepState.behind, .last_pos_next).
         self._last_pos: torch.Tensor | None = None
+        # The last finished step's padding mask (StepState.mask): which of the newest columns held
+        # real tokens, the tokens :meth:`crop` drops.
+        self._last_mask: torch.Tensor | None = None
         from .policy import make_policy  # the placement policy of this config
 
         self.policy = make_policy(self)
@@ -707,7 +712,8 @@ class LeanCache(Cache):
         # One check per step (a host read on GPU, prompts only): causal work can stop at the diagonal.
         ordered = q_len == 1 or bool(self._positions_increase(real, qp))
         step = StepState(real, rank, real.sum(1), q_pos.to(torch.int32), q_len, real.any(1), q_first, q_last,
-                         self.table.lens, ordered)
+                         self.table.lens, ordered, mask=attention_mask if attention_mask is not None
+                         and attention_mask.dim() == 2 else None)
         self._open_step(step)
         self._ending_next = ending_next
         return qp
@@ -869,6 +875,7 @@ class LeanCache(Cache):
             # rows without a real token have q_last = -_NO_POS: the maximum keeps their last position
             last_next = self._step.last_pos_next  # worked out by the kernel backend's decode step
             self._last_pos = last_next if last_next is not None else torch.maximum(self._last_pos, self._step.q_last)
+            self._last_mask = self._step.mask
             self._step = None
             if self._ending_next is not None:  # the rows fed an EOS in this step (leankit_kernels.step_rows)
                 self.ending = self._ending_next
@@ -1384,7 +1391,7 @@ class LeanCache(Cache):
             self.table.release_sequences(torch.ones(self.table.shape[1], dtype=torch.bool, device=self.device),
                                          self.free_list)
         self.table, self.finished, self._seen, self._step, self._pending = None, None, 0, None, {}
-        self.ending = self._ending_next = self._last_pos = None
+        self.ending = self._ending_next = self._last_pos = self._last_mask = None
         self._plain_saved = []
         self._hw_tokens = 0
         self._peak = (0, 0)  # a reused cache reports its own runs' peak
@@ -1442,10 +1449,109 @@ class LeanCache(Cache):
         self.finished = self.finished.index_select(0, beam_idx)
         self.ending = self.ending.index_select(0, beam_idx)
         self._last_pos = self._last_pos.index_select(0, beam_idx)
+        if self._last_mask is not None and self._last_mask.shape[0] > 1:
+            self._last_mask = self._last_mask.index_select(0, beam_idx.to(self._last_mask.device))
         self.policy.reorder(beam_idx)
 
+    # ------------------------------------------------------------------ rollback
+    def _crop_blocker(self) -> str | None:
+        """Why this cache cannot drop its newest tokens (None: it can). Only the ``full`` policy
+        keeps every token where it was stored, in arrival order, with nothing else derived from it."""
+        if self.cfg.policy != "full":
+            return (f"policy {self.cfg.policy!r} moves, evicts or scores tokens as steps go, which dropping the "
+                    "newest tokens would not undo")
+        if self.act_store is not None:
+            return "its ACT blocks hold activations of tokens on their own pages"
+        if self.offload is not None:
+            return "an offloaded cache streams its pages between host and device"
+        return None
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can drop the newest tokens (transformers asks before assisted and
+        prompt-lookup decoding): a ``full``-policy cache (``FP16``, ``K8V4`` ...) without ACT
+        blocks or offload, whose sliding-window layers can crop too."""
+        return self._crop_blocker() is None and all(
+            getattr(layer, "is_croppable", False) for layer in self.layers if not isinstance(layer, LeanLayer))
+
+    @inference_only
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError("LeanCache does not support crop (assisted/speculative decoding)")
+        """Drop the newest tokens of every row: how assisted and prompt-lookup decoding roll back the
+        draft tokens the model rejected.
+
+        ``max_length < 0`` drops ``-max_length`` tokens (transformers >= 5.25 calls it so), a
+        positive one keeps the first ``max_length`` (the older spelling), ``0`` drops none. The
+        dropped columns must hold a real token of every row, as they do in generate (the last
+        step's mask says so: a column of padding there, or a row that ended on an EOS, is
+        refused). Pages the kept tokens no longer fill return to the pool (one device read).
+        Raises ``NotImplementedError`` for a cache that cannot roll back (:attr:`is_croppable`),
+        ``ValueError`` for a bad length; a refused call changes nothing.
+        """
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise TypeError(f"crop takes an int, got {type(max_length).__name__}")
+        why = self._crop_blocker()
+        if why is not None:
+            raise NotImplementedError(f"this LeanCache cannot crop: {why}. A 'full'-policy config such as "
+                                      "'FP16' or 'K8V4' without ACT blocks or offload can")
+        if self._step is not None:
+            raise RuntimeError("crop was called inside a forward step")
+        seen = self._seen
+        drop = -max_length if max_length < 0 else (max(seen - max_length, 0) if max_length > 0 else 0)
+        if drop > seen:
+            raise ValueError(f"crop({max_length}) drops {drop} tokens of a cache that has seen {seen}")
+        if drop and self.table is not None:
+            self._check_dropped_columns_real(drop)
+        # Sliding-window layers first (their own crop, transformers' rules): restored if one refuses
+        saved = [(layer, dict(layer.__dict__)) for layer in self.layers if not isinstance(layer, LeanLayer)]
+        try:
+            for layer, _ in saved:
+                layer.crop(max_length)
+        except BaseException:
+            for layer, state in saved:
+                layer.__dict__.clear()
+                layer.__dict__.update(state)
+            raise
+        if drop == 0:
+            return
+        self._seen = seen - drop
+        if self._last_mask is not None:
+            self._last_mask = self._last_mask[:, : self._last_mask.shape[1] - drop]
+        if self.table is None:
+            return
+        # full policy: every stored token sits in the high tier in arrival order, so the newest
+        # `drop` are the last `drop` slots of each head; slots past a head's length are dead
+        self.table.lens[HIGH].sub_(drop)
+        self.policy.real_seen.sub_(drop)
+        self.trim_pages()
+        if self.ending is not None:  # the token a row was fed last is gone with the step that fed it
+            self.ending.zero_()
+        self._last_pos = self._stored_last_positions()
+
+    def _check_dropped_columns_real(self, drop: int) -> None:
+        """Raise ``ValueError`` unless every row stored a real token in each of the newest ``drop``
+        columns (host reads; before anything changes)."""
+        if self.finished is not None and bool(self.finished.any()):
+            raise ValueError("crop cannot roll back a batch in which a row ended on an EOS token (its pages were "
+                             "freed and it stores no more tokens)")
+        mask = self._last_mask
+        if mask is not None and (mask.shape[1] < drop or not bool(mask[:, mask.shape[1] - drop:].bool().all())):
+            raise ValueError(f"crop drops the newest {drop} columns, but the last step's attention mask does not show "
+                             "a real token of every row in each of them (padding there stores nothing to drop)")
+        lens, real = self.table.lens, self.policy.real_seen
+        if bool((lens[HIGH] != real.view(1, -1, 1)).any()) or (lens.shape[0] > 1 and bool(lens[LOW].any())) \
+                or bool((real < drop).any()):
+            raise ValueError(f"crop drops {drop} tokens per row, more than some row's stored tokens or not all "
+                             "of them the newest")
+
+    def _stored_last_positions(self) -> torch.Tensor:
+        """Highest stored position of each row (int64 ``[B]``, -1 for none), read from the pages."""
+        from .policy import read_tier_meta
+
+        if self.num_layers == 0:
+            return torch.full_like(self._last_pos, -1)
+        meta = read_tier_meta(self, HIGH, torch.zeros(1, dtype=torch.long, device=self.device))
+        pos = torch.where(meta.valid, meta.pos.long(), torch.full((), -1, dtype=torch.long, device=self.device))
+        return pos.flatten(2).amax(-1)[0] if pos.shape[-1] else torch.full_like(self._last_pos, -1)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.table is not None:
