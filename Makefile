@@ -43,12 +43,16 @@ endef
 # this venv's packages (torch, triton ...) and installs only transformers and its own needs at the
 # floor. `make test-floor FLOOR_TESTS="tests/test_cache.py"` runs a subset.
 FLOOR_TRANSFORMERS ?= 5.0.0
+# The kernel hub client the floor transformers imports at start-up: newer ones (the venv's) refuse
+# the layer repositories it declares without a version.
+FLOOR_KERNELS ?= kernels<0.11
 FLOOR_VENV ?= .venv-floor
 FLOOR_TESTS ?= tests
 test-floor: $(VENV)/.installed
 	$(call overlay-venv,$(FLOOR_VENV))
 	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(FLOOR_VENV)/constraints.txt
-	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/constraints.txt transformers==$(FLOOR_TRANSFORMERS)
+	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/constraints.txt transformers==$(FLOOR_TRANSFORMERS) \
+		"$(FLOOR_KERNELS)"
 	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(FLOOR_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(FLOOR_VENV)/bin/python -m pytest -q -m "not slow" $(FLOOR_TESTS)
