@@ -21,6 +21,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"command": ["python", "bench/prompt_lookup.py", *(argv or [])],
+        path.write_text(json.dumps({"command": ["python", "bench/prompt_lookup.py", *(sys.argv[1:] if argv is None else argv)],
                                     "model": args.model, "prompt_tokens": ids.shape[1], "new": args.new,
                                     "draft": args.draft, "threads": args.threads, "torch": torch.__version__,
                                     "rows": rows}, indent=1))
