@@ -59,6 +59,11 @@ class Workspace:
         # leankit.decode_attention._decode_tiers).
         self.memo: dict = {}
 
+    def __deepcopy__(self, memo) -> Workspace:
+        """A fresh workspace: scratch holds nothing a copy needs, and the memo's kernel arguments
+        (ctypes arrays of the native passes) point at the original's tensors."""
+        return Workspace()
+
     def get(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
         """A tensor of ``shape`` (uninitialized) backed by the buffer ``name``.
 

@@ -358,6 +358,26 @@ def positions_go_back_message(rows: list[int], attention_mask, q_len: int) -> st
     return "; ".join(parts)
 
 
+def sequence_mask(before: torch.Tensor | None, step_mask: torch.Tensor | None, seen: int, q_len: int):
+    """The padding mask of a whole sequence once a step ends: which columns held real tokens.
+
+    ``before``: the mask of the ``seen`` columns before the step (None: no padding there);
+    ``step_mask``: the step's 2-D mask, over the whole sequence (``seen + q_len`` columns) or the
+    step's own tokens (``q_len``), or None (no padding in the step). Returns None while no column
+    is known to be padding. A generate step brings the whole mask, which is taken as it is (no
+    tensor op); only the other two kinds of step join columns."""
+    if step_mask is not None and step_mask.shape[1] == seen + q_len:
+        return step_mask
+    if step_mask is None:
+        if before is None:
+            return None
+        step_mask = torch.ones(before.shape[0], q_len, dtype=before.dtype, device=before.device)
+    if before is None:
+        before = torch.ones(step_mask.shape[0], seen, dtype=step_mask.dtype, device=step_mask.device)
+    rows = max(before.shape[0], step_mask.shape[0])
+    return torch.cat([before.bool().expand(rows, -1), step_mask[:, -q_len:].bool().expand(rows, -1)], 1)
+
+
 def _split_row_flags(values: list, row_flags: torch.Tensor | None) -> tuple[list, list]:
     """``values`` read back with ``row_flags`` (one per row, None: not read) as their last part:
     the values before them, and the rows whose flag is raised. An explicit cut, not a negative
@@ -534,8 +554,8 @@ class LeanCache(Cache):
         # a step's queries must come after it (_POSITIONS_GO_BACK). On the kernel backend's decode
         # step step_rows makes the comparison and the update (StepState.behind, .last_pos_next).
         self._last_pos: torch.Tensor | None = None
-        # The last finished step's padding mask (StepState.mask): which of the newest columns held
-        # real tokens, the tokens :meth:`crop` drops.
+        # The padding mask of the whole sequence so far (sequence_mask; None: no padding seen): which
+        # of the newest columns held real tokens, the tokens :meth:`crop` drops.
         self._last_mask: torch.Tensor | None = None
         from .policy import make_policy  # the placement policy of this config
 
@@ -875,7 +895,8 @@ class LeanCache(Cache):
             # rows without a real token have q_last = -_NO_POS: the maximum keeps their last position
             last_next = self._step.last_pos_next  # worked out by the kernel backend's decode step
             self._last_pos = last_next if last_next is not None else torch.maximum(self._last_pos, self._step.q_last)
-            self._last_mask = self._step.mask
+            self._last_mask = sequence_mask(self._last_mask, self._step.mask, self._seen - self._step.q_len,
+                                            self._step.q_len)
             self._step = None
             if self._ending_next is not None:  # the rows fed an EOS in this step (leankit_kernels.step_rows)
                 self.ending = self._ending_next
@@ -1481,9 +1502,11 @@ class LeanCache(Cache):
 
         ``max_length < 0`` drops ``-max_length`` tokens (transformers >= 5.25 calls it so), a
         positive one keeps the first ``max_length`` (the older spelling), ``0`` drops none. The
-        dropped columns must hold a real token of every row, as they do in generate (the last
-        step's mask says so: a column of padding there, or a row that ended on an EOS, is
-        refused). Pages the kept tokens no longer fill return to the pool (one device read).
+        dropped columns must hold a real token of every row, as they do in generate (the masks the
+        steps brought say so: a column of padding there, or a row that ended on an EOS, is
+        refused). Pages the kept tokens no longer fill return to the pool (one device read). No
+        row is left waiting on an EOS: one whose kept last token is an EOS ends at its next EOS,
+        not at padding.
         Raises ``NotImplementedError`` for a cache that cannot roll back (:attr:`is_croppable`),
         ``ValueError`` for a bad length; a refused call changes nothing.
         """
@@ -1533,10 +1556,11 @@ class LeanCache(Cache):
         if self.finished is not None and bool(self.finished.any()):
             raise ValueError("crop cannot roll back a batch in which a row ended on an EOS token (its pages were "
                              "freed and it stores no more tokens)")
-        mask = self._last_mask
+        mask = self._last_mask  # the whole sequence's (sequence_mask)
         if mask is not None and (mask.shape[1] < drop or not bool(mask[:, mask.shape[1] - drop:].bool().all())):
-            raise ValueError(f"crop drops the newest {drop} columns, but the last step's attention mask does not show "
-                             "a real token of every row in each of them (padding there stores nothing to drop)")
+            raise ValueError(f"crop drops the newest {drop} columns, but the attention masks of the steps that fed "
+                             "them do not show a real token of every row in each (padding there stores nothing "
+                             "to drop)")
         lens, real = self.table.lens, self.policy.real_seen
         if bool((lens[HIGH] != real.view(1, -1, 1)).any()) or (lens.shape[0] > 1 and bool(lens[LOW].any())) \
                 or bool((real < drop).any()):

@@ -1,6 +1,8 @@
 """LeanCache.crop: dropping the newest tokens, as assisted and prompt-lookup decoding do after a
 draft's rejected tokens, on both backends; what cannot roll back is refused and left as it was."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -162,7 +164,7 @@ def test_crops_that_would_drop_padding_or_more_than_seen_are_refused_and_change_
     seen = cache.get_seq_length()
     before = _snapshot(cache)
     pad_columns = int((mask == 0).sum(1).max())
-    for bad, err, msg in ((-(seen - pad_columns + 1), ValueError, "does not show a real token"),
+    for bad, err, msg in ((-(seen - pad_columns + 1), ValueError, "not show a real token"),
                           (-(seen + 1), ValueError, f"drops {seen + 1} tokens of a cache that has seen {seen}"),
                           (2.0, TypeError, "takes an int")):
         with pytest.raises(err, match=msg):
@@ -211,3 +213,55 @@ def test_assisted_decoding_with_a_draft_model_gives_dynamic_caches_tokens(backen
                              **cache_kwargs(model, LeanCache(model, "FP16")))
         plain = model.generate(input_ids=ids, max_new_tokens=20, **KW)
     assert torch.equal(got, want) and torch.equal(got, plain)
+
+
+def test_crop_reads_padding_from_every_step_s_mask_whatever_its_width(backend):
+    """Steps may bring the whole mask, their own tokens' mask or none: the padding a step brought
+    still counts when later steps bring no mask (a crop over it is refused, where it once dropped
+    a padded row's real token), and a step mask of its own tokens does not hide real columns (a
+    crop over them is served, where it was once refused)."""
+    model = tiny_model("llama-gqa")
+    cache = LeanCache(model, "FP16")
+    ids = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(model, cache))
+        mask = torch.cat([torch.ones(2, 6, dtype=torch.long), torch.tensor([[1, 1, 1], [1, 0, 1]])], 1)
+        model(input_ids=torch.tensor([[7, 8, 9], [7, 8, 9]]), attention_mask=mask, **cache_kwargs(model, cache))
+        model(input_ids=torch.tensor([[10], [10]]), **cache_kwargs(model, cache))  # no mask
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match="not show a real token"):
+        cache.crop(-3)  # row 1's column of token 8 was padding
+    assert _same(_snapshot(cache), before)
+    cache.crop(-1)  # the last column is real in both rows
+    assert cache.policy.real_seen.tolist() == [9, 8]
+
+    steps = LeanCache(model, "FP16")
+    twin = LeanCache(model, "FP16")
+    with torch.no_grad():
+        for c, n in ((steps, 3), (twin, 1)):
+            model(input_ids=ids[:1], attention_mask=torch.ones(1, 6, dtype=torch.long), **cache_kwargs(model, c))
+            for t in range(n):  # decode steps that bring their own token's mask only
+                model(input_ids=torch.tensor([[20 + t]]), attention_mask=torch.ones(1, 1, dtype=torch.long),
+                      **cache_kwargs(model, c))
+        steps.crop(-2)
+        nxt = {"input_ids": torch.tensor([[30]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
+        got = model(**nxt, **cache_kwargs(model, steps)).logits
+        want = model(**nxt, **cache_kwargs(model, twin)).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_cache_deep_copies_after_decode_steps_and_a_crop():
+    """A deep copy taken after decode steps (whose native kernel arguments the cache keeps as
+    scratch) and a crop continues as the original does (transformers' prefix-cache recipe)."""
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(rows=2, width=9, seed=4)
+    cache = LeanCache(model, "K8V4")
+    _, full_mask = _prefill_and_steps(model, cache, ids, mask, 4)
+    cache.crop(-2)
+    twin = copy.deepcopy(cache)
+    nxt = torch.tensor([[11], [12]])
+    step_mask = torch.cat([full_mask[:, :-2], torch.ones_like(nxt)], 1)
+    with torch.no_grad():
+        got = model(input_ids=nxt, attention_mask=step_mask, **cache_kwargs(model, twin)).logits
+        want = model(input_ids=nxt, attention_mask=step_mask, **cache_kwargs(model, cache)).logits
+    assert torch.equal(got, want)
