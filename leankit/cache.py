@@ -378,6 +378,13 @@ def sequence_mask(before: torch.Tensor | None, step_mask: torch.Tensor | None, s
     return torch.cat([before.bool().expand(rows, -1), step_mask[:, -q_len:].bool().expand(rows, -1)], 1)
 
 
+def _restore_layer_states(saved: list[tuple]) -> None:
+    """Put back the attributes :meth:`LeanCache._plain_layer_states` saved of each layer."""
+    for layer, state in saved:
+        layer.__dict__.clear()
+        layer.__dict__.update(state)
+
+
 def _split_row_flags(values: list, row_flags: torch.Tensor | None) -> tuple[list, list]:
     """``values`` read back with ``row_flags`` (one per row, None: not read) as their last part:
     the values before them, and the rows whose flag is raised. An explicit cut, not a negative
@@ -852,8 +859,7 @@ class LeanCache(Cache):
         self._policy_saved = self.policy.save_state()
         # transformers' plain (sliding-window) layers append by concatenation, so the attributes
         # they hold now are the state a dropped step restores (references, no copy of K/V)
-        self._plain_saved = [(layer, dict(layer.__dict__)) for layer in self.layers
-                             if not isinstance(layer, LeanLayer)]
+        self._plain_saved = self._plain_layer_states()
         self._step = step
         self._pending = {}
         if self.offload is not None:  # start copying the first layer's host pages in
@@ -1068,9 +1074,7 @@ class LeanCache(Cache):
         self.table.lens.copy_(self._step.lens_before)
         self._hw_tokens = self._hw_before  # the step's tokens are not held: same grid bounds as before it
         self.policy.load_state(self._policy_saved)
-        for layer, saved in self._plain_saved:  # the step's K/V leave the sliding-window layers too
-            layer.__dict__.clear()
-            layer.__dict__.update(saved)
+        _restore_layer_states(self._plain_saved)  # the step's K/V leave the sliding-window layers too
         self._plain_saved = []
         self._step, self._pending, self._ending_next = None, {}, None
 
@@ -1487,6 +1491,11 @@ class LeanCache(Cache):
             return "an offloaded cache streams its pages between host and device"
         return None
 
+    def _plain_layer_states(self) -> list[tuple]:
+        """``(layer, its attributes)`` of each plain (sliding-window) layer: what
+        :func:`_restore_layer_states` puts back after a dropped step or a refused crop."""
+        return [(layer, dict(layer.__dict__)) for layer in self.layers if not isinstance(layer, LeanLayer)]
+
     @property
     def is_croppable(self) -> bool:
         """Whether :meth:`crop` can drop the newest tokens (transformers asks before assisted and
@@ -1525,14 +1534,12 @@ class LeanCache(Cache):
         if drop and self.table is not None:
             self._check_dropped_columns_real(drop)
         # Sliding-window layers first (their own crop, transformers' rules): restored if one refuses
-        saved = [(layer, dict(layer.__dict__)) for layer in self.layers if not isinstance(layer, LeanLayer)]
+        saved = self._plain_layer_states()
         try:
             for layer, _ in saved:
                 layer.crop(max_length)
         except BaseException:
-            for layer, state in saved:
-                layer.__dict__.clear()
-                layer.__dict__.update(state)
+            _restore_layer_states(saved)
             raise
         if drop == 0:
             return

@@ -198,10 +198,10 @@ def _pre_hook(module, args, kwargs):
         # Pad tokens get 0 instead of OPT's -1; they are never stored, so real tokens are unchanged.
         position_ids = (mask.long().cumsum(1) - 1).clamp_min(0)[:, -ref.shape[1]:]
         kwargs["position_ids"] = position_ids
-    held = cache.get_seq_length()
     try:
         q_pos = cache.begin_step(ref.shape[0], ref.shape[1], mask, position_ids, input_ids)
-    except ValueError as err:
+    except ValueError as err:  # a refused step leaves the cache as it was, its length included
+        held = cache.get_seq_length()
         if held and _arg("use_cache", args, kwargs, params) is False:
             # generate without the cache feeds the whole sequence each step, tokens this cache holds
             raise ValueError(f"a LeanCache was passed with use_cache=False, under which generate feeds the whole "

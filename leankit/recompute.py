@@ -169,7 +169,9 @@ def layer_params(model, layer_idx: int) -> ActToKVParams:
         ValueError: an unsupported architecture, a layer index out of range, or a RoPE variant
             whose frequencies change with the sequence length (``dynamic``, ``longrope``).
     """
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    from .cache import _text_config
+
+    cfg = _text_config(model.config)
     mtype = getattr(cfg, "model_type", None)
     if mtype not in SUPPORTED_MODEL_TYPES:  # before any module is read
         raise ValueError(f"act->kv recomputation supports {', '.join(SUPPORTED_MODEL_TYPES)}; got {mtype!r}")

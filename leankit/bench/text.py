@@ -33,8 +33,9 @@ def check_positions(model, tokens: int, what: str) -> None:
     was built for (its text config's ``max_position_embeddings``): OPT's position table ends there,
     and a RoPE model's output past it measures nothing a user would run (a long prefill that looks
     like a hang)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    limit = getattr(cfg, "max_position_embeddings", None)
+    from ..cache import _text_config
+
+    limit = getattr(_text_config(model.config), "max_position_embeddings", None)
     if limit and tokens > limit:
         raise ValueError(f"{what} reach {tokens} tokens, beyond the {limit} positions this model takes "
                          "(max_position_embeddings); ask for shorter sequences")
