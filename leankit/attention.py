@@ -536,6 +536,44 @@ def _one_token_attention(q, k, v, k_real, scale, lse_other, received):
     return out, s, recv
 
 
+def serves_merged_step(b: int, hq: int, nq: int, device) -> bool:
+    """Whether :func:`step_attention_merged` serves a step of ``nq`` queries (``b`` rows, ``hq``
+    query heads): its scores ``[B, Hq, Q, Q]`` fit one chunk of :func:`step_attention`."""
+    return step_chunk_rows(b, hq, nq, device) >= nq
+
+
+def step_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                          k_real: torch.Tensor, scale: float, out_other: torch.Tensor, lse_other: torch.Tensor):
+    """:func:`step_attention` over the step's own tokens and :func:`merge_attention` with the
+    older keys' partial attention, in one pass and without significance: ``(out [B, Q, Hq, F] fp32,
+    lse [B, Hkv, G*Q])``, equal to the two calls' result up to fp32 rounding.
+
+    For the short steps after a prompt (a draft's verify step in assisted or prompt-lookup
+    decoding, a short second turn) the two calls are some 35 small tensor ops whose fixed cost
+    exceeds their arithmetic on a CPU; here the new scores are shifted by the running maximum of
+    both sides at once, ``m = max(max_j s_ij, lse_other_i)``, so the merge is a rescale of the
+    older output: ``out_i = (e^(lse_other_i - m) out_other_i + sum_j e^(s_ij - m) v_j) / Z_i``
+    with ``Z_i`` the sum of those weights, and ``lse_i = m + log Z_i``. Every row sees at least one
+    of the step's keys (a live row its own token, any other row every key, as in
+    :func:`_step_bias`), so ``m`` is finite. Check :func:`serves_merged_step` first: the scores are
+    not chunked.
+    """
+    b, hq, nq, f = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    s = torch.matmul(q.float().reshape(b, hkv, g * nq, f), k.float().transpose(-1, -2))  # [B, Hkv, G*Q, Q]
+    s.mul_(scale).add_(_step_bias(q_pos, k_real, g, 0, nq))
+    m = torch.maximum(s.amax(-1), lse_other)
+    p = s.sub_(m.unsqueeze(-1)).exp_()  # masked keys: exp(-inf) = 0 exactly
+    w_other = torch.exp(lse_other - m)
+    total = p.sum(-1).add_(w_other)
+    acc = torch.matmul(p, v.float())  # [B, Hkv, G*Q, F]
+    other = out_other.float().transpose(1, 2).reshape(b, hkv, g * nq, f)
+    acc.addcmul_(other, w_other.unsqueeze(-1)).div_(total.unsqueeze(-1))
+    out = acc.view(b, hq, nq, f).transpose(1, 2)
+    return out, m + torch.log(total)
+
+
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
     """Combine two partial attentions over disjoint key sets by their log-sum-exp.
 

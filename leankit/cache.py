@@ -36,7 +36,9 @@ from .attention import (
     paged_attention_ref,
     received_attention_ref,
     received_from_logits,
+    serves_merged_step,
     step_attention,
+    step_attention_merged,
 )
 from .backend import use_triton
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, KVConfig, attention_layer_types, fp16_token_bytes
@@ -1360,6 +1362,10 @@ class LeanCache(Cache):
             out, lse, received_new = merge_own_token(
                 query, k_new, v_new, out_old, lse_old, st.real, scaling, received=sig,
                 out_dtype=query.dtype if narrow else torch.float32)
+        elif not sig and not kernels and serves_merged_step(*query.shape[:3], query.device):
+            # a short step (a draft's verify step, a short turn): own tokens and merge in one pass
+            out, lse = step_attention_merged(query, k_new, v_new, st.q_pos, st.real, scaling, out_old, lse_old)
+            received_new = None
         else:
             out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
                                                             lse_other=lse_old, received=sig)

@@ -126,3 +126,30 @@ def test_gpu_chunks_are_few_and_every_chunking_agrees(monkeypatch):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed, b, hq, hkv, q, f", [(0, 3, 6, 2, 11, 16), (1, 2, 9, 3, 7, 24), (2, 1, 5, 5, 2, 8)])
+def test_merged_step_equals_step_attention_then_merge(seed, b, hq, hkv, q, f):
+    """The one-pass short step (own tokens and the merge with older keys) equals step_attention
+    followed by merge_attention: left padding, a finished row (no real token), a row that saw no
+    older key (lse -inf, output 0), and older outputs far above or below the new scores."""
+    from leankit.attention import step_attention_merged
+
+    g = torch.Generator().manual_seed(seed)
+    qs, k, v = (torch.randn(b, h, q, f, generator=g) * 2 for h in (hq, hkv, hkv))
+    real = torch.ones(b, q, dtype=torch.bool)
+    real[0, : q // 2] = False  # left padding
+    if b > 1:
+        real[-1] = False  # a finished row
+    pos = (real.long().cumsum(1) - 1).clamp_min(0) + 40
+    lse_old = torch.randn(b, hkv, hq // hkv * q, generator=g) * 30  # far on both sides of the new scores
+    out_old = torch.randn(b, q, hq, f, generator=g)
+    lse_old[0, 0, :3] = float("-inf")
+    out_old.view(b, q, hkv, hq // hkv, f)[0, :, 0, 0] = 0.0  # rows of head 0 that saw no older key
+    out_new, lse_new, _ = step_attention(qs, k, v, pos, real, 0.3, lse_other=lse_old)
+    want, want_lse = merge_attention(out_old, lse_old, out_new, lse_new)
+    got, got_lse = step_attention_merged(qs, k, v, pos, real, 0.3, out_old, lse_old)
+    assert got.shape == want.shape and got_lse.shape == want_lse.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert bool(torch.isfinite(got).all()) and bool(torch.isfinite(got_lse).all())

@@ -47,6 +47,11 @@ def test_prompt_lookup_decoding_with_fp16_gives_dynamic_caches_tokens(kind, back
         drops.append(before - self.get_seq_length())
 
     monkeypatch.setattr(LeanCache, "crop", counted_crop)
+    import leankit.cache as cache_module
+
+    merged = []  # verify steps the torch backend served in one pass (own tokens and merge)
+    one_pass = cache_module.step_attention_merged
+    monkeypatch.setattr(cache_module, "step_attention_merged", lambda *a: merged.append(1) or one_pass(*a))
     for seed in range(3):
         ids = _repetitive_prompt(seed)
         with torch.no_grad():
@@ -59,6 +64,7 @@ def test_prompt_lookup_decoding_with_fp16_gives_dynamic_caches_tokens(kind, back
         assert torch.equal(got, want) and torch.equal(got, plain)
         assert cache.get_seq_length() == got.shape[1] - 1  # the last token is never fed
     assert any(n > 0 for n in drops)
+    assert (len(merged) > 0) == (backend == "torch")
 
 
 def test_prompt_lookup_decoding_runs_on_a_quantized_cache():
