@@ -64,6 +64,11 @@ class Workspace:
         (ctypes arrays of the native passes) point at the original's tensors."""
         return Workspace()
 
+    def __reduce__(self):
+        """Pickled as a fresh workspace, for the same reason as :meth:`__deepcopy__`: the memo's
+        ctypes kernel arguments cannot be pickled and would point into this process's tensors."""
+        return (Workspace, ())
+
     def get(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
         """A tensor of ``shape`` (uninitialized) backed by the buffer ``name``.
 

@@ -264,6 +264,9 @@ class MemoryReport(dict):
                 n /= 1024
             return f"{n:.2f} GiB"
 
+        def times(r: float) -> str:
+            return "-" if math.isnan(r) else f"{r:.3f}x"
+
         t, rows = self["tokens_per_tier"], self["tokens_per_row"]
         lines = [
             (f"LeanCache {self['config']} ({self['compressed_layers']} of {self['model_layers']} layers "
@@ -284,8 +287,9 @@ class MemoryReport(dict):
         dense = "  vs " + self["dense_dtype"] + " cache"
         lines += [
             f"  total               {size(self['total_bytes'])}",
-            f"  vs fp16 cache       {self['ratio']:.3f}x of {size(self['fp16_bytes'])}",
-            f"{dense:<22}{self['dense_ratio']:.3f}x of {size(self['dense_bytes'])} (the model's own dtype)",
+            # the ratios are NaN (0 / 0) while the cache holds no token (fresh, reset or refused)
+            f"  vs fp16 cache       {times(self['ratio'])} of {size(self['fp16_bytes'])}",
+            f"{dense:<22}{times(self['dense_ratio'])} of {size(self['dense_bytes'])} (the model's own dtype)",
             # peak_ratio is NaN (0 / 0) on a model with no compressed layer
             f"  peak pages          {size(self['peak_kv_bytes'])}"
             + (f", {self['peak_ratio']:.3f}x fp16" if not math.isnan(self["peak_ratio"]) else ""),
@@ -584,6 +588,13 @@ class LeanCache(Cache):
         from .hf import enable
 
         enable(model)
+
+    def __getstate__(self) -> dict:
+        # _err_views holds views of _kv_err, which pickle would unpickle as detached copies (the
+        # kernels' NaN/Inf flags would then never reach _kv_err): _layer_err cuts them again.
+        state = dict(self.__dict__)
+        state["_err_views"] = None
+        return state
 
     @classmethod
     def from_plan(cls, model, plan, **kwargs) -> LeanCache:
@@ -1392,13 +1403,21 @@ class LeanCache(Cache):
     def release(self, rows: torch.Tensor, defer: bool = False) -> int | None:
         """Finish the rows where ``rows[b]`` is true: return all their pages to the free list.
 
-        Returns the pages freed. ``defer`` (kernel backend, no offload): release
+        ``rows``: a bool mask ``[B]`` of the batch's rows; anything else (row indices, whose
+        ``torch.tensor([2])`` would broadcast as a mask to every row) raises ``ValueError`` and
+        changes nothing. Returns the pages freed. ``defer`` (kernel backend, no offload): release
         without reading anything back to the host; the free list's host counters catch up at their
         next read, and None is returned.
         """
         if self.table is None:
             return 0
-        rows = rows.to(self.device).bool()
+        rows = torch.as_tensor(rows, device=self.device)
+        batch = self.table.shape[1]
+        if rows.dtype != torch.bool or tuple(rows.shape) != (batch,):
+            # an index tensor would pass as a mask: torch.tensor([2]) -> [True] broadcasts to every row
+            raise ValueError(f"release takes a bool mask of the batch's {batch} rows (True: release the row), got "
+                             f"a {rows.dtype} tensor of shape {tuple(rows.shape)}; for row indices idx pass "
+                             f"torch.zeros({batch}, dtype=torch.bool).index_fill_(0, idx, True)")
         if defer:
             if not use_triton(self.table.tables) or self.offload is not None:
                 raise ValueError("a deferred release needs the kernel backend, without offload")

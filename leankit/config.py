@@ -306,8 +306,9 @@ class KVConfig:
             return cfg
         if not isinstance(spec, str):
             raise ValueError(f"KV config must be a string, got {type(spec).__name__}. {GRAMMAR}")
-        from .presets import resolve  # a preset name ("neutral", "k8v4:group_size=32") -> its config
+        from .presets import PRESETS, resolve  # a preset name ("neutral", "k8v4:group_size=32") -> its config
 
+        grammar = f"{GRAMMAR} Or a preset name: {', '.join(PRESETS)}."
         spec = resolve(spec)
         if ":" in spec:
             spec, inline = split_overrides(spec)
@@ -315,7 +316,7 @@ class KVConfig:
         text = spec.strip().upper()
         parts = text.split("-")
         if not text or len(parts) > 2:
-            raise ValueError(f"cannot parse KV config {spec!r}. {GRAMMAR}")
+            raise ValueError(f"cannot parse KV config {spec!r}. {grammar}")
         tiers = []
         for part in parts:
             if part == "FP16":
@@ -323,10 +324,10 @@ class KVConfig:
                 continue
             m = _TIER_RE.match(part)
             if not m:
-                raise ValueError(f"cannot parse tier {part!r} of KV config {spec!r}. {GRAMMAR}")
+                raise ValueError(f"cannot parse tier {part!r} of KV config {spec!r}. {grammar}")
             kb, vb = int(m.group(1)), int(m.group(2))
             if kb not in VALID_BITS or vb not in VALID_BITS:
-                raise ValueError(f"bits in {part!r} of {spec!r} must be in {VALID_BITS}. {GRAMMAR}")
+                raise ValueError(f"bits in {part!r} of {spec!r} must be in {VALID_BITS}. {grammar}")
             tiers.append(Precision(kb, vb))
         high = tiers[0]
         low = tiers[1] if len(tiers) == 2 else None

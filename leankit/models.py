@@ -9,6 +9,7 @@ checkpoint directory works too. Nothing is downloaded at run time.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -80,11 +81,33 @@ def _convert_gguf(name: str, target: Path) -> None:
     plain.load_state_dict(model.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide a shared $LEANKIT_CACHE from other users
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if target.exists():
+    if target.exists():  # a leftover without config.json (a complete one is never converted again)
         shutil.rmtree(target)
     tmp.rename(target)  # atomic publish: a half-written checkpoint is never seen
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path):
+    """Hold an exclusive lock beside ``target`` while it is converted, so that processes started
+    together convert once: the others wait, then find the checkpoint (without it, a later one
+    deleted the first one's published checkpoint while that process was loading it)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): convert unlocked, as before
+        yield
+        return
+    with open(target.parent / f".{target.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def model_path(name_or_path: str) -> Path:
@@ -93,11 +116,16 @@ def model_path(name_or_path: str) -> Path:
     if key in EMBEDDED:
         target = cache_dir() / "models" / key
         if not (target / "config.json").exists():
-            _convert_gguf(key, target)
+            with _conversion_lock(target):
+                if not (target / "config.json").exists():  # another process may have converted it meanwhile
+                    _convert_gguf(key, target)
         return target
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path
+    if path.is_dir():
+        raise ValueError(f"model directory {name_or_path!r} has no config.json: not a Hugging Face checkpoint "
+                         "(save one with model.save_pretrained and tokenizer.save_pretrained)")
     raise ValueError(
         f"unknown model {name_or_path!r}: use one of {sorted(EMBEDDED)} or a local Hugging Face checkpoint "
         "directory (leankit never downloads models)"

@@ -68,6 +68,13 @@ class BidirectionalPageTable:
         self.lens = torch.zeros((2, num_layers, batch, heads), dtype=torch.int32, device=device)
         self._views: tuple = ((), {})  # (the tensors the memo was cut from, {layer: LayerViews})
 
+    def __getstate__(self) -> dict:
+        # pickle keeps the tables' identity but not the memoized views' storage sharing: unpickled,
+        # the views would be copies, and writes through them would miss the tables. Cut them afresh.
+        state = dict(self.__dict__)
+        state["_views"] = ((), {})
+        return state
+
     def layer_views(self, layer: int) -> LayerViews:
         """One layer's views of the table (:class:`LayerViews`), memoized.
 

@@ -85,6 +85,10 @@ def test_plot_refuses_results_it_has_no_figure_for(tmp_path, capsys):
     bad.write_text(json.dumps({"mode": "offload", "results": {}}))
     assert main(["bench", "plot", str(bad), "--out", str(tmp_path)]) == 2
     assert "no figure for bench mode 'offload'" in capsys.readouterr().err
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"results": {}}))  # valid JSON, but not a results file
+    assert main(["bench", "plot", str(bare), "--out", str(tmp_path)]) == 2
+    assert "has no 'mode' field" in capsys.readouterr().err
     assert main(["bench", "plot", str(tmp_path / "missing.json")]) == 2
     assert "no such results file" in capsys.readouterr().err
     text = tmp_path / "notes.txt"

@@ -148,6 +148,29 @@ def test_pages_return_on_finish():
     assert cache.memory_report()["pages_used"] == 0
 
 
+def test_release_takes_a_row_mask_and_refuses_row_indices():
+    """``release(torch.tensor([1]))`` meant "row 1" but, as a mask, would free every row: an index
+    tensor, a mask of the wrong length or a non-bool one is refused, and the cache is left as it was."""
+    model = tiny_model("llama-gqa")
+    ids, mask = _batch(rows=2)
+    cache = LeanCache(model, "K8V4")
+    _generate(model, ids, mask, cache, max_new_tokens=4)
+    used = cache.memory_report()["pages_used"]
+    for bad in (torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([True, False, True]), torch.tensor([[True, False]])):
+        with pytest.raises(ValueError, match="bool mask of the batch's 2 rows"):
+            cache.release(bad)
+        assert cache.memory_report()["pages_used"] == used and not bool(cache.finished.any())
+    assert cache.release(torch.tensor([False, True])) > 0 and cache.finished.tolist() == [False, True]
+
+
+def test_memory_report_of_an_empty_cache_prints_no_nan():
+    """A fresh or reset cache holds no token: its ratios are 0 / 0, shown as '-' rather than 'nanx'."""
+    model = tiny_model("llama-gqa")
+    cache = LeanCache(model, "K8V4")
+    text = str(cache.memory_report())
+    assert "nan" not in text.lower() and "vs fp16 cache       -" in text
+
+
 def test_eos_frees_pages_during_generate():
     model = tiny_model("llama-gqa")
     ids, mask = _batch(rows=2)

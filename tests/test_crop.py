@@ -271,3 +271,26 @@ def test_a_cache_deep_copies_after_decode_steps_and_a_crop():
         got = model(input_ids=nxt, attention_mask=step_mask, **cache_kwargs(model, twin)).logits
         want = model(input_ids=nxt, attention_mask=step_mask, **cache_kwargs(model, cache)).logits
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("spec", ["FP16", "K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=8,rotate=1,compress_every=2",
+                                  "K8V8:policy=h2o,budget=0.6"])
+def test_a_pickled_cache_continues_as_the_original_does(spec, backend):
+    """pickle (unlike deepcopy) does not keep views sharing storage: the page table's memoized
+    layer views, the error flags' views and the workspace's native kernel arguments must not travel
+    in the pickle, or the copy writes where the original's views pointed and reads stale tables."""
+    import pickle
+
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(rows=2, width=9, seed=4)
+    cache = LeanCache(model, spec)
+    _, full_mask = _prefill_and_steps(model, cache, ids, mask, 4)
+    twin = pickle.loads(pickle.dumps(cache))
+    step_mask = full_mask
+    for tok in (11, 12, 13):
+        nxt = torch.tensor([[tok], [tok + 1]])
+        step_mask = torch.cat([step_mask, torch.ones_like(nxt)], 1)
+        with torch.no_grad():
+            got = model(input_ids=nxt, attention_mask=step_mask, **cache_kwargs(model, twin)).logits
+            want = model(input_ids=nxt, attention_mask=step_mask, **cache_kwargs(model, cache)).logits
+        assert torch.equal(got, want)

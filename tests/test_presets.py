@@ -38,5 +38,6 @@ def test_kvconfig_parse_and_leancache_take_preset_names():
     assert KVConfig.parse("Compact:tl=0.1").tl == 0.1
     cache = LeanCache(tiny_model("llama-mha"), "k8v4:group_size=8")  # head_dim 16
     assert cache.cfg == KVConfig.parse("K8V4", group_size=8)
-    with pytest.raises(ValueError, match="cannot parse"):
+    with pytest.raises(ValueError, match="cannot parse") as e:
         KVConfig.parse("nutral")
+    assert "preset name: " + ", ".join(PRESETS) in str(e.value)  # a mistyped preset is shown the names

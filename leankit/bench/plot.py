@@ -129,7 +129,10 @@ def plot_step(rows: list[dict], title: str = ""):
 
 def plot_payload(payload: dict, out: str | Path, title: str = "") -> Path:
     """Draw the figure of a ``--json`` payload (its ``mode`` picks the kind) into the PNG ``out``."""
-    mode = payload.get("mode", "")
+    if not isinstance(payload, dict) or "mode" not in payload:
+        raise ValueError("not a `leankit bench --json` results file: it has no 'mode' field "
+                         "(step and throughput results have one)")
+    mode = str(payload["mode"])
     results = payload.get("results")
     title = title or payload.get("model", "")
     if mode.startswith("throughput"):
