@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from transformers import DynamicCache
 
 import leankit
 from leankit.bench.malloc import pin_glibc_malloc
+from leankit.bench.readme import cpu_model, reproducible_args
 from leankit.bench.text import corpus_ids
 from leankit.hf import cache_kwargs
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = copy_prompt(tok, corpus_ids(tok, args.text), args.context, args.offset)
     rows = measure(model, ids, args.kv or ["FP16", "K8V4"], args.new, args.draft, args.repeats, tok.pad_token_id)
     print(f"{args.model}, {ids.shape[1]}-token prompt, {args.new} new tokens, draft {args.draft}, "
-          f"{args.threads} thread(s), {platform.processor() or platform.machine()}")
+          f"{args.threads} thread(s), {cpu_model()}")
     print("| cache | decoding | time vs DynamicCache plain | forward steps | new tokens per step "
           "| tokens equal DynamicCache's |")
     print("|---|---|---|---|---|---|")
@@ -112,10 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"command": ["python", "bench/prompt_lookup.py", *(sys.argv[1:] if argv is None else argv)],
-                                    "model": args.model, "prompt_tokens": ids.shape[1], "new": args.new,
-                                    "draft": args.draft, "threads": args.threads, "torch": torch.__version__,
-                                    "rows": rows}, indent=1))
+        # the command without its output path, as leankit bench records it (no local path)
+        command = ["python", "bench/prompt_lookup.py", *reproducible_args(sys.argv[1:] if argv is None else argv)]
+        path.write_text(json.dumps({"command": command, "model": args.model, "prompt_tokens": ids.shape[1],
+                                    "new": args.new, "draft": args.draft, "threads": args.threads,
+                                    "torch": torch.__version__, "cpu": cpu_model(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
