@@ -7,14 +7,18 @@ path under a file or in a read-only folder is refused up front, not after the wo
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
 def output_problem(path: str | Path | None, folder: bool = False) -> str | None:
-    """Why ``path`` cannot receive output (``None`` when it can), found without writing anything.
+    """Why ``path`` cannot receive output (``None`` when it can), found before the work that fills it.
 
     ``path`` is a file to write, or with ``folder`` a folder to write files into; missing folders
-    count as creatable when their nearest existing ancestor is a writable folder.
+    count as creatable when their nearest existing ancestor is a writable folder. Writability is
+    probed, not read from permission bits: a root user passes ``os.access`` on read-only mounts
+    (``/sys``) and on ``/proc``, where every write fails. The probe is a temporary file made and
+    removed in that folder, and an existing ``path`` opened for append; neither changes anything.
     """
     if not path:
         return None
@@ -28,8 +32,18 @@ def output_problem(path: str | Path | None, folder: bool = False) -> str | None:
         parent = parent.parent
     if not parent.is_dir():
         return f"cannot create {path}: {parent} is a file, not a folder"
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        return f"cannot write {path}: permission denied"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".leankit-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot write {path}: {parent} takes no new files ({e.strerror or e})"
+    if not folder and p.exists():
+        try:
+            with open(p, "ab"):
+                pass
+        except OSError as e:
+            return f"cannot write {path}: {e.strerror or e}"
     return None
 
 

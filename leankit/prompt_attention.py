@@ -36,10 +36,11 @@ The lossless ``FP16`` config keeps transformers' masked call, so its tokens stay
 **One pass over the scores.** The span path runs :func:`causal_received`, which computes each
 span's attention, and its significance where the policy needs it, from one score matmul and one
 ``exp`` per score, instead of the flash kernel followed by :func:`received_from_lse` (two of
-each): about 0.6x their time at 1k-2k tokens on one thread (``bench/prompt_pass.py``), agreeing
-with the flash kernel's output to fp32 rounding. A cache without significance runs the same
-function (about the flash kernel's own time), so its output is bitwise what a policy with
-significance computes.
+each): about 0.5x their time at 150-1k tokens and 0.6x at 1k-2k on one thread
+(``bench/prompt_pass.py``), agreeing with the flash kernel's output to fp32 rounding. A cache
+without significance runs the same function (0.7-0.95x the flash kernel's own time at 150-1k
+tokens, about 1.0x beyond, 1.1-1.3x below 100 tokens, where fixed op costs dominate), so its output
+is bitwise what a policy with significance computes.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ _EXP_CEIL = 80.0
 # about 25% slower at 4k tokens), and a floor on the chunk's rows for the matmul's efficiency.
 _CHUNK_ELEMS = 1 << 18
 _MIN_ROWS = 16
+# At most 1/_SPLIT of the prompt's query rows per chunk (but at least _SPLIT_FLOOR): a chunk computes
+# its whole diagonal block, upper triangle included, so one chunk over a short prompt computes
+# twice the causal scores. Eighths cut that waste to about 1/16 (0.74x the one-chunk time at 300
+# tokens, 0.83x at 600, on one thread, ``bench/prompt_pass.py``); below 64 rows the ops' fixed
+# cost outweighs the saved scores.
+_SPLIT, _SPLIT_FLOOR = 8, 64
 # Entries kept per step in the mask memo: per mask, its additive form (:func:`_additive_mask`) and
 # its row spans (:func:`causal_spans`); models whose sliding-window and full layers alternate pass
 # two masks.
@@ -166,12 +173,15 @@ def _query_chunks(nq: int, g: int, pairs: int):
 
     Query rows per chunk: the chunk's scores ``[G*rows, q1]`` stay near ``_CHUNK_ELEMS`` (in L2
     for the passes that follow the matmul), with at least ``_MIN_ROWS`` rows so the matmul keeps its
-    efficiency. Early chunks see few keys, so they take more rows; short prompts batch several
+    efficiency, and at most an eighth of the prompt (``_SPLIT``; at least ``_SPLIT_FLOOR`` rows) so
+    the masked upper triangle of the diagonal blocks stays a small part of the scores. Early chunks see few keys, so they take more rows; short prompts batch several
     (sequence, KV head) pairs into one chunk instead of launching tiny ops per pair.
     """
     q0 = 0
+    cap = max(_SPLIT_FLOOR, -(-nq // _SPLIT))
     while q0 < nq:
         rows = max(_MIN_ROWS, int((math.sqrt(q0 * q0 + 4 * _CHUNK_ELEMS / g) - q0) / 2))  # G*rows*(q0+rows) <= elems
+        rows = min(rows, cap)
         q1 = min(nq, q0 + rows)
         yield q0, q1, max(1, min(pairs, _CHUNK_ELEMS // (g * (q1 - q0) * q1)))
         q0 = q1
@@ -206,9 +216,9 @@ def causal_received(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out_i = sum_j p_ij v_j            (one matmul)
         received_j += sum_i p_ij          (LeanKV §4, prompt phase; one batched matrix-vector product)
 
-    One score matmul, one ``exp`` and one value matmul per score: about 0.6x the flash kernel
-    plus the significance pass at 1k-2k tokens on one thread. Without significance it costs about
-    what the flash kernel alone costs (1.0-1.1x), and is what a lossy cache runs, so that a policy's
+    One score matmul, one ``exp`` and one value matmul per score: about 0.5-0.6x the flash kernel
+    plus the significance pass at 150-2k tokens on one thread. Without significance it costs about
+    what the flash kernel alone costs (0.7-1.1x; more below 100 tokens), and is what a lossy cache runs, so that a policy's
     significance never changes the attention output: the output is bitwise the same with or
     without it (a LeanKV cache that keeps every token high gives exactly the logits of its
     single-tier twin). It agrees with the flash kernel's output to fp32 rounding. Each query

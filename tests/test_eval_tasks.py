@@ -182,6 +182,9 @@ def test_each_override_is_its_own_model_argument(tiny):
                                         ({"th": "high"}, "bad value"),
                                         ({"kv": "K9V4"}, "K9V4"),
                                         ({"chunk": 0}, "chunk"),
+                                        # HFLM would read 0 as "not given" and use the model's window
+                                        ({"max_length": 0}, "max_length must be an integer >= 1"),
+                                        ({"max_length": "long"}, "max_length must be an integer"),
                                         # what only the model can refuse, refused when the model is built
                                         ({"kv": "K8V4", "group_size": 7}, "does not fit .*group_size 7 must divide")])
 def test_bad_model_arguments_raise(tiny, args, match):

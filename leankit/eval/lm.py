@@ -142,6 +142,13 @@ class LeanKitLM(HFLM):
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"model argument chunk must be an integer >= 1, got {chunk!r}")
         self.chunk = chunk
+        max_length = kwargs.get("max_length")
+        # HFLM reads a falsy max_length as "not given" and falls back to the model's window, so 0 would
+        # be ignored silently rather than refused
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                       or max_length < 1):
+            raise ValueError(f"model argument max_length must be an integer >= 1 (tokens a request may "
+                             f"read), got {max_length!r}")
         if isinstance(pretrained, str):
             if dtype is not None and str(dtype) not in DTYPES:
                 raise ValueError(f"model argument dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
