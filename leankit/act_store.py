@@ -261,6 +261,13 @@ class ActStore:
             setattr(twin, name, copy.deepcopy(value, memo))
         return twin
 
+    def __getstate__(self):
+        # Pickling would carry the whole model (the store recomputes K/V through it), hooks included,
+        # which fails deep inside pickle with a message about a local function; say so here instead.
+        raise TypeError("a LeanCache with ACT blocks (act > 0) cannot be pickled: it recomputes K/V through "
+                        "the model, which does not travel with it; copy.deepcopy works (it shares the "
+                        "model), or pickle a cache without act")
+
     # -------------------------------------------------------------- bytes
     def token_bytes(self) -> dict:
         """Page bytes per token and layer of each kind, ``{"kv", "act", "act_over_kv", "act_saves"}``."""

@@ -586,3 +586,22 @@ def test_a_deep_copied_act_cache_continues_like_a_fresh_prefix(spec):
             assert twin.act_store._model is model and twin.act_store.params is prompt_cache.act_store.params
             got = model.generate(input_ids=ids, **kw, **cache_kwargs(model, twin))
             assert torch.equal(got, want)
+
+
+def test_pickling_an_act_cache_is_refused_by_name_and_leaves_it_usable():
+    """An ACT cache recomputes through the model, which a pickle would have to carry (hooks and all):
+    pickle refuses it with a message that names ACT, not a failure about a local function."""
+    import pickle
+
+    model = model_of("llama-gqa", 6)
+    cache = lean(model, "FP16:act=0.5")
+    ids = torch.arange(5, 17).view(1, -1)
+    kw = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    with torch.no_grad():
+        first = model.generate(input_ids=ids, **kw, **cache_kwargs(model, cache))
+        with pytest.raises(TypeError, match=r"ACT blocks \(act > 0\) cannot be pickled"):
+            pickle.dumps(cache)
+        more = torch.cat([first, torch.tensor([[40, 41]])], 1)  # the cache continues after the refusal
+        got = model.generate(input_ids=more, **kw, **cache_kwargs(model, cache))
+        want = model.generate(input_ids=more, **kw, **cache_kwargs(model, DynamicCache()))
+    assert torch.equal(got, want)
