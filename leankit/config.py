@@ -64,7 +64,7 @@ PAGE_ALIGN = 16  # every page segment starts on a 16-byte boundary (128-bit load
 QUANTIZED_PAGE_SIZE = 2048
 DENSE_PAGE_SIZE = 8192
 
-_TIER_RE = re.compile(r"^K(\d+)V(\d+)$")
+_TIER_RE = re.compile(r"^K([0-9]+)V([0-9]+)$")  # ASCII digits: \d and int() also take other scripts
 def _parse_bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -145,6 +145,8 @@ def split_overrides(text: str) -> tuple[str, dict]:
         if key in kw:  # which one was meant is a guess: say so rather than keep one silently
             raise ValueError(f"override {key!r} is given twice in {text!r}")
         try:
+            if not val.isascii():  # int() and float() read digits of any script ("\u0668" is 8)
+                raise ValueError(val)
             kw[key] = _OVERRIDE_TYPES[key](val)
         except ValueError:
             raise ValueError(f"bad value {val!r} for {key!r} in {text!r}") from None

@@ -14,7 +14,8 @@ def test_parse_grammar(spec, high, low):
     assert cfg.policy == ("leankv" if low else "full")
 
 
-@pytest.mark.parametrize("bad", ["", "K8", "K3V4", "K8V4-", "K8V4-K4V2-K2V1", "FP8", "K8 V4", "V4K8", "K32V4"])
+@pytest.mark.parametrize("bad", ["", "K8", "K3V4", "K8V4-", "K8V4-K4V2-K2V1", "FP8", "K8 V4", "V4K8", "K32V4",
+                                 "K\u0668V4"])  # an Arabic-Indic 8: int() reads it, the grammar does not
 def test_bad_spec_shows_grammar(bad):
     with pytest.raises(ValueError) as e:
         KVConfig.parse(bad)
@@ -55,6 +56,7 @@ def test_inline_overrides():
     assert split_overrides("K4V4:group_size=32") == ("K4V4", {"group_size": 32})
     for bad, msg in [("K8V4:th", "key=value"), ("K8V4:thresh=0.1", "unknown override"),
                      ("K8V4:window=big", "bad value"), ("K8V4:group_size=2.5", "bad value"),
+                     ("K8V4-K4V2:window=\u0663", "bad value"),
                      ("K8V4-K4V2:th=0.01,tl=0.1", "tl"), ("K9V4:th=0.1", "K<b>V<b>")]:
         with pytest.raises(ValueError, match=msg):
             KVConfig.parse(bad)
