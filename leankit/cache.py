@@ -1211,12 +1211,13 @@ class LeanCache(Cache):
         With ``offload``, it runs inside the layer's window, on its pages copied to the device
         (:meth:`leankit.offload.OffloadRuntime.attend`).
         """
-        if self.offload is not None:
-            return self.offload.attend(layer, lambda: self._attend(layer, query, scaling, module, attention_mask))
-        return self._attend(layer, query, scaling, module, attention_mask)
-
-    def _attend(self, layer: int, query: torch.Tensor, scaling: float, module=None, attention_mask=None) -> torch.Tensor:
+        # An error inside the layer drops the step here, after the offload runtime closed the layer's
+        # window (its rows point at device slots while it is open, and dropping the step forgets the
+        # layers prefetched after it, which it refuses to do while a window is open)
         try:
+            if self.offload is not None:
+                return self.offload.attend(
+                    layer, lambda: self._attend_and_store(layer, query, scaling, module, attention_mask))
             return self._attend_and_store(layer, query, scaling, module, attention_mask)
         except NonFiniteKVError as e:  # NaN/Inf, or a value beyond the fp16 range of the metadata
             self.drop_failed_step()

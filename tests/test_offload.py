@@ -112,6 +112,10 @@ def test_fixed_device_budget_holds_the_working_set_only(spec):
     with pytest.raises(DeviceBudgetExceeded, match=f"budget is {bound - 1}"):
         generate(model, short, ids, mask, new=7)
     assert short._step is None and short.offload.working.used == 0  # the step was dropped
+    # a refused first step leaves the cache fresh: no page held, no batch size bound
+    assert short.table is None and short.free_list.num_free == short.free_list.capacity
+    assert torch.equal(generate(model, short, ids[:1], mask[:1], new=3),
+                       generate(model, cache_of(model, spec), ids[:1], mask[:1], new=3))
 
 
 @pytest.mark.parametrize("spec", ["K8V4", "FP16:act=0.5,page_size=512"])
@@ -401,3 +405,100 @@ def test_a_step_that_raises_inside_a_layer_leaves_the_offloaded_cache_as_it_was(
         return generate(model, cache, turn, torch.cat([mask, torch.ones(2, 35, dtype=mask.dtype)], 1), new=3)
 
     assert torch.equal(run(True), run(False))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("spec", ["K8V4", "FP16:act=0.5", "FP16"])
+def test_non_finite_kv_inside_an_offloaded_layer_drops_the_step(spec):
+    """NaN K/V raised inside an offloaded layer's window: the error is NonFiniteKVError (it was
+    masked by 'rows cannot be released while an offloaded layer is computing', raised from the
+    window still open), no layer stays prefetched, and a later, longer turn matches a cache that
+    never saw the bad step (it read the stale prefetched slots: IndexError)."""
+    from leankit import NonFiniteKVError
+
+    model = model_of("llama-gqa", layers=3)
+    ids, mask = left_padded_batch(2, 9, seed=4)
+
+    def run(fail: bool):
+        cache = scribble(cache_of(model, spec, page_size=512, offload=True))
+        out = generate(model, cache, ids, mask, new=5)
+        if fail:  # a new turn (the token generate did not feed, two more) with a NaN in one embedding
+            bad_mask = torch.cat([mask, torch.ones(2, 7, dtype=mask.dtype)], 1)
+            turn = torch.cat([out[:, -1:], torch.full((2, 2), 7)], 1)
+            embeds = model.get_input_embeddings()(turn).detach().clone()
+            embeds[0, 0, 3] = float("nan")
+            with torch.no_grad(), pytest.raises(NonFiniteKVError, match="^layer 0:"):
+                model(inputs_embeds=embeds, attention_mask=bad_mask, position_ids=bad_mask.cumsum(1)[:, -3:] - 1,
+                      **cache_kwargs(model, cache), use_cache=True)
+            assert cache._step is None and not cache.offload._loaded and cache.offload.working.used == 0
+        turn = torch.cat([out, torch.full((2, 30), 9)], 1)  # a longer turn: new pages
+        return generate(model, cache, turn, torch.cat([mask, torch.ones(2, 35, dtype=mask.dtype)], 1), new=3)
+
+    assert torch.equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_prompt_whose_own_pages_overflow_the_device_budget_leaves_the_cache_fresh(prefetch):
+    """LeanKV stores a prompt's pages layer by layer, inside the layer's window: a budget too small
+    for them raises DeviceBudgetExceeded (it was a RuntimeError about releasing rows), gives every
+    host page back (the pages taken for the refused slots leaked) and leaves the cache fresh, not
+    bound to the refused batch, so a smaller request then gives a fresh cache's tokens."""
+    model = model_of("llama-gqa", layers=3)
+    ids, mask = left_padded_batch(3, 13, seed=10)
+    small, small_mask = ids[:1, -3:], mask[:1, -3:]
+    spec = "K8V4-K4V2:th=0.3,tl=0.05,window=4,compress_every=2"
+    elastic = cache_of(model, spec, page_size=512, offload={"prefetch": prefetch})
+    want = generate(model, elastic, small, small_mask, new=3)
+    off = {"prefetch": prefetch, "device_pages": elastic.offload.working.peak}  # what the small request needs
+    cache = scribble(cache_of(model, spec, page_size=512, offload=off))
+    with pytest.raises(DeviceBudgetExceeded, match=f"budget is {off['device_pages']} "):
+        generate(model, cache, ids, mask, new=5)
+    assert cache.table is None and cache.free_list.num_free == cache.free_list.capacity
+    assert cache.offload.working.used == 0
+    assert torch.equal(generate(model, cache, small, small_mask, new=3), want)
+
+
+def test_a_short_pool_inside_an_offloaded_layer_raises_pool_exhausted_and_leaves_the_cache_fresh():
+    """A fixed host pool (num_pages) too short for a LeanKV prompt, whose pages are granted inside
+    each layer's window: PoolExhausted (it was a RuntimeError about releasing rows), and the refused
+    first step leaves the cache fresh with every page free (it held the pages of the layers before)."""
+    from leankit import PoolExhausted
+
+    model = model_of("llama-gqa", layers=3)
+    ids, mask = left_padded_batch(3, 13, seed=10)
+    cache = scribble(cache_of(model, "K8V4-K4V2:th=0.3,tl=0.05,window=4,compress_every=2", page_size=512, num_pages=8,
+                              offload=True))
+    with pytest.raises(PoolExhausted):
+        generate(model, cache, ids, mask, new=5)
+    assert cache.table is None and cache.free_list.num_free == cache.free_list.capacity == 8
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("spec", ["K8V4", "FP16:act=0.5"])
+def test_a_copied_offloaded_cache_grows_its_host_pool(spec, how):
+    """A deepcopy or a pickle of an offloaded cache continues as the original does, also when the
+    next turn needs more host pages than the pool holds (the copy's HostPool had lost its ``pin``
+    attribute, so its first grow raised AttributeError)."""
+    import copy
+    import io
+
+    if how == "pickle" and "act" in spec:
+        pytest.skip("a cache with ACT blocks does not pickle (README)")
+    model = model_of("llama-gqa", layers=3)
+    ids, mask = left_padded_batch(3, 11, seed=15)
+    cache = cache_of(model, spec, page_size=512, offload=True)
+    out = generate(model, cache, ids, mask, new=4)
+    if how == "deepcopy":
+        twin = copy.deepcopy(cache)
+    else:
+        buf = io.BytesIO()
+        torch.save(cache, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    assert twin.offload.home.pin == cache.offload.home.pin
+    turn = torch.cat([out, torch.randint(3, 90, (3, 60), generator=torch.Generator().manual_seed(3))], 1)
+    turn_mask = torch.cat([mask, torch.ones(3, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    capacity = twin.offload.home.num_pages
+    got = generate(model, twin, turn, turn_mask, new=3)
+    assert twin.offload.home.num_pages > capacity  # the turn did grow the copy's host pool
+    assert torch.equal(got, generate(model, cache, turn, turn_mask, new=3))

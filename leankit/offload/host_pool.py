@@ -26,6 +26,18 @@ class HostPool(PagePool):
         self.pin = pin
         self.storage = _pinned(num_pages, page_size, pin)
 
+    def __getstate__(self) -> dict:
+        # PagePool's state is its pages alone: a copy or a pickle must keep the pinning choice too,
+        # which grow() reads (without it a copy's first grow raised AttributeError)
+        return {**super().__getstate__(), "pin": self.pin}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        self.pin = state.pop("pin", True)
+        super().__setstate__(state)
+        if self.pin and torch.cuda.is_available() and not self.storage.is_pinned():
+            self.storage = self._reserve = self.storage.pin_memory()  # a copied tensor is not page-locked
+
     @property
     def pinned(self) -> bool:
         """Whether the pages are page-locked (copies from them can run asynchronously)."""

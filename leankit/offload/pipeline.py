@@ -159,6 +159,8 @@ class OffloadRuntime:
         self.cache.trim_pages()
         if self.resident.active:
             self.working.drop(self.resident.prune(self.cache))
+        if self.cache._seen == 0:  # a refused first step leaves the cache fresh (no batch size bound)
+            self.cache.reset()
 
     def open(self, layer: int) -> None:
         """Make ``layer``'s pages the device's: wait for its copies, point its rows at device slots."""

@@ -138,7 +138,11 @@ class WindowFreeList:
             if not self.grow_home(e):
                 raise
             ids, offsets = self.home.allocate(demand)
-        slots, _ = self.working.assign(ids)
+        try:
+            slots, _ = self.working.assign(ids)
+        except BaseException:  # no device slot for them (a fixed budget): the host pages go back
+            self.home.release(ids)
+            raise
         return slots.to(torch.int32), offsets
 
     def release(self, slots: torch.Tensor) -> None:
