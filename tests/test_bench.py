@@ -480,3 +480,77 @@ def test_a_run_with_its_own_ranges_is_labelled_a_custom_mix():
     assert throughput.mix_label(res) == "decode-heavy mix"
     assert throughput.mix_label({**res, "output_range": [2, 3]}) == "custom mix"
     assert throughput.mix_label({**res, "mix": "prefill-heavy"}) == "custom mix"
+
+
+class _WideQuantized(throughput.DynamicKind):
+    """A stand-in for HF QuantizedCache whose batch is 4x DynamicCache's (more than any LeanCache's here)."""
+
+    name = "QuantizedCache int4 (stand-in)"
+
+    def __init__(self, backend, description):
+        pass
+
+    def fit(self, model, budget, longest, new_tokens, pad, verify, bar, requests=None):
+        fit = super().fit(model, budget, longest, new_tokens, pad, verify, bar)
+        return throughput.Fit(4 * fit.batch, fit.bytes_per_row // 4, "stand-in")
+
+
+@pytest.mark.parametrize("kv", ["FP16", "K8V4:page_size=256"])
+def test_ceiling_runs_at_the_largest_leancache_batch_not_a_quantized_caches(kv, monkeypatch):
+    """--ceiling runs DynamicCache over the budget at the largest *LeanCache* batch, as its help says:
+    a wider HF QuantizedCache batch (before: max over every cache but DynamicCache) is not it, and
+    where no LeanCache batch exceeds DynamicCache's there is no ceiling run at all."""
+    monkeypatch.setattr(throughput, "quantized_backend", lambda: ("quanto", "stand-in"))
+    monkeypatch.setattr(throughput, "QuantizedKind", _WideQuantized)
+    model, tok = _tiny_lm()
+    res = throughput.run(model, tok, requests=12, prompt_range=(40, 50), output_range=(2, 3), kvs=(kv,),
+                         ceiling=True, progress=False)
+    dyn, quant, lean = res["caches"]
+    assert quant["name"] == _WideQuantized.name and quant["batch"] > max(dyn["batch"], lean["batch"])
+    if lean["batch"] <= dyn["batch"]:
+        assert res["ceiling"] is None and any(n.startswith("no ceiling run") for n in res["notes"])
+    else:
+        assert res["ceiling"]["batch"] == lean["batch"]
+
+
+def test_bench_step_refuses_a_context_too_short_for_the_batch_before_measuring(monkeypatch, capsys):
+    """Every --context is checked against --batch up front: before, a short last context failed only
+    after the contexts before it had been measured, and their results were lost."""
+    loaded = []
+    monkeypatch.setattr(leankit, "load_model", lambda name: loaded.append(name) or _tiny_lm())
+    argv = ["bench", "step", "--batch", "2", "--context", "17", "3", "--steps", "1", "--warmup", "0",
+            "--kv", "K8V4", "--no-progress", "--default-malloc"]
+    assert main(argv) == 2
+    assert "--context 3 is too short for --batch 2" in capsys.readouterr().err and loaded == []
+    model, tok = _tiny_lm()
+    monkeypatch.setattr(step, "measure_context", lambda *a, **k: pytest.fail("measured before the check"))
+    with pytest.raises(ValueError, match="--context 3 is too short"):
+        step.run(model, tok, 2, (17, 3), ("K8V4",), 1, 0, progress=False)
+
+
+def test_a_budget_whose_pool_cannot_be_allocated_is_a_clear_error():
+    """A LeanCache's fixed pool is the whole budget, allocated up front: a budget beyond the machine's
+    memory is a ValueError naming --budget-bytes (what the command line reports), not torch's
+    allocator traceback."""
+    model, _ = _tiny_lm()
+    kind = throughput.LeanKind("K8V4")
+    with pytest.raises(ValueError, match="--budget-bytes .* cannot be allocated"):
+        kind.make(model, 1 << 62, 16)
+
+
+def test_a_budget_far_above_the_requests_is_verified_at_the_requests_only(monkeypatch):
+    """An estimate of more rows than the run has requests is checked with every request at once,
+    never at the estimate (a large budget estimated tens of thousands of rows, and verifying them
+    took longer than the run); the batch reported stays the estimate."""
+    model, _ = _tiny_lm()
+    prompt, new = torch.arange(5, 5 + 9) % 90 + 4, 3
+    kind = throughput.LeanKind("K8V4")
+    budget = 4000 * kind.cfg.page_size
+    tried, runs = [], throughput.LeanKind.runs
+    monkeypatch.setattr(throughput.LeanKind, "runs", lambda self, *a: tried.append(a[-1]) or runs(self, *a))
+    fit = kind.fit(model, budget, prompt, new, 0, True, _NullBar(), requests=3)
+    assert fit.batch > 3 and tried == [3]
+    assert fit.how.endswith("verified at 3 rows (every request at once), not beyond")
+    tried.clear()
+    full = kind.fit(model, 10 * kind.cfg.page_size + 100, prompt, new, 0, True, _NullBar(), requests=10 ** 6)
+    assert "verified:" in full.how and max(tried) == full.batch + 1  # below the requests: verified as before

@@ -162,3 +162,28 @@ def test_outputs_that_cannot_be_written_fail_before_any_work(tmp_path, capsys, m
     assert "--json" in capsys.readouterr().err
     assert main(["bench", "step", "--model", "tiny", "--json", str(tmp_path), "--no-progress"]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_plot_refuses_two_results_files_that_would_draw_into_one_png(tmp_path, capsys):
+    """Two results files of one name in different folders would both be drawn into <out>/<name>.png,
+    the second over the first (both reported as written): refused, and nothing is drawn."""
+    paths = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "run.json"
+        path.write_text(json.dumps({"mode": "throughput", "model": folder, "results": _throughput()}))
+        paths.append(str(path))
+    out = tmp_path / "figs"
+    assert main(["bench", "plot", *paths, "--out", str(out)]) == 2
+    assert "would both be drawn into" in capsys.readouterr().err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_plot_reads_every_file_before_drawing_any(tmp_path, capsys):
+    """A results file that cannot be read fails the command before the files before it are drawn."""
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"mode": "throughput", "model": "m", "results": _throughput()}))
+    bad.write_text("[1]")
+    out = tmp_path / "figs"
+    assert main(["bench", "plot", str(good), str(bad), "--out", str(out)]) == 2
+    assert not (out / "good.png").exists()

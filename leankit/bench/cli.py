@@ -81,7 +81,8 @@ The budget (--budget-bytes; default: the fp16 bytes of 8 rows of the mix's longe
                         full-precision residual), peak of one row of the longest request
   LeanCache             a real fixed pool of budget // page_size pages (PoolExhausted when out):
                         peak pages of one row of the longest request give the batch, then that
-                        batch is verified to run and one row more to exhaust (--no-verify skips)
+                        batch is verified to run and one row more to exhaust (--no-verify skips;
+                        a batch above --requests is verified at --requests rows)
 Each batch generates exactly its longest requested output (EOS ignored, the same for every
 cache); only each request's own requested tokens count. Time: the generate calls, first
 prefill to last token. The prefill share (time to each batch's first token) bounds the gain
@@ -281,6 +282,10 @@ def cmd_step(args) -> int:
     _check_plot(args)
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or min(args.context) < 1:
         raise ValueError("--batch, --steps and --context must be >= 1 and --warmup >= 0")
+    from .text import check_step_context
+
+    for ctx in args.context:  # before the model loads, not after the contexts before it were measured
+        check_step_context(args.batch, ctx)
     model, tok = _setup(args, "step")
     rows = step.run(model, tok, args.batch, args.context, kvs, args.steps, args.warmup, not args.no_progress,
                     text_path=args.text)

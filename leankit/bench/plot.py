@@ -146,8 +146,15 @@ def plot_payload(payload: dict, out: str | Path, title: str = "") -> Path:
 
 def plot_files(paths: list[str], out_dir: str | Path) -> list[Path]:
     """One PNG per ``--json`` result file, named after it, in ``out_dir``."""
-    written = []
-    for p in paths:
+    written, targets = [], {}
+    for p in paths:  # two files of one name would draw into one PNG, the second over the first
+        png = Path(out_dir) / (Path(p).stem + ".png")
+        if png in targets:
+            raise ValueError(f"{targets[png]} and {p} would both be drawn into {png}: give files of different "
+                             "names, or draw them into different --out folders")
+        targets[png] = p
+    payloads = []
+    for p in paths:  # every file read and checked before any figure is written
         what = f"{p}: not a results file written by `leankit bench ... --json`"
         try:
             payload = json.loads(Path(p).read_text())
@@ -155,6 +162,9 @@ def plot_files(paths: list[str], out_dir: str | Path) -> list[Path]:
             raise ValueError(f"{what} ({err})") from err
         if not isinstance(payload, dict):  # bad input: reported as the command's other input errors are
             raise ValueError(f"{what} (it holds a JSON {type(payload).__name__}, not an object)")  # noqa: TRY004
+        payloads.append((p, payload))
+    for p, payload in payloads:
+        what = f"{p}: not a results file written by `leankit bench ... --json`"
         try:
             written.append(plot_payload(payload, Path(out_dir) / (Path(p).stem + ".png")))
         except (KeyError, TypeError, AttributeError, IndexError) as err:

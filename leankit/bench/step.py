@@ -20,7 +20,7 @@ import torch
 
 from ..hf import cache_kwargs
 from .malloc import minor_faults
-from .text import check_positions, corpus_ids, left_padded, pad_id, step_batch
+from .text import check_positions, check_step_context, corpus_ids, left_padded, pad_id, step_batch
 from .timing import CATEGORIES, ExclusiveTimer, breakdown, lean_targets, patched
 
 
@@ -172,6 +172,8 @@ def run(model, tok, batch: int = 8, contexts=(1024, 4096), kvs=("K8V4",), steps:
     ``text_path``: a UTF-8 text file to cut the prompts from instead of the shipped articles."""
     if batch < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"--batch and --steps must be >= 1 and warm-up >= 0, got {batch}, {steps}, {warmup}")
+    for ctx in contexts:  # every context before the first is measured, not after minutes of it
+        check_step_context(batch, ctx)
     check_positions(model, max(contexts) + warmup + steps, "--context plus the warm-up and timed steps")
     ids, pad = corpus_ids(tok, text_path), pad_id(tok)
     rows = []

@@ -81,12 +81,17 @@ def pad_id(tok) -> int:
     return pid
 
 
-def step_batch(ids: torch.Tensor, batch: int, context: int) -> list[torch.Tensor]:
-    """``batch`` prompts of slightly different lengths (``context - 3 i`` tokens for row ``i``),
-    each cut from its own stretch of ``ids`` (wrapping around when the text is short)."""
+def check_step_context(batch: int, context: int) -> None:
+    """Refuse a ``--context`` too short for ``--batch`` rows of ``context - 3 i`` tokens (row ``i``)."""
     if context - 3 * (batch - 1) < 1:
         raise ValueError(f"--context {context} is too short for --batch {batch}: row {batch - 1} would hold "
                          f"{context - 3 * (batch - 1)} tokens")
+
+
+def step_batch(ids: torch.Tensor, batch: int, context: int) -> list[torch.Tensor]:
+    """``batch`` prompts of slightly different lengths (``context - 3 i`` tokens for row ``i``),
+    each cut from its own stretch of ``ids`` (wrapping around when the text is short)."""
+    check_step_context(batch, context)
     stride = max(len(ids) // batch, 1)
     reps = -(-(context + stride * batch) // len(ids)) + 1
     long = ids.repeat(reps)

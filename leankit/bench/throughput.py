@@ -21,7 +21,8 @@ How each cache is held to the budget:
   out. The peak page use of one row of the longest request is measured (at every allocation, so
   the peak inside a step counts) to estimate the batch, then the estimate is verified: that many
   rows of the longest request run in the pool and one row more exhausts it (``--no-verify``
-  skips this). Sliding-window layers are not paged: they keep transformers' own sliding layer,
+  skips this; an estimate above ``--requests`` is verified at that many rows, the most any batch
+  of the run holds). Sliding-window layers are not paged: they keep transformers' own sliding layer,
   counted as DynamicCache counts it (fp16, at most the window), so a batch of ``b`` rows gets
   the pages of ``budget - b x`` those bytes.
 
@@ -176,7 +177,8 @@ class DynamicKind:
 
         return DynamicCache(config=model.config)
 
-    def fit(self, model, budget, longest: torch.Tensor, new_tokens: int, pad: int, verify: bool, bar) -> Fit:
+    def fit(self, model, budget, longest: torch.Tensor, new_tokens: int, pad: int, verify: bool, bar,
+            requests: int | None = None) -> Fit:
         per_row = fp16_row_bytes(model, len(longest) + new_tokens)
         return Fit(budget // per_row, per_row, "budget // fp16 bytes of one row of the longest request")
 
@@ -214,7 +216,7 @@ class QuantizedKind:
         return sum(tensor_bytes((layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
                    for layer in cache.layers)
 
-    def fit(self, model, budget, longest, new_tokens, pad, verify, bar) -> Fit:
+    def fit(self, model, budget, longest, new_tokens, pad, verify, bar, requests: int | None = None) -> Fit:
         cache = self.make(model, budget, len(longest) + new_tokens)
         peak = _PeakBytes(lambda: self.nbytes(cache))
         generate(model, cache, [longest], new_tokens, pad, stopping=peak)
@@ -243,7 +245,14 @@ class LeanKind:
         from ..cache import LeanCache
 
         pages = self.pool_pages(model, budget, max_len, rows) if fixed else None
-        return LeanCache(model, self.cfg, num_pages=pages, max_seq_len=max_len)
+        try:
+            return LeanCache(model, self.cfg, num_pages=pages, max_seq_len=max_len)
+        except (RuntimeError, MemoryError) as err:  # the pool is allocated whole, up front
+            if pages is None or "allocate" not in str(err):
+                raise
+            raise ValueError(f"{self.name}: its fixed pool of {pages} pages ({_fmt_bytes(pages * self.cfg.page_size)}) "
+                             f"for --budget-bytes {budget} cannot be allocated on this machine; ask for a smaller "
+                             "budget") from None
 
     def runs(self, model, budget, longest, new_tokens, pad, rows: int) -> bool:
         """Whether ``rows`` rows of the longest request run in the fixed pool without exhausting it."""
@@ -258,7 +267,12 @@ class LeanKind:
             return False
         return True
 
-    def fit(self, model, budget, longest, new_tokens, pad, verify, bar) -> Fit:
+    def fit(self, model, budget, longest, new_tokens, pad, verify, bar, requests: int | None = None) -> Fit:
+        """The batch the budget fits, from one row's peak pages, then verified (``verify``): that many
+        rows of the longest request run and one more exhausts the pool. ``requests``: how many the run
+        serves, when known; an estimate above it is verified at that many rows only, since no batch
+        of the run holds more (verifying tens of thousands of rows of a large budget would take
+        longer than the run)."""
         cache = self.make(model, budget, len(longest) + new_tokens, fixed=False)
         free_list, peak = cache.free_list, [0]
         allocate = free_list.allocate
@@ -282,6 +296,13 @@ class LeanKind:
         fit = Fit(batch, per_row, how)
         if not verify or batch == 0:
             return fit
+        if requests is not None and batch > requests:
+            if self.runs(model, budget, longest, new_tokens, pad, requests):
+                bar.update(1)
+                fit.how += f"; verified at {requests} rows (every request at once), not beyond"
+                return fit
+            fit.notes.append(f"{requests} rows (every request at once) exhausted the pool")
+            batch = requests - 1
         while batch > 0 and not self.runs(model, budget, longest, new_tokens, pad, batch):
             fit.notes.append(f"{batch} rows exhausted the pool")
             batch -= 1
@@ -375,7 +396,7 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
     bar = tqdm(desc="fitting the budget", unit="run", leave=False, disable=not progress)
     fits = {}
     for kind in kinds:
-        fits[kind.name] = kind.fit(model, budget, longest, output_range[1], pad, verify, bar)
+        fits[kind.name] = kind.fit(model, budget, longest, output_range[1], pad, verify, bar, requests)
         if fits[kind.name].batch < 1:
             raise ValueError(f"{kind.name} cannot hold one row of {prompt_range[1]} + {output_range[1]} tokens in "
                              f"--budget-bytes {budget} ({fits[kind.name].bytes_per_row} bytes per row)")
@@ -393,7 +414,8 @@ def run(model, tok, mix: str = "decode-heavy", budget: int | None = None, reques
     bar.close()
     base = caches[0]
     top = None
-    batch = max(c["batch"] for c in caches[1:]) if len(caches) > 1 else base["batch"]
+    # the largest LeanCache batch, as --ceiling promises: not HF QuantizedCache's, which is no LeanCache
+    batch = max((c["batch"] for c, kind in zip(caches, kinds) if isinstance(kind, LeanKind)), default=base["batch"])
     if ceiling and batch <= base["batch"]:
         notes.append(f"no ceiling run: no LeanCache batch ({batch}) exceeds DynamicCache's own ({base['batch']}), "
                      "so DynamicCache over the budget would be DynamicCache within it")
