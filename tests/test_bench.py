@@ -192,6 +192,21 @@ def test_dynamic_cache_batch_is_eight_rows_of_the_default_budget():
     assert fit.batch == 8
 
 
+def test_dynamic_cache_is_charged_the_tokens_it_holds():
+    """DynamicCache's row is the fp16 bytes of what it holds after generate: the prompt and every new
+    token but the last, which is never fed back (it was charged one token more)."""
+    from transformers import DynamicCache
+
+    model, _ = _tiny_lm()
+    prompt, new = torch.arange(5, 5 + 30) % 90 + 4, 9
+    fit = throughput.DynamicKind().fit(model, 10 ** 9, prompt, new, 0, False, _NullBar())
+    cache = DynamicCache(config=model.config)
+    model.generate(input_ids=prompt[None], max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                   **cache_kwargs(model, cache))
+    assert cache.get_seq_length() == len(prompt) + new - 1
+    assert fit.bytes_per_row == throughput.fp16_row_bytes(model, cache.get_seq_length())
+
+
 def test_throughput_run_counts_only_requested_tokens():
     model, tok = _tiny_lm()
     res = throughput.run(model, tok, requests=5, prompt_range=(9, 14), output_range=(2, 5), kvs=("K8V4",),

@@ -179,7 +179,8 @@ class DynamicKind:
 
     def fit(self, model, budget, longest: torch.Tensor, new_tokens: int, pad: int, verify: bool, bar,
             requests: int | None = None) -> Fit:
-        per_row = fp16_row_bytes(model, len(longest) + new_tokens)
+        # the tokens it holds: the prompt and every new token but the last, which is never fed back
+        per_row = fp16_row_bytes(model, len(longest) + max(new_tokens, 1) - 1)
         return Fit(budget // per_row, per_row, "budget // fp16 bytes of one row of the longest request")
 
 
