@@ -243,7 +243,9 @@ def test_throughput_ceiling_runs_dynamic_cache_at_the_largest_lean_batch():
     assert lean["batch"] > res["caches"][0]["batch"]
     assert top["batch"] == lean["batch"] and top["tokens"] == res["requested_tokens"]
     assert top["tokens_per_s_ratio"] == top["tokens_per_s"] / res["caches"][0]["tokens_per_s"]
-    assert f"at batch {top['batch']}" in throughput.notes(res)
+    assert f"at batch {top['batch']}" in throughput.notes(res) and "as one batch" not in throughput.notes(res)
+    fewer = {**res, "requests": top["batch"] - 1}  # fewer requests than the ceiling batch: it never ran at it
+    assert f"it ran them as one batch of {top['batch'] - 1}" in throughput.notes(fewer)
     assert throughput.run(model, tok, requests=2, prompt_range=(9, 10), output_range=(2, 2), kvs=("K8V4",),
                           quantized=False, progress=False)["ceiling"] is None
 

@@ -484,7 +484,9 @@ def notes(res: dict) -> str:
         out.append(f"Ceiling run: DynamicCache over the budget at batch {top['batch']} makes "
                    f"{top['tokens_per_s']:.2f} tokens/s, {top['tokens_per_s_ratio']:.2f}x its in-budget rate: what "
                    "that batch alone buys a cache whose steps cost what DynamicCache's do on this machine (a cache "
-                   "whose steps are faster than DynamicCache's at equal batch can pass it)")
+                   "whose steps are faster than DynamicCache's at equal batch can pass it)"
+                   + (f"; with {res['requests']} requests it ran them as one batch of {res['requests']}, so this "
+                      "rate does not show that batch" if top["batch"] > res["requests"] else ""))
     base = res["caches"][0]
     if base["time_s"] > 0:
         # Prefill work grows with the prompt tokens, not the batch, so a bigger batch cannot shrink it:
