@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import warnings
 from fractions import Fraction
 
@@ -147,12 +148,15 @@ def install_capture(model) -> None:
 
 
 def _capture_hook(layer_idx: int):
-    def hook(module, args, kwargs):
-        store = getattr(cache_argument((), kwargs), "act_store", None)
-        if store is not None:
-            store.capture(layer_idx, args[0] if args else kwargs["hidden_states"])
+    # a partial of a module-level function, not a closure: a model with the hook still pickles
+    # (torch.save(model)), as a closure cannot
+    return functools.partial(_capture, layer_idx)
 
-    return hook
+
+def _capture(layer_idx: int, module, args, kwargs):
+    store = getattr(cache_argument((), kwargs), "act_store", None)
+    if store is not None:
+        store.capture(layer_idx, args[0] if args else kwargs["hidden_states"])
 
 
 # ============================================================================ attention over ACT keys

@@ -17,7 +17,7 @@ original method and attention implementation.
 
 from __future__ import annotations
 
-import functools
+import copy
 
 from .config import KVConfig
 from .hf import CACHE_KWARGS, cache_kwargs
@@ -35,7 +35,9 @@ def apply(model, kv: str | KVConfig | None, **overrides):
         **overrides: :class:`KVConfig` overrides, and ``num_pages`` / ``max_seq_len`` for the cache.
 
     Returns the model. Calling ``apply`` again replaces the config. A call that passes its own
-    cache (``cache=`` or ``past_key_values=``) or ``use_cache=False`` is left alone. Raises
+    cache (``cache=`` or ``past_key_values=``), ``use_cache=False`` or a ``cache_implementation``
+    of its own is left alone; a ``cache_implementation`` the model's generation config sets by
+    default is overridden. ``copy.deepcopy(model)`` gives a copy whose ``generate`` serves the copy. Raises
     ``ValueError`` for a bad config or an architecture LeanCache cannot serve, leaving the model
     unchanged.
     """
@@ -55,20 +57,67 @@ def apply(model, kv: str | KVConfig | None, **overrides):
         state = {"attn": getattr(model.config, "_attn_implementation", None),
                  "generate": model.__dict__.get("generate")}
     enable(model)
-    original = state["generate"] or type(model).generate.__get__(model)
+    state["cfg"], state["cache_kw"] = cfg, cache_kw
+    setattr(model, _STATE, state)
+    model.generate = _ApplyGenerate(model)
+    return model
 
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
+
+class _ApplyGenerate:
+    """``model.generate`` after :func:`apply`: the original generate, handed a fresh LeanCache.
+
+    An object bound to its model rather than a closure over it, so that ``copy.deepcopy(model)``
+    gives a copy whose ``generate`` runs the copy (a closure, copied by reference, kept running the
+    original model, its weights and its cache, from the copy's ``generate``).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        original = self._original()
+        for name in ("__module__", "__name__", "__qualname__", "__doc__"):  # as functools.wraps, but
+            setattr(self, name, getattr(original, name, None))  # __wrapped__ follows the model (below)
+
+    @property
+    def __wrapped__(self):  # what inspect.signature and help() read
+        return self._original()
+
+    @property
+    def leankit_config(self) -> KVConfig:
+        return getattr(self.model, _STATE)["cfg"]
+
+    def _original(self):
+        own = getattr(self.model, _STATE)["generate"]
+        return own or type(self.model).generate.__get__(self.model)
+
+    def __deepcopy__(self, memo):
+        # the model's copy from memo (deepcopy(model) is copying it now, its state may not be there yet)
+        new = copy.copy(self)
+        new.model = copy.deepcopy(self.model, memo)
+        return new
+
+    def __call__(self, *args, **kwargs):
+        model, state = self.model, getattr(self.model, _STATE)
         given = any(kwargs.get(name) is not None for name in CACHE_KWARGS)  # either name a transformers takes
         passed = _passed_generation_config(args, kwargs)
-        if not given and _setting("use_cache", model, passed, kwargs, default=True) is not False:
-            kwargs.update(cache_kwargs(model, _fresh_cache(model, cfg, cache_kw, kwargs, passed)))
-        return original(*args, **kwargs)
+        if not given and _setting("use_cache", model, passed, kwargs, default=True) is not False \
+                and not _asks_for_own_cache(model, passed, kwargs):
+            if _setting("cache_implementation", model, passed, kwargs) is not None:
+                # the model's default cache_implementation (a generation_config.json's "static", say):
+                # transformers refuses it next to a cache object, and this model serves a LeanCache
+                kwargs["cache_implementation"] = None
+            kwargs.update(cache_kwargs(model, _fresh_cache(model, state["cfg"], state["cache_kw"], kwargs, passed)))
+        return self._original()(*args, **kwargs)
 
-    generate.leankit_config = cfg
-    model.generate = generate
-    setattr(model, _STATE, state)
-    return model
+
+def _asks_for_own_cache(model, passed, kwargs) -> bool:
+    """Whether this call names a transformers cache of its own: ``cache_implementation=`` on the
+    call, or in a passed GenerationConfig where it differs from the model's default (a pipeline
+    passes a copy of the model's generation config, which asks for nothing new)."""
+    if kwargs.get("cache_implementation") is not None:
+        return True
+    asked = getattr(passed, "cache_implementation", None) if passed is not None else None
+    default = getattr(getattr(model, "generation_config", None), "cache_implementation", None)
+    return asked is not None and asked != default
 
 
 def remove(model):

@@ -129,3 +129,72 @@ def test_apply_rejects_bad_input_and_leaves_the_model_alone():
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=32, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="model types"):  # OPT is served; GPT-2 is not
         leankit.apply(gpt2, "K8V4")
+
+
+def test_a_deep_copied_model_generates_with_its_own_weights():
+    """``copy.deepcopy`` of an applied model: the copy's ``generate`` runs the copy, not the original."""
+    import copy
+
+    from leankit.testing import left_padded_batch
+
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(2, 9, seed=1)
+    leankit.apply(model, "FP16")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        out = twin.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                            return_dict_in_generate=True)
+        leankit.apply(twin, None)
+        ref = twin.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out.sequences, ref)  # (it gave the original model's tokens)
+    assert type(out[1]).__name__ == "LeanCache"  # the cache this call was handed
+    assert model.generate.leankit_config == leankit.KVConfig.parse("FP16")
+
+
+def test_a_default_cache_implementation_is_overridden_and_a_calls_own_is_left_alone(built):
+    """A model whose generation config names a cache_implementation (a generation_config.json's
+    "static") gets a LeanCache, where transformers refused the pair; a call that names its own gets
+    that cache, as one that passes its own cache does."""
+    from transformers import GenerationConfig
+
+    from leankit.testing import left_padded_batch
+
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(2, 9, seed=1)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        model.generation_config.cache_implementation = "static"
+        leankit.apply(model, "FP16")
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        assert torch.equal(out, ref) and len(built) == 1
+        # a pipeline passes a copy of the model's generation config: the same default, a LeanCache too
+        copy_config = GenerationConfig.from_dict(model.generation_config.to_dict())
+        assert copy_config.cache_implementation == "static"
+        out = model.generate(ids, copy_config, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        assert torch.equal(out, ref) and len(built) == 2
+        for own in ({"cache_implementation": "dynamic"},
+                    {"generation_config": GenerationConfig(cache_implementation="dynamic", max_new_tokens=5)}):
+            res = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                 return_dict_in_generate=True, **own)
+            assert type(res[1]).__name__ == "DynamicCache" and torch.equal(res.sequences, ref)
+        assert len(built) == 2
+
+
+def test_a_model_leankit_hooked_still_pickles():
+    """The hooks ``enable`` installs and ``apply``'s generate pickle with the model (torch.save(model))."""
+    import io
+
+    from leankit.testing import left_padded_batch
+
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(2, 9, seed=1)
+    leankit.apply(model, "K8V4")
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert torch.equal(loaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref)
