@@ -46,6 +46,18 @@ def check_run_options(ap, args) -> None:
         ap.error(f"--out: {problem}")
 
 
+def check_configs_fit(ap, model, configs) -> None:
+    """Refuse, through ``ap.error``, a config only the loaded model can reject (a group size that
+    does not divide its head_dim ...), before any document is scored rather than as a traceback."""
+    from leankit.cache import LeanCache
+
+    for spec, kw in configs:
+        try:
+            LeanCache(model, spec, max_seq_len=16, **kw)
+        except ValueError as err:
+            ap.error(f"{label(spec, kw)} does not fit the model: {err}")
+
+
 def start_run(args):
     """Apply ``--threads`` and load the evaluation model: ``(model, tokenizer)``."""
     import torch

@@ -35,7 +35,16 @@ from leankit.config import KVConfig
 from leankit.data import paul_graham_essays
 from leankit.hf import cache_kwargs, output_cache
 
-from .common import Timer, add_run_options, check_run_options, label, parse_config, start_run, write_json
+from .common import (
+    Timer,
+    add_run_options,
+    check_configs_fit,
+    check_run_options,
+    label,
+    parse_config,
+    start_run,
+    write_json,
+)
 
 KEYS = ["apple", "river", "falcon", "copper", "violet", "harbor", "meadow", "lantern", "glacier", "orchid"]
 
@@ -170,6 +179,7 @@ def main(argv=None) -> dict:
     if args.offset + args.context > len(hay_ids):  # a shorter haystack would pass silently
         ap.error(f"--offset {args.offset} + --context {args.context} runs past the essays' {len(hay_ids)} tokens")
     hay_ids = hay_ids[args.offset:]
+    check_configs_fit(ap, model, dynamic)
     rng = random.Random(args.seed)
     samples = [make_sample(tok, hay_ids, args.context, d, rng) for d in args.depths]
     needles = [needle_positions(tok, p, value) if args.survival else None for p, _, value in samples]

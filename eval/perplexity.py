@@ -36,7 +36,16 @@ from leankit.config import KVConfig
 from leankit.data import wiki_articles
 from leankit.hf import cache_kwargs
 
-from .common import Timer, add_run_options, check_run_options, label, parse_config, start_run, write_json
+from .common import (
+    Timer,
+    add_run_options,
+    check_configs_fit,
+    check_run_options,
+    label,
+    parse_config,
+    start_run,
+    write_json,
+)
 
 
 class TooFewArticles(ValueError):
@@ -155,6 +164,7 @@ def main(argv=None) -> dict:
         docs = documents(tok, args.docs, args.context + args.chunk * args.chunks + 1, args.skip)
     except TooFewArticles as err:
         ap.error(f"{err}: lower --context, --chunk or --chunks, or --docs or --skip")
+    check_configs_fit(ap, model, configs)
     results = []
     token_nll = {}
     base_logprobs = None  # the baseline's next-token log-probabilities per document

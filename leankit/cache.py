@@ -606,8 +606,8 @@ class LeanCache(Cache):
         """
         from .offload.plan import cache_settings, check_model
 
+        check_model(plan, model)  # first: a plan for another model is wrong whatever its settings
         kv, offload = cache_settings(plan)
-        check_model(plan, model)
         return cls(model, kv, offload=offload, **kwargs)
 
     def _build_layers(self) -> list:

@@ -39,6 +39,11 @@ def save_png(fig, path: str | Path, dpi: int = 120) -> Path:
     import matplotlib.pyplot as plt
 
     out = Path(path)
+    if out.is_dir():
+        plt.close(fig)
+        raise RuntimeError(f"{path} is a folder; give a file name for the figure (e.g. {out / 'figure.png'})")
+    if not out.suffix:  # matplotlib appends the default format's extension: report the file it writes
+        out = out.with_name(out.name + ".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
     plt.close(fig)

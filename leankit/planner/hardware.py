@@ -144,10 +144,14 @@ class HardwareProfile:
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"HardwareProfile.{f} must be a positive finite number, got {v!r}")
-        if not 0 < self.cpu_attn_efficiency <= 1:
-            raise ValueError(f"cpu_attn_efficiency must lie in (0, 1], got {self.cpu_attn_efficiency}")
-        if self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        eff = self.cpu_attn_efficiency
+        if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+            raise ValueError(f"cpu_attn_efficiency must lie in (0, 1], got {eff!r}")
+        thr = self.cpu_threads
+        if isinstance(thr, bool) or not isinstance(thr, int) or thr < 1:
+            raise ValueError(f"cpu_threads must be an integer >= 1, got {thr!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' (a GPU box) or 'cpu' (the host computes), got {self.device!r}")
 
     def replace(self, **changes) -> HardwareProfile:
         """A copy with some fields changed (e.g. ``hw.replace(h2d_bw=64 * GiB)``)."""
@@ -174,7 +178,13 @@ class HardwareProfile:
             raise ValueError(f"hardware profile lacks required field(s) {missing}; a profile needs "
                              f"{', '.join(required)} (see `leankit plan --hardware detect --save-profile`)")
         d = dict(d)
-        d["fits"] = {k: LinearFit.from_dict(v) for k, v in d.get("fits", {}).items()}
+        fits = d.get("fits", {})
+        if not isinstance(fits, dict):
+            raise ValueError(f"fits must be an object of named linear fits, got {type(fits).__name__}")  # noqa: TRY004 (bad input, as load reports it)
+        try:
+            d["fits"] = {k: LinearFit.from_dict(v) for k, v in fits.items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"bad fits entry (each needs numeric slope, intercept and r2): {e!r}") from None
         return cls(**d)
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -673,7 +673,8 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
     if choice.mode == "hybrid":
         # one static share for the run: exact minimum of the total (sum of convex piecewise-linear terms)
         rows, wts = [], []
-        width = max(len(lay.terms) for lays in sampled for lay in lays.values())
+        # (gen == 1 has no decode step to sample: the prefill terms alone decide the share)
+        width = max((len(lay.terms) for lays in sampled for lay in lays.values()), default=0)
         width = max(width, 3)
 
         def pad(ts):
