@@ -30,8 +30,11 @@ above the diagonal and no padding computed (:func:`span_attention`): the same so
 same keys, summed in other blocks, so it agrees with the masked call to fp32 rounding.
 Padding positions get a zero output: nothing reads it, as no real query attends to a padding key.
 The lossless ``FP16`` config keeps transformers' masked call, so its tokens stay identical to
-``DynamicCache``'s. So does a batch with no padding (transformers passes no mask and SDPA runs
-``is_causal`` with nothing to skip): its prompt stays bitwise what an uncompressed cache computes.
+``DynamicCache``'s. A lossy config's batch with no padding (transformers passes no mask; SDPA would
+run ``is_causal``) runs the same span path, each row one span: SDPA has nothing to skip there, but
+its significance would cost the flash kernel plus :func:`received_from_lse` (a second score matmul
+and ``exp``), 1.7x the one pass at 1k-2k tokens, which put a batch-1 LeanKV prefill at 1.45-1.7x
+``DynamicCache``'s at 2k-4k tokens.
 
 **One pass over the scores.** The span path runs :func:`causal_received`, which computes each
 span's attention, and its significance where the policy needs it, from one score matmul and one
@@ -414,14 +417,21 @@ def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     step's mask memo (:func:`_additive_mask`, :func:`causal_spans`), shared by its layers.
 
     ``exact``: return bitwise what transformers' SDPA returns. With ``exact=False`` (a lossy
-    cache), a padded CPU batch whose mask is causal within each row's real span runs
-    :func:`span_attention` instead, which skips the masked blocks and agrees to fp32 rounding.
+    cache), a CPU batch with no mask (no padding) or whose mask is causal within each row's real
+    span runs :func:`span_attention` instead, which skips the masked blocks, takes the significance
+    from the same softmax, and agrees with SDPA to fp32 rounding.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if not exact and query.device.type == "cpu" and (ordered or not significance) \
             and key.shape[2] == query.shape[2]:
-        spans = causal_spans(attention_mask, k_real, mask_memo)
+        if attention_mask is None:
+            # no mask: a batch with no padding, which SDPA runs with is_causal (as it does where the
+            # module is causal); every row is one span of all its tokens
+            causal = module is None or getattr(module, "is_causal", True)
+            spans = [(0, query.shape[2])] * query.shape[0] if causal and bool(k_real.all()) else None
+        else:
+            spans = causal_spans(attention_mask, k_real, mask_memo)
         if spans is not None:
             return span_attention(query, key, value, spans, scaling, significance=significance, ws=ws)
 

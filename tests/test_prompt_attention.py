@@ -352,19 +352,37 @@ def test_causal_received_with_large_logits_and_half_inputs():
         torch.testing.assert_close(recv_h, ref_h, rtol=2e-5, atol=2e-6)
 
 
-def test_unpadded_lossy_prompt_stays_on_sdpa(monkeypatch):
-    # transformers passes no mask for a batch with no padding (SDPA runs is_causal, nothing to skip):
-    # a lossy cache's prompt stays bitwise transformers' SDPA there, with the significance from its lse.
+@pytest.mark.parametrize("b,hkv,g,n", [(1, 3, 3, 130), (2, 2, 3, 29), (3, 1, 7, 1)])
+def test_unpadded_lossy_prompt_runs_one_span_per_row(monkeypatch, b, hkv, g, n):
+    # transformers passes no mask for a batch with no padding: a lossy cache's prompt runs the span
+    # path (each row one span), its output as accurate as SDPA's against fp64 and its significance
+    # that of the separate pass (SDPA's flash kernel plus received_from_lse cost 1.7x the one pass).
     import leankit.prompt_attention as pa
 
-    monkeypatch.setattr(pa, "causal_received", lambda *a, **kw: pytest.fail("the span path ran"))
-    q, k, v, real, pos, _mask = _prompt(4, 3, 2, 3, 29, [0, 0, 0])
-    module = _Module(3)
+    q, k, v, real, pos, mask = _prompt(4, b, hkv, g, n, [0] * b)
+    assert mask is None
+    module = _Module(g)
+    ran = []
+    span = pa.span_attention
+    monkeypatch.setattr(pa, "span_attention", lambda *a, **kw: ran.append(a[3]) or span(*a, **kw))
     want = sdpa_attention_forward(module, q, k, v, None, scaling=0.125)[0]
     out, recv = prompt_attention(module, q, k, v, None, 0.125, significance=True, q_pos=pos, k_real=real,
                                  ordered=True, exact=False)
-    assert torch.equal(out, want)
+    assert ran == [[(0, n)] * b]
+    _assert_as_accurate(out.transpose(1, 2), want.transpose(1, 2), _causal_fp64(q, k, v, 0.125))
     torch.testing.assert_close(recv, step_received(q, k, pos, real, 0.125, ordered=True), rtol=2e-5, atol=2e-6)
+    alone, none = prompt_attention(module, q, k, v, None, 0.125, significance=False, q_pos=pos, k_real=real,
+                                   ordered=True, exact=False)
+    assert none is None and torch.equal(alone, out)  # the policy's significance never changes the output
+    # exact (the lossless config) and a module that is not causal keep transformers' SDPA, bitwise
+    ran.clear()
+    exact, _ = prompt_attention(module, q, k, v, None, 0.125, significance=False, q_pos=pos, k_real=real,
+                                ordered=True, exact=True)
+    assert torch.equal(exact, want) and ran == []
+    module.is_causal = False
+    full, _ = prompt_attention(module, q, k, v, None, 0.125, significance=False, q_pos=pos, k_real=real,
+                               ordered=True, exact=False)
+    assert torch.equal(full, sdpa_attention_forward(module, q, k, v, None, scaling=0.125)[0]) and ran == []
 
 
 def test_causal_spans_accepts_only_causal_masks_within_one_span():
