@@ -56,9 +56,10 @@ def test_score_document_is_exact_for_a_lossless_cache():
     lossy, _, lossy_logprobs = score_document(model, ids, "K4V2", {}, context=40, chunk=8, chunks=3)
     assert not torch.allclose(lossy, nll)  # the quantized cache really is what gets scored
     kl = token_kl(logprobs, lossy_logprobs)
-    # The first scored token comes from the prompt step, which attends to its own tokens exactly;
-    # every later one also reads quantized pages of earlier steps.
-    assert kl.shape == (24,) and float(kl[0]) == pytest.approx(0.0, abs=1e-9) and bool((kl[1:] > 0).all())
+    # The first scored token comes from the prompt step, which attends to its own tokens exactly (a
+    # lossy config's prompt runs the one-pass span attention, equal to SDPA's to fp32 rounding: a KL
+    # of about 1e-8); every later one also reads quantized pages of earlier steps.
+    assert kl.shape == (24,) and float(kl[0]) == pytest.approx(0.0, abs=1e-7) and bool((kl[1:] > 1e-6).all())
     assert torch.allclose(token_kl(logprobs, logprobs), torch.zeros(24, dtype=torch.float64), atol=1e-12)
 
 
