@@ -2,9 +2,9 @@
 
 One fixed-length row per (layer, sequence, head): high-precision page ids grow from the left
 (columns ``0, 1, ...``) and low-precision ids from the right (columns ``R-1, R-2, ...``), so a
-single row of ``R = ceil(max_seq_len / tokens_per_high_page) + 1`` entries serves both tiers (a
-low page holds more tokens than a high one, so the two ends never meet; the ``+1`` covers the
-two partially filled tail pages).
+single row of ``R = ceil(max_seq_len / min(T_high, T_low)) + 1`` entries serves both tiers (the
+two ends never meet, whichever tier's page holds fewer tokens: a low tier with a small
+``low_group_size`` can; the ``+1`` covers the two partially filled tail pages).
 
 Tokens of a tier are kept dense: tier ``t`` of a head holds ``lens[t]`` tokens in slots
 ``0 .. lens[t]-1``, slot ``s`` living at offset ``s % T_t`` of the page in column
@@ -129,6 +129,8 @@ class BidirectionalPageTable:
         Returns the grant's device bool ``ok`` then, else None. ``taken``: a host bound on
         ``extra.sum()`` for the free list's lower bound on its free pages (None: unknown).
         """
+        if extra.shape != self.n_pages.shape:  # a demand that broadcast would count pages it never gave
+            raise ValueError(f"extra must be shaped like n_pages {tuple(self.n_pages.shape)}, got {tuple(extra.shape)}")
         extra = extra.to(torch.int32)
         if status is not None:
             from leankit_kernels.page_alloc import grow_pages

@@ -52,6 +52,16 @@ def test_table_sides_and_overflow():
         t.grow(extra, fl)
 
 
+def test_a_demand_not_shaped_like_the_table_is_refused_and_changes_nothing():
+    """A demand of one layer on a two-layer table broadcast through the total (4 pages taken) and
+    the page counts (8 counted): the table then claimed pages the free list still handed out."""
+    fl = FreePageList(20)
+    t = BidirectionalPageTable(2, 1, 1, 5, "cpu")
+    with pytest.raises(ValueError, match="shaped like n_pages"):
+        t.grow(torch.ones(2, 1, 1, 1, dtype=torch.int32), fl)
+    assert fl.num_free == 20 and int(t.n_pages.sum()) == 0 and bool((t.tables == -1).all())
+
+
 class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()

@@ -71,6 +71,20 @@ def test_own_token_merge_rejects_steps_with_several_tokens():
         merge_own_token(q, k, v, out_old[:, :, :3], lse_old, real, 0.1)
 
 
+@pytest.mark.parametrize("bad", ["k batch", "k head_dim", "v heads", "v head_dim", "lse groups"])
+def test_own_token_merge_rejects_operands_that_do_not_match_the_query(bad):
+    """The kernel indexes the new key/value and the lse by the query's (B, Hkv, G, F): any other
+    shape would be read out of bounds (garbage out) instead of raising."""
+    gen, _ = testing.fresh_generator()
+    q, k, v, out_old, lse_old, real, _ = _case(gen, 2, 2, 3, 32, F32)
+    k, v, lse_old = {
+        "k batch": (k[:1], v, lse_old), "k head_dim": (k[..., :16], v, lse_old), "v heads": (k, v[:, :1], lse_old),
+        "v head_dim": (k, v[..., :16], lse_old), "lse groups": (k, v, torch.zeros(2, 2, 5)),
+    }[bad]
+    with pytest.raises(ValueError, match="shapes do not match"):
+        merge_own_token(q, k, v, out_old, lse_old, real, 0.1, received=True)
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_own_token_merge_stores_in_the_asked_dtype(dtype):
     """``out_dtype``: the merge runs in fp32 and rounds once as it stores, so a 16-bit output is

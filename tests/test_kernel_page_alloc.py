@@ -321,3 +321,45 @@ def test_a_deferred_grant_reads_a_negative_demand_as_none():
     assert table.n_pages[0].view(-1).tolist() == [3, 5] and status.tolist() == [0, 0, 0]
     held = table.tables[table.tables >= 0]
     assert held.numel() == 8 and held.unique().numel() == 8  # no page twice
+
+
+def test_a_multi_program_deferred_grant_reads_a_negative_demand_as_none(monkeypatch):
+    """Past SINGLE_GRANT_MAX requesters the deferred grant runs the many-program grow: its head
+    counter advances by the pages the kernel hands out (a negative demand is none), so the next
+    grant never hands a held page out again."""
+    import leankit_kernels.page_alloc as page_alloc
+
+    monkeypatch.setattr(page_alloc, "SINGLE_GRANT_MAX", 0)
+    free, table = FreePageList(20), BidirectionalPageTable(1, 1, 2, 8, "cpu")
+    grow_pages(table, torch.tensor([[[[3, 2]]], [[[0, 0]]]], dtype=torch.int32), free)
+    status = torch.zeros(3, dtype=torch.int64)
+    grow_pages(table, torch.tensor([[[[-2, 3]]], [[[0, 0]]]], dtype=torch.int32), free, status=status, taken=3)
+    assert table.n_pages[0].view(-1).tolist() == [3, 5] and status.tolist() == [0, 0, 0]
+    assert free.num_free == 12
+    rest = BidirectionalPageTable(1, 1, 1, 20, "cpu")
+    grow_pages(rest, torch.tensor([[[[12]]], [[[0]]]], dtype=torch.int32), free)
+    held = torch.cat([table.tables[table.tables >= 0], rest.tables[rest.tables >= 0]])
+    assert held.numel() == 20 and held.unique().numel() == 20  # no page twice
+
+
+def test_an_eager_grow_refuses_a_negative_demand_and_changes_nothing():
+    """grow_pages called directly (no ``total`` read by the page table): the prefix sum would hand
+    the same pages out twice, so it raises as BidirectionalPageTable.grow does."""
+    free, table = FreePageList(20), BidirectionalPageTable(1, 1, 2, 8, "cpu")
+    grow_pages(table, torch.tensor([[[[3, 2]]], [[[0, 0]]]], dtype=torch.int32), free)
+    before = table.tables.clone(), table.n_pages.clone(), free.num_free
+    with pytest.raises(ValueError, match="negative"):
+        grow_pages(table, torch.tensor([[[[-2, 3]]], [[[0, 0]]]], dtype=torch.int32), free)
+    assert torch.equal(table.tables, before[0]) and torch.equal(table.n_pages, before[1]) and free.num_free == before[2]
+
+
+@pytest.mark.parametrize("status", [False, True])
+def test_a_demand_not_shaped_like_the_table_is_refused(status):
+    """The kernels read ``extra`` flat, one demand per ``n_pages`` entry: a demand of one layer for
+    a two-layer table would land on the wrong heads and tiers, a longer one past ``n_pages``."""
+    for shape in ((2, 1, 1, 2), (2, 3, 1, 2)):
+        free, table = FreePageList(40), BidirectionalPageTable(2, 1, 2, 8, "cpu")
+        kw = {"status": torch.zeros(3, dtype=torch.int64)} if status else {}
+        with pytest.raises(ValueError, match="shaped like n_pages"):
+            grow_pages(table, torch.ones(shape, dtype=torch.int32), free, **kw)
+        assert not table.n_pages.any() and free.num_free == 40

@@ -73,6 +73,15 @@ def test_strided_inputs_and_a_row_of_padding():
     assert bool((got[2] == 0).all())
 
 
+def test_an_empty_prompt_receives_nothing_on_both_paths():
+    """``Q == 0``: the kernel launches nothing and the reference returns the same empty result."""
+    q, k = torch.randn(2, 4, 0, 32), torch.randn(2, 2, 0, 32)
+    pos, real = torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool)
+    for fn in (prompt_received, prompt_received_ref):
+        got = fn(q, k, pos, real, 0.2)
+        assert got.shape == (2, 2, 0) and got.dtype == torch.float32
+
+
 def test_rejects_mismatched_keys():
     q = torch.randn(1, 4, 5, 16)
     with pytest.raises(ValueError, match="do not match"):

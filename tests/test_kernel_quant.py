@@ -361,6 +361,29 @@ def test_a_slot_outside_the_pool_raises_and_writes_nothing(where):
         dequantize_from_pages(pool.storage, lay, torch.tensor(page), torch.tensor(slot))
 
 
+@pytest.mark.parametrize("short", ["page", "slot", "pos", "score"])
+def test_per_token_tensors_of_another_length_raise_and_write_nothing(short):
+    """The kernel reads token ``i``'s page, slot, position and score at index ``i``: one shorter
+    than ``k`` would be read past its end (a crash, or garbage rows written), so it raises."""
+    cfg = KVConfig.parse("K8V4")
+    lay = PageLayout.build(cfg, 0, 32, torch.float32)
+    gen, _ = fresh_generator()
+    k = torch.randn(5, 32, generator=gen)
+    args = {"page": torch.zeros(5, dtype=torch.long), "slot": torch.arange(5), "pos": torch.arange(5),
+            "score": torch.rand(5, generator=gen)}
+    args[short] = args[short][:2]
+    pool = PagePool(2, cfg.page_size)
+    pool.storage.zero_()
+    with pytest.raises(ValueError, match="one value per token"):
+        quantize_into_pages(pool.storage, lay, args["page"], args["slot"], k, k, args["pos"], args["score"])
+    assert not pool.storage.any()
+    if short in ("page", "slot"):  # reading back: one slot for five pages would broadcast past check_slots
+        page, slot = (torch.zeros(5, dtype=torch.long), torch.tensor([1])) if short == "slot" else \
+            (torch.zeros(1, dtype=torch.long), torch.arange(5))
+        with pytest.raises(ValueError, match="one value per token"):
+            dequantize_from_pages(pool.storage, lay, page, slot)
+
+
 def test_the_in_step_store_never_writes_past_a_full_row():
     """store_step_tokens skips a slot past the head's R pages instead of writing the next head's page."""
     from leankit_kernels.quant import store_step_tokens

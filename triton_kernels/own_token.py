@@ -132,9 +132,12 @@ def merge_own_token(query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tenso
     if nq != 1 or k_new.shape[2] != 1 or v_new.shape[2] != 1:
         raise ValueError(f"merge_own_token serves one query and one new token per row, got query {tuple(query.shape)} "
                          f"and new keys {tuple(k_new.shape)}")
-    if hq % hkv or out_old.shape != (b, 1, hq, f) or lse_old.shape[:2] != (b, hkv):
+    # the kernel indexes every operand by (b, h, g, f) from the query's shape: a key, value or lse
+    # of another shape would be read out of bounds instead of raising
+    if hq % hkv or k_new.shape != (b, hkv, 1, f) or v_new.shape != (b, hkv, 1, f) \
+            or out_old.shape != (b, 1, hq, f) or lse_old.shape[:2] != (b, hkv) or lse_old.numel() != b * hq:
         raise ValueError(f"shapes do not match: query {tuple(query.shape)}, k_new {tuple(k_new.shape)}, "
-                         f"out_old {tuple(out_old.shape)}, lse_old {tuple(lse_old.shape)}")
+                         f"v_new {tuple(v_new.shape)}, out_old {tuple(out_old.shape)}, lse_old {tuple(lse_old.shape)}")
     g = hq // hkv
     dev = query.device
 

@@ -312,6 +312,8 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
     ``total`` (without ``status``): ``extra.sum()`` if the caller has already read it.
     """
     _check_tables(table)
+    if extra.shape != table.n_pages.shape:  # the kernels index it flat, one demand per n_pages entry
+        raise ValueError(f"extra must be shaped like n_pages {tuple(table.n_pages.shape)}, got {tuple(extra.shape)}")
     extra = extra.to(device=table.tables.device, dtype=torch.int32).contiguous()
     cnt = free_list.device_counters()
     n = extra.numel()
@@ -325,7 +327,9 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
         free_list.mark_stale(taken)
         return ok
     if status is not None:
-        total = extra.sum(dtype=torch.int64)
+        # the kernel reads a negative demand as none (_requesters): the head counter must advance
+        # by the pages it hands out, or a later grant hands the same ones out again
+        total = extra.clamp_min(0).sum(dtype=torch.int64)
         free = cnt[1] - cnt[0]
         ok = total <= free
         first = ~ok & (status[0] == 0)
@@ -336,7 +340,12 @@ def grow_pages(table, extra: torch.Tensor, free_list: FreePageList, *, block: in
         cnt[0:1].add_(total * ok)
         free_list.mark_stale(taken)
         return ok
-    total = int(extra.sum()) if total is None else total
+    if total is None:
+        # one read for both: as BidirectionalPageTable.grow, a negative demand is refused (the prefix
+        # sum would give pages twice)
+        negative, total = torch.stack(((extra < 0).sum(), extra.sum(dtype=torch.int64))).tolist()
+        if negative:
+            raise ValueError("a page demand is negative: grow only adds pages (shrink gives them back)")
     if total == 0:
         return 0
     if total > free_list.num_free:

@@ -171,10 +171,11 @@ def prompt_received_ref(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k
                         scale: float) -> torch.Tensor:
     """The torch reference: :func:`leankit.attention.step_received`, computed in fp64 with an
     explicit softmax over each query's visible keys (no chunks, no floor)."""
-    b, hq, nq, _ = q.shape
+    b, hq, nq, f = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    s = torch.einsum("bhgqf,bhkf->bhgqk", q.double().view(b, hkv, g, nq, -1), k.double()) * scale
+    # (f given, not -1: an empty prompt has no size to infer it from)
+    s = torch.einsum("bhgqf,bhkf->bhgqk", q.double().reshape(b, hkv, g, nq, f), k.double()) * scale
     pos = q_pos.long().reshape(b, nq)
     real = k_real.bool().reshape(b, nq)
     vis = real[:, None, :] & (pos[:, None, :] <= pos[:, :, None])  # [B, Q(query), Q(key)]

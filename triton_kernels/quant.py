@@ -308,6 +308,11 @@ def quantize_into_pages(storage: torch.Tensor, layout: PageLayout, page: torch.T
         raise ValueError("the page pool must be contiguous")
     if k.shape != (n, f) or v.shape != (n, f):
         raise ValueError(f"k and v must be [n, {f}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    # the kernel reads token i's page, slot, position and score at index i: a shorter tensor would
+    # be read past its end (garbage rows, or a crash) instead of raising as the reference does
+    if any(t.numel() != n for t in (page, slot, pos, score)):
+        raise ValueError(f"page, slot, pos and score must hold one value per token ({n}), got "
+                         f"{page.numel()}, {slot.numel()}, {pos.numel()} and {score.numel()}")
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     dev = storage.device
@@ -414,6 +419,8 @@ def dequantize_from_pages(storage: torch.Tensor, layout: PageLayout, page: torch
     slot = slot.reshape(-1).to(device=dev, dtype=torch.int32).contiguous()
     n, f = page.numel(), layout.head_dim
     check_head_dim(f)
+    if slot.numel() != n:  # the kernel reads slot i for page i: a shorter slot list is read past its end
+        raise ValueError(f"page and slot must hold one value per token, got {n} and {slot.numel()}")
     check_slots(page, slot, layout.tokens, storage.shape[0])
     k = tiles.empty((n, f), dtype=torch.float32, device=dev)
     v = torch.empty_like(k)
