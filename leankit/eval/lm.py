@@ -70,15 +70,30 @@ def kv_config(kv, kv_overrides=None, **overrides) -> KVConfig:
     if isinstance(kv_overrides, str):
         _, extra = split_overrides(":" + kv_overrides)
     else:
-        _, extra = split_overrides(":" + ",".join(f"{k}={v}" for k, v in (kv_overrides or {}).items()))
-    _, direct = split_overrides(":" + ",".join(f"{k}={_text(v)}" for k, v in overrides.items()))
-    return KVConfig.parse(spec, **{**inline, **extra, **direct})
+        extra = _typed(kv_overrides or {})
+    return KVConfig.parse(spec, **{**inline, **extra, **_typed(overrides)})
+
+
+def _typed(values: dict) -> dict:
+    """``values`` (typed by lm-eval or a caller) as KVConfig overrides, through the string grammar.
+
+    lm-eval's command line reads "None" as None: that is KVConfig's own "not set" (group_size=None,
+    a whole-head group), which the string grammar cannot spell, so it goes to KVConfig.parse as is."""
+    _, typed = split_overrides(":" + ",".join(f"{k}={_text(v)}" for k, v in values.items() if v is not None))
+    return {**typed, **{k: None for k, v in values.items() if v is None}}
 
 
 def _text(value) -> str:
     # lm-eval has already turned "0.3" into 0.3 and "true" into True; go back to the string form
-    # split_overrides converts (it rejects commas inside a value, which cannot occur here).
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    # split_overrides converts (it rejects commas inside a value, which cannot occur here). Its
+    # command line reads a negative integer ("window=-1") as a float (-1.0): written back as "-1.0"
+    # an integer setting would fail to parse with a message naming a value the user never wrote,
+    # where "-1" reaches the range check that says what is allowed.
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 def _device(device) -> str:
