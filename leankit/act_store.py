@@ -272,6 +272,16 @@ class ActStore:
                         "the model, which does not travel with it; copy.deepcopy works (it shares the "
                         "model), or pickle a cache without act")
 
+    def check_model(self, decoder) -> None:
+        """Raise ``ValueError`` unless ``decoder`` is the decoder stack of the model this store was
+        built for. A KV page holds the K/V the running model computed, so any model of the cache's
+        shape serves; an ACT block is recomputed with the stacked weights of the cache's own model,
+        and another model of the same shape would attend to keys it never computed."""
+        if decoder is not _decoder_layers(self._model)[0]:
+            raise ValueError("this LeanCache has ACT blocks, whose K/V it recomputes with the weights of the model it "
+                             "was built for, but it is used with another model (of the same shape): build a "
+                             "LeanCache for this model")
+
     # -------------------------------------------------------------- bytes
     def token_bytes(self) -> dict:
         """Page bytes per token and layer of each kind, ``{"kv", "act", "act_over_kv", "act_saves"}``."""
@@ -481,6 +491,12 @@ class ActStore:
             self.release(torch.ones(self.table.lens.shape[1], dtype=torch.bool, device=self.cache.device))
         self.table = self.n_real = self.n_act = self._mask = self._rank = self._n_new = None
         self._stash, self._rope, self._n_max, self._n_max_read, self._ahead = {}, {}, 0, 0, {}
+
+    def reorder_pages(self, beam_idx: torch.Tensor) -> int:
+        """Pages :meth:`reorder` takes from the pool for ``beam_idx`` (a host read), before it frees the old ones."""
+        if self.table is None:
+            return 0
+        return int(self.table.n_pages.index_select(1, beam_idx.to(self.table.n_pages.device)).sum())
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]`` (fresh pages, bytes copied)."""

@@ -524,7 +524,11 @@ class LeanCache(Cache):
         if max_seq_len is None:
             max_seq_len = getattr(cfg, "max_position_embeddings", None) or 8192
         self.max_seq_len = _positive_int(max_seq_len, "max_seq_len")
-        self.row_len = math.ceil(self.max_seq_len / self.layouts[HIGH].tokens) + 1
+        # Sized by the tier with the fewest tokens a page: a low tier with a small low_group_size
+        # can hold fewer tokens a page than the high one (more metadata per token), and a head
+        # whose tokens all went low would then outgrow a row sized by the high tier's pages long
+        # before max_seq_len (page_bounds makes the same bound, ceil(n / min T) + 1).
+        self.row_len = math.ceil(self.max_seq_len / min(layout.tokens for layout in self.layouts)) + 1
         self.fixed_pool = num_pages is not None
         if self.fixed_pool:
             num_pages = _positive_int(num_pages, "num_pages")
@@ -1484,6 +1488,15 @@ class LeanCache(Cache):
         old = self.table
         new = BidirectionalPageTable(*old.shape, self.row_len, self.device)
         src_pages = old.n_pages.index_select(2, beam_idx)
+        if self.act_store is not None and self.fixed_pool:
+            # The ACT blocks are reordered after the KV pages (HybridPolicy.reorder), once the old KV
+            # pages are back in the pool; a short pool refusing them there would leave the KV rows
+            # reordered and the ACT rows not. Count both grants now, before anything moves.
+            free = self.free_list.num_free
+            kv_need, kv_back = int(src_pages.sum()), int(old.n_pages.sum())
+            need = kv_need - kv_back + self.act_store.reorder_pages(beam_idx)
+            if kv_need <= free < need:  # (a KV grant the pool cannot serve refuses below, as it did)
+                raise PoolExhausted(need, free, self.free_list.capacity, " to copy its KV pages and ACT blocks")
         saved_table, self.table = self.table, new
         try:
             self.grow_pages(src_pages)
@@ -1562,8 +1575,10 @@ class LeanCache(Cache):
         # Sliding-window layers first (their own crop, transformers' rules): restored if one refuses
         saved = self._plain_layer_states()
         try:
-            for layer, _ in saved:
-                layer.crop(max_length)
+            # handed the count to drop, whichever spelling came in: transformers >= 5.25 refuses a
+            # positive length there; a positive length that drops nothing leaves them, as the pages
+            for layer, _ in saved if max_length <= 0 or drop else ():
+                layer.crop(-drop)
         except BaseException:
             _restore_layer_states(saved)
             raise
@@ -1615,7 +1630,9 @@ class LeanCache(Cache):
             raise NotImplementedError("LeanCache cannot expand a filled cache; expand the inputs instead")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("LeanCache does not support batch_select_indices")
+        # a fresh cache holds no row to select (as DynamicCache, and batch_repeat_interleave above)
+        if self.table is not None:
+            raise NotImplementedError("LeanCache cannot select rows of a filled cache; select the inputs instead")
 
     # ------------------------------------------------------------------ reporting
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -172,6 +172,8 @@ def _pre_hook(module, args, kwargs):
     if not isinstance(cache, LeanCache):
         return None
     cache.check_model(module.config)  # a cache built for another model fails here, before any step work
+    if cache.act_store is not None:  # ACT blocks recompute through their own model's weights: not its shape alone
+        cache.act_store.check_model(module)
     impl = getattr(module.config, "_attn_implementation", None)
     if impl != ATTN_NAME:
         # Only leankit's attention reads the pages: under another implementation the layers would

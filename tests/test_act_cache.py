@@ -605,3 +605,52 @@ def test_pickling_an_act_cache_is_refused_by_name_and_leaves_it_usable():
         got = model.generate(input_ids=more, **kw, **cache_kwargs(model, cache))
         want = model.generate(input_ids=more, **kw, **cache_kwargs(model, DynamicCache()))
     assert torch.equal(got, want)
+
+
+def test_a_reorder_the_pool_cannot_serve_leaves_kv_and_act_rows_as_they_were():
+    """Beam search copies a row's KV pages, frees the old ones, then copies its ACT blocks. A fixed
+    pool with room for the KV copy but not, after it, for the ACT copy refused the ACT blocks after
+    the KV rows had moved: the rows no longer matched. The refusal now comes first, nothing moved."""
+    from leankit import PoolExhausted
+    from leankit.testing import left_padded_batch
+
+    model = model_of("llama-gqa", 3)  # ACT blocks take more pages than the KV pages here
+    ids, mask = left_padded_batch(2, 13, seed=1)
+    spec, beams = "FP16:act=0.5,page_size=512", torch.tensor([0, 0])
+    roomy = lean(model, spec, num_pages=400)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, roomy))
+    kv_need = int(roomy.table.n_pages.index_select(2, beams).sum())
+    act_need = int(roomy.act_store.table.n_pages.index_select(1, beams).sum())
+    used = roomy.memory_report()["pages_used"]
+    assert act_need > kv_need  # the KV copy fits where the ACT copy does not
+    cache = lean(model, spec, num_pages=used + kv_need)
+    nxt = torch.tensor([[5], [6]])
+    step = {"attention_mask": torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)}
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache))
+        kv, act = cache.table.tables.clone(), cache.act_store.table.tables.clone()
+        with pytest.raises(PoolExhausted, match="KV pages and ACT blocks"):
+            cache.reorder_cache(beams)
+        assert torch.equal(cache.table.tables, kv) and torch.equal(cache.act_store.table.tables, act)
+        assert cache.free_list.num_free == kv_need
+        got = model(input_ids=nxt, **step, **cache_kwargs(model, cache)).logits
+        want = model(input_ids=nxt, **step, **cache_kwargs(model, roomy)).logits
+    assert torch.equal(got, want)
+
+
+def test_an_act_cache_used_with_another_model_of_its_shape_is_refused():
+    """KV pages hold what the running model computed, so a KV-only cache serves any model of its
+    shape; ACT blocks are recomputed with the cache's own model's weights, which gave another
+    model's generate silently wrong tokens. It is refused before any step work, and the cache
+    goes on serving its own model."""
+    from leankit.testing import left_padded_batch
+
+    own, other = model_of("llama-gqa", 2), model_of("llama-gqa", 7)
+    lean(other, "FP16")  # the other model is a leankit model too (hooks and attention in place)
+    ids, mask = left_padded_batch(2, 10, seed=1)
+    cache = lean(own, "FP16:act=0.5,page_size=512")
+    with pytest.raises(ValueError, match="ACT blocks.*another model"):
+        _generate(other, ids, mask, cache, new=4)
+    assert torch.equal(_generate(own, ids, mask, cache, new=4),
+                       _generate(own, ids, mask, DynamicCache(config=own.config), new=4))

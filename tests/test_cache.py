@@ -406,6 +406,23 @@ def test_batch_size_change_needs_fresh_cache():
 
 
 
+def test_batch_selection_is_a_no_op_on_a_fresh_cache_and_refused_on_a_filled_one():
+    """A fresh cache holds no row: selecting or repeating rows changes nothing (as in DynamicCache);
+    a filled cache refuses both with NotImplementedError and stays as it was."""
+    model = tiny_model("gemma3")
+    cache = LeanCache(model, "K8V4")
+    cache.batch_select_indices(torch.tensor([0]))
+    cache.batch_repeat_interleave(2)
+    ids, mask = _batch(rows=2)
+    _generate(model, ids, mask, cache, max_new_tokens=2)
+    seen = cache.get_seq_length()
+    with pytest.raises(NotImplementedError, match="filled cache"):
+        cache.batch_select_indices(torch.tensor([0]))
+    with pytest.raises(NotImplementedError, match="filled cache"):
+        cache.batch_repeat_interleave(2)
+    assert cache.get_seq_length() == seen and cache.table.shape[1] == 2
+
+
 @pytest.mark.parametrize("spec", ["K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=8"])
 def test_store_rows_are_derived_once_per_step_and_shared_by_its_layers(monkeypatch, spec):
     from leankit.policy import _Base

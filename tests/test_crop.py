@@ -128,6 +128,29 @@ def test_a_cropped_cache_continues_as_if_the_dropped_steps_never_ran(spec, how, 
     assert cache._last_pos.tolist() == twin._last_pos.tolist()
 
 
+@pytest.mark.parametrize("how", ["negative", "length"])
+def test_a_cache_with_sliding_window_layers_crops_by_either_spelling(how):
+    """Gemma3's sliding-window layers keep transformers' own cache layer, which from 5.25 on refuses
+    a positive length: the cache hands them the count to drop, so the older spelling (a length to
+    keep) crops them too, and a length past what is held leaves them alone, as it leaves the pages."""
+    model = tiny_model("gemma3", sliding_window=32)  # a window the prompt does not fill
+    ids = torch.randint(3, 90, (2, 12), generator=torch.Generator().manual_seed(4))
+    cache, dyn = LeanCache(model, "FP16"), DynamicCache(config=model.config)
+    with torch.no_grad():
+        for c in (cache, dyn):
+            model(input_ids=ids, **cache_kwargs(model, c))
+        cache.crop(12 + 3)  # keeps everything
+        assert cache.get_seq_length() == 12
+        cache.crop(-2 if how == "negative" else 10)
+        dyn.crop(-2)
+        assert cache.get_seq_length() == 10
+        assert [layer.get_seq_length() for layer in cache.layers] == [10] * 3
+        nxt = torch.tensor([[7], [8]])
+        got = model(input_ids=nxt, **cache_kwargs(model, cache)).logits
+        want = model(input_ids=nxt, **cache_kwargs(model, dyn)).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
 def _snapshot(cache):
     return (cache.get_seq_length(), cache.table.lens.clone(), cache.free_list.num_free, cache._last_pos.clone())
 

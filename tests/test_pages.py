@@ -134,3 +134,24 @@ def test_layout_hash_is_memoized_but_not_pickled():
     assert c == a and "_hash" not in c.__dict__ and hash(c) == hash(a)
     assert copy.deepcopy(a) == a
     assert PageLayout.build(cfg, 1, 64, torch.float16) != a
+
+
+def test_page_table_row_holds_max_seq_len_when_low_pages_hold_fewer_tokens():
+    """A small low_group_size gives the low tier more metadata per token than the high one, so a
+    low page holds fewer tokens (2 against 6 here): the page-table row, sized by the high tier's
+    pages alone, overflowed ('raise max_seq_len') for a 90-token prompt under max_seq_len=100 once
+    the prompt phase moved its tokens low."""
+    from leankit.cache import LeanCache
+    from leankit.testing import tiny_model
+
+    model = tiny_model("llama-mha")  # head_dim 16
+    cache = LeanCache(model, "K8V4-K4V2", page_size=256, max_seq_len=100, low_group_size=2, th=0.99, tl=0.0,
+                      window=1, compress_every=1)
+    assert cache.layouts[1].tokens < cache.layouts[0].tokens
+    ids = torch.randint(3, 97, (2, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+        for t in range(8):
+            model(input_ids=ids[:, t : t + 1], past_key_values=cache)
+    lens = cache.table.lens
+    assert int(lens[1].sum()) > 0 and bool((lens.sum(0) == 98).all())
