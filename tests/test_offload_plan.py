@@ -163,3 +163,35 @@ def test_planner_prices_a_stored_token_as_its_own_rows():
     assert m.act_bytes_per_token(None) == m.hidden * m.dtype_bytes  # the papers' figure
     assert m.act_bytes_per_token("K8V4") == geo.bytes_per_token > m.act_write_bytes_per_token("K8V4") \
         == geo.token_bytes > m.act_bytes_per_token(None)  # leankit's ACT pages: positions and padding
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_hybrid_plan_that_fits_the_device_keeps_its_cache_as_activations(device):
+    """A memory-bound hybrid plan with no host cache holds every token as an ACT block where it
+    computes (its memory check counts activation bytes); the cache it builds must too, not fall
+    back to a KV cache twice the size the plan said fits."""
+    from transformers import DynamicCache
+
+    model = long_model()
+    hw = get_hardware(HW).replace(device=device)
+    prompts, gen = (300, 277), 4
+    kw = {"kv_configs": ("FP16:page_size=2048",), "weight_placement": False}
+    roomy = plan_for_model(model, hw, 2, prompts, gen, activation_cache=False, kvpr=False, **kw)
+    m = roomy.memory
+    plan = plan_for_model(model, hw, 2, prompts, gen, limits=Limits(gpu_mem=m["gpu_used"] - 0.3 * m["gpu_cache"]),
+                          **kw)
+    assert plan.feasible and plan.choice.mode == "hybrid" and plan.memory.get("host_cache", 0.0) == 0
+    cache = LeanCache.from_plan(model, plan)
+    assert cache.offload is None and cache.cfg.act == 1
+    ids = torch.randint(3, 97, (2, 300), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :23], ids[1, :23] = 0, 0
+
+    def run(c):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, c), max_new_tokens=gen,
+                                  do_sample=False, pad_token_id=0)
+
+    assert torch.equal(run(cache), run(DynamicCache()))
+    # the planned bytes, to within page rounding; a KV cache of these tokens would take twice as many
+    assert cache.memory_report()["peak_kv_bytes"] <= 1.05 * plan.memory["gpu_cache"] < m["gpu_cache"]

@@ -26,7 +26,7 @@ def test_gen_one_cli_exit_code(capsys):
     {"cpu_threads": "16"}, {"cpu_threads": 2.5}, {"cpu_threads": True},
     {"cpu_attn_efficiency": "0.5"}, {"cpu_attn_efficiency": None},
     {"fits": {"t_kv_gen": {"a": 1}}}, {"fits": [1]}, {"fits": {"t_kv_gen": 3}},
-    {"device": "tpu"},
+    {"device": "tpu"}, {"gpu_mem": True}, {"h2d_bw": True},
 ])
 def test_bad_profile_fields_are_value_errors(tmp_path, capsys, change):
     d = PRESETS["rtx4090-pcie4"].to_dict()

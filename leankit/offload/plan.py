@@ -78,7 +78,14 @@ def cache_settings(plan) -> tuple[str, dict | None]:
     kv = ch.kv or "FP16"
     host = plan.memory.get("host_cache", 0.0) > 0 and plan.hardware.device != "cpu"
     resident = int(plan.memory.get("gpu_cache_tokens", 0.0)) if host else 0
-    share = round(cache_act_share(plan, resident), 4)
+    if ch.mode == "hybrid" and not host:
+        # The whole cache fits where the plan computes, and a hybrid plan holds it there as ACT
+        # blocks (CAPTURE: GPU memory holds ACT blocks only; on a CPU-only profile every token is
+        # ACT): its memory check counts activation bytes, so a KV cache of the same tokens would
+        # not fit the memory the plan said it does. The host share ``phi`` is moot with no host tokens.
+        share = 1.0
+    else:
+        share = round(cache_act_share(plan, resident), 4)
     if share > 0:
         from ..config import KVConfig
 

@@ -142,7 +142,8 @@ class HardwareProfile:
         for f in ("h2d_bw", "d2h_bw", "gpu_flops", "gpu_mem_bw", "cpu_flops", "cpu_mem_bw", "gpu_mem",
                   "host_mem", "gpu_freq", "cpu_freq"):
             v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+            # bool is an int to Python: a hand-edited ``"gpu_mem": true`` would plan with 1 byte
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"HardwareProfile.{f} must be a positive finite number, got {v!r}")
         eff = self.cpu_attn_efficiency
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
