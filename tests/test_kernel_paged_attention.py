@@ -61,6 +61,20 @@ def test_fp16_decode_keeps_small_values_out_of_subnormals(spec):
     testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
 
 
+@pytest.mark.parametrize("spec", ["K2V2", "K4V2-K2V1", "K4V2"])
+def test_fp16_decode_keeps_small_queries_out_of_subnormals(spec):
+    """fp16 operands, queries near 1e-4 against keys near 5e3 (logits of the usual size): the query
+    operand of 2- and 4-bit keys is divided by up to 2^8 to meet the codes' column scales, which put
+    it among fp16's subnormals (absolute rounding: K2V2 erred 6x the fp16 tolerance) unless it is
+    lifted by a power of two first."""
+    gen, seed = testing.fresh_generator()
+    fc = testing.build_paged_kv(spec, 2, 2, 64, torch.tensor([40, 17]), dtype=F16, generator=gen, scale_k=5e3)
+    q, q_pos = testing.random_queries(2, 6, 1, 64, fc.ctx, dtype=F16, generator=gen)
+    q = (q.float() * 1e-4).to(F16)
+    out, lse = paged_attention(q, fc.kv, q_pos, 0.125, num_splits=2)
+    testing.assert_matches_attention_ref(out, lse, q, fc.kv, q_pos, 0.125, f"(seed {seed})")
+
+
 def test_decode_query_that_sees_nothing_and_empty_cache():
     gen, seed = testing.fresh_generator()
     fc, q, q_pos = testing.attention_case(gen, "K8V4-K4V2", [40, 9], 3, 2, 1)

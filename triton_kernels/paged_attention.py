@@ -108,7 +108,7 @@ SPLIT_BYTES_RATIO = 16
 
 
 @triton.jit
-def _decode_step(m, l, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row, valid, sm_scale,
+def _decode_step(m, l, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row, valid, sm_scale, k_scale,
                  TIER: tl.constexpr, F: tl.constexpr, DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BLOCK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
     """Base-2 logits ``[BLOCK, G_PAD]`` of one slot tile and the online-softmax step over it.
@@ -121,7 +121,8 @@ def _decode_step(m, l, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row, valid
     ``p @ v_hat = (p s) @ Q + (p @ m)`` (:func:`side_tile`). With one-group quantized values the
     ``p @ m`` term has its own sum ``am`` (added once per tier), so no per-tile term is broadcast
     over the accumulator's F rows; the codes' unit (:func:`code_unit`) leaves the key side in the
-    key scale and the value side once per tier.
+    key scale and the value side once per tier. ``k_scale`` is ``sm_scale`` over the power of two
+    the query operand was lifted by (:func:`_tier_query`).
 
     The softmax sum ``l`` and ``am`` stay per slot, ``[BLOCK, G_PAD]``, rescaled with the
     running max like the accumulator and summed over the slots once per tier (:func:`_decode_tier`):
@@ -141,7 +142,7 @@ def _decode_step(m, l, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row, valid
                                PAGE_SIZE, BLOCK, DOT, True)
         raw = tl.dot(kx, qa, input_precision=PREC)
     # raw = q . Q in units of the codes' (code_unit): one exact power of two, folded into the scale
-    ks = ks * (sm_scale / _side_unit(TIER.NG, TIER.KBITS, DOT))
+    ks = ks * (k_scale / _side_unit(TIER.NG, TIER.KBITS, DOT))
     km = km * sm_scale
     s = raw * ks[:, None] + km[:, None] * qsum[None, :]
     s = tl.where(kpos[:, None] <= qpos, s, float("-inf"))
@@ -220,7 +221,7 @@ def _value_lift(NG: tl.constexpr, BITS: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, lg_ptr, LG_N,
+def _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, sm_scale, k_scale, lg_ptr, LG_N,
                  LOW: tl.constexpr, TIER: tl.constexpr, F: tl.constexpr,
                  DENSE: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  BLOCK: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, SAVE_LOGITS: tl.constexpr):
@@ -263,14 +264,16 @@ def _decode_tier(m, l, acc, q, qsum, qpos, pool, tab_row, pg0, pg1, n_live, R, s
             page = tl.load(tab_row + col, mask=valid, other=0).to(tl.int64)
             kpos = load_positions(pool, page, row, valid, TIER.POSOFF, PAGE_SIZE)
             s, m, lt, acc, am = _decode_step(m, lt, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row,
-                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT, PREC)
+                                                valid, sm_scale, k_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT,
+                                                PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD)
     else:
         for start in range(pg0 * TIER.T, s1, BLOCK):
             slot, valid, page, row, kpos = slot_tile(pool, tab_row, start, s1, R, TIER, LOW, PAGE_SIZE, BLOCK)
             s, m, lt, acc, am = _decode_step(m, lt, acc, am, qa, qb, qsum, qpos, kpos, pool, page, row,
-                                                valid, sm_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT, PREC)
+                                                valid, sm_scale, k_scale, TIER, F, DENSE, PAGE_SIZE, BLOCK, DOT,
+                                                PREC)
             if SAVE_LOGITS:
                 _store_logits(lg_ptr, LG_N, s, slot, valid, G, G_PAD)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -319,15 +322,31 @@ def _tier_query(q_row, g, TIER: tl.constexpr, G: tl.constexpr, G_PAD: tl.constex
     One-group quantized keys arrive in the column order of :func:`key_order`, column ``j`` holding
     ``2^e_j c`` units of :func:`code_unit` (:func:`code_scale`): the query is loaded in that order
     and divided by ``2^e_j`` (exact: a power of two), so ``q' . k = q . c`` in the codes' unit.
-    Returns ``q'`` and the sum of ``q`` as rounded (the ``m sum(q)`` term of ``q . k_hat``).
+    Divided by up to ``2^8`` (2-bit codes), a small fp16 query would land among fp16's subnormals,
+    whose rounding is absolute (queries near 1e-4 erred 6x the fp16 tolerance with 2-bit keys): the
+    operand is first lifted by the power of two ``2^E`` that puts its largest element in
+    ``[2^14, 2^15)`` (exact; built from the exponent bits), and the logits are scaled back by
+    ``1 / 2^E`` with the key scale.
+    Returns ``q'``, the sum of ``q`` as rounded (the ``m sum(q)`` term of ``q . k_hat``) and ``1 / 2^E``.
     """
     if TIER.KBITS < 16 and TIER.NG == 1:
         q = tl.load(q_row + key_order(F, TIER.KBITS, DOT)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
-        qs = (q.to(tl.float32) / code_scale(F, TIER.KBITS, DOT, True)[None, :]).to(DOT)
+        qf = q.to(tl.float32)
+        if DOT == tl.float16:
+            # floor(log2 max|q|) from the fp32 exponent bits (-127 for 0); E = 14 - that
+            x = ((tl.max(tl.max(tl.abs(qf), 1), 0).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+            e = tl.minimum(14 - x, 126)
+            lift = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+            qf = qf * lift
+        else:
+            inv = 1.0
+        qs = (qf / code_scale(F, TIER.KBITS, DOT, True)[None, :]).to(DOT)
     else:
         q = tl.load(q_row + tl.arange(0, F)[None, :], mask=(g < G)[:, None], other=0.0).to(DOT)
         qs = q
-    return tl.trans(qs), tl.sum(q.to(tl.float32), 1)
+        inv = 1.0
+    return tl.trans(qs), tl.sum(q.to(tl.float32), 1), inv
 
 
 @triton.jit
@@ -374,7 +393,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     qpos = tl.load(qpos_ptr + b * stride_pb)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh
     # Each tier's keys arrive in that tier's column order (key_order): load q in the same order.
-    q_hi, qsum = _tier_query(q_row, g, HI, G, G_PAD, F, DOT)
+    q_hi, qsum, q_inv = _tier_query(q_row, g, HI, G, G_PAD, F, DOT)
     tab_row = tab_ptr + bh.to(tl.int64) * R
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
@@ -387,16 +406,16 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, qpos_ptr, stride_pb, pool, tab_p
     nh = tl.load(np_ptr + bh)
     lg_row = lg_ptr + bh.to(tl.int64) * (2 * G) * LG_N
     m, l, acc = _decode_tier(m, l, acc, q_hi, qsum, qpos, pool, tab_row, tl.minimum(v0, nh),
-                             tl.minimum(v1, nh), tl.load(len_ptr + bh), R, sm_scale, lg_row, LG_N,
+                             tl.minimum(v1, nh), tl.load(len_ptr + bh), R, sm_scale, sm_scale * q_inv, lg_row, LG_N,
                              False, HI, F, DENSE, PAGE_SIZE, G, G_PAD, NB_HI, DOT, PREC, SAVE_LOGITS)
     if HAS_LOW:
         nl = tl.load(np_ptr + stride_tier + bh)
         l0 = tl.minimum(tl.maximum(v0 - nh, 0), nl)
         l1 = tl.minimum(tl.maximum(v1 - nh, 0), nl)
-        q_lo, qsum = _tier_query(q_row, g, LO, G, G_PAD, F, DOT)
+        q_lo, qsum, q_inv = _tier_query(q_row, g, LO, G, G_PAD, F, DOT)
         m, l, acc = _decode_tier(m, l, acc, q_lo, qsum, qpos, pool, tab_row, l0, l1,
                                  tl.load(len_ptr + stride_tier + bh),
-                                 R, sm_scale, lg_row + G * LG_N, LG_N,
+                                 R, sm_scale, sm_scale * q_inv, lg_row + G * LG_N, LG_N,
                                  True, LO, F, DENSE, PAGE_SIZE, G, G_PAD, NB_LO, DOT, PREC, SAVE_LOGITS)
     acc = tl.trans(acc)  # [G_PAD, F]
     gmask = g < G
