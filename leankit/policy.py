@@ -1200,9 +1200,13 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
         f = y.shape[-1]
         width = -(-f // codes_per_byte(bits)) * codes_per_byte(bits)
         if width != f:  # as the cache pads such heads (LeanCache.to_page_basis), then cut back
-            if group_size not in (None, f):
+            if group_size in (None, f):
+                group_size = None  # the whole padded row is one group, as cache.padded_group_sizes makes it
+            elif f % group_size or width % group_size:
                 raise ValueError(f"group_size {group_size} of a head_dim {f} padded to {width} channels")
-            y, group_size = pad_repeating(y, width), None
+            # a smaller group dividing both widths (which the cache accepts) stays: the padding fills
+            # groups of its own, so the real channels' groups and codes are those of the unpadded row
+            y = pad_repeating(y, width)
         packed, sc, mn = quantize(y, bits, group_size)
         return dequantize(packed, sc, mn, bits)[..., :f]
 

@@ -187,3 +187,26 @@ def test_head_dim_that_does_not_fill_bytes_matches_oracle(spec, kw):
     assert drv.worst < 1e-3, f"paged attention deviates from the oracle by {drv.worst:.2e} (relative)"
     if cache.cfg.low is not None:
         assert drv.low_seen > 0
+
+
+@pytest.mark.parametrize("spec,kw", [("K4V1", {"group_size": 2}),
+                                     ("K8V4-K2V2", {"th": 0.3, "tl": 0.0, "window": 4, "low_group_size": 2,
+                                                    "compress_every": 1})],
+                         ids=["K4V1-g2", "K8V4-K2V2-low-g2"])
+def test_padded_head_with_groups_smaller_than_the_head_matches_oracle(spec, kw):
+    """head_dim 10 padded to whole bytes of codes with a group that divides both widths (which the
+    cache accepts, :func:`leankit.cache.padded_group_sizes`): the padding fills groups of its own, and
+    the reference round trip (:func:`stored_token_reference`) models that instead of refusing it."""
+    model = tiny_model(4, 2, head_dim=10)
+    cache = LeanCache(model, spec, page_size=256, max_seq_len=128, **kw)
+    assert cache.page_head_dim in (12, 16)
+    drv = Driver(cache, 4, 2)
+    mask = torch.ones(2, 19, dtype=torch.long)
+    mask[0, :3] = 0
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    drv.step(mask, pos)
+    for i in range(5):
+        drv.step(torch.ones(2, 1, dtype=torch.long), pos[:, -1:] + 1 + i)
+    assert drv.worst < 1e-3, f"paged attention deviates from the oracle by {drv.worst:.2e} (relative)"
+    if cache.cfg.low is not None:
+        assert drv.low_seen > 0
