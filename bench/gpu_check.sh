@@ -20,6 +20,13 @@ RES=${GPU_RESULTS:-results/gpu}
 TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-330}
 BENCH_TIMEOUT=${GPU_BENCH_TIMEOUT:-150}
 STEP_TIMEOUT=${GPU_STEP_TIMEOUT:-270}
+# Without a visible GPU every cuda test skips (pytest passes) and the benchmarks print unmeasured
+# tables and exit 0, writing "device: none" results over the measured ones: refuse to start
+# instead of reporting "all passed". TRITON_INTERPRET=1 skips the tests the same way.
+if ! $PY -c "import os, torch; assert torch.cuda.is_available() and os.environ.get('TRITON_INTERPRET') != '1'"; then
+  echo "gpu-check: FAILED: $PY sees no CUDA GPU (or TRITON_INTERPRET=1 is set); nothing run" >&2
+  exit 2
+fi
 mkdir -p "$RES"
 failed=()
 

@@ -47,7 +47,7 @@ from .page_table import HIGH, LOW, BidirectionalPageTable
 from .pages import PageLayout, PagePool
 from .prompt_attention import prompt_attention
 from .quant import NonFiniteKVError, codes_per_byte, pad_repeating
-from .rotation import hadamard, rotate, unrotate
+from .rotation import hadamard, rotate, rotate_stored, unrotate
 
 # Layer types LeanCache serves: full attention is compressed into pages; sliding-window layers keep
 # transformers' own plain sliding-window cache layer (their window already bounds their memory).
@@ -1303,8 +1303,8 @@ class LeanCache(Cache):
         torch backend gives them (padding that fills groups of its own is quantized on its own);
         queries are padded with zeros, so the padded channels add exactly nothing to ``q . k``.
         """
-        if self.rotation is not None:
-            x = rotate(x, self.rotation)
+        if self.rotation is not None:  # keys and values row by row, as they are quantized from it
+            x = rotate(x, self.rotation) if query else rotate_stored(x, self.rotation)
         if query:
             pad = self.page_head_dim - self.head_dim
             return torch.nn.functional.pad(x, (0, pad)) if pad else x

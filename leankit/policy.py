@@ -1192,7 +1192,7 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
     back, so the oracle keeps using unrotated queries.
     """
     from .quant import codes_per_byte, dequantize, pad_repeating, quantize
-    from .rotation import hadamard, rotate, unrotate
+    from .rotation import hadamard, rotate_stored, unrotate
 
     def roundtrip(y, bits, group_size):
         if bits >= 16:
@@ -1212,7 +1212,7 @@ def stored_token_reference(k: torch.Tensor, v: torch.Tensor, cfg, tier: int,
 
     h = hadamard(k.shape[-1], k.device, k.dtype) if cfg.rotate else None
     if h is not None:
-        k, v = rotate(k, h), rotate(v, h)
+        k, v = rotate_stored(k, h), rotate_stored(v, h)  # as the cache rotates what it stores
     for t in range(entered, tier + 1):
         prec, gs = cfg.tiers[t], cfg.tier_group_size(t)
         k, v = roundtrip(k, prec.k_bits, gs), roundtrip(v, prec.v_bits, gs)

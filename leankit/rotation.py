@@ -21,6 +21,7 @@ RoPE'd keys carry a few large channels, values are closer to isotropic.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -63,9 +64,67 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, h.to(x.dtype))
 
 
+# Largest Sylvester block multiplied as one matmul by rotate_stored; wider blocks are split into
+# halves (H_2n = [[H, H], [H, -H]]) so that no matmul sums more than this many products.
+_STORED_BASE = 128
+
+
+@functools.lru_cache(maxsize=32)
+def _stored_matrix(n: int, factor: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`hadamard`'s ``+-1`` pattern for ``n`` channels (0 off its blocks) times ``factor``, a
+    power of two, so every entry and every product with it is exact."""
+    return (_hadamard_cpu(n) * block_size(n) ** 0.5).round().mul(factor).to(device=device, dtype=dtype)
+
+
+def _power_of_two(f: float) -> bool:
+    return math.frexp(f)[0] == 0.5
+
+
+def _sylvester(x: torch.Tensor, b: int, m: torch.Tensor) -> torch.Tensor:
+    """``x @ S_b`` over the last dim (``b`` a power of two): one matmul by ``m`` up to the base
+    size, above it the two halves' transforms summed and differenced (fixed order, exact in shape)."""
+    if b <= _STORED_BASE:
+        return torch.matmul(x, m)
+    z = _sylvester(x.unflatten(-1, (2, b // 2)), b // 2, m)
+    return torch.cat((z[..., 0, :] + z[..., 1, :], z[..., 0, :] - z[..., 1, :]), -1)
+
+
+def rotate_stored(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` for keys and values about to be quantized: each row comes out the same however
+    many rows are rotated together.
+
+    :func:`rotate` does not give that in fp32 (16-bit tensors and head_dim 64 keep it: see below): a matmul's kernel changes with the number of rows
+    (one row against a batch: whether products are fused into the sums, how a long sum is split),
+    and with :func:`hadamard`'s inexact ``128 ** -0.5`` that moved the last bit of most outputs at
+    head_dim 96 and 128 (and 256, 512) on a CPU. A last-bit difference moves a code by one step
+    where a value sits at a rounding boundary, so a token's codes depended on the tokens its step
+    brought, and differed from :func:`leankit.policy.stored_token_reference`, which rotates one token
+    alone (the oracle tests then erred 1.5e-3 to 0.19 on some seeds). Here the matmul's products are
+    exact (entries ``+-1``, or ``+-2^-k`` where the scale is a power of two, as at head_dim 64:
+    the same bits as :func:`rotate`), the scale is one product after it, and no matmul sums more
+    than 128 products (wider blocks split into halves, :func:`_sylvester`). ``h`` is
+    :func:`hadamard`'s matrix (only its size is read). Queries are not quantized and keep :func:`rotate`.
+    """
+    n = h.shape[-1]
+    b = block_size(n)
+    scale = b ** -0.5
+    exact = _power_of_two(scale)  # head_dim 64 (and 16, 256 ...): the scale goes into the entries
+    if x.dtype in (torch.float16, torch.bfloat16) or (exact and b <= _STORED_BASE):
+        # a 16-bit result is one rounding of an fp32 sum (no row dependence seen at any width), and
+        # exact entries in one matmul are this very product: the same op and bits as rotate
+        return rotate(x, h)
+    factor = scale if exact else 1.0
+    if b <= _STORED_BASE:
+        y = torch.matmul(x, _stored_matrix(n, factor, x.device, x.dtype))
+    else:  # blocks wider than the base (head_dim 256, 512): halves down to the base, in a fixed order
+        y = _sylvester(x.unflatten(-1, (n // b, b)), b, _stored_matrix(_STORED_BASE, factor, x.device, x.dtype))
+        y = y.flatten(-2)
+    return y if exact else y * scale
+
+
 def unrotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``x @ Hᵀ`` along the last dim (attention output back to the model's basis)."""
     return torch.matmul(x, h.to(x.dtype).transpose(-1, -2))
 
 
-__all__ = ["block_size", "hadamard", "rotate", "unrotate"]
+__all__ = ["block_size", "hadamard", "rotate", "rotate_stored", "unrotate"]

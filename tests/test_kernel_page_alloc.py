@@ -327,7 +327,7 @@ def test_a_multi_program_deferred_grant_reads_a_negative_demand_as_none(monkeypa
     """Past SINGLE_GRANT_MAX requesters the deferred grant runs the many-program grow: its head
     counter advances by the pages the kernel hands out (a negative demand is none), so the next
     grant never hands a held page out again."""
-    import leankit_kernels.page_alloc as page_alloc
+    from leankit_kernels import page_alloc
 
     monkeypatch.setattr(page_alloc, "SINGLE_GRANT_MAX", 0)
     free, table = FreePageList(20), BidirectionalPageTable(1, 1, 2, 8, "cpu")

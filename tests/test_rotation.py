@@ -8,7 +8,7 @@ from leankit.cache import LeanCache
 from leankit.config import KVConfig
 from leankit.hf import cache_kwargs
 from leankit.policy import stored_token_reference
-from leankit.rotation import block_size, hadamard, rotate, unrotate
+from leankit.rotation import block_size, hadamard, rotate, rotate_stored, unrotate
 from leankit.testing import tiny_model
 
 
@@ -89,3 +89,30 @@ def test_rotation_of_a_head_dim_that_is_not_a_power_of_two():
     LeanCache(odd, "FP16")  # fine without rotation
     with pytest.raises(ValueError, match="even head_dim"):
         LeanCache(odd, "FP16", rotate=True)
+
+
+@pytest.mark.parametrize("n", [64, 128, 256, 96, 80])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_stored_rotation_of_a_row_does_not_depend_on_the_rows_beside_it(n, dtype):
+    """Keys and values are rotated per step ([B, H, Q, F]) by the cache and one token at a time by the
+    reference (stored_token_reference); a token's codes must not depend on how many tokens its step
+    brought. A plain matmul gave most outputs of a 128-wide row a different last bit alone than in a
+    batch of four; rotate_stored gives the same bits, within rounding of the exact x @ H."""
+    torch.manual_seed(n)
+    h = hadamard(n, dtype=dtype)
+    x = (torch.randn(2, 2, 23, n) * 3).to(dtype)
+    full = rotate_stored(x, h).reshape(-1, n)
+    rows = x.reshape(-1, n)
+    alone = torch.stack([rotate_stored(r, h) for r in rows])
+    assert full.dtype == dtype and torch.equal(full, alone)
+    assert torch.equal(rotate_stored(x[:, :, :7], h), rotate_stored(x, h)[:, :, :7])
+    exact = (rows.double() @ hadamard(n, dtype=torch.float64)).to(dtype)
+    torch.testing.assert_close(full, exact)
+    # the stored tier's reference round trip rotates the same way
+    cfg = KVConfig.parse("K8V4:rotate=1")
+    k, v = x[0, 0, 0].float(), x[0, 1, 0].float()
+    from leankit.quant import dequantize, quantize
+    kr = rotate_stored(x.float(), hadamard(n))[0, 0, 0]
+    packed, sc, mn = quantize(kr, 8, None)
+    want = unrotate(dequantize(packed, sc, mn, 8), hadamard(n))
+    torch.testing.assert_close(stored_token_reference(k, v, cfg, 0)[0], want, rtol=0, atol=0)
