@@ -492,11 +492,12 @@ class ActStore:
         self.table = self.n_real = self.n_act = self._mask = self._rank = self._n_new = None
         self._stash, self._rope, self._n_max, self._n_max_read, self._ahead = {}, {}, 0, 0, {}
 
-    def reorder_pages(self, beam_idx: torch.Tensor) -> int:
-        """Pages :meth:`reorder` takes from the pool for ``beam_idx`` (a host read), before it frees the old ones."""
+    def reorder_pages(self, beam_idx: torch.Tensor) -> torch.Tensor:
+        """Pages :meth:`reorder` takes from the pool for ``beam_idx``, before it frees the old ones
+        (a 0-d int64 tensor on the cache's device: the caller reads it with its own counts)."""
         if self.table is None:
-            return 0
-        return int(self.table.n_pages.index_select(1, beam_idx.to(self.table.n_pages.device)).sum())
+            return torch.zeros((), dtype=torch.int64, device=self.cache.device)
+        return self.table.n_pages.index_select(1, beam_idx.to(self.table.n_pages.device)).sum().to(torch.int64)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Beam search: row ``i`` becomes a copy of row ``beam_idx[i]`` (fresh pages, bytes copied)."""
@@ -518,8 +519,8 @@ class ActStore:
     def report(self, rep: dict) -> dict:
         """Split a LeanCache memory report into KV and ACT parts (see :meth:`LeanCache.memory_report`).
 
-        ``kv_bytes`` becomes the KV pages only, ``config`` names the ACT settings; adds ``act_pages``, ``act_bytes``, ``act_tokens``
-        (ACT tokens summed over layers and sequences), ``total_bytes`` (both kinds; ``ratio`` is
+        ``kv_bytes`` becomes the KV pages only, ``config`` names the ACT settings; adds
+        ``act_pages``, ``act_bytes``, ``act_tokens`` (ACT tokens summed over layers and sequences), ``total_bytes`` (both kinds; ``ratio`` is
         ``total_bytes / fp16_bytes``) and ``token_bytes``. ``fp16_bytes`` already counts every
         real token, ACT ones included.
         """

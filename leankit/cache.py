@@ -1493,8 +1493,9 @@ class LeanCache(Cache):
             # pages are back in the pool; a short pool refusing them there would leave the KV rows
             # reordered and the ACT rows not. Count both grants now, before anything moves.
             free = self.free_list.num_free
-            kv_need, kv_back = int(src_pages.sum()), int(old.n_pages.sum())
-            need = kv_need - kv_back + self.act_store.reorder_pages(beam_idx)
+            kv_need, kv_back, act_need = torch.stack(  # one host read for the three counts
+                (src_pages.sum(), old.n_pages.sum(), self.act_store.reorder_pages(beam_idx))).tolist()
+            need = kv_need - kv_back + act_need
             if kv_need <= free < need:  # (a KV grant the pool cannot serve refuses below, as it did)
                 raise PoolExhausted(need, free, self.free_list.capacity, " to copy its KV pages and ACT blocks")
         saved_table, self.table = self.table, new
@@ -1577,8 +1578,10 @@ class LeanCache(Cache):
         try:
             # handed the count to drop, whichever spelling came in: transformers >= 5.25 refuses a
             # positive length there; a positive length that drops nothing leaves them, as the pages
-            for layer, _ in saved if max_length <= 0 or drop else ():
-                layer.crop(-drop)
+            # (crop(0) still reaches them: transformers' layers may trim to their window there)
+            if max_length <= 0 or drop:
+                for layer, _ in saved:
+                    layer.crop(-drop)
         except BaseException:
             _restore_layer_states(saved)
             raise

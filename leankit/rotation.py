@@ -93,17 +93,18 @@ def rotate_stored(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``x @ H`` for keys and values about to be quantized: each row comes out the same however
     many rows are rotated together.
 
-    :func:`rotate` does not give that in fp32 (16-bit tensors and head_dim 64 keep it: see below): a matmul's kernel changes with the number of rows
-    (one row against a batch: whether products are fused into the sums, how a long sum is split),
-    and with :func:`hadamard`'s inexact ``128 ** -0.5`` that moved the last bit of most outputs at
-    head_dim 96 and 128 (and 256, 512) on a CPU. A last-bit difference moves a code by one step
-    where a value sits at a rounding boundary, so a token's codes depended on the tokens its step
-    brought, and differed from :func:`leankit.policy.stored_token_reference`, which rotates one token
-    alone (the oracle tests then erred 1.5e-3 to 0.19 on some seeds). Here the matmul's products are
-    exact (entries ``+-1``, or ``+-2^-k`` where the scale is a power of two, as at head_dim 64:
-    the same bits as :func:`rotate`), the scale is one product after it, and no matmul sums more
-    than 128 products (wider blocks split into halves, :func:`_sylvester`). ``h`` is
-    :func:`hadamard`'s matrix (only its size is read). Queries are not quantized and keep :func:`rotate`.
+    :func:`rotate` does not give that in fp32 (16-bit tensors and head_dim 64 keep it: see below): a
+    matmul's kernel changes with the number of rows (one row against a batch: whether products are fused
+    into the sums, how a long sum is split), and with :func:`hadamard`'s inexact ``128 ** -0.5`` that
+    moved the last bit of most outputs at head_dim 96 and 128 (and 256, 512) on a CPU. A last-bit
+    difference moves a code by one step where a value sits at a rounding boundary, so a token's codes
+    depended on the tokens its step brought, and differed from
+    :func:`leankit.policy.stored_token_reference`, which rotates one token alone (the oracle tests then
+    erred 1.5e-3 to 0.19 on some seeds). Here the matmul's products are exact (entries ``+-1``, or
+    ``+-2^-k`` where the scale is a power of two, as at head_dim 64: the same bits as :func:`rotate`), the
+    scale is one product after it, and no matmul sums more than 128 products (wider blocks split into
+    halves, :func:`_sylvester`). ``h`` is :func:`hadamard`'s matrix (only its size is read). Queries are
+    not quantized and keep :func:`rotate`.
     """
     n = h.shape[-1]
     b = block_size(n)

@@ -127,8 +127,5 @@ def test_opt_k8v4_paged_attention_matches_oracle():
     drv = Driver(cache, 4, 4, seed=8)
     mask = torch.ones(2, 13, dtype=torch.long)
     mask[1, :4] = 0
-    pos = (mask.cumsum(1) - 1).clamp_min(0)
-    drv.step(mask, pos)
-    for i in range(3):
-        drv.step(torch.ones(2, 1, dtype=torch.long), pos[:, -1:] + 1 + i)
+    drv.prompt_then_decode(mask, 3)
     assert drv.worst < 1e-3, f"paged attention deviates from the oracle by {drv.worst:.2e} (relative)"

@@ -70,6 +70,16 @@ class Driver:
             self.worst = max(self.worst, float(err))
         cache.end_step()
 
+    def prompt_then_decode(self, mask: torch.Tensor, steps: int) -> torch.Tensor:
+        """A (left-padded) prompt step, its positions counted over real tokens (then prompt-phase
+        compression), then ``steps`` one-token decode steps (Algorithm 1). Returns the last position."""
+        pos = (mask.cumsum(1) - 1).clamp_min(0)
+        self.step(mask, pos)
+        last = pos[:, -1:]
+        for i in range(1, steps + 1):
+            self.step(torch.ones(mask.shape[0], 1, dtype=torch.long), last + i)
+        return last + steps
+
     def record_entry(self, layer: int) -> None:
         """Note the tier each token of ``layer`` was first written to (right after its own step)."""
         for t in range(len(self.cache.layouts)):
@@ -150,12 +160,7 @@ def test_paged_attention_matches_oracle(spec, kw, hq, hkv):
     b, n0 = 2, 23
     mask = torch.ones(b, n0, dtype=torch.long)
     mask[1, :5] = 0  # left padding
-    pos = (mask.cumsum(1) - 1).clamp_min(0)
-    drv.step(mask, pos)  # prefill (then prompt-phase compression)
-    last = pos[:, -1:]
-    for i in range(6):  # decode steps (Algorithm 1)
-        drv.step(torch.ones(b, 1, dtype=torch.long), last + 1 + i)
-    last = last + 6
+    last = drv.prompt_then_decode(mask, 6)
     chunk = torch.arange(1, 8).view(1, -1) + last  # a 7-token chunk with explicit positions
     drv.step(torch.ones(b, 7, dtype=torch.long), chunk)
     drv.step(torch.ones(b, 1, dtype=torch.long), chunk[:, -1:] + 1)
@@ -180,10 +185,7 @@ def test_head_dim_that_does_not_fill_bytes_matches_oracle(spec, kw):
     b, n0 = 2, 19
     mask = torch.ones(b, n0, dtype=torch.long)
     mask[0, :3] = 0
-    pos = (mask.cumsum(1) - 1).clamp_min(0)
-    drv.step(mask, pos)
-    for i in range(5):
-        drv.step(torch.ones(b, 1, dtype=torch.long), pos[:, -1:] + 1 + i)
+    drv.prompt_then_decode(mask, 5)
     assert drv.worst < 1e-3, f"paged attention deviates from the oracle by {drv.worst:.2e} (relative)"
     if cache.cfg.low is not None:
         assert drv.low_seen > 0
@@ -203,10 +205,7 @@ def test_padded_head_with_groups_smaller_than_the_head_matches_oracle(spec, kw):
     drv = Driver(cache, 4, 2)
     mask = torch.ones(2, 19, dtype=torch.long)
     mask[0, :3] = 0
-    pos = (mask.cumsum(1) - 1).clamp_min(0)
-    drv.step(mask, pos)
-    for i in range(5):
-        drv.step(torch.ones(2, 1, dtype=torch.long), pos[:, -1:] + 1 + i)
+    drv.prompt_then_decode(mask, 5)
     assert drv.worst < 1e-3, f"paged attention deviates from the oracle by {drv.worst:.2e} (relative)"
     if cache.cfg.low is not None:
         assert drv.low_seen > 0
@@ -230,12 +229,8 @@ def test_rotated_wide_heads_match_oracle_over_seeds(head_dim, spec, kw, seed):
     b, n0 = 2, 23
     mask = torch.ones(b, n0, dtype=torch.long)
     mask[1, :5] = 0
-    pos = (mask.cumsum(1) - 1).clamp_min(0)
-    drv.step(mask, pos)
-    last = pos[:, -1:]
-    for i in range(6):
-        drv.step(torch.ones(b, 1, dtype=torch.long), last + 1 + i)
-    chunk = torch.arange(1, 8).view(1, -1) + last + 6
+    last = drv.prompt_then_decode(mask, 6)
+    chunk = torch.arange(1, 8).view(1, -1) + last
     drv.step(torch.ones(b, 7, dtype=torch.long), chunk)
     drv.step(torch.ones(b, 1, dtype=torch.long), chunk[:, -1:] + 1)
     assert drv.worst < 1e-3, f"paged attention deviates from the oracle by {drv.worst:.2e} (relative)"
