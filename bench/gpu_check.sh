@@ -14,6 +14,7 @@
 #   gpu_step.json/md  bench/gpu_step.py: whole-model prefill and decode steps against DynamicCache
 #                     (random-init models of SmolLM2's and Llama-3-8B's layer shapes), and decode
 #                     tokens/s at a fixed KV budget
+#   summary.txt       the verdict: "all passed", or the steps that failed
 set -u
 PY=${GPU_PY:-python3}
 RES=${GPU_RESULTS:-results/gpu}
@@ -66,8 +67,9 @@ done
 timeout "$BENCH_TIMEOUT" $PY bench/prefill_kernels.py --head-dim 128 --kv-heads 8 --group 4 --batch 4 \
   --prompts 1024 4096 --out "$RES" 2>&1 | tee -a "$RES/kernels.log" || failed+=("bench prefill")
 
+# The verdict is kept with the results (summary.txt), so a results folder says whether its run passed.
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "gpu-check: FAILED: ${failed[*]}"
+  echo "gpu-check: FAILED: ${failed[*]}" | tee "$RES/summary.txt"
   exit 1
 fi
-echo "gpu-check: all passed; results in $RES"
+echo "gpu-check: all passed; results in $RES" | tee "$RES/summary.txt"
