@@ -86,3 +86,14 @@ def test_decode_loop_opcode_table_adds_up_to_the_issue_count():
     per_kb = float(issue[0].split("|")[6])
     parts = [float(x) for x in classes[0].split("|")[3:11]]
     assert parts[0] > 0 and abs(sum(parts) - per_kb) < 0.05 * len(parts), (parts, per_kb)
+
+
+def test_importing_the_case_tables_leaves_the_interpreter_setting():
+    """Only ``python -m leankit_kernels.aot`` turns the interpreter off: a test module importing its
+    case tables (tests/test_cuda_kernels.py) must not switch every later kernel test of the same
+    pytest process off the interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import os, leankit_kernels.aot; print(os.environ.get('TRITON_INTERPRET'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=True)
+    assert out.stdout.strip() == "1"

@@ -33,7 +33,8 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for real GPUs, never the interpreter
+if __name__ == "__main__":  # compile for real GPUs, never the interpreter (kernels are imported later, per case);
+    os.environ.pop("TRITON_INTERPRET", None)  # an import for the case tables leaves the caller's setting
 
 import torch
 import triton
