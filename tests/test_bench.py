@@ -316,6 +316,15 @@ def test_tensor_bytes_counts_the_inner_tensors_of_containers():
     assert throughput.tensor_bytes((t, {"s": torch.zeros(5), "shape": (3, 4)}, None)) == 24 + 20
 
 
+def test_tensor_bytes_can_count_floats_on_the_fp16_basis():
+    """QuantizedCache is held to the budget on DynamicCache's fp16 basis: its fp32 scales and residual
+    count 2 bytes an element (an fp16 model would hold them so), its integer codes as they are."""
+    held = (torch.zeros(3, dtype=torch.uint8), torch.zeros(5), torch.zeros(4, dtype=torch.float16),
+            torch.zeros(2, dtype=torch.float64), torch.zeros(6, dtype=torch.int32))
+    assert throughput.tensor_bytes(held) == 3 + 20 + 8 + 16 + 24
+    assert throughput.tensor_bytes(held, 2) == 3 + 10 + 8 + 4 + 24
+
+
 def test_readme_writer_replaces_only_the_marked_block(tmp_path):
     start, end = markers("step")
     other = "<!-- leankit-bench:throughput -->\nkeep me\n<!-- /leankit-bench:throughput -->"
@@ -399,10 +408,11 @@ def test_quantized_cache_bytes_are_codes_scales_and_residual():
     model, _ = _tiny_lm()
     kind = throughput.QuantizedKind(backend, desc)
     fit = kind.fit(model, 10 ** 6, torch.arange(4, 44), 3, 0, False, _NullBar())
-    # 40 prompt tokens quantized at prefill (4-bit codes: half a byte per element, plus fp32 scale and
-    # offset per group of 16 channels), then 2 decode tokens in the fp32 residual; 2 layers, K and V, 2 heads.
-    quantized = 40 * 2 * 16 // 2 + 40 * 2 * 2 * 4
-    residual = 2 * 2 * 16 * 4
+    # 40 prompt tokens quantized at prefill (4-bit codes: half a byte per element, plus a scale and an
+    # offset per group of 16 channels), then 2 decode tokens in the residual; 2 layers, K and V, 2
+    # heads. The model is fp32; its floating-point tensors count 2 bytes an element, as DynamicCache's.
+    quantized = 40 * 2 * 16 // 2 + 40 * 2 * 2 * 2
+    residual = 2 * 2 * 16 * 2
     assert fit.bytes_per_row == 2 * 2 * (quantized + residual)
     assert fit.batch == 10 ** 6 // fit.bytes_per_row
 
@@ -571,3 +581,18 @@ def test_a_budget_far_above_the_requests_is_verified_at_the_requests_only(monkey
     tried.clear()
     full = kind.fit(model, 10 * kind.cfg.page_size + 100, prompt, new, 0, True, _NullBar(), requests=10 ** 6)
     assert "verified:" in full.how and max(tried) == full.batch + 1  # below the requests: verified as before
+
+
+def test_the_kernel_backends_page_grants_count_in_the_calibration_peak(monkeypatch):
+    """On the kernel backend (CUDA, or LEANKIT_BACKEND=triton on the CPU) a step's pages are granted on
+    the device by a kernel, not through ``FreePageList.allocate``: the calibration saw a peak of 0 pages
+    and the fit died on ``budget // 0``. Its peak and batch are the reference backend's."""
+    model, _ = _tiny_lm()
+    prompt, new = torch.arange(5, 5 + 27) % 90 + 4, 7
+    kind = throughput.LeanKind("K8V4")
+    budget = 10 * kind.cfg.page_size + 100
+    monkeypatch.setenv("LEANKIT_BACKEND", "torch")
+    ref = kind.fit(model, budget, prompt, new, 0, False, _NullBar())
+    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    fit = kind.fit(model, budget, prompt, new, 0, False, _NullBar())
+    assert fit.bytes_per_row == ref.bytes_per_row > 0 and fit.batch == ref.batch >= 1

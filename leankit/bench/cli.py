@@ -77,8 +77,9 @@ outputs {MIXES['prefill-heavy'][1][0]}-{MIXES['prefill-heavy'][1][1]} tokens
 The budget (--budget-bytes; default: the fp16 bytes of 8 rows of the mix's longest request,
 8 x (max prompt + max output) x 2 x layers x kv_heads x head_dim x 2) fixes each cache's batch:
   DynamicCache          counted as fp16 bytes of the tokens it holds
-  HF QuantizedCache     int4 (optimum-quanto, else hqq): its real bytes (codes, scales, offsets,
-                        full-precision residual), peak of one row of the longest request
+  HF QuantizedCache     int4 (optimum-quanto, else hqq): codes, scales, offsets and residual, its
+                        floating-point tensors at 2 bytes (fp16, as DynamicCache), peak of one row
+                        of the longest request
   LeanCache             a real fixed pool of budget // page_size pages (PoolExhausted when out):
                         peak pages of one row of the longest request give the batch, then that
                         batch is verified to run and one row more to exhaust (--no-verify skips;

@@ -13,10 +13,11 @@ How each cache is held to the budget:
   stores them): ``(prompt + output) x layers x kv_heads x head_dim x 2 (K, V) x 2 bytes`` per row,
   whatever the model's dtype (an fp32 model really holds twice that). A sliding-window layer
   (Gemma3's local layers) holds at most its window of those tokens.
-* HF ``QuantizedCache`` (int4, optimum-quanto, else HQQ): its real bytes, measured after every
+* HF ``QuantizedCache`` (int4, optimum-quanto, else HQQ): the bytes it holds, measured after every
   generated token of one row of the longest request: packed codes + scales + offsets + the
-  full-precision residual (in the model's dtype). The copy it dequantizes on every step is
-  transient and not counted.
+  full-precision residual, its floating-point tensors counted at 2 bytes an element as
+  DynamicCache's are (an fp16 model holds them so; an fp32 one twice that). The copy it
+  dequantizes on every step is transient and not counted.
 * ``LeanCache``: for real, a fixed pool of pages, which raises ``PoolExhausted`` when it runs
   out. The peak page use of one row of the longest request is measured (at every allocation, so
   the peak inside a step counts) to estimate the batch, then the estimate is verified: that many
@@ -53,19 +54,23 @@ MIXES = {"decode-heavy": ((512, 1024), (128, 256)), "prefill-heavy": ((512, 1024
 
 
 # ---------------------------------------------------------------------------- bytes
-def tensor_bytes(obj) -> int:
+def tensor_bytes(obj, float_bytes: int | None = None) -> int:
     """Bytes of every tensor reachable in ``obj`` (tensors, quantized tensor subclasses through their
-    inner tensors, tuples, lists and dicts); anything else counts 0."""
+    inner tensors, tuples, lists and dicts); anything else counts 0. ``float_bytes``: count each
+    floating-point element at most that many bytes (2: as an fp16 model would hold it)."""
     if isinstance(obj, torch.Tensor):
         flatten = getattr(obj, "__tensor_flatten__", None)
         if flatten is not None and type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
             names, _ = flatten()
-            return sum(tensor_bytes(getattr(obj, n)) for n in names)
-        return obj.numel() * obj.element_size()
+            return sum(tensor_bytes(getattr(obj, n), float_bytes) for n in names)
+        size = obj.element_size()
+        if float_bytes is not None and obj.is_floating_point():
+            size = min(size, float_bytes)
+        return obj.numel() * size
     if isinstance(obj, (tuple, list)):
-        return sum(tensor_bytes(x) for x in obj)
+        return sum(tensor_bytes(x, float_bytes) for x in obj)
     if isinstance(obj, dict):
-        return sum(tensor_bytes(x) for x in obj.values())
+        return sum(tensor_bytes(x, float_bytes) for x in obj.values())
     return 0
 
 
@@ -203,7 +208,7 @@ class QuantizedKind:
     def __init__(self, backend: str, description: str):
         self.backend, self.description = backend, description
         self.name = f"QuantizedCache int4 ({backend})"
-        self.bytes_note = "real bytes: codes + scales + offsets + full-precision residual"
+        self.bytes_note = "codes + scales + offsets + residual, its floating-point tensors at 2 bytes (as DynamicCache)"
 
     def make(self, model, budget: int, max_len: int, rows: int = 1):
         from transformers.cache_utils import QuantizedCache
@@ -213,8 +218,9 @@ class QuantizedKind:
 
     @staticmethod
     def nbytes(cache) -> int:
-        """Real bytes the cache holds now."""
-        return sum(tensor_bytes((layer._quantized_keys, layer._quantized_values, layer.keys, layer.values))
+        """Bytes the cache holds now, its floating-point tensors counted at 2 bytes (fp16, as
+        DynamicCache is counted whatever the model's dtype)."""
+        return sum(tensor_bytes((layer._quantized_keys, layer._quantized_values, layer.keys, layer.values), 2)
                    for layer in cache.layers)
 
     def fit(self, model, budget, longest, new_tokens, pad, verify, bar, requests: int | None = None) -> Fit:
@@ -222,7 +228,7 @@ class QuantizedKind:
         peak = _PeakBytes(lambda: self.nbytes(cache))
         generate(model, cache, [longest], new_tokens, pad, stopping=peak)
         bar.update(1)
-        return Fit(budget // peak.peak, peak.peak, "budget // peak real bytes of one row of the longest request")
+        return Fit(budget // peak.peak, peak.peak, "budget // peak bytes (floats at 2) of one row of the longest request")
 
 
 class LeanKind:
@@ -276,14 +282,20 @@ class LeanKind:
         longer than the run)."""
         cache = self.make(model, budget, len(longest) + new_tokens, fixed=False)
         free_list, peak = cache.free_list, [0]
-        allocate = free_list.allocate
+        allocate, mark_stale = free_list.allocate, free_list.mark_stale
 
-        def tracked(demand):  # an instance attribute, gone with this calibration cache
+        def tracked(demand):  # instance attributes, gone with this calibration cache
             out = allocate(demand)
             peak[0] = max(peak[0], free_list.capacity - free_list.num_free)
             return out
 
-        free_list.allocate = tracked
+        def tracked_kernel(taken=None):
+            # the kernel backend grants pages on the device, not through allocate: it marks the host
+            # counters stale after each grant, so read them there (num_free syncs)
+            mark_stale(taken)
+            peak[0] = max(peak[0], free_list.capacity - free_list.num_free)
+
+        free_list.allocate, free_list.mark_stale = tracked, tracked_kernel
         generate(model, cache, [longest], new_tokens, pad)
         bar.update(1)
         plain = plain_row_bytes(model, len(longest) + new_tokens)
