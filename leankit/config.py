@@ -303,7 +303,10 @@ class KVConfig:
             if unknown:
                 raise ValueError(f"unknown KV config override(s) {sorted(unknown)}; known: {', '.join(_OVERRIDE_TYPES)}")
             cfg = dataclasses.replace(spec, **overrides)
-            cfg._check_policy_settings(overrides)
+            # the settings carried over from ``spec`` count as given too: a policy override must not
+            # keep a setting the new policy ignores (and whose label() would no longer parse)
+            carried = {k for k in _POLICY_SETTINGS if getattr(spec, k) != _FIELD_DEFAULTS[k]}
+            cfg._check_policy_settings(set(overrides) | carried)
             cfg.validate()
             return cfg
         if not isinstance(spec, str):
@@ -324,7 +327,7 @@ class KVConfig:
             if part == "FP16":
                 tiers.append(Precision(16, 16))
                 continue
-            m = _TIER_RE.match(part)
+            m = _TIER_RE.fullmatch(part)  # not match: its "$" also matches before a trailing newline
             if not m:
                 raise ValueError(f"cannot parse tier {part!r} of KV config {spec!r}. {grammar}")
             kb, vb = int(m.group(1)), int(m.group(2))
@@ -391,6 +394,9 @@ class KVConfig:
                 raise ValueError(f"{name} must be positive, got {gs}")
         if self.low_group_size is not None and self.low is None:
             raise ValueError(f"low_group_size needs a two-tier config such as 'K8V4-K4V2', got {self.spec or self}")
+        if self.low is not None and self.policy != "leankv":  # every other policy keeps one tier
+            raise ValueError(f"policy {self.policy!r} keeps a single precision tier; a low tier ({self.low}) needs "
+                             f"policy 'leankv' (or drop it: '{self.high}:policy={self.policy}')")
         if self.policy == "h2o" and not (self.budget is not None and 0.0 < self.budget <= 1.0):
             raise ValueError("policy 'h2o' needs budget in (0, 1], e.g. KVConfig.parse('FP16', policy='h2o', budget=0.2)")
         if self.sink < 0:
@@ -552,6 +558,9 @@ def act_kv_token_bytes(cfg: KVConfig, hidden: int, num_kv_heads: int, head_dim: 
     kv = cfg.kv_bytes_per_token(head_dim, num_kv_heads, 0, dense_itemsize)
     return {"act": act, "kv": kv, "act_over_kv": act / kv, "act_saves": act < kv}
 
+
+# Each setting's default, for telling a setting carried over from a parsed config from one never set
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KVConfig)}
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 

@@ -132,6 +132,15 @@ def model_path(name_or_path: str) -> Path:
     )
 
 
+def _is_config_error(err: BaseException) -> bool:
+    """Whether ``err`` is huggingface_hub's refusal of a config field (``StrictDataclassError``)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub, whose configs raise ValueError/TypeError
+        return False
+    return isinstance(err, StrictDataclassError)
+
+
 def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load ``(model, tokenizer)`` offline, in eval mode.
 
@@ -155,6 +164,13 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     except OSError as err:  # a checkpoint directory missing its weights or tokenizer files
         raise ValueError(f"cannot load the checkpoint in {path}: {err}") from err
+    except Exception as err:
+        # a config.json transformers refuses: huggingface_hub's StrictDataclass errors (a field of the
+        # wrong type, shapes that do not fit) are no ValueError, and printed a traceback from the CLI
+        if not _is_config_error(err):
+            raise
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        raise ValueError(f"cannot load the checkpoint in {path}: its config.json is invalid: {message}") from err
     if tok.pad_token_id is None:
         # A pad id inside the vocabulary is needed for batching (and by lm-eval).
         tok.pad_token = tok.eos_token

@@ -141,3 +141,23 @@ def test_a_checkpoint_folder_without_weights_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "leankit: error: cannot load the checkpoint in" in err and "Traceback" not in err
+
+
+def test_a_low_tier_with_policy_full_is_refused_before_loading(tiny, capsys):
+    assert main(["generate", "--model", "tiny", "--kv", "K8V4-K4V2:policy=full", "--no-progress"]) == 2
+    assert "single precision tier" in capsys.readouterr().err and not tiny
+
+
+def test_a_checkpoint_whose_config_transformers_refuses_is_a_clear_error(tmp_path, capsys):
+    """A config.json field of the wrong type: huggingface_hub's validation error is no ValueError and
+    escaped as a traceback; now one line, exit 2."""
+    import json
+
+    tiny_model().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["hidden_size"] = str(cfg["hidden_size"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load the checkpoint in" in err and "config.json is invalid" in err and "Traceback" not in err

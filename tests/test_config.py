@@ -135,7 +135,7 @@ def test_str_roundtrip():
 
 @pytest.mark.parametrize("spec,label", [
     ("K8V4", "K8V4"), ("K8V4-K4V2", "K8V4-K4V2"), ("K8V4:policy=h2o,budget=0.5", "K8V4:policy=h2o,budget=0.5"),
-    ("K8V4:sink=7,policy=streaming", "K8V4:policy=streaming,sink=7"), ("K8V4-K4V2:policy=full", "K8V4-K4V2:policy=full"),
+    ("K8V4:sink=7,policy=streaming", "K8V4:policy=streaming,sink=7"), ("K8V4:policy=leankv,tl=0.1", "K8V4:policy=leankv,tl=0.1"),
     ("neutral", "K8V4-K4V2:group_size=32,th=0.25,rotate=1"), ("K8V4-K4V2:tl=0.05,th=0.3", "K8V4-K4V2:th=0.3,tl=0.05"),
     ("K8V4:act=0.5,act_order=prefix,page_size=256", "K8V4:page_size=256,act=0.5,act_order=prefix"),
     ("FP16:page_size=8192", "FP16")])
@@ -187,9 +187,9 @@ def test_keyword_override_types_accepted_and_widened():
     cfg = KVConfig.parse("K8V4-K4V2", th=1, tl=0, rotate=1, group_size=None)
     assert isinstance(cfg.th, float) and cfg.th == 1.0 and cfg.rotate is True and cfg.group_size is None
     # overrides on an already-parsed config go through the same checks
-    base = KVConfig.parse("K8V4")
+    base = KVConfig.parse("K8V4-K4V2")
     assert KVConfig.parse(base, window=8).window == 8
-    for kw in ({"tl": 0.5}, {"window": "8"}, {"windw": 8}):
+    for kw in ({"tl": 0.5, "th": 0.2}, {"window": "8"}, {"windw": 8}):
         with pytest.raises(ValueError):
             KVConfig.parse(base, **kw)
 
@@ -216,7 +216,37 @@ def test_integer_settings_beyond_int32_are_refused_when_parsed(key):
     """Positions and counts are int32 on the pages: a larger setting is refused by name at parse
     time, not by an OverflowError inside the first forward."""
     policy = {"sink": "policy=streaming,", "compress_every": ""}.get(key, "")
-    spec = "K8V4-K4V2" if key == "compress_every" else "K8V4"
+    spec = "K8V4-K4V2" if key in ("compress_every", "window") else "K8V4"
     with pytest.raises(ValueError, match=rf"{key} must be at most 2147483647"):
         KVConfig.parse(f"{spec}:{policy}{key}={10**20}")
     assert getattr(KVConfig.parse(f"{spec}:{policy}{key}={2**31 - 64}"), key) == 2**31 - 64
+
+
+@pytest.mark.parametrize("spec", ["K8V4-K4V2:policy=full", "K8V4-K4V2:policy=h2o,budget=0.5",
+                                  "K8V4-K4V2:policy=streaming,sink=2", "FP16-K8V4:policy=full"])
+def test_a_low_tier_with_a_single_tier_policy_is_refused_when_parsed(spec):
+    """Only LeanKV places tokens in a low tier; every LeanCache refused such a config, but the parser
+    (and so ``leankit plan``, which then planned with it) accepted it."""
+    with pytest.raises(ValueError, match="single precision tier"):
+        KVConfig.parse(spec)
+    base, inline = split_overrides(spec)
+    with pytest.raises(ValueError, match="single precision tier"):
+        KVConfig.parse(KVConfig.parse(base), **inline)
+
+
+@pytest.mark.parametrize("spec,policy", [("neutral", "full"), ("K8V4:policy=leankv,tl=0.2", "full"),
+                                         ("K8V4:policy=streaming,sink=2", "h2o")])
+def test_a_policy_override_of_a_parsed_config_checks_the_settings_it_carries(spec, policy):
+    """Overriding the policy of a parsed config must not keep a setting the new policy ignores:
+    the result's label() did not parse back (the string path refuses the same combination)."""
+    kw = {"budget": 0.5} if policy == "h2o" else {}
+    with pytest.raises(ValueError):
+        KVConfig.parse(spec, policy=policy, **kw)
+    with pytest.raises(ValueError):
+        KVConfig.parse(KVConfig.parse(spec), policy=policy, **kw)
+
+
+def test_a_tier_with_an_embedded_newline_is_refused():
+    with pytest.raises(ValueError, match="cannot parse tier"):
+        KVConfig.parse("K8V4\n-K4V2")
+    assert KVConfig.parse(" K8V4-K4V2\n").low == Precision(4, 2)  # around the whole spec: stripped

@@ -167,3 +167,33 @@ def test_a_need_just_over_the_memory_does_not_print_as_the_memory():
     shown_need, shown_cap = (float(x) for x in re.search(r"GPU needs ([0-9.]+) GiB.*has ([0-9.]+) GiB",
                                                          p.infeasible_reason).groups())
     assert shown_need > shown_cap, p.infeasible_reason
+
+
+def test_an_override_after_a_format_without_a_colon_is_its_first_override():
+    """'K8V4,group_size=32' reads as K8V4 with group_size=32, as the comma rule says; it was glued on
+    with a comma into 'K8V4,group_size=32' and refused as the tier 'K8V4,GROUP_SIZE=32'."""
+    assert kv_list("K8V4,group_size=32") == ["K8V4:group_size=32"]
+    assert kv_list("fp16,K8V4-K4V2,th=0.2,tl=0,K4V4") == [None, "K8V4-K4V2:th=0.2,tl=0", "K4V4"]
+
+
+@pytest.mark.parametrize("kv", ["K8V4-K4V2:policy=full", "K8V4-K4V2:policy=h2o,budget=0.5"])
+def test_a_two_tier_format_with_a_single_tier_policy_is_refused(kv, capsys):
+    """No LeanCache serves a low tier under these policies: the plan must not pick such a format."""
+    assert main(BASE + ["--kv", kv]) == 2
+    assert "single precision tier" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", [
+    "{not json",
+    json.dumps({"model_type": "llama", "hidden_size": "128", "num_hidden_layers": 2, "num_attention_heads": 4}),
+    json.dumps({"model_type": "llama", "hidden_size": 100, "num_hidden_layers": 2, "num_attention_heads": 3}),
+    json.dumps({"model_type": "no-such-type", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}),
+])
+def test_a_local_model_config_transformers_refuses_is_a_one_line_error(tmp_path, capsys, config):
+    """A checkpoint folder whose config.json transformers cannot read (bad JSON, a field of the wrong
+    type, shapes that do not fit): exit 2 and one line (OSError and huggingface_hub's validation
+    errors escaped as tracebacks)."""
+    (tmp_path / "config.json").write_text(config)
+    assert main(["plan", "--model", str(tmp_path), "--hardware", "rtx4090-pcie4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("leankit plan: error: cannot read the model config in") and "\n" not in err

@@ -38,7 +38,8 @@ def kv_list(text: str) -> list[str | None]:
     specs: list[str] = []
     for item in _csv(text):
         if "=" in item and ":" not in item and specs and specs[-1] is not None:
-            specs[-1] += "," + item  # an override of the format before it
+            # an override of the format before it: after its colon, or the format's first one
+            specs[-1] += ("," if ":" in specs[-1] else ":") + item
         elif "=" in item and ":" not in item:
             raise ValueError(f"--kv: override {item!r} does not follow a KV config (write e.g. 'K8V4:{item}')")
         else:

@@ -361,6 +361,12 @@ def _layer_types(cfg: dict, model_type: str, layers: int) -> list[str]:
 ModelSpec.from_hf_config = staticmethod(from_hf_config)  # type: ignore[attr-defined]
 
 
+def _first_line(err: BaseException) -> str:
+    """An exception's message on one line (transformers' and huggingface_hub's span several)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines) or type(err).__name__
+
+
 def get_model(name: str | ModelSpec | Any) -> ModelSpec:
     """Resolve a model: a preset name or alias, a HF config object/dict, or a local checkpoint directory
     (read with ``transformers.AutoConfig``, no network).
@@ -381,7 +387,12 @@ def get_model(name: str | ModelSpec | Any) -> ModelSpec:
     if os.path.isdir(name) and os.path.isfile(os.path.join(name, "config.json")):
         from transformers import AutoConfig
 
-        return from_hf_config(AutoConfig.from_pretrained(name, local_files_only=True), name=os.path.basename(name))
+        try:
+            hf_config = AutoConfig.from_pretrained(name, local_files_only=True)
+        except Exception as err:  # bad JSON (OSError), a field of the wrong type or shape
+            # (huggingface_hub's StrictDataclass errors, which are no ValueError), an unknown model_type
+            raise ValueError(f"cannot read the model config in {name}: {_first_line(err)}") from err
+        return from_hf_config(hf_config, name=os.path.basename(name))
     raise ValueError(
         f"unknown model {name!r}; valid presets: {', '.join(model_names())} "
         "(or a local directory holding a Hugging Face config.json)"
