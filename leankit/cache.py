@@ -600,6 +600,13 @@ class LeanCache(Cache):
         state["_err_views"] = None
         return state
 
+    def __copy__(self):
+        # A shallow copy would share the pool, page tables and policy state with this cache while its
+        # layers still pointed here: the copy's first step failed with a misleading error about
+        # leankit.enable, after planning pages in the shared tables. Refused up front instead.
+        raise TypeError("copy.copy of a LeanCache is not supported (the copy would share this cache's pages and "
+                        "tables); use copy.deepcopy for an independent copy (transformers' prefix-cache recipe)")
+
     @classmethod
     def from_plan(cls, model, plan, **kwargs) -> LeanCache:
         """The cache a :func:`leankit.planner.plan` chose: its format, ACT share, KVPR split and
@@ -689,6 +696,10 @@ class LeanCache(Cache):
             # a row's tokens take one position each (multimodal RoPE's [3, B, Q] sections do not)
             raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} for a step of {batch} rows of "
                              f"{q_len} tokens: a LeanCache takes one position per token, [B, Q] or [Q]")
+        # A step still open here was cut short by an exception that is not an ``Exception``
+        # (KeyboardInterrupt, SystemExit): torch runs no ``always_call`` forward hook for those, so
+        # the failure hook never dropped it, and the layers that ran before it kept their tokens.
+        self.drop_failed_step()
         fresh = self.table is None
         attention_mask = self.padding_mask(attention_mask, batch, q_len)  # checked before the step opens
         self.check_mask_width(attention_mask, q_len)
@@ -871,7 +882,7 @@ class LeanCache(Cache):
             self._planning = False
         # What a failed step rolls back to: token counts (and policy counters) once the step's pages
         # are planned. Tokens are appended past these counts, so restoring them drops the step's
-        # tokens, while the pages the step reserved stay with their heads for the next step.
+        # tokens (drop_failed_step then gives back the pages the step reserved).
         step.lens_before = self.table.lens.clone()
         self._policy_saved = self.policy.save_state()
         # transformers' plain (sliding-window) layers append by concatenation, so the attributes
@@ -1084,7 +1095,7 @@ class LeanCache(Cache):
 
         Restores the token counts and policy counters saved when the step's pages were planned
         (earlier layers of the step may already have stored their tokens); pages the step
-        reserved stay owned by their heads and serve the next step.
+        reserved stay owned by their heads (:meth:`drop_failed_step` then gives them back).
         """
         if self._step is None:
             return
@@ -1107,10 +1118,12 @@ class LeanCache(Cache):
             self.offload.abandon_prefetch()
         if self._seen == 0:
             self.reset()
-        elif self.fixed_pool and self.act_store is not None and use_triton(self._kv_err):
-            # the kernel backend's ACT grant runs under a keep flag and may have handed out the
-            # step's blocks before another grant was refused: give back what no token fills, or a
-            # fixed pool stays short for every later step (one device read, on the failure path)
+        else:
+            # The pages the step reserved for its tokens (KV pages, ACT blocks; on the kernel backend
+            # also the blocks a keep-flagged ACT grant handed out before another grant was refused)
+            # go back to the pool: left with their heads they are held until those heads' later
+            # tokens fill them, so a fixed pool could refuse another row's step that an unfailed
+            # cache serves (one device read, on the failure path)
             self.trim_pages()
 
     def trim_pages(self) -> int:

@@ -664,6 +664,77 @@ def test_an_error_outside_attention_drops_the_step(spec, monkeypatch):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("spec", ["FP16", "K8V4:act=0.5"])
+@pytest.mark.parametrize("q_len", [4, 1])
+def test_a_step_cut_short_by_keyboard_interrupt_is_dropped_at_the_next_step(spec, q_len):
+    """A KeyboardInterrupt (Ctrl-C in generate) raised in a later layer is not an ``Exception``, so
+    torch runs no ``always_call`` hook and the failure hook never drops the step: the earlier layers'
+    tokens stayed stored. The next step drops it first, and continues as a cache that never saw it."""
+    model = tiny_model("llama-gqa", num_hidden_layers=3)
+    ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(9))
+    failed, ref = LeanCache(model, spec), LeanCache(model, spec)
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    with torch.no_grad():
+        for c in (failed, ref):
+            model(input_ids=ids[:, :16], **cache_kwargs(model, c), use_cache=True)
+        hook = model.model.layers[2].register_forward_hook(interrupt)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=ids[:, 16:16 + q_len], **cache_kwargs(model, failed), use_cache=True)
+        finally:
+            hook.remove()
+        assert failed.get_seq_length() == 16
+        a = model(input_ids=ids[:, 16:], **cache_kwargs(model, failed), use_cache=True).logits
+        b = model(input_ids=ids[:, 16:], **cache_kwargs(model, ref), use_cache=True).logits
+        assert torch.equal(failed.table.lens, ref.table.lens) and failed._step is None
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ["K8V4:page_size=256", "K8V4:act=0.5,page_size=512",
+                                  "K8V4-K4V2:th=0.25,tl=0,group_size=8,page_size=512,compress_every=1000"])
+def test_a_dropped_step_gives_back_the_pages_it_reserved(spec):
+    """A new turn refused in a later layer (NaN K/V) had reserved pages for its tokens in every head:
+    dropping it gives them back, so a fixed pool that serves an unfailed cache's next steps (here a
+    row that grows while the refused turn's longer row does not) serves the failed cache's too."""
+    model = tiny_model("llama-gqa", num_hidden_layers=3)
+    g = torch.Generator().manual_seed(11)
+    prompt, turn = torch.randint(3, 97, (2, 40), generator=g), torch.randint(3, 97, (2, 60), generator=g)
+
+    def nan(module, args, output):
+        return output * float("nan")
+
+    def decode(cache, n):
+        ids = prompt
+        for t in range(n):
+            nxt = torch.full((2, 1), 10 + t)
+            ids = torch.cat([ids, nxt], 1)
+            out = model(input_ids=nxt, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache))
+        return out.logits
+
+    with torch.no_grad():
+        probe = LeanCache(model, spec)
+        model(input_ids=prompt, **cache_kwargs(model, probe))
+        decode(probe, 40)
+        pages = probe.memory_report()["pages_used"]
+        failed, ref = LeanCache(model, spec, num_pages=pages), LeanCache(model, spec, num_pages=pages)
+        for c in (failed, ref):
+            model(input_ids=prompt, **cache_kwargs(model, c))
+        mask = torch.ones(2, 100, dtype=torch.long)
+        mask[1, 40:-1] = 0  # row 0 brings 60 tokens, row 1 one
+        hook = model.model.layers[1].register_forward_hook(nan)
+        try:
+            with pytest.raises(NonFiniteKVError):
+                model(input_ids=turn, attention_mask=mask, **cache_kwargs(model, failed))
+        finally:
+            hook.remove()
+        assert failed.memory_report()["pages_used"] == ref.memory_report()["pages_used"]
+        assert torch.equal(failed.table.n_pages, ref.table.n_pages)
+        assert torch.equal(decode(failed, 40), decode(ref, 40))
+
+
 @pytest.mark.parametrize("spec", ["K8V4:policy=h2o,budget=0.5", "K8V4-K4V2:th=0.3,tl=0.05"])
 def test_a_non_finite_step_leaves_the_significance_as_it_was(spec):
     """NaN/Inf queries are refused before attention adds them to the stored tokens' significance:

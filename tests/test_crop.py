@@ -296,6 +296,24 @@ def test_a_cache_deep_copies_after_decode_steps_and_a_crop():
     assert torch.equal(got, want)
 
 
+def test_a_shallow_copy_is_refused_and_the_cache_continues():
+    """copy.copy would share the pool and tables while the copy's layers still pointed at the
+    original: refused by name (deepcopy is the supported copy), and the cache is untouched."""
+    model = tiny_model("llama-gqa")
+    ids, mask = left_padded_batch(rows=2, width=9, seed=4)
+    cache, ref = LeanCache(model, "K8V4"), LeanCache(model, "K8V4")
+    for c in (cache, ref):
+        _, full_mask = _prefill_and_steps(model, c, ids, mask, 2)
+    with pytest.raises(TypeError, match="copy.deepcopy"):
+        copy.copy(cache)
+    nxt = torch.tensor([[11], [12]])
+    step_mask = torch.cat([full_mask, torch.ones_like(nxt)], 1)
+    with torch.no_grad():
+        got = model(input_ids=nxt, attention_mask=step_mask, **cache_kwargs(model, cache)).logits
+        want = model(input_ids=nxt, attention_mask=step_mask, **cache_kwargs(model, ref)).logits
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("spec", ["FP16", "K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=8,rotate=1,compress_every=2",
                                   "K8V8:policy=h2o,budget=0.6"])
 def test_a_pickled_cache_continues_as_the_original_does(spec, backend):
