@@ -520,9 +520,9 @@ class ActStore:
         """Split a LeanCache memory report into KV and ACT parts (see :meth:`LeanCache.memory_report`).
 
         ``kv_bytes`` becomes the KV pages only, ``config`` names the ACT settings; adds
-        ``act_pages``, ``act_bytes``, ``act_tokens`` (ACT tokens summed over layers and sequences), ``total_bytes`` (both kinds; ``ratio`` is
-        ``total_bytes / fp16_bytes``) and ``token_bytes``. ``fp16_bytes`` already counts every
-        real token, ACT ones included.
+        ``act_pages``, ``act_bytes``, ``act_tokens`` (ACT tokens summed over layers and
+        sequences), ``total_bytes`` (both kinds; ``ratio`` is ``total_bytes / fp16_bytes``) and
+        ``token_bytes``. ``fp16_bytes`` already counts every real token, ACT ones included.
         """
         cache, page = self.cache, self.cache.cfg.page_size
         act_pages = 0 if self.table is None else int(self.table.n_blocks.sum()) * self.layout.slices

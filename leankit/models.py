@@ -169,8 +169,10 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
         # wrong type, shapes that do not fit) are no ValueError, and printed a traceback from the CLI
         if not _is_config_error(err):
             raise
-        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-        raise ValueError(f"cannot load the checkpoint in {path}: its config.json is invalid: {message}") from err
+        from leankit.planner.model_spec import one_line_message
+
+        raise ValueError(f"cannot load the checkpoint in {path}: its config.json is invalid: "
+                         f"{one_line_message(err)}") from err
     if tok.pad_token_id is None:
         # A pad id inside the vocabulary is needed for batching (and by lm-eval).
         tok.pad_token = tok.eos_token

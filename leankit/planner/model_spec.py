@@ -361,8 +361,9 @@ def _layer_types(cfg: dict, model_type: str, layers: int) -> list[str]:
 ModelSpec.from_hf_config = staticmethod(from_hf_config)  # type: ignore[attr-defined]
 
 
-def _first_line(err: BaseException) -> str:
-    """An exception's message on one line (transformers' and huggingface_hub's span several)."""
+def one_line_message(err: BaseException) -> str:
+    """An exception's message on one line (transformers' and huggingface_hub's span several), for
+    the one-line errors of the CLIs; its type's name where the message is empty."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return " ".join(lines) or type(err).__name__
 
@@ -391,7 +392,7 @@ def get_model(name: str | ModelSpec | Any) -> ModelSpec:
             hf_config = AutoConfig.from_pretrained(name, local_files_only=True)
         except Exception as err:  # bad JSON (OSError), a field of the wrong type or shape
             # (huggingface_hub's StrictDataclass errors, which are no ValueError), an unknown model_type
-            raise ValueError(f"cannot read the model config in {name}: {_first_line(err)}") from err
+            raise ValueError(f"cannot read the model config in {name}: {one_line_message(err)}") from err
         return from_hf_config(hf_config, name=os.path.basename(name))
     raise ValueError(
         f"unknown model {name!r}; valid presets: {', '.join(model_names())} "
