@@ -110,16 +110,16 @@ def rotate_stored(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     b = block_size(n)
     scale = b ** -0.5
     exact = _power_of_two(scale)  # head_dim 64 (and 16, 256 ...): the scale goes into the entries
-    if x.dtype in (torch.float16, torch.bfloat16) or (exact and b <= _STORED_BASE):
+    if x.dtype in (torch.float16, torch.bfloat16) or (exact and b == n and b <= _STORED_BASE):
         # a 16-bit result is one rounding of an fp32 sum (no row dependence seen at any width), and
-        # exact entries in one matmul are this very product: the same op and bits as rotate
+        # exact entries in one matmul of one block are this very product: the same op and bits as rotate
         return rotate(x, h)
     factor = scale if exact else 1.0
-    if b <= _STORED_BASE:
-        y = torch.matmul(x, _stored_matrix(n, factor, x.device, x.dtype))
-    else:  # blocks wider than the base (head_dim 256, 512): halves down to the base, in a fixed order
-        y = _sylvester(x.unflatten(-1, (n // b, b)), b, _stored_matrix(_STORED_BASE, factor, x.device, x.dtype))
-        y = y.flatten(-2)
+    # Block by block (a head_dim that is not a power of two: 96, 320, 384 ...): one matmul over the
+    # whole block-diagonal matrix would sum n products (zeros included), and at n = 320 or 384 the
+    # kernel's split of that sum changed with the number of rows.
+    base = _stored_matrix(min(b, _STORED_BASE), factor, x.device, x.dtype)
+    y = _sylvester(x.unflatten(-1, (n // b, b)), b, base).flatten(-2)
     return y if exact else y * scale
 
 

@@ -91,7 +91,7 @@ def test_rotation_of_a_head_dim_that_is_not_a_power_of_two():
         LeanCache(odd, "FP16", rotate=True)
 
 
-@pytest.mark.parametrize("n", [64, 128, 256, 96, 80])
+@pytest.mark.parametrize("n", [64, 128, 256, 96, 80, 160, 192, 320, 384])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_stored_rotation_of_a_row_does_not_depend_on_the_rows_beside_it(n, dtype):
     """Keys and values are rotated per step ([B, H, Q, F]) by the cache and one token at a time by the

@@ -563,8 +563,9 @@ class Kernels:
 
 
 def kernels() -> Kernels | None:
-    """The compiled kernels, built on first call; ``None`` where they cannot be had (no compiler,
-    a failed build, or ``LEANKIT_NATIVE=0``), after one warning that says why."""
+    """The compiled kernels, built on first call; ``None`` where they cannot be had (no compiler or
+    a failed build, after one warning that says why) or are switched off (``LEANKIT_NATIVE=0``,
+    silently: the caller asked for the torch path)."""
     if os.environ.get("LEANKIT_NATIVE", "1") == "0":
         return None
     if "kernels" in _state:
