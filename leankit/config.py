@@ -128,6 +128,12 @@ def check_override_types(overrides: dict) -> dict:
     return out
 
 
+# The override half of the grammar, which every override error repeats (as GRAMMAR is for the tiers).
+OVERRIDE_GRAMMAR = ("Overrides follow the config after a colon as comma-separated key=value pairs, e.g. "
+                    "'K8V4-K4V2:th=0.2,tl=0,group_size=32'.")
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a name", _parse_bool: "a boolean (1/0, true/false)"}
+
+
 def split_overrides(text: str) -> tuple[str, dict]:
     """Split ``"K8V4-K4V2:th=0.2,tl=0"`` into ``("K8V4-K4V2", {"th": 0.2, "tl": 0.0})``.
 
@@ -139,9 +145,10 @@ def split_overrides(text: str) -> tuple[str, dict]:
     for item in filter(None, (x.strip() for x in rest.split(","))):
         key, eq, val = (x.strip() for x in item.partition("="))
         if not eq or not val:
-            raise ValueError(f"override {item!r} of {text!r} is not key=value")
+            raise ValueError(f"override {item!r} of {text!r} is not key=value. {OVERRIDE_GRAMMAR}")
         if key not in _OVERRIDE_TYPES:
-            raise ValueError(f"unknown override {key!r} in {text!r}; known: {', '.join(_OVERRIDE_TYPES)}")
+            raise ValueError(f"unknown override {key!r} in {text!r}; known: {', '.join(_OVERRIDE_TYPES)}. "
+                             f"{OVERRIDE_GRAMMAR}")
         if key in kw:  # which one was meant is a guess: say so rather than keep one silently
             raise ValueError(f"override {key!r} is given twice in {text!r}")
         try:
@@ -149,7 +156,8 @@ def split_overrides(text: str) -> tuple[str, dict]:
                 raise ValueError(val)
             kw[key] = _OVERRIDE_TYPES[key](val)
         except ValueError:
-            raise ValueError(f"bad value {val!r} for {key!r} in {text!r}") from None
+            raise ValueError(f"bad value {val!r} for {key!r} in {text!r}: {key} takes "
+                             f"{_TYPE_NAMES[_OVERRIDE_TYPES[key]]}. {OVERRIDE_GRAMMAR}") from None
     return spec.strip(), kw
 
 

@@ -815,3 +815,21 @@ def test_a_cache_built_from_something_other_than_a_model_says_what_it_needs():
         LeanCache("smollm2-135m", "K8V4")
     with pytest.raises(TypeError, match="got a dict"):
         LeanCache({"config": None}, "K8V4")
+
+
+def test_max_seq_len_sizes_rows_in_whole_pages_and_is_no_exact_cap():
+    """README: ``max_seq_len`` sizes each page-table row in whole pages (at least ``max_seq_len``
+    tokens, plus a page), so a row may pass it; only a row that outgrows its page-table row raises,
+    and that step is dropped."""
+    model = tiny_model("llama-gqa")
+    cache = LeanCache(model, "K8V4", max_seq_len=12)
+    per_page = cache.layouts[0].tokens
+    capacity = cache.row_len * per_page
+    assert cache.row_len == -(-12 // per_page) + 1 and capacity > 12
+    ids = torch.randint(3, model.config.vocab_size, (1, capacity + 1), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        model(input_ids=ids[:, :capacity], **cache_kwargs(model, cache), use_cache=True)  # past 12: accepted
+        assert cache.get_seq_length() == capacity
+        with pytest.raises(ValueError, match="outgrew its page-table row"):
+            model(input_ids=ids[:, capacity:], **cache_kwargs(model, cache), use_cache=True)
+    assert cache.get_seq_length() == capacity and cache._step is None

@@ -1,6 +1,6 @@
 import pytest
 
-from leankit.config import GRAMMAR, KVConfig, Precision, fp16_token_bytes, split_overrides
+from leankit.config import GRAMMAR, OVERRIDE_GRAMMAR, KVConfig, Precision, fp16_token_bytes, split_overrides
 
 
 @pytest.mark.parametrize("spec,high,low", [
@@ -60,6 +60,19 @@ def test_inline_overrides():
                      ("K8V4-K4V2:th=0.01,tl=0.1", "tl"), ("K9V4:th=0.1", "K<b>V<b>")]:
         with pytest.raises(ValueError, match=msg):
             KVConfig.parse(bad)
+
+
+@pytest.mark.parametrize("bad,says", [("K8V4:th", "is not key=value"), ("K8V4:thresh=0.1", "known: window"),
+                                      ("K8V4:window=big", "window takes an integer"),
+                                      ("K8V4-K4V2:th=high", "th takes a number"),
+                                      ("neutral:rotate=maybe", "rotate takes a boolean")])
+def test_a_malformed_override_shows_the_override_grammar(bad, says):
+    """README: "A malformed spec or override raises ValueError showing the grammar": an override's
+    error shows how overrides are written (and a bad value the type its setting takes), as a
+    malformed tier's shows GRAMMAR."""
+    with pytest.raises(ValueError) as err:
+        KVConfig.parse(bad)
+    assert says in str(err.value) and OVERRIDE_GRAMMAR in str(err.value)
 
 
 def test_token_bytes_exact():
