@@ -1642,11 +1642,15 @@ class LeanCache(Cache):
         return pos.flatten(2).amax(-1)[0] if pos.shape[-1] else torch.full_like(self._last_pos, -1)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """The ``Cache`` API's row expansion (each row repeated ``repeats`` times): a no-op on a fresh
+        cache; a filled one refuses (its pages would have to be copied per row), so expand the inputs
+        and start from a fresh cache instead."""
         if self.table is not None:
             raise NotImplementedError("LeanCache cannot expand a filled cache; expand the inputs instead")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        # a fresh cache holds no row to select (as DynamicCache, and batch_repeat_interleave above)
+        """The ``Cache`` API's row selection: a no-op on a fresh cache, which holds no row to select
+        (as ``DynamicCache``); a filled one refuses, so select the inputs instead."""
         if self.table is not None:
             raise NotImplementedError("LeanCache cannot select rows of a filled cache; select the inputs instead")
 
