@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 from importlib import metadata
 
@@ -26,8 +27,13 @@ def _fmt_bytes(n: float) -> str:
 
 def memory_line(report: dict) -> str:
     """One human line summarizing :meth:`LeanCache.memory_report`."""
-    return (f"[leankit] KV {report['config']}: peak {_fmt_bytes(report['peak_kv_bytes'])} of pages "
-            f"({report['page_size']} B each), {report['peak_ratio']:.3f}x an fp16 cache of the same tokens; "
+    head = f"[leankit] KV {report['config']}: "
+    if not report["compressed_layers"]:  # every layer slides: no page, and peak_ratio is NaN (0 / 0)
+        return head + (f"no layer compressed (all {report['model_layers']} are sliding-window layers, kept in "
+                       f"transformers' own cache: {_fmt_bytes(report['plain_bytes'])})")
+    ratio = report["peak_ratio"]
+    vs = "" if math.isnan(ratio) else f", {ratio:.3f}x an fp16 cache of the same tokens"
+    return (head + f"peak {_fmt_bytes(report['peak_kv_bytes'])} of pages ({report['page_size']} B each){vs}; "
             f"now {report['pages_used']} pages in use")
 
 

@@ -161,3 +161,29 @@ def test_a_checkpoint_whose_config_transformers_refuses_is_a_clear_error(tmp_pat
     assert main(["generate", "--model", str(tmp_path), "--prompt", "w5 w6", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "cannot load the checkpoint in" in err and "config.json is invalid" in err and "Traceback" not in err
+
+
+def test_memory_line_on_a_model_with_no_compressed_layer_prints_no_nan(monkeypatch, capsys):
+    """A model whose every layer slides (Mistral with a window) pages nothing: its peak ratio is 0 / 0,
+    and the memory line said 'nanx an fp16 cache'; it names the sliding-window layers' bytes instead."""
+    def load(name):
+        model, tok = tiny_model("mistral-sliding"), tiny_tokenizer()
+        model.generation_config.pad_token_id = tok.pad_token_id
+        return model, tok
+
+    monkeypatch.setattr(leankit, "load_model", load)
+    with pytest.warns(UserWarning, match="compresses nothing"):
+        assert _gen("--prompt", "w5 w6 w7 w8 w9 w10 w11 w12 w13 w14") == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("[leankit] KV K8V4: no layer compressed") and "nan" not in line
+    assert "2 are sliding-window layers" in line and "KiB" in line
+
+
+def test_memory_line_leaves_out_a_nan_ratio():
+    from leankit.cli import memory_line
+
+    rep = {"config": "K8V4", "compressed_layers": 2, "model_layers": 2, "plain_bytes": 0, "peak_kv_bytes": 0,
+           "page_size": 2048, "peak_ratio": float("nan"), "pages_used": 0}
+    line = memory_line(rep)
+    assert "nan" not in line and line.endswith("now 0 pages in use")
+    assert "0.500x an fp16 cache" in memory_line({**rep, "peak_ratio": 0.5})
