@@ -23,7 +23,7 @@ import inspect
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 ATTN_NAME = "leankit"
 _HOOKED = "_leankit_hooks"
@@ -40,15 +40,23 @@ _FULL_MASK_UNUSED = contextvars.ContextVar("leankit_full_mask_unused", default=F
 # (Gemma3's image-text model) builds its per-layer-type masks itself and hands its decoder a dict
 # of them, where the cache needs the rows' padding: the pre-hook on the outer model keeps it here.
 _PADDING_MASK = contextvars.ContextVar("leankit_padding_mask", default=None)
+# The token ids the whole model was called with. A composite model (Gemma3's or Llava's image-text
+# model) embeds them itself and hands its decoder ``inputs_embeds`` alone, where the cache needs a
+# decode step's fed ids to see a row end on its EOS (``eos_token_id=``): the outer pre-hook keeps them.
+_INPUT_IDS = contextvars.ContextVar("leankit_input_ids", default=None)
 
 
 def leankit_mask(*args, **kwargs):
     """Mask function registered for ``"leankit"`` (HF ``AttentionMaskInterface``): transformers'
-    ``sdpa_mask``, except for the full-attention mask (no ``local_size``) of a LeanCache step after
-    the prompt, which no layer reads: None instead. Building it would cost a host read per step on
-    a GPU (``sdpa_mask`` asks whether the padding mask is all ones before it can skip the mask).
-    Sliding-window masks, which transformers' own cache layers use, are built as always."""
-    if _FULL_MASK_UNUSED.get() and kwargs.get("local_size") is None:
+    ``sdpa_mask``, except for the full-attention mask (plain causal, no ``local_size``) of a
+    LeanCache step after the prompt, which no layer reads: None instead. Building it would cost a
+    host read per step on a GPU (``sdpa_mask`` asks whether the padding mask is all ones before it
+    can skip the mask). Sliding-window masks, which transformers' own cache layers use, are built as
+    always, and so is any mask that is not the plain causal one: a composite model's encoder (an
+    audio or vision tower, switched to ``"leankit"`` with the whole model) builds its bidirectional
+    padding mask through this function too, in the same forward as a new turn's decoder step."""
+    if _FULL_MASK_UNUSED.get() and kwargs.get("local_size") is None \
+            and kwargs.get("mask_function") is causal_mask_function:
         return None
     return sdpa_mask(*args, **kwargs)
 
@@ -184,6 +192,10 @@ def _pre_hook(module, args, kwargs):
     input_ids = _arg("input_ids", args, kwargs, params)
     embeds = _arg("inputs_embeds", args, kwargs, params)
     ref = input_ids if input_ids is not None else embeds
+    if input_ids is None and embeds is not None:  # embedded by an outer model: the ids it was called with
+        outer = _INPUT_IDS.get()
+        if outer is not None and tuple(outer.shape) == tuple(embeds.shape[:2]):
+            input_ids = outer
     position_ids = _arg("position_ids", args, kwargs, params)
     mask = _arg("attention_mask", args, kwargs, params)
     if isinstance(mask, dict):  # masks an outer model built per layer type: the mask it was called with
@@ -242,6 +254,8 @@ def _outer_pre_hook(module, args, kwargs):
     params = module._leankit_params
     mask = _arg("attention_mask", args, kwargs, params)
     _PADDING_MASK.set(mask if isinstance(mask, torch.Tensor) and mask.dim() in (2, 4) else None)
+    ids = _arg("input_ids", args, kwargs, params)
+    _INPUT_IDS.set(ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None)
     # A composite model builds its decoder's masks here, before the decoder's pre-hook opens the
     # step: a LeanCache step after the prompt reads no full-attention mask, so it is not built
     # (building it reads the device once per step on a GPU; see leankit_mask). Not with token
@@ -254,6 +268,7 @@ def _outer_pre_hook(module, args, kwargs):
 
 def _outer_post_hook(module, args, kwargs, output):
     _PADDING_MASK.set(None)
+    _INPUT_IDS.set(None)
     _FULL_MASK_UNUSED.set(False)
 
 

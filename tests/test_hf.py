@@ -380,6 +380,62 @@ def test_an_image_text_step_with_token_types_after_the_prompt_keeps_its_sliding_
     assert torch.equal(got, want)
 
 
+def test_an_audio_encoders_padding_mask_is_built_in_a_new_turn():
+    """A composite model's encoder is switched to leankit's attention with the whole model and builds
+    its bidirectional padding mask through leankit's mask function. In a new turn (a step after the
+    prompt) that mask must still be built, not skipped as the decoder's unread full mask is: a new
+    turn carrying audio of two lengths gives DynamicCache's logits (before, the shorter row's audio
+    encoder attended over its padding frames, 0.76 off on FP16)."""
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2Config
+
+    text = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, initializer_range=0.1)
+    audio = {"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+             "num_mel_bins": 16, "max_source_positions": 50}
+    torch.manual_seed(0)
+    model = Qwen2AudioForConditionalGeneration(Qwen2AudioConfig(audio_config=audio, text_config=text.to_dict(),
+                                                                 audio_token_index=299)).eval()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 290, (2, 6), generator=g)
+    turn = torch.randint(3, 290, (2, 27), generator=g)
+    turn[0, 1:26], turn[1, 1:16] = 299, 299  # 100 and 60 feature frames: 25 and 15 audio tokens
+    feats = torch.randn(2, 16, 100, generator=g)
+    frames = torch.ones(2, 100, dtype=torch.long)
+    frames[1, 60:] = 0
+
+    def turns(cache):
+        with torch.no_grad():
+            model(input_ids=prompt, attention_mask=torch.ones_like(prompt), **cache_kwargs(model, cache))
+            whole = torch.ones(2, prompt.shape[1] + turn.shape[1], dtype=torch.long)
+            return model(input_ids=turn, attention_mask=whole, input_features=feats, feature_attention_mask=frames,
+                         position_ids=(torch.arange(turn.shape[1]) + prompt.shape[1]).expand(2, -1),
+                         **cache_kwargs(model, cache)).logits
+
+    want = turns(DynamicCache(config=model.config))
+    torch.testing.assert_close(turns(leankit.LeanCache(model, "FP16")), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_image_text_models_rows_that_end_free_their_pages(monkeypatch, backend):
+    """Gemma3's image-text model embeds the ids itself and hands its decoder ``inputs_embeds`` alone:
+    a row that ends on its EOS still frees its pages (the ids come from the whole model's call), and
+    the tokens stay DynamicCache's. Before, no row of such a model ever ended."""
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("gemma3-image-text", sliding_window=64)
+    ids, mask = left_padded_batch(rows=3, width=9, pad_step=3, seed=5, vocab=90)
+    kw = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        free_run = model.generate(**kw, eos_token_id=None, **cache_kwargs(model, DynamicCache(config=model.config)))
+        eos = int(free_run[1, ids.shape[1] + 1])  # row 1 ends on its second token
+        assert eos not in free_run[0, ids.shape[1]:].tolist() and eos != 0
+        want = model.generate(**kw, eos_token_id=eos, **cache_kwargs(model, DynamicCache(config=model.config)))
+        cache = leankit.LeanCache(model, "FP16", eos_token_id=eos)
+        got = model.generate(**kw, eos_token_id=eos, **cache_kwargs(model, cache))
+    assert torch.equal(got, want)
+    assert cache.finished.tolist()[1] is True
+    assert cache.memory_report()["tokens_per_row"][1] == 0
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_step_whose_positions_go_back_is_refused_and_leaves_the_cache_as_it_was(monkeypatch, backend):
     """A manual prefill without position_ids on a left-padded batch stores a padded row's tokens at
