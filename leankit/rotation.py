@@ -71,9 +71,9 @@ _STORED_BASE = 128
 
 @functools.lru_cache(maxsize=32)
 def _stored_matrix(n: int, factor: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`hadamard`'s ``+-1`` pattern for ``n`` channels (0 off its blocks) times ``factor``, a
-    power of two, so every entry and every product with it is exact."""
-    return (_hadamard_cpu(n) * block_size(n) ** 0.5).round().mul(factor).to(device=device, dtype=dtype)
+    """One Sylvester block's ``+-1`` pattern (``n`` a power of two, at most :data:`_STORED_BASE`)
+    times ``factor``, a power of two, so every entry and every product with it is exact."""
+    return (_hadamard_cpu(n) * n ** 0.5).round().mul(factor).to(device=device, dtype=dtype)
 
 
 def _power_of_two(f: float) -> bool:
@@ -115,9 +115,9 @@ def rotate_stored(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         # exact entries in one matmul of one block are this very product: the same op and bits as rotate
         return rotate(x, h)
     factor = scale if exact else 1.0
-    # Block by block (a head_dim that is not a power of two: 96, 320, 384 ...): one matmul over the
-    # whole block-diagonal matrix would sum n products (zeros included), and at n = 320 or 384 the
-    # kernel's split of that sum changed with the number of rows.
+    # Block by block, each block halved down to the base (head_dim 96, 128, 256, 320, 384, 512 ...):
+    # one matmul over a block-diagonal head (96, 320, 384) would sum n products, zeros included, and
+    # at 320 or 384 the kernel's split of that sum changed with the number of rows.
     base = _stored_matrix(min(b, _STORED_BASE), factor, x.device, x.dtype)
     y = _sylvester(x.unflatten(-1, (n // b, b)), b, base).flatten(-2)
     return y if exact else y * scale
