@@ -235,6 +235,13 @@ def check_model_supported(config) -> None:
             f"leankit's LeanCache supports model types {SUPPORTED_MODEL_TYPES}; got {mtype!r}. "
             "Other architectures are not handled."
         )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        # Gemma3 caps attention logits as softcap * tanh(logits / softcap) when this is set (None in
+        # every released checkpoint); LeanCache's attention computes plain softmax(q k^T), so it
+        # would silently differ from the model's own attention
+        raise ValueError(f"this {mtype} model caps its attention logits (attn_logit_softcapping={softcap}), "
+                         "which LeanCache's attention does not do: set it to None or use a DynamicCache")
     other = sorted({t for t in layer_types(config) if t not in (COMPRESSED, PLAIN)})
     if other:
         raise ValueError(f"LeanCache cannot handle layer types {other} of this {mtype} model: only "

@@ -118,16 +118,32 @@ def _decoder_layers(model):
     return base, base.layers
 
 
+def _plain_linear(attn, name: str):
+    """``attn.<name>``, which must compute ``F.linear(x, weight, bias)``: recompute reads its weight and
+    bias and multiplies them itself, so a module whose output is something else (a PEFT LoRA layer
+    wrapping the projection, a quantized linear) would give K/V the layer never computed, silently."""
+    mod = getattr(attn, name)
+    if not isinstance(mod, torch.nn.Linear) or type(mod).forward is not torch.nn.Linear.forward:
+        kind = f"{type(mod).__module__}.{type(mod).__qualname__}"
+        raise ValueError(f"act->kv recomputation projects K/V with {name}'s weight and bias as a plain nn.Linear "
+                         f"does, but {name} is a {kind} (an adapter such as PEFT's LoRA, or a quantized linear), "
+                         "whose output that would not reproduce: merge the adapter into the weights "
+                         "(peft's merge_and_unload()) or use a cache without act")
+    return mod
+
+
 def _kv_weight(mtype: str, cfg, attn) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The stacked ``[Wk; Wv]`` (and ``[bk; bv]``) of one attention module, copied once."""
     if mtype == "phi3":  # one fused qkv_proj: rows [q | k | v]
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         f = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        qkv = _plain_linear(attn, "qkv_proj")
+        w, b = qkv.weight, qkv.bias
         rows = slice(hq * f, (hq + 2 * hkv) * f)
         return w[rows].detach().contiguous(), None if b is None else b[rows].detach().contiguous()
-    weight = torch.cat([attn.k_proj.weight, attn.v_proj.weight], 0).detach().contiguous()
-    kb, vb = attn.k_proj.bias, attn.v_proj.bias
+    k_proj, v_proj = _plain_linear(attn, "k_proj"), _plain_linear(attn, "v_proj")
+    weight = torch.cat([k_proj.weight, v_proj.weight], 0).detach().contiguous()
+    kb, vb = k_proj.bias, v_proj.bias
     if (kb is None) != (vb is None):
         raise ValueError("k_proj and v_proj must both have a bias or both have none")
     return weight, None if kb is None else torch.cat([kb, vb]).detach().contiguous()
@@ -187,7 +203,12 @@ def layer_params(model, layer_idx: int) -> ActToKVParams:
         f = cfg.hidden_size // hkv
         ln = layer.self_attn_layer_norm
         if cfg.do_layer_norm_before:
-            norm, nw, nb, eps = "layer", ln.weight.detach(), ln.bias.detach(), ln.eps
+            # layer_norm_elementwise_affine=False: a LayerNorm with no weight and no bias, i.e. ones
+            # and zeros (x * 1 + 0 is exact, so the K/V stay bit-identical to the layer's)
+            nw = torch.ones(cfg.hidden_size, dtype=weight.dtype, device=weight.device) if ln.weight is None \
+                else ln.weight.detach()
+            nb = torch.zeros_like(nw) if ln.bias is None else ln.bias.detach()
+            norm, eps = "layer", ln.eps
         else:  # OPT-350m: the norm comes after attention, so K/V see the raw input
             norm, nw, nb, eps = "none", None, None, 0.0
         return ActToKVParams(norm, nw, nb, eps, weight, bias, hkv, f)

@@ -344,6 +344,62 @@ def test_act_on_an_unsupported_architecture_is_a_clear_error():
         layer_params(gpt2, 0)
 
 
+class _AdaptedLinear(torch.nn.Module):
+    """A projection plus a low-rank update, exposing the base ``weight``/``bias`` as PEFT's LoRA layers do."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base_layer = base
+        self.down = torch.nn.Linear(base.in_features, 2, bias=False)
+        self.up = torch.nn.Linear(2, base.out_features, bias=False)
+        torch.nn.init.normal_(self.up.weight)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.up(self.down(x))
+
+
+@pytest.mark.parametrize("kind,proj", [("llama-gqa", "v_proj"), ("phi3", "qkv_proj")])
+def test_act_on_adapted_kv_projections_is_refused_not_silently_wrong(kind, proj):
+    """Recompute multiplies the projection's ``weight`` and ``bias`` itself: a k/v (or fused qkv) projection
+    wrapped by an adapter (PEFT's LoRA keeps the base weight as ``.weight``) computes something else, so an
+    ACT cache is refused by name, where it gave other tokens than DynamicCache before. An adapter on the
+    query projection alone leaves K/V alone and stays exact."""
+    model = model_of(kind, 4)
+    attn = model.get_decoder().layers[1].self_attn
+    setattr(attn, proj, _AdaptedLinear(getattr(attn, proj)))
+    with pytest.raises(ValueError, match=f"{proj} is a .*_AdaptedLinear.*merge the adapter"):
+        lean(model, "FP16:act=0.5")
+    ids, mask = _batch(4, rows=2)
+    ref = _generate(model, ids, mask, DynamicCache(config=model.config), new=5)
+    assert torch.equal(_generate(model, ids, mask, lean(model, "FP16"), new=5), ref)  # KV pages hold what it computed
+    if kind == "llama-gqa":
+        attn.q_proj = _AdaptedLinear(attn.q_proj)
+        setattr(attn, proj, getattr(attn, proj).base_layer)
+        ref = _generate(model, ids, mask, DynamicCache(config=model.config), new=5)
+        assert torch.equal(_generate(model, ids, mask, lean(model, "FP16:act=0.5,page_size=512"), new=5), ref)
+
+
+def test_act_on_a_peft_lora_model():
+    peft = pytest.importorskip("peft")
+    model = model_of("qwen3", 2)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["k_proj", "v_proj"],
+                                                       init_lora_weights=False)).eval()
+    with pytest.raises(ValueError, match="k_proj is a peft.*merge_and_unload"):
+        lean(lora, "FP16:act=1")
+    merged = lora.merge_and_unload()
+    ids, mask = _batch(2, rows=2)
+    ref = _generate(merged, ids, mask, DynamicCache(config=merged.config), new=5)
+    assert torch.equal(_generate(merged, ids, mask, lean(merged, "FP16:act=1"), new=5), ref)
+
+
 @pytest.mark.parametrize("hidden,padded_hidden", [(40, 48), (120, 128)], ids=["head_dim10", "head_dim30"])
 def test_act_with_heads_padded_to_whole_bytes(hidden, padded_hidden):
     """Heads whose 2-bit codes do not fill whole bytes (head_dim 10, 30) are padded in the KV pages

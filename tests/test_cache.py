@@ -322,6 +322,18 @@ def test_unsupported_models_raise():
         check_model_supported(cfg)
 
 
+def test_a_model_that_caps_its_attention_logits_is_refused():
+    # Gemma3 with attn_logit_softcapping set hands its attention a softcap LeanCache would ignore
+    cfg = tiny_config("gemma3")
+    check_model_supported(cfg)  # None, as in every released checkpoint: served
+    cfg.attn_logit_softcapping = 50.0
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
+        check_model_supported(cfg)
+    model = tiny_model("gemma3", attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="caps its attention logits"):
+        LeanCache(model, "K8V4")
+
+
 def test_cache_built_for_another_model_names_both_shapes():
     small, deeper, wider = tiny_model("llama-gqa"), tiny_model("llama-gqa", num_hidden_layers=3), tiny_model("llama-mha")
     ids, mask = _batch(rows=2)

@@ -66,6 +66,9 @@ def build(kind: str, seed: int, dtype=torch.float32):
     elif kind == "opt-post":
         m = OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=64, num_attention_heads=3, word_embed_proj_dim=48,
                                      do_layer_norm_before=False, **COMMON))
+    elif kind == "opt-noaffine":  # LayerNorms without weight or bias (layer_norm_elementwise_affine=False)
+        m = OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=64, num_attention_heads=3, word_embed_proj_dim=48,
+                                     layer_norm_elementwise_affine=False, **COMMON))
     else:
         raise ValueError(kind)
     # Random-init norms are ones and biases zeros: perturb every parameter so each one matters.
@@ -139,7 +142,8 @@ def _check_model(model, seed):
     assert checked == 2 * len(params)
 
 
-KINDS = ["llama-mha", "llama-gqa", "qwen2", "qwen3", "phi3", "phi3-partial", "gemma3", "opt", "opt-post"]
+KINDS = ["llama-mha", "llama-gqa", "qwen2", "qwen3", "phi3", "phi3-partial", "gemma3", "opt", "opt-post",
+         "opt-noaffine"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -187,6 +191,9 @@ def test_extracted_parameters():
     o = layer_params(build("opt", 1), 0)
     assert o.norm == "layer" and o.inv_freq is None and o.bias is not None and o.num_kv_heads == 3
     assert layer_params(build("opt-post", 1), 0).norm == "none"
+    # an affine-free LayerNorm reads as weight ones and bias zeros (it raised AttributeError on None.detach)
+    na = layer_params(build("opt-noaffine", 1), 0)
+    assert na.norm == "layer" and torch.equal(na.norm_weight, torch.ones(48)) and torch.equal(na.norm_bias, torch.zeros(48))
     q2 = layer_params(build("qwen2", 1), 0)
     assert q2.bias is not None and q2.k_norm_weight is None and q2.has_rope
     phi = build("phi3", 1)
