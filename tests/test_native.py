@@ -460,6 +460,45 @@ def test_without_a_compiler_leankit_warns_once_and_runs_the_torch_path(monkeypat
     testing.assert_close_normwise(lse, ref_lse, torch.float32, f"lse (seed {seed})")
 
 
+def _stand_in_compiler(tmp_path, body: str) -> str:
+    """A shell script standing in for the C compiler: it answers the macro probe (``-dM``) at once
+    and runs ``body`` for the build."""
+    cc = tmp_path / "stand-in-cc"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *-dM*) exit 0;; esac\n{body}\n')
+    cc.chmod(0o755)
+    return str(cc)
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
+def test_a_compiler_that_never_returns_counts_as_a_failed_build(monkeypatch, tmp_path):
+    """A hung compiler must not hang the first decode step: the build times out, leankit warns once
+    and runs the torch path."""
+    import time
+
+    monkeypatch.setenv("LEANKIT_CACHE_DIR", str(tmp_path / "builds"))
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 2, raising=False)
+    cc = _stand_in_compiler(tmp_path, "exec sleep 30")
+    monkeypatch.setattr(native, "_compiler", lambda: cc)
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="torch path.*did not finish"):
+        assert native.kernels() is None
+    assert time.monotonic() - start < 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.kernels() is None  # decided once
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
+def test_a_failed_build_whose_message_is_not_utf8_warns_and_runs_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("LEANKIT_CACHE_DIR", str(tmp_path / "builds"))
+    monkeypatch.setattr(native, "_state", {})
+    cc = _stand_in_compiler(tmp_path, "printf 'fichier introuvable: caf\\351.c error\\n' >&2; exit 1")
+    monkeypatch.setattr(native, "_compiler", lambda: cc)
+    with pytest.warns(RuntimeWarning, match="torch path.*could not build"):
+        assert native.kernels() is None
+
+
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("LEANKIT_NATIVE", "0")
     with warnings.catch_warnings():

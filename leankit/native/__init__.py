@@ -82,6 +82,11 @@ FLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-fassociativ
          "-fno-trapping-math"]
 ARCH_FLAGS = ["-march=native"]  # dropped if the compiler refuses it
 OPENMP_FLAGS = ["-fopenmp"]  # only with GCC, where torch's own libgomp is loaded (see the module docstring)
+# Seconds one compiler run may take. A compiler that never returns (a wrapper waiting on a lock or a
+# network, a stopped job) must not hang the first decode step: past this the build counts as failed
+# and leankit runs the torch path. The build takes seconds of CPU (about 1.5 min measured on a
+# loaded 2-core machine), so this is far above a real build.
+BUILD_TIMEOUT_S = 600
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -163,8 +168,13 @@ def _build(cc: str, source_dir: Path | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            run = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, *map(str, sources)], capture_output=True, text=True,
-                                 check=False)
+            try:
+                # errors="replace": a compiler's message in another encoding must not raise here
+                run = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, *map(str, sources)], capture_output=True,
+                                     text=True, errors="replace", check=False, timeout=BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{cc} did not finish building the kernels in {SOURCE_DIR.name} within "
+                                   f"{BUILD_TIMEOUT_S} s") from None
             if run.returncode == 0:
                 os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
                 if first_error:
