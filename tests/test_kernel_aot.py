@@ -28,6 +28,13 @@ def test_aot_quick_single_kernel():
     assert "page alloc grow" in res.stdout and "sm_80" in res.stdout and "0 failing" in res.stdout
 
 
+def test_aot_only_that_matches_no_kernel_fails():
+    """A mistyped --only used to compile nothing and pass ("0 compiles, 0 failing", status 0)."""
+    res = _run("--only", "no such kernel", "--arch", "80", "--jobs", "1", timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "matches no kernel" in res.stderr and "page alloc grow" in res.stderr
+
+
 @pytest.mark.slow
 def test_aot_all_kernels_no_spills():
     """The full matrix (about 40 compiles, 1-2 min on 2 cores): no compile errors, no spills."""

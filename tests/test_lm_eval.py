@@ -107,3 +107,17 @@ def test_a_model_argument_lm_eval_also_passes_wins_over_lm_evals_value(caplog):
     lm = LeanKitLM.create_from_arg_obj({"pretrained": model, "tokenizer": tok, "kv": "K8V4"},
                                        {"batch_size": 3, "device": None})
     assert lm.batch_size == 3 and "overrides" not in caplog.text
+
+
+def test_without_lm_eval_the_command_says_which_extra_in_one_line(monkeypatch, capsys):
+    """No lm-eval installed: `leankit lm-eval` exits 2 with one line naming the `eval` extra,
+    not a traceback (as a missing model package is reported)."""
+    import sys
+
+    from leankit.cli import main
+
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)  # importing it raises ModuleNotFoundError
+    assert main(["lm-eval", "run", "--tasks", "leankit_capitals"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("leankit lm-eval: error:") and "leankit-kv[eval]" in err
+    assert "Traceback" not in err

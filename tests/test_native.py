@@ -7,7 +7,9 @@ caller masks later. ``tests/test_decode_attention.py`` checks the whole live-pag
 and without these kernels against the padded-tile reference.
 """
 
+import os
 import platform
+import shlex
 import shutil
 import warnings
 from pathlib import Path
@@ -499,6 +501,24 @@ def test_a_failed_build_whose_message_is_not_utf8_warns_and_runs_the_torch_path(
         assert native.kernels() is None
 
 
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
+def test_cc_with_arguments_runs_its_program_with_them(monkeypatch, tmp_path):
+    """``CC="ccache gcc"`` or ``CC="gcc -m64"`` names a program and its arguments, as make reads it;
+    a failed build with nothing on stderr still says why."""
+    cc = _stand_in_compiler(tmp_path, 'echo "$@" > "$(dirname "$0")/args"; exit 1')
+    monkeypatch.setenv("CC", f"{cc} --wrapped-flag")
+    assert native._compiler() == f"{cc} --wrapped-flag"
+    monkeypatch.setenv("LEANKIT_CACHE_DIR", str(tmp_path / "builds"))
+    monkeypatch.setattr(native, "_state", {})
+    with pytest.warns(RuntimeWarning, match="could not build.*exit status 1, no message"):
+        assert native.kernels() is None
+    assert (tmp_path / "args").read_text().split()[0] == "--wrapped-flag"
+    monkeypatch.setenv("CC", "'unbalanced")  # not a command: the next compiler on PATH, as for a missing one
+    monkeypatch.setenv("PATH", str(tmp_path))
+    (tmp_path / "cc").symlink_to(cc)
+    assert native._compiler() == shlex.join([str(tmp_path / "cc")])
+
+
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("LEANKIT_NATIVE", "0")
     with warnings.catch_warnings():
@@ -538,3 +558,22 @@ def test_build_is_cached_and_keyed_by_source(monkeypatch, tmp_path):
     assert native._build(cc) == first  # the same sources elsewhere: the same library
     (src / "fp16.h").write_text((src / "fp16.h").read_text() + "\n/* changed */\n")  # a header counts too
     assert native._build(cc) != first
+
+
+def test_a_built_library_is_readable_by_other_users_of_a_shared_cache(tmp_path, monkeypatch):
+    """mkstemp creates the build's file 0600 and the linker only adds execute bits (0711): another
+    user of a shared $LEANKIT_CACHE_DIR could not dlopen it and ran the torch path. The library
+    follows the umask, as the converted models do."""
+    cc = native._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "one.c").write_text("int lk_one(void) { return 1; }\n")
+    monkeypatch.setenv("LEANKIT_CACHE_DIR", str(tmp_path / "cache"))
+    old = os.umask(0o022)
+    try:
+        out = native._build(cc, src)
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755

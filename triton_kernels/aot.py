@@ -466,6 +466,8 @@ def main(argv=None) -> int:
     ap.add_argument("--report", default="", help="also write the tables as markdown to this file")
     a = ap.parse_args(argv)
     todo = [(i, cc) for i, c in enumerate(cases()) if a.only in c.label for cc in a.arch]
+    if not todo:  # a mistyped --only compiled nothing and passed ("0 compiles, 0 failing")
+        ap.error(f"--only {a.only!r} matches no kernel; labels: {', '.join(c.label for c in cases())}")
     if a.jobs > 1:
         with ProcessPoolExecutor(a.jobs) as ex:
             rows = list(ex.map(_run, todo))

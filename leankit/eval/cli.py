@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         from lm_eval.__main__ import cli_evaluate
 
         from . import lm  # noqa: F401  (registers the model name "leankit")
-    except ModuleNotFoundError as e:
-        raise ModuleNotFoundError(f"`leankit lm-eval` needs lm-eval: pip install 'lm-eval[hf]' ({e})") from None
+    except ModuleNotFoundError as e:  # one line naming the extra, as a missing model package is reported
+        print(f"leankit lm-eval: error: `leankit lm-eval` needs lm-eval: pip install 'leankit-kv[eval]' "
+              f"(or 'lm-eval[hf]') ({e})", file=sys.stderr)
+        return 2
     args = lm_eval_argv(sys.argv[1:] if argv is None else argv)
     saved = sys.argv
     sys.argv = ["lm-eval", *args]  # lm-eval's parser reads sys.argv itself

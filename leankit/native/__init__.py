@@ -40,6 +40,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -127,9 +128,17 @@ def _torch_libgomp() -> bool:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+    """The compiler command, as a shell-quoted string: ``$CC`` (which may carry arguments, as
+    ``ccache gcc`` or ``gcc -m64`` do) with its program found on ``PATH``, else ``cc``, ``gcc`` or
+    ``clang``; ``None`` where none is found."""
+    for command in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        try:
+            words = shlex.split(command or "")
+        except ValueError:  # unbalanced quotes: not a command
+            continue
+        found = shutil.which(words[0]) if words else None
+        if found:
+            return shlex.join([found, *words[1:]])
     return None
 
 
@@ -138,7 +147,7 @@ def _gnu_openmp(cc: str) -> bool:
     """Whether ``cc``'s ``-fopenmp`` binds to GNU OpenMP (``libgomp``): GCC does; Clang and the
     compilers built on it (Intel's icx, AMD's aocc) define ``__clang__`` and call LLVM's runtime."""
     try:
-        run = subprocess.run([cc, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, check=False,
+        run = subprocess.run([*shlex.split(cc), "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, check=False,
                              timeout=60)
     except (OSError, subprocess.SubprocessError):
         return False
@@ -170,19 +179,25 @@ def _build(cc: str, source_dir: Path | None = None) -> Path:
         try:
             try:
                 # errors="replace": a compiler's message in another encoding must not raise here
-                run = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, *map(str, sources)], capture_output=True,
+                run = subprocess.run([*shlex.split(cc), *FLAGS, *extra, "-o", tmp, *map(str, sources)], capture_output=True,
                                      text=True, errors="replace", check=False, timeout=BUILD_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 raise RuntimeError(f"{cc} did not finish building the kernels in {SOURCE_DIR.name} within "
                                    f"{BUILD_TIMEOUT_S} s") from None
             if run.returncode == 0:
+                # mkstemp's 0600 survives the linker's rewrite (it adds only the execute bits, so 0711):
+                # other users of a shared cache could not load the library and would fall back to the
+                # torch path. A built library is readable as the umask allows, as the converted models are.
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o755 & ~umask)
                 os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
                 if first_error:
                     dropped = " ".join(f for f in wanted if f not in extra)
                     warnings.warn(f"leankit: compiled CPU kernels built without {dropped} ({first_error})",
                                   RuntimeWarning, stacklevel=3)
                 return out
-            last_error = run.stderr.strip()
+            last_error = run.stderr.strip() or f"exit status {run.returncode}, no message"
             lines = last_error.splitlines() or ["no message"]
             first_error = first_error or next((ln for ln in lines if "error" in ln), lines[0])[:300]
         finally:
