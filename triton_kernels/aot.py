@@ -459,7 +459,8 @@ def opcode_table(rows: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m leankit_kernels.aot", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities (default 80 90)")
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="parallel compiles")
     ap.add_argument("--only", default="", help="compile only kernels whose label contains this text")
