@@ -1,4 +1,4 @@
-"""Perplexity through a compressing LeanCache on real English Wikipedia text.
+"""Perplexity through a compressing LeanCache on real English Wikipedia text (or ``--text FILE``).
 
 Protocol (per document and config, fresh cache each time):
 
@@ -11,6 +11,12 @@ Protocol (per document and config, fresh cache each time):
    from ``LeanCache.memory_report()`` after the last chunk: ``ratio = kv_bytes / fp16_bytes`` where
    ``fp16_bytes`` is what an fp16 ``DynamicCache`` holds for the same tokens.
 
+With ``--text FILE`` (a UTF-8 plain-text file) the documents are the file's own tokens instead,
+cut in order into consecutive, non-overlapping windows: each document is BOS followed by
+``context + chunks * chunk - 1`` tokens of the file, exactly the ``context + chunks * chunk`` tokens
+a run feeds the model. ``--skip``/``--docs`` count those windows; the tail shorter than a window
+is left out.
+
 Every config scores the same tokens, so its gap to FP16 is a *paired* difference: the script keeps
 each token's NLL and reports ``ppl / ppl_FP16 - 1`` with a 95% interval from the standard error of
 the per-token NLL differences (``exp(mean(d) +- 1.96 sd(d) / sqrt(n)) - 1``). A gap of a few tenths
@@ -20,6 +26,8 @@ Example::
 
     python -m eval.perplexity --docs 4 --context 2048 --chunks 4 \\
         --config FP16 --config "K8V4-K4V2:th=0.5,tl=0" --out out/ppl.json
+    python -m eval.perplexity --text essays.txt --docs 8 --context 2048 --chunks 4 \\
+        --config FP16 --config K8V4                   # the user's own text
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import os
 import torch
 from tqdm.auto import tqdm
 
+from leankit.bench.text import corpus_ids, read_text, text_source
 from leankit.cache import LeanCache
 from leankit.config import KVConfig
 from leankit.data import wiki_articles
@@ -74,6 +83,32 @@ def documents(tok, n_docs: int, need: int, skip: int = 0) -> list[torch.Tensor]:
         raise TooFewArticles(f"only {seen} of the {len(wiki_articles())} Wikipedia articles have {need} tokens "
                              f"(the longest has {longest}); {skip} skipped + {n_docs} scored are needed")
     return out
+
+
+class TooShortText(ValueError):
+    """The ``--text`` file holds fewer windows than ``--skip`` + ``--docs`` (or not even one)."""
+
+
+def text_documents(tok, path, n_docs: int, length: int, skip: int = 0) -> tuple[list[torch.Tensor], int]:
+    """``(documents, n_tokens)``: ``n_docs`` documents of exactly ``length`` tokens cut from the
+    UTF-8 text file ``path``, and how many tokens the whole file holds.
+
+    The file's tokens (:func:`leankit.bench.text.corpus_ids`) are cut in order into consecutive,
+    non-overlapping windows of ``length - 1`` tokens, each scored after a BOS as the Wikipedia
+    articles are; the first ``skip`` windows are passed over. The tail shorter than a window is
+    left out. Raises :class:`TooShortText` when the file holds too few windows.
+    """
+    ids = corpus_ids(tok, path)
+    per = length - 1
+    windows = len(ids) // per
+    if windows == 0:
+        raise TooShortText(f"--text {path} has {len(ids)} tokens, too few for one window: a window needs "
+                           f"{per} tokens of text (+ BOS = {length} = --context + --chunks x --chunk)")
+    if skip + n_docs > windows:
+        raise TooShortText(f"--text {path} has {len(ids)} tokens, {windows} window(s) of {per} (+ BOS = {length} "
+                           f"= --context + --chunks x --chunk); {skip} skipped + {n_docs} scored are needed")
+    bos = torch.tensor([tok.bos_token_id], dtype=ids.dtype)
+    return [torch.cat([bos, ids[w * per: (w + 1) * per]]) for w in range(skip, skip + n_docs)], len(ids)
 
 
 @torch.no_grad()
@@ -129,7 +164,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--config", action="append", required=True,
                     help='KV config with overrides, e.g. "K8V4-K4V2:th=0.5,tl=0" (repeatable)')
     ap.add_argument("--docs", type=int, default=4)
-    ap.add_argument("--skip", type=int, default=0, help="skip this many long-enough articles first (held-out splits)")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="skip this many long-enough articles (or --text windows) first (held-out splits)")
+    ap.add_argument("--text", metavar="FILE", default=None,
+                    help="score a UTF-8 text file of your own instead of the Wikipedia articles, cut into "
+                         "consecutive windows of --context + --chunks x --chunk tokens (BOS first)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=4)
@@ -147,7 +186,12 @@ def main(argv=None) -> dict:
         configs = [parse_config(c) for c in args.config]
     except ValueError as err:
         ap.error(str(err))
-    if args.skip + args.docs > len(wiki_articles()):  # the token counts need the tokenizer; this does not
+    if args.text is not None:
+        try:
+            read_text(args.text)  # a missing, empty or non-UTF-8 file fails before the model loads
+        except ValueError as err:
+            ap.error(str(err))
+    elif args.skip + args.docs > len(wiki_articles()):  # the token counts need the tokenizer; this does not
         ap.error(f"--skip {args.skip} + --docs {args.docs} asks for more than the {len(wiki_articles())} "
                  "Wikipedia articles there are")
     # The baseline is the first lossless config however it is written ("FP16", "fp16", "K16V16",
@@ -160,10 +204,20 @@ def main(argv=None) -> dict:
         configs.remove(base)
         configs.insert(0, base)
     model, tok = start_run(args)
+    source = text_source(args.text)
     try:
-        docs = documents(tok, args.docs, args.context + args.chunk * args.chunks + 1, args.skip)
-    except TooFewArticles as err:
+        if args.text is None:
+            docs = documents(tok, args.docs, args.context + args.chunk * args.chunks + 1, args.skip)
+        else:
+            docs, n_tokens = text_documents(tok, args.text, args.docs, args.context + args.chunk * args.chunks,
+                                            args.skip)
+    except (TooFewArticles, TooShortText) as err:
         ap.error(f"{err}: lower --context, --chunk or --chunks, or --docs or --skip")
+    except ValueError as err:  # a text the tokenizer turns into no token at all
+        ap.error(str(err))
+    if args.text is not None:
+        print(f"text: {source} ({n_tokens} tokens; windows {args.skip} to {args.skip + args.docs - 1} of "
+              f"{args.context + args.chunk * args.chunks} tokens, BOS first)", flush=True)
     check_configs_fit(ap, model, configs)
     results = []
     token_nll = {}
@@ -198,7 +252,7 @@ def main(argv=None) -> dict:
             row["kl_vs_fp16"], row["kl_vs_fp16_ci95"] = kl["mean"], [kl["lo"], kl["hi"]]
         token_nll[row["config"]] = all_nll
         results.append(row)
-        write_json(args.out, {"args": vars(args), "results": results, "partial": True})
+        write_json(args.out, {"args": vars(args), "text_source": source, "results": results, "partial": True})
         print(f"{row['config']:<44} ppl {row['ppl']:8.4f}  kv/fp16 {ratio:6.3f}  "
               f"high/low/pruned {tiers['high'] / tot:.2f}/{tiers['low'] / tot:.2f}/{tiers['pruned'] / tot:.2f}  "
               f"pages {sum(row['pages_used'])}"
@@ -210,7 +264,7 @@ def main(argv=None) -> dict:
             g = paired_gap(token_nll[r["config"]], base_nll)
             r["ppl_vs_fp16"], r["ppl_vs_fp16_ci95"] = g["gap"], [g["gap_lo"], g["gap_hi"]]
             print(f"  {r['config']:<44} {100 * g['gap']:+.2f}%  [{100 * g['gap_lo']:+.2f}%, {100 * g['gap_hi']:+.2f}%]")
-    payload = {"args": vars(args), "torch_threads": torch.get_num_threads(), "results": results,
+    payload = {"args": vars(args), "text_source": source, "torch_threads": torch.get_num_threads(), "results": results,
                "baseline": None if base is None else results[0]["config"],
                "cmd": "python -m eval.perplexity " + " ".join(os.sys.argv[1:] if argv is None else argv)}
     write_json(args.out, payload)

@@ -54,7 +54,9 @@ def plot_perplexity(payloads: list[dict], out: Path) -> Path:
         if base is None:
             raise ValueError("a perplexity file needs an FP16 (lossless) row to normalize against")
         args = payload.get("args", {})
-        name = f"articles {args.get('skip', 0)}-{args.get('skip', 0) + args.get('docs', 0) - 1}"
+        # a --text run scored windows of the user's file, not Wikipedia articles
+        unit = "articles" if not args.get("text") else f"windows of {Path(args['text']).name}"
+        name = f"{unit} {args.get('skip', 0)}-{args.get('skip', 0) + args.get('docs', 0) - 1}"
         if "source" in payload:
             name += f" ({payload['source']})"
         pts = [(r["kv_ratio"], 100 * (r["ppl"] / base["ppl"] - 1), _short(r["config"])) for r in rows if r is not base]
@@ -77,7 +79,8 @@ def plot_perplexity(payloads: list[dict], out: Path) -> Path:
     ax.set_ylim(-0.5, y_top + 0.5)
     ax.set_xlabel("KV bytes / fp16 DynamicCache bytes")
     ax.set_ylabel("perplexity vs FP16 (%)")
-    ax.set_title("SmolLM2-135M, Wikipedia, 2048-token prefill + 4x64 scored")
+    own = any(p.get("args", {}).get("text") for p in payloads)
+    ax.set_title(f"SmolLM2-135M, {'own text' if own else 'Wikipedia'}, 2048-token prefill + 4x64 scored")
     ax.legend(fontsize=8)
     return _save(fig, out / "perplexity_vs_memory.png")
 

@@ -155,3 +155,82 @@ def test_lossless_baseline_is_found_by_its_config(base, monkeypatch):
     assert first["config"] == base == out["baseline"] and "kl_vs_fp16" not in first
     assert first["ppl_vs_fp16"] == 0.0
     assert lossy["config"] == "K4V2" and lossy["kl_vs_fp16"] > 0 and "ppl_vs_fp16_ci95" in lossy
+
+
+class NumberTokenizer:
+    """Each whitespace-separated number is its own token id (BOS 1), called as transformers is."""
+
+    bos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=False):
+        from transformers import BatchEncoding
+
+        return BatchEncoding({"input_ids": [int(w) for w in text.split()]})
+
+
+def test_text_windows_are_consecutive_and_counted_by_skip(tmp_path):
+    """--text cuts the file's tokens in order into non-overlapping windows of context + chunks x chunk
+    tokens (BOS first); --skip and --docs count windows and the short tail is left out."""
+    from eval.perplexity import TooShortText, text_documents
+
+    path = tmp_path / "own.txt"
+    path.write_text(" ".join(str(i) for i in range(10, 10 + 23)) + "\n", encoding="utf-8")  # 23 tokens
+    docs, n = text_documents(NumberTokenizer(), path, n_docs=4, length=6)  # windows of 5 + BOS
+    assert n == 23 and [d.tolist() for d in docs] == [[1, *range(10 + 5 * w, 15 + 5 * w)] for w in range(4)]
+    assert all(d.dtype == torch.long for d in docs)
+    docs, _ = text_documents(NumberTokenizer(), path, n_docs=2, length=6, skip=2)
+    assert [d.tolist() for d in docs] == [[1, 20, 21, 22, 23, 24], [1, 25, 26, 27, 28, 29]]
+    with pytest.raises(TooShortText, match=r"has 23 tokens, 4 window\(s\) of 5 .*2 skipped \+ 3 scored"):
+        text_documents(NumberTokenizer(), path, n_docs=3, length=6, skip=2)
+    with pytest.raises(TooShortText, match="has 23 tokens, too few for one window: a window needs 24 tokens"):
+        text_documents(NumberTokenizer(), path, n_docs=1, length=25)
+    assert len(text_documents(NumberTokenizer(), path, n_docs=1, length=24)[0][0]) == 24
+
+
+def test_text_file_is_scored_and_named(tmp_path, monkeypatch, capsys):
+    """main() with --text scores the file's windows (not Wikipedia: wiki_articles is never read),
+    prints where the text came from and names it in the JSON."""
+    import json
+
+    from eval import perplexity
+
+    model = tiny_model("llama-gqa")
+    path = tmp_path / "own.txt"
+    gen = torch.Generator().manual_seed(7)
+    path.write_text(" ".join(str(int(i)) for i in torch.randint(3, 97, (3 * 31 + 4,), generator=gen)), encoding="utf-8")
+    monkeypatch.setattr(perplexity, "start_run", lambda args: (model, NumberTokenizer()))
+    monkeypatch.setattr(perplexity, "wiki_articles", no_model)
+    out = perplexity.main(["--text", str(path), "--config", "FP16", "--config", "K4V2", "--docs", "2", "--skip", "1",
+                           "--context", "24", "--chunk", "4", "--chunks", "2", "--out", str(tmp_path / "p.json")])
+    printed = capsys.readouterr().out
+    assert "text: the text of own.txt (97 tokens; windows 1 to 2 of 32 tokens, BOS first)" in printed
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["text_source"] == out["text_source"] == "the text of own.txt" and saved["args"]["text"] == str(path)
+    assert out["results"][0]["tokens"] == 2 * 8 and out["results"][1]["kl_vs_fp16"] > 0
+    docs, _ = perplexity.text_documents(NumberTokenizer(), path, 2, 32, skip=1)
+    nll = [perplexity.score_document(model, d, "FP16", {}, 24, 4, 2)[0] for d in docs]
+    assert out["results"][0]["doc_nll"] == pytest.approx([float(x.mean()) for x in nll])
+
+
+@pytest.mark.parametrize("content,docs,expect", [
+    (b"\xff\xfe caf\xe9", "1", "is not UTF-8"),
+    (b"  \n", "1", "holds no text"),
+    (None, "1", "no such file"),
+    (" ".join(["5"] * 40).encode(), "1", "has 40 tokens, too few for one window: a window needs 55 tokens"),
+    (" ".join(["5"] * 120).encode(), "3", "has 120 tokens, 2 window(s) of 55"),
+], ids=["not-utf8", "blank", "missing", "under-one-window", "too-few-windows"])
+def test_bad_text_files_are_usage_errors(tmp_path, monkeypatch, capsys, content, docs, expect):
+    """A missing, empty or non-UTF-8 --text stops before the model loads; one too short for a window
+    (or for --skip + --docs windows) says how many tokens it has and how many a window needs."""
+    from eval import perplexity
+
+    path = tmp_path / "own.txt"
+    if content is not None:
+        path.write_bytes(content)
+    loads = "too few" in expect or "window(s)" in expect
+    monkeypatch.setattr(perplexity, "start_run", (lambda args: (None, NumberTokenizer())) if loads else no_model)
+    monkeypatch.setattr(perplexity, "wiki_articles", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        perplexity.main(["--text", str(path), "--config", "FP16", "--docs", docs, "--context", "48", "--chunk", "4",
+                         "--chunks", "2"])
+    assert exit_info.value.code == 2 and expect in capsys.readouterr().err

@@ -58,3 +58,33 @@ def test_point_labels_are_compact_and_keep_values():
     assert plot._short("K8V4-K4V2:th=0.2,rotate=False") == "K8V4-K4V2:th=0.2"
     assert plot._short("K8V4:rotate=True") == "K8V4:rot"
     assert plot._short("K8V4:rotate=False") == "K8V4"
+
+
+def test_text_runs_are_not_labelled_as_wikipedia(tmp_path, monkeypatch):
+    """A file from ``eval.perplexity --text`` is labelled by its windows of that file, and the title
+    stops saying Wikipedia; files of the shipped articles keep their label."""
+    wiki = tmp_path / "wiki.json"
+    wiki.write_text(json.dumps({"args": {"docs": 2, "skip": 3, "text": None},
+                                "results": [{"config": "FP16", "ppl": 10.0, "kv_ratio": 2.1},
+                                            {"config": "K8V4", "ppl": 10.1, "kv_ratio": 0.44}]}))
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"args": {"docs": 4, "skip": 0, "text": "/data/essays.txt"},
+                               "text_source": "the text of essays.txt",
+                               "results": [{"config": "FP16", "ppl": 20.0, "kv_ratio": 2.1},
+                                           {"config": "K8V4", "ppl": 20.1, "kv_ratio": 0.44}]}))
+    import matplotlib.axes
+
+    seen = {}
+    legend = matplotlib.axes.Axes.legend
+
+    def spy_legend(self, *args, **kwargs):
+        seen["labels"] = [c.get_label() for c in self.collections if not c.get_label().startswith("_")]
+        return legend(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, t, *a, **k: seen.__setitem__("title", t))
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend", spy_legend)
+    plot.main(["--ppl", str(wiki), str(own), "--out", str(tmp_path / "png")])
+    assert seen["labels"] == ["articles 3-4 (wiki)", "windows of essays.txt 0-3 (own)"]
+    assert "Wikipedia" not in seen["title"] and "own text" in seen["title"]
+    plot.main(["--ppl", str(wiki), "--out", str(tmp_path / "png")])
+    assert seen["labels"] == ["articles 3-4 (wiki)"] and "Wikipedia" in seen["title"]
