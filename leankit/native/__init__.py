@@ -127,6 +127,22 @@ def _torch_libgomp() -> bool:
         return False
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (``/proc/self/status``):
+    setting and restoring it (the only portable way) would briefly widen the files other threads
+    create meanwhile."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _compiler() -> str | None:
     """The compiler command, as a shell-quoted string: ``$CC`` (which may carry arguments, as
     ``ccache gcc`` or ``gcc -m64`` do) with its program found on ``PATH``, else ``cc``, ``gcc`` or
@@ -147,8 +163,8 @@ def _gnu_openmp(cc: str) -> bool:
     """Whether ``cc``'s ``-fopenmp`` binds to GNU OpenMP (``libgomp``): GCC does; Clang and the
     compilers built on it (Intel's icx, AMD's aocc) define ``__clang__`` and call LLVM's runtime."""
     try:
-        run = subprocess.run([*shlex.split(cc), "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True, check=False,
-                             timeout=60)
+        run = subprocess.run([*shlex.split(cc), "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                             text=True, check=False, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return False
     macros = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("#define ") and
@@ -179,18 +195,17 @@ def _build(cc: str, source_dir: Path | None = None) -> Path:
         try:
             try:
                 # errors="replace": a compiler's message in another encoding must not raise here
-                run = subprocess.run([*shlex.split(cc), *FLAGS, *extra, "-o", tmp, *map(str, sources)], capture_output=True,
-                                     text=True, errors="replace", check=False, timeout=BUILD_TIMEOUT_S)
+                run = subprocess.run([*shlex.split(cc), *FLAGS, *extra, "-o", tmp, *map(str, sources)],
+                                     capture_output=True, text=True, errors="replace", check=False,
+                                     timeout=BUILD_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{cc} did not finish building the kernels in {SOURCE_DIR.name} within "
+                raise RuntimeError(f"{cc} did not finish building the kernels in {source_dir.name} within "
                                    f"{BUILD_TIMEOUT_S} s") from None
             if run.returncode == 0:
                 # mkstemp's 0600 survives the linker's rewrite (it adds only the execute bits, so 0711):
                 # other users of a shared cache could not load the library and would fall back to the
                 # torch path. A built library is readable as the umask allows, as the converted models are.
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o755 & ~umask)
+                os.chmod(tmp, 0o755 & ~_umask())
                 os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
                 if first_error:
                     dropped = " ".join(f for f in wanted if f not in extra)
@@ -203,7 +218,7 @@ def _build(cc: str, source_dir: Path | None = None) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise RuntimeError(f"{cc} could not build the kernels in {SOURCE_DIR.name}: {last_error}")
+    raise RuntimeError(f"{cc} could not build the kernels in {source_dir.name}: {last_error}")
 
 
 @dataclass(frozen=True)
