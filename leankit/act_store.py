@@ -578,12 +578,22 @@ class HybridPolicy:
         try:
             self.inner.begin_step(kv)
         except PoolExhausted as e:
-            # The step's ACT blocks were granted first (given back when the step is dropped):
-            # the step needs both, out of the pages free before it.
+            # The step's ACT blocks were granted first: the step needs both, out of the pages free
+            # before it. The step never opened, so no drop_failed_step gives the blocks back: do it here.
             act = self.act.granted_pages()
             taken = 0 if self.act.deferred_grant else act
+            self._give_back_act_grant()
             raise PoolExhausted(e.needed + act, e.free + taken, e.total,
                                 f" ({act} for ACT blocks, {e.needed} for KV)") from None
+        except BaseException:
+            self._give_back_act_grant()
+            raise
+
+    def _give_back_act_grant(self) -> None:
+        """Return the ACT blocks :meth:`ActStore.plan` granted to a step that failed before it opened
+        (the KV plan refused it): the cache must stay as it was (a failure path: reads the device)."""
+        if self.act.table is not None:
+            self.act.table.shrink_to_lens(self.act.cache.free_list)
 
     def store(self, layer, k, v, step, received=None) -> None:
         self.inner.store(layer, k, v, self._view(step), received)

@@ -710,3 +710,35 @@ def test_an_act_cache_used_with_another_model_of_its_shape_is_refused():
         _generate(other, ids, mask, cache, new=4)
     assert torch.equal(_generate(own, ids, mask, cache, new=4),
                        _generate(own, ids, mask, DynamicCache(config=own.config), new=4))
+
+
+@pytest.mark.parametrize("spec", ["FP16:act=0.5,page_size=512", "K8V4:act=0.4,page_size=512"])
+def test_a_later_step_refused_for_its_kv_pages_gives_back_its_act_blocks(spec):
+    """A step after the first whose ACT blocks were granted but whose KV pages the pool refuses never
+    opens, so no drop_failed_step ran for it: its ACT blocks stayed with their rows (no ACT token in
+    them) and the pool lost them for good. The refusal must leave the cache as it was before it."""
+    from leankit import PoolExhausted
+    from leankit.testing import left_padded_batch
+
+    model = tiny_model("llama-mha")
+    ids, mask = left_padded_batch(2, 40)
+    cut = 9
+    hits = 0
+    for pages in range(4, 60):
+        cache = LeanCache(model, spec, num_pages=pages)
+        with torch.no_grad():
+            try:
+                model(input_ids=ids[:, :cut], attention_mask=mask[:, :cut], **cache_kwargs(model, cache))
+            except PoolExhausted:
+                continue
+            free, act_pages = cache.free_list.num_free, cache.act_store.table.n_pages.clone()
+            try:
+                model(input_ids=ids[:, cut:], attention_mask=mask, **cache_kwargs(model, cache))
+                continue
+            except PoolExhausted as e:
+                if "for ACT blocks, " not in str(e):  # refused by the ACT grant itself: nothing granted
+                    continue
+        hits += 1
+        assert cache.free_list.num_free == free
+        assert torch.equal(cache.act_store.table.n_pages, act_pages)
+    assert hits, "no pool size refused the second step for its KV pages"
