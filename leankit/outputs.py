@@ -48,3 +48,25 @@ def output_problem(path: str | Path | None, folder: bool = False) -> str | None:
 
 
 __all__ = ["output_problem"]
+
+
+def process_umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (``/proc/self/status``):
+    setting and restoring it (the only portable way) would briefly widen the files other threads
+    create meanwhile."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_as_umask_allows(path: str | Path, mode: int) -> None:
+    """Give ``path`` ``mode`` less the process umask. ``mkstemp``/``mkdtemp`` create private files
+    (0600/0700), which would hide a shared cache directory's entries from its other users."""
+    os.chmod(path, mode & ~process_umask())

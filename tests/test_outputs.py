@@ -59,3 +59,20 @@ def test_bench_refuses_an_unwritable_figure_folder_before_drawing(tmp_path, caps
     assert results, "the repository ships step results"
     assert main(["bench", "plot", str(results[0]), "--out", "/proc/leankit-figures"]) == 2
     assert "--out: cannot write /proc/leankit-figures" in capsys.readouterr().err
+
+
+def test_share_as_umask_allows_applies_the_process_umask(tmp_path):
+    import os
+    import tempfile
+
+    from leankit.outputs import process_umask, share_as_umask_allows
+
+    old = os.umask(0o027)
+    try:
+        assert process_umask() == 0o027  # read, not changed
+        assert process_umask() == 0o027
+        folder = tempfile.mkdtemp(dir=tmp_path)  # 0700, as the model conversion's
+        share_as_umask_allows(folder, 0o777)
+        assert os.stat(folder).st_mode & 0o777 == 0o750
+    finally:
+        os.umask(old)

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from ..outputs import share_as_umask_allows
 from ..quant import NonFiniteKVError
 
 SOURCE_DIR = Path(__file__).parent  # the C files (compiled together into one library) and their headers
@@ -127,22 +128,6 @@ def _torch_libgomp() -> bool:
         return False
 
 
-def _umask() -> int:
-    """This process's umask, read without changing it where Linux shows it (``/proc/self/status``):
-    setting and restoring it (the only portable way) would briefly widen the files other threads
-    create meanwhile."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _compiler() -> str | None:
     """The compiler command, as a shell-quoted string: ``$CC`` (which may carry arguments, as
     ``ccache gcc`` or ``gcc -m64`` do) with its program found on ``PATH``, else ``cc``, ``gcc`` or
@@ -205,7 +190,7 @@ def _build(cc: str, source_dir: Path | None = None) -> Path:
                 # mkstemp's 0600 survives the linker's rewrite (it adds only the execute bits, so 0711):
                 # other users of a shared cache could not load the library and would fall back to the
                 # torch path. A built library is readable as the umask allows, as the converted models are.
-                os.chmod(tmp, 0o755 & ~_umask())
+                share_as_umask_allows(tmp, 0o755)
                 os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
                 if first_error:
                     dropped = " ".join(f for f in wanted if f not in extra)
