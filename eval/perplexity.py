@@ -205,19 +205,19 @@ def main(argv=None) -> dict:
         configs.insert(0, base)
     model, tok = start_run(args)
     source = text_source(args.text)
+    fed = args.context + args.chunk * args.chunks  # the tokens a run feeds the model per document
     try:
         if args.text is None:
-            docs = documents(tok, args.docs, args.context + args.chunk * args.chunks + 1, args.skip)
+            docs = documents(tok, args.docs, fed + 1, args.skip)
         else:
-            docs, n_tokens = text_documents(tok, args.text, args.docs, args.context + args.chunk * args.chunks,
-                                            args.skip)
+            docs, n_tokens = text_documents(tok, args.text, args.docs, fed, args.skip)
     except (TooFewArticles, TooShortText) as err:
         ap.error(f"{err}: lower --context, --chunk or --chunks, or --docs or --skip")
     except ValueError as err:  # a text the tokenizer turns into no token at all
         ap.error(str(err))
     if args.text is not None:
         print(f"text: {source} ({n_tokens} tokens; windows {args.skip} to {args.skip + args.docs - 1} of "
-              f"{args.context + args.chunk * args.chunks} tokens, BOS first)", flush=True)
+              f"{fed} tokens, BOS first)", flush=True)
     check_configs_fit(ap, model, configs)
     results = []
     token_nll = {}
