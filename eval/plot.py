@@ -37,6 +37,20 @@ def _short(config: str) -> str:
     return re.sub(r"=0\.0(?=,|$)", "=0", text)
 
 
+def _perplexity_title(payloads: list[dict]) -> str:
+    """The plot's title, from the windows the files were scored on (eval.perplexity's defaults for
+    files that do not record them); files scored on different windows are said to differ."""
+    own = any(p.get("args", {}).get("text") for p in payloads)
+    windows = {(a.get("context", 2048), a.get("chunks", 4), a.get("chunk", 64))
+               for a in (p.get("args", {}) for p in payloads)}
+    if len(windows) == 1:
+        context, chunks, chunk = windows.pop()
+        scored = f"{context}-token prefill + {chunks}x{chunk} scored"
+    else:
+        scored = "windows differ between files"
+    return f"SmolLM2-135M, {'own text' if own else 'Wikipedia'}, {scored}"
+
+
 def plot_perplexity(payloads: list[dict], out: Path) -> Path:
     """Perplexity change vs FP16 (%) against ``kv_bytes / fp16`` for every config of every file.
 
@@ -79,8 +93,7 @@ def plot_perplexity(payloads: list[dict], out: Path) -> Path:
     ax.set_ylim(-0.5, y_top + 0.5)
     ax.set_xlabel("KV bytes / fp16 DynamicCache bytes")
     ax.set_ylabel("perplexity vs FP16 (%)")
-    own = any(p.get("args", {}).get("text") for p in payloads)
-    ax.set_title(f"SmolLM2-135M, {'own text' if own else 'Wikipedia'}, 2048-token prefill + 4x64 scored")
+    ax.set_title(_perplexity_title(payloads))
     ax.legend(fontsize=8)
     return _save(fig, out / "perplexity_vs_memory.png")
 

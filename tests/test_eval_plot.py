@@ -88,3 +88,12 @@ def test_text_runs_are_not_labelled_as_wikipedia(tmp_path, monkeypatch):
     assert "Wikipedia" not in seen["title"] and "own text" in seen["title"]
     plot.main(["--ppl", str(wiki), "--out", str(tmp_path / "png")])
     assert seen["labels"] == ["articles 3-4 (wiki)"] and "Wikipedia" in seen["title"]
+
+
+def test_perplexity_title_names_the_windows_the_files_were_scored_on():
+    """The title gives the prefill and scored chunks each file records, not a fixed 2048 + 4x64."""
+    short = {"args": {"docs": 2, "context": 512, "chunks": 3, "chunk": 32}, "results": []}
+    assert plot._perplexity_title([short]) == "SmolLM2-135M, Wikipedia, 512-token prefill + 3x32 scored"
+    older = {"args": {"docs": 2}, "results": []}  # written before the windows were recorded: the defaults
+    assert plot._perplexity_title([older]).endswith("2048-token prefill + 4x64 scored")
+    assert plot._perplexity_title([short, older]).endswith("windows differ between files")
