@@ -462,6 +462,22 @@ def test_without_a_compiler_leankit_warns_once_and_runs_the_torch_path(monkeypat
     testing.assert_close_normwise(lse, ref_lse, torch.float32, f"lse (seed {seed})")
 
 
+def test_a_cc_that_is_not_on_path_is_said_before_the_fallback(monkeypatch):
+    """``$CC`` naming no program warns (naming it) and the usual compilers are tried; a ``$CC``
+    that is found, or none set, stays silent."""
+    monkeypatch.setenv("CC", "no-such-compiler-xyz -O2")
+    with pytest.warns(RuntimeWarning, match="no-such-compiler-xyz"):
+        fallback = native._compiler()
+    assert fallback is None or "no-such-compiler-xyz" not in fallback
+    monkeypatch.delenv("CC")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native._compiler() == fallback
+        if fallback is not None:
+            monkeypatch.setenv("CC", fallback)
+            assert native._compiler() == fallback
+
+
 def _stand_in_compiler(tmp_path, body: str) -> str:
     """A shell script standing in for the C compiler: it answers the macro probe (``-dM``) at once
     and runs ``body`` for the build."""

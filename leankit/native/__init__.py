@@ -131,15 +131,20 @@ def _torch_libgomp() -> bool:
 def _compiler() -> str | None:
     """The compiler command, as a shell-quoted string: ``$CC`` (which may carry arguments, as
     ``ccache gcc`` or ``gcc -m64`` do) with its program found on ``PATH``, else ``cc``, ``gcc`` or
-    ``clang``; ``None`` where none is found."""
-    for command in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    ``clang``; ``None`` where none is found. A ``$CC`` that names no program on ``PATH`` is said
+    in a warning before the others are tried, so the user learns which compiler built the kernels."""
+    chosen = os.environ.get("CC")
+    for command in (chosen, "cc", "gcc", "clang"):
         try:
             words = shlex.split(command or "")
         except ValueError:  # unbalanced quotes: not a command
-            continue
+            words = []
         found = shutil.which(words[0]) if words else None
         if found:
             return shlex.join([found, *words[1:]])
+        if command is chosen and (chosen or "").strip():
+            warnings.warn(f"leankit: $CC ({chosen!r}) is not a program on PATH; trying cc, gcc and clang "
+                          "for the compiled CPU kernels", RuntimeWarning, stacklevel=3)
     return None
 
 
