@@ -1122,7 +1122,7 @@ class LeanCache(Cache):
             return
         self.abort_step()
         if self.offload is not None:  # pages prefetched for later layers of the dropped step are stale
-            self.offload.abandon_prefetch()
+            self.offload.drop_step()  # (and its link bytes are no finished step's)
         if self._seen == 0:
             self.reset()
         else:
@@ -1457,6 +1457,8 @@ class LeanCache(Cache):
         if self.act_store is not None:  # ACT pages of the rows (leankit.act_store)
             freed += self.act_store.release(rows)
         self.finished |= rows
+        if self.offload is not None:  # the rows' resident pages give back their device slots now
+            self.offload.released()
         return freed
 
     @inference_only

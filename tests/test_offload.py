@@ -246,7 +246,8 @@ def test_memory_report_prints_the_offload_entry():
 
 @pytest.mark.parametrize("bad,what", [("gpu", "offload= takes"), ({"prefetch": -1}, "prefetch"),
                                       ({"device_pages": 0}, "device_pages"), ({"device_pages": True}, "device_pages"),
-                                      ({"prefetch": True}, "prefetch"), ({"depth": 2}, "unknown offload")])
+                                      ({"prefetch": True}, "prefetch"), ({"depth": 2}, "unknown offload"),
+                                      ({"pin": "no"}, "pin must be True or False"), ({"pin": 0}, "pin")])
 def test_bad_offload_argument(bad, what):
     with pytest.raises(ValueError, match=what):
         LeanCache(tiny_model("llama-mha"), "K8V4", offload=bad)
@@ -502,3 +503,76 @@ def test_a_copied_offloaded_cache_grows_its_host_pool(spec, how):
     got = generate(model, twin, turn, turn_mask, new=3)
     assert twin.offload.home.num_pages > capacity  # the turn did grow the copy's host pool
     assert torch.equal(got, generate(model, cache, turn, turn_mask, new=3))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("how", ["non-finite", "budget"])
+def test_a_dropped_step_does_not_count_its_link_bytes_in_the_next_step(how):
+    """The copies a dropped step had issued (its first layers' pages) crossed the link, so they stay in
+    the totals, but they are no finished step's bytes: the next step's ``bytes_per_step`` entry and
+    ``h2d_bytes_step`` are those of a cache that never saw the dropped step (they included them)."""
+    from leankit import NonFiniteKVError
+
+    model = model_of("llama-mha", layers=3)
+    ids, mask = left_padded_batch(2, 30, seed=5, pad_step=7)
+    long = torch.randint(3, 97, (2, 60), generator=torch.Generator().manual_seed(6))
+
+    def fwd(cache, x, m, embeds=None):
+        pos = (m.cumsum(1) - 1)[:, -x.shape[1]:].clamp_min(0)
+        inputs = {"input_ids": x} if embeds is None else {"inputs_embeds": embeds}
+        with torch.no_grad():
+            return model(**inputs, attention_mask=m, position_ids=pos, **cache_kwargs(model, cache),
+                         use_cache=True).logits
+
+    def run(offload, fail):
+        cache = cache_of(model, "K8V4", offload=offload)
+        nxt = fwd(cache, ids, mask)[:, -1:].argmax(-1)
+        m = torch.cat([mask, torch.ones_like(nxt)], 1)
+        if fail and how == "budget":  # a long step whose window does not fit the budget
+            with pytest.raises(DeviceBudgetExceeded):
+                fwd(cache, long, torch.cat([mask, torch.ones_like(long)], 1))
+        elif fail:  # a step whose K/V turn NaN in layer 0, after layer 1's pages were prefetched
+            embeds = model.get_input_embeddings()(nxt).detach().clone()
+            embeds[0, 0, 0] = float("nan")
+            with pytest.raises(NonFiniteKVError):
+                fwd(cache, nxt, m, embeds)
+        fwd(cache, nxt, m)
+        return cache.memory_report()["offload"]
+
+    budget = None
+    if how == "budget":
+        probe = cache_of(model, "K8V4", offload=True)
+        nxt = fwd(probe, ids, mask)[:, -1:].argmax(-1)
+        fwd(probe, nxt, torch.cat([mask, torch.ones_like(nxt)], 1))
+        budget = probe.offload.working.peak
+    offload = {"device_pages": budget} if budget else True
+    clean, dropped = run(offload, False), run(offload, True)
+    assert clean["bytes_per_step"][1][0] > 0
+    assert dropped["bytes_per_step"] == clean["bytes_per_step"]
+    assert dropped["h2d_bytes_step"] == clean["h2d_bytes_step"]
+    assert dropped["h2d_bytes_total"] > clean["h2d_bytes_total"]  # the dropped step's copies did cross
+
+
+def test_released_rows_give_back_their_resident_pages_at_once():
+    """``cache.release(rows)`` between steps returns the rows' resident pages: the memory report counts
+    them neither as resident nor (negatively) against the host pages, and their device slots are
+    freed (they stayed flagged until the next step: ``host_pages`` went to -30 after releasing every row)."""
+    model = model_of("llama-gqa", layers=3)
+    ids, mask = left_padded_batch(3, 21, seed=4)
+    spec = "K8V4:page_size=256"
+    cache = cache_of(model, spec, offload={"device_tokens": 30})
+    out = generate(model, cache, ids, mask, new=3)
+    rt = cache.offload
+    assert rt.resident.pages > 0
+    for rows in ([True, False, False], [True, True, True]):
+        cache.release(torch.tensor(rows))
+        rep = cache.memory_report()
+        off = rep["offload"]
+        held = cache.table.tables[cache.table.tables >= 0].long()
+        assert off["device_resident_pages"] == rt.resident.pages == int(rt.resident.of(held).sum())
+        assert off["host_pages"] == rep["pages_used"] - off["device_resident_pages"] >= 0
+        assert rt.working.used == rt.resident.pages
+    assert rep["pages_used"] == 0 and off["device_resident_pages"] == 0 and rt.working.used == 0
+    # the released cache serves a new batch as a fresh one does
+    cache.reset()
+    assert torch.equal(generate(model, cache, ids, mask, new=3), out)

@@ -137,11 +137,17 @@ class OffloadRuntime:
         if events:
             self._events[layer] = events
 
+    def released(self) -> None:
+        """Rows were released (their pages are back on the free list): their resident pages stop being
+        resident and give back their device slots (``memory_report`` counted them as resident, and
+        their host pages as negative, until the next step)."""
+        if self.resident.active:
+            self.working.drop(self.resident.prune(self.cache))
+
     def begin_step(self, step) -> None:
         """Start copying the first layer's pages in (the step's pages are allocated by now); a first
         window over the budget drops the step (:class:`DeviceBudgetExceeded`)."""
-        if self.resident.active:  # resident pages of finished rows went back to the free list
-            self.working.drop(self.resident.prune(self.cache))
+        self.released()  # resident pages of finished rows went back to the free list
         if self.cache.num_layers:
             try:
                 self._prefetch(0)
@@ -155,7 +161,7 @@ class OffloadRuntime:
         device slots in every later window of their layer (the next step, which fitted the budget
         before, must fit it again)."""
         self.cache.abort_step()
-        self.abandon_prefetch()
+        self.drop_step()
         self.cache.trim_pages()
         if self.resident.active:
             self.working.drop(self.resident.prune(self.cache))
@@ -296,6 +302,12 @@ class OffloadRuntime:
             raise RuntimeError("rows cannot be released while an offloaded layer is computing")
         self.link.drain()
         self._forget()
+
+    def drop_step(self) -> None:
+        """Forget a dropped step: the layers prefetched for it and the link bytes it counted so far
+        (they belong to no finished step, so the next step's ``bytes_per_step`` entry leaves them out)."""
+        self.abandon_prefetch()
+        self.link.discard_step()
 
     def _forget(self) -> None:
         """Free every device slot but the resident pages' and forget which layers were copied in."""

@@ -41,6 +41,13 @@ class Link:
         self.history.append((self.step["h2d"], self.step["d2h"]))
         self.step = {"h2d": 0, "d2h": 0}
 
+    def discard_step(self) -> None:
+        """Forget the open step's counts (a dropped step): its copies stay in ``total``, since they
+        crossed the link, but they are no step's bytes, so the next step starts its count at 0
+        (before, the next finished step's entry in ``history`` included them)."""
+        self.drain()
+        self.step = {"h2d": 0, "d2h": 0}
+
     def _count(self, way: str, nbytes: int) -> None:
         self.step[way] += nbytes
         self.total[way] += nbytes
