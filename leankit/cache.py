@@ -986,7 +986,10 @@ class LeanCache(Cache):
         from leankit_kernels.quant import NON_FINITE_MESSAGE
 
         where = f"layer {self.compressed_layers[bad[0]]}" if bad[0] < self.num_layers else "a token moved between tiers"
-        raise NonFiniteKVError(f"{where}: {NON_FINITE_MESSAGE}; the step was dropped (its tokens are not stored) "
+        what = NON_FINITE_MESSAGE
+        if self.act_store is not None:  # the flag also stands for the ACT tokens' activations (act_store.store)
+            what = f"{what} (or the layer input activations stored for ACT tokens hold NaN or Inf)"
+        raise NonFiniteKVError(f"{where}: {what}; the step was dropped (its tokens are not stored) "
                                "and the cache stays usable")
 
     def page_bounds(self) -> tuple[int, int, int]:
