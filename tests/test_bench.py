@@ -401,6 +401,15 @@ def test_bench_cli_bad_config_is_a_clear_error(tiny, capsys):
     assert "leankit: error" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("mode", ["step", "throughput", "offload"])
+def test_bench_cli_repeated_config_is_a_clear_error(mode, capsys):
+    """The same config twice (a preset and its spec count as one) is refused before any model loads,
+    not measured twice as two rows of the table."""
+    assert main(["bench", mode, "--model", "no-such-model", "--kv", "K8V4", "--kv", "k8v4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "leankit: error: --kv 'k8v4' is the same config as --kv 'K8V4'" in err
+
+
 def test_quantized_cache_bytes_are_codes_scales_and_residual():
     backend, desc = throughput.quantized_backend()
     if backend != "quanto":

@@ -7,7 +7,7 @@ import pytest
 
 from leankit.planner.cli import main as plan_main
 from leankit.planner.hardware import PRESETS, HardwareProfile
-from leankit.planner.planner import Workload, plan
+from leankit.planner.planner import Allowed, Workload, plan
 
 
 def test_gen_one_plans_with_activation_cache_allowed():
@@ -85,3 +85,14 @@ def test_eval_config_that_does_not_fit_the_model_is_an_argument_error(capsys):
         check_configs_fit(ap, model, [("K8V4", {"group_size": hd * 3 // 4})])
     assert e.value.code == 2
     assert "does not fit the model" in capsys.readouterr().err
+
+
+def test_large_batch_plans_quickly():
+    """A huge --batch is refused (or planned) in closed form, not by building and summing a batch-long
+    tuple of prompt lengths for every candidate the search costs (minutes at batch 10**7)."""
+    import time
+
+    t0 = time.perf_counter()
+    p = plan("smollm2-135m", "rtx4090", Workload(10**7, 512, 128), Allowed(kv_configs=(None, "K8V4")))
+    assert not p.feasible and "cache alone needs" in p.infeasible_reason
+    assert time.perf_counter() - t0 < 10

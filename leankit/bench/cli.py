@@ -196,6 +196,20 @@ def add_bench_parser(sub) -> None:
     o.set_defaults(func=cmd_offload)
 
 
+def _parse_kvs(kvs) -> None:
+    """Validate the --kv configs before the model loads; a config given twice (``K8V4`` and ``k8v4``
+    included) is refused instead of being measured twice as two rows of the table."""
+    from ..config import KVConfig
+
+    seen = {}
+    for kv in kvs:
+        cfg = KVConfig.parse(kv)
+        for other, ocfg in seen.items():
+            if ocfg == cfg:
+                raise ValueError(f"--kv {kv!r} is the same config as --kv {other!r}: give each config once")
+        seen[kv] = cfg
+
+
 def _setup(args, block: str):
     """Check the shared options, set threads, load the model; returns ``(model, tok)``.
 
@@ -274,12 +288,10 @@ def _finish(args, mode: str, body: str, results) -> None:
 
 def cmd_step(args) -> int:
     """``leankit bench step``."""
-    from ..config import KVConfig
     from . import step
 
     kvs = args.kv or ["K8V4", NEUTRAL]
-    for kv in kvs:
-        KVConfig.parse(kv)  # a bad config fails before the model loads
+    _parse_kvs(kvs)  # a bad or repeated config fails before the model loads
     _check_plot(args)
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or min(args.context) < 1:
         raise ValueError("--batch, --steps and --context must be >= 1 and --warmup >= 0")
@@ -301,12 +313,10 @@ def cmd_step(args) -> int:
 
 def cmd_throughput(args) -> int:
     """``leankit bench throughput``."""
-    from ..config import KVConfig
     from . import throughput
 
     kvs = args.kv or list(DEFAULT_KVS)
-    for kv in kvs:
-        KVConfig.parse(kv)
+    _parse_kvs(kvs)  # a bad or repeated config fails before the model loads
     _check_plot(args)
     model, tok = _setup(args, _throughput_block(args))
     res = throughput.run(model, tok, args.mix, args.budget_bytes, args.requests, args.prompt_range,
@@ -321,14 +331,12 @@ def cmd_throughput(args) -> int:
 
 def cmd_offload(args) -> int:
     """``leankit bench offload``."""
-    from ..config import KVConfig
     from ..planner import Limits, get_hardware
     from ..planner.hardware import GiB
     from . import offload
 
     kvs = args.kv or ["K8V4"]
-    for kv in kvs:
-        KVConfig.parse(kv)
+    _parse_kvs(kvs)  # a bad or repeated config fails before the model loads
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.context < 1:
         raise ValueError("--batch, --steps and --context must be >= 1 and --warmup >= 0")
     if args.gpu_mem is not None and not 0 <= args.gpu_mem < float("inf"):

@@ -48,6 +48,7 @@ weights and the host share of the cache at the final context must fit host memor
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -91,17 +92,24 @@ class Workload:
         if min(ps) < 1:
             raise ValueError("prompt lengths must be >= 1")
 
-    @property
+    # Cached (a frozen dataclass keeps its __dict__): the search costs hundreds of choices, and building
+    # and summing a batch-long tuple for each made a large --batch take minutes.
+    @functools.cached_property
     def prompts(self) -> tuple[int, ...]:
         """One prompt length per request."""
         if isinstance(self.prompt, int):
             return (self.prompt,) * self.batch
         return tuple(int(p) for p in self.prompt)
 
+    @functools.cached_property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the whole batch."""
+        return self.prompt * self.batch if isinstance(self.prompt, int) else sum(self.prompts)
+
     @property
     def mean_prompt(self) -> float:
         """Average prompt length."""
-        return sum(self.prompts) / self.batch
+        return self.prompt_tokens / self.batch
 
 
 @dataclass(frozen=True)
@@ -397,12 +405,12 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
     wq = model.weight_bytes_per_layer(choice.weight_bits)
     emb = model.embedding_params() * model.dtype_bytes
     B = wl.batch
-    n_final = sum(p + wl.gen for p in wl.prompts)  # cache tokens per layer at the end
+    n_final = wl.prompt_tokens + B * wl.gen  # cache tokens per layer at the end
     gpu_cap = limits.gpu(hw)
     host_cap = limits.host(hw)
     work = B * (4 * model.hidden + model.intermediate) * 4
     window = len(model.sliding_layers) * model.sliding_tokens([p + wl.gen for p in wl.prompts]) * \
-        model.kv_bytes_per_token(None)
+        model.kv_bytes_per_token(None) if model.sliding_layers else 0.0
     mem: dict[str, float] = {"gpu_capacity": gpu_cap, "host_capacity": 0.0 if unified else host_cap,
                              "gpu_window": window}
     if unified:
@@ -447,7 +455,7 @@ def _memory_check(model, hw, wl, choice, allowed, limits, kvb, actb, act_share_h
     host_tok = max(0.0, n_final - gpu_tokens)
     if choice.mode == "kvpr":
         # KV of every token plus the activations of the prompt tokens, the only ones Eq. 11 recomputes
-        host_cache = host_tok * Lc * kvb + min(float(sum(wl.prompts)), host_tok) * Lc * actb
+        host_cache = host_tok * Lc * kvb + min(float(wl.prompt_tokens), host_tok) * Lc * actb
     else:
         host_per_tok = act_share_host * actb + (1 - act_share_host) * kvb if choice.mode == "hybrid" else kvb
         host_cache = host_tok * Lc * host_per_tok
@@ -527,8 +535,8 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
             q += lmo.dequan_wgt(P, 1.0, hw)  # Eq. 16 for a streamed layer
         return lin, attn, q
 
-    s_sum = float(sum(prompts))
-    s_sq = float(sum(p * p for p in prompts))
+    s_sum = float(wl.prompt_tokens)
+    s_sq = float(wl.batch * wl.prompt ** 2 if isinstance(wl.prompt, int) else sum(p * p for p in prompts))
 
     class _Layer:
         """One layer type at one context: its components and the affine terms of its time in ``phi``."""
@@ -620,8 +628,8 @@ def evaluate(model: ModelSpec, hw: HardwareProfile, wl: Workload, choice: Choice
     keys = list(type_count)
 
     def layers_at(j: int) -> dict[tuple[bool, bool, bool], _Layer]:
-        n_tok = float(sum(p + j for p in prompts))
-        window_tok = model.sliding_tokens([p + j for p in prompts])
+        n_tok = float(wl.prompt_tokens + B * j)
+        window_tok = model.sliding_tokens([p + j for p in prompts]) if model.sliding_layers else 0.0
         return {k: _Layer(k[0], (not k[1]) and not unified, n_tok, window_tok if k[2] else None) for k in keys}
 
     def kvpr_phi(lay: _Layer) -> float:
@@ -747,7 +755,7 @@ def _minibatch_report(wl: Workload, plan: Plan, gen_t: float, kv_t: float, allow
               next((x for x in plan.layers if not x.sliding), plan.layers[0]))
     phi = lc.act_share
     total_share = phi if lc.gpu_cache_tokens == 0 else None
-    n_tok = sum(p for p in wl.prompts) + wl.batch * (plan.step_context - wl.mean_prompt)
+    n_tok = wl.prompt_tokens + wl.batch * (plan.step_context - wl.mean_prompt)
     if total_share is None:
         act_tok = lc.gpu_cache_tokens + phi * (n_tok - lc.gpu_cache_tokens)
         total_share = act_tok / n_tok if n_tok else 0.0
@@ -811,7 +819,7 @@ def _infeasible_summary(model: ModelSpec, hw: HardwareProfile, wl: Workload, all
     per_tok = min(model.kv_bytes_per_token(kv, allowed.high_fraction) for kv in allowed.kv_configs)
     if allowed.activation_cache:
         per_tok = min(per_tok, model.act_bytes_per_token())
-    tokens = sum(p + wl.gen for p in wl.prompts)
+    tokens = wl.prompt_tokens + wl.batch * wl.gen
     cache = tokens * model.num_layers * per_tok
     bits = 16 if unified else min(allowed.weight_bits)
     weights = model.num_layers * model.weight_bytes_per_layer(bits) + model.embedding_params() * model.dtype_bytes
