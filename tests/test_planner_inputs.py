@@ -23,7 +23,7 @@ def test_gen_one_cli_exit_code(capsys):
 
 
 @pytest.mark.parametrize("change", [
-    {"cpu_threads": "16"}, {"cpu_threads": 2.5}, {"cpu_threads": True},
+    {"cpu_threads": "16"}, {"cpu_threads": 2.5}, {"cpu_threads": True}, {"cpu_threads": 10**9},
     {"cpu_attn_efficiency": "0.5"}, {"cpu_attn_efficiency": None},
     {"fits": {"t_kv_gen": {"a": 1}}}, {"fits": [1]}, {"fits": {"t_kv_gen": 3}},
     {"device": "tpu"}, {"gpu_mem": True}, {"h2d_bw": True},
@@ -54,6 +54,10 @@ def test_timeline_reports_the_file_it_writes(tmp_path, capsys):
     assert plan_main(args + ["--timeline", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
     assert not (tmp_path.parent / (tmp_path.name + ".png")).exists()
+    # another format is refused before the plan is printed
+    assert plan_main(args + ["--timeline", str(tmp_path / "t.txt")]) == 2
+    out = capsys.readouterr()
+    assert "ending in .png" in out.err and not out.out and not (tmp_path / "t.txt").exists()
 
 
 def test_from_plan_names_the_shape_mismatch_first():

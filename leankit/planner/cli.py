@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .hardware import GiB, get_hardware, hardware_names
 from .model_spec import DEFAULT_MODEL, get_model, model_names
@@ -153,6 +154,8 @@ def run_plan(args) -> int:
         limits = Limits(gpu_mem=None if args.gpu_mem is None else args.gpu_mem * GiB,
                         host_mem=None if args.host_mem is None else args.host_mem * GiB)
         wl = Workload(args.batch, args.prompt, args.gen)
+        if args.timeline and Path(args.timeline).suffix.lower() not in ("", ".png"):
+            raise ValueError(f"--timeline draws a PNG: give a path ending in .png, got {args.timeline}")
         if args.save_profile is not None and str(args.hardware).lower() != "detect":
             raise ValueError("--save-profile saves what --hardware detect measures; a named profile is "
                              "already a file (drop --save-profile, or profile with --hardware detect)")

@@ -37,6 +37,8 @@ GB = 1e9
 GiB = float(2**30)
 TFLOPS = 1e12
 GHz = 1e9
+# The most host threads a profile may name: LM-Offload Algorithm 3 tries every split of them.
+MAX_CPU_THREADS = 4096
 
 
 # --------------------------------------------------------------------------------------- fitting
@@ -149,8 +151,9 @@ class HardwareProfile:
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
             raise ValueError(f"cpu_attn_efficiency must lie in (0, 1], got {eff!r}")
         thr = self.cpu_threads
-        if isinstance(thr, bool) or not isinstance(thr, int) or thr < 1:
-            raise ValueError(f"cpu_threads must be an integer >= 1, got {thr!r}")
+        # bounded: Algorithm 3's search walks every thread count (no host has more than a few thousand)
+        if isinstance(thr, bool) or not isinstance(thr, int) or not 1 <= thr <= MAX_CPU_THREADS:
+            raise ValueError(f"cpu_threads must be an integer in [1, {MAX_CPU_THREADS}], got {thr!r}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' (a GPU box) or 'cpu' (the host computes), got {self.device!r}")
 
