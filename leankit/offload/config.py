@@ -50,7 +50,7 @@ class OffloadConfig:
             raise ValueError(f"offload device_tokens must be an integer >= 0 (tokens per layer kept on the device), "
                              f"got {self.device_tokens!r}")
         if not isinstance(self.pin, bool):  # a string such as "no" is truthy: it would pin, silently
-            raise ValueError(f"offload pin must be True or False, got {self.pin!r}")
+            raise ValueError(f"offload pin must be True or False, got {self.pin!r}")  # noqa: TRY004 (every offload= field is a ValueError)
         if self.device_kind not in ("kv", "act"):
             raise ValueError(f"offload device_kind must be 'kv' or 'act', got {self.device_kind!r}")
 
