@@ -54,7 +54,7 @@ def apply(model, kv: str | KVConfig | None, **overrides):
     check_model_supported(model.config)
     state = getattr(model, _STATE, None)
     if state is None:
-        state = {"attn": getattr(model.config, "_attn_implementation", None),
+        state = {"attn": _attn_implementations(model.config),
                  "generate": model.__dict__.get("generate")}
     enable(model)
     state["cfg"], state["cache_kw"] = cfg, cache_kw
@@ -132,10 +132,20 @@ def remove(model):
         model.__dict__.pop("generate", None)
     else:
         model.generate = state["generate"]
-    if state["attn"] is not None and model.config._attn_implementation != state["attn"]:
+    if state["attn"] is not None and _attn_implementations(model.config) != state["attn"]:
         model.set_attn_implementation(state["attn"])
     delattr(model, _STATE)
     return model
+
+
+def _attn_implementations(config):
+    """The attention implementation of ``config``, in the form ``set_attn_implementation`` takes back:
+    its name, or for a composite model ``{"": name, sub_config: ...}`` (its vision or audio tower may
+    run another implementation than its text model, and ``enable`` switches them all)."""
+    own = getattr(config, "_attn_implementation", None)
+    subs = {key: getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}}
+    subs = {key: _attn_implementations(sub) for key, sub in subs.items() if sub is not None}
+    return {"": own, **subs} if subs else own
 
 
 def _passed_generation_config(args: tuple, kwargs: dict):

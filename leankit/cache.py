@@ -336,6 +336,8 @@ class StepState:
 
 
 _NO_POS = 1 << 30  # sentinel position of a row with no real token in the step
+_OUTSIDE_STEP = ("LeanCache.update was called outside a forward step: call leankit.enable(model) "
+                 "(LeanCache does this) and run the model through its forward/generate")
 # Page dtypes that hold K/V of a narrower float dtype exactly (a host table: torch.promote_types
 # would be an aten call inside every layer of a decode step)
 _HOLDS_EXACTLY = {torch.float32: (torch.float16, torch.bfloat16),
@@ -637,13 +639,31 @@ class LeanCache(Cache):
 
     def check_model(self, config) -> None:
         """Raise ``ValueError`` naming both shapes when ``config`` is not the model this cache was built
-        for (layer count, KV heads, head_dim). Python ints only: no device sync."""
+        for (layer count, KV heads, head_dim), or when its layers attend otherwise: which layers slide
+        (those keep transformers' sliding-window layer, the others are paged and attend to every
+        stored token) and the window the plain layers keep. Python values only: no device sync."""
         config = _text_config(config)
         got = (config.num_hidden_layers, attention_kv_heads(config), attention_head_dim(config))
         if got != (self.model_layers, self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"this LeanCache was built for a model with {self._shape_text()}, but is used with a model with "
                 f"{got[0]} layers, {got[1]} KV heads of head_dim {got[2]}: build a LeanCache for this model")
+        if config is self._text_cfg:  # the model it was built for (the common case, every step)
+            return
+        paged = tuple(t == COMPRESSED for t in layer_types(config))
+        window = getattr(config, "sliding_window", None) if not all(paged) else None
+        if paged != tuple(t is not None for t in self.table_index) or window != self._plain_window():
+            def text(flags, win):
+                slides = [i for i, p in enumerate(flags) if not p]
+                return f"sliding-window layers {slides} of window {win}" if slides else "no sliding-window layer"
+            raise ValueError(
+                f"this LeanCache was built for a model with {text([t is not None for t in self.table_index], self._plain_window())}, "
+                f"but is used with a model with {text(paged, window)} (its layers would attend over the wrong "
+                "tokens): build a LeanCache for this model")
+
+    def _plain_window(self):
+        """The window of this cache's plain (sliding-window) layers; None when every layer is paged."""
+        return None if not self.has_plain_layers else getattr(self._text_cfg, "sliding_window", None)
 
     def check_kv_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Raise ``ValueError`` when a layer hands K/V whose heads or head_dim differ from this cache's."""
@@ -670,6 +690,10 @@ class LeanCache(Cache):
         if not 0 <= layer_idx < self.model_layers:
             raise ValueError(f"layer {layer_idx} does not exist in this LeanCache, built for a model with "
                              f"{self._shape_text()}: build a LeanCache for this model")
+        if self._step is None:
+            # before any layer stores: a sliding-window layer (transformers' own) would otherwise keep
+            # this call's K/V, which no failure hook of an un-enabled model then drops
+            raise RuntimeError(_OUTSIDE_STEP)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ------------------------------------------------------------------ step protocol
@@ -1091,10 +1115,7 @@ class LeanCache(Cache):
         unchanged (tagged for the ``"leankit"`` attention).
         """
         if self._step is None:
-            raise RuntimeError(
-                "LeanCache.update was called outside a forward step: call leankit.enable(model) "
-                "(LeanCache does this) and run the model through its forward/generate"
-            )
+            raise RuntimeError(_OUTSIDE_STEP)
         self._pending[layer] = (key_states, value_states)
         key_states._leankit_handle = (self, layer)
         return key_states, value_states

@@ -114,6 +114,23 @@ def test_apply_none_and_remove_restore_the_model():
     assert leankit.remove(model) is model  # removing twice is harmless
 
 
+def test_remove_restores_each_sub_models_attention_of_a_composite_model():
+    # apply switches the vision tower to "leankit" with the text model; remove used to set the whole
+    # model to the top-level name, so an eager vision tower came back as sdpa (no attention weights)
+    model = tiny_model("gemma3-image-text", seed=1)
+    model.set_attn_implementation({"": "sdpa", "text_config": "sdpa", "vision_config": "eager"})
+    leankit.apply(model, "K8V4")
+    assert model.config.vision_config._attn_implementation == "leankit"
+    leankit.apply(model, None)
+    cfg = model.config
+    assert (cfg._attn_implementation, cfg.text_config._attn_implementation,
+            cfg.vision_config._attn_implementation) == ("sdpa", "sdpa", "eager")
+    pixels = torch.randn(1, 3, 28, 28)
+    with torch.no_grad():
+        out = model.model.vision_tower(pixel_values=pixels, output_attentions=True)
+    assert out.attentions and out.attentions[0] is not None  # eager's weights, as before apply
+
+
 def test_apply_rejects_bad_input_and_leaves_the_model_alone():
     model = tiny_model("llama-gqa")
     for bad in ("K8V3", "K4V2-K8V4"):

@@ -356,6 +356,41 @@ def test_cache_built_for_another_model_names_both_shapes():
     assert int(cache.table.lens.sum()) == 0  # no token was stored
 
 
+@pytest.mark.parametrize("built_kind, built_kw, used_kind, used_kw", [
+    ("qwen2", {}, "mistral-sliding", {}),  # same shape: every layer paged vs every layer sliding
+    ("mistral-sliding", {}, "qwen2", {}),
+    ("gemma3", {}, "gemma3", {"layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+    ("gemma3", {"sliding_window": 4}, "gemma3", {}),  # its plain layers would keep too few tokens
+])
+def test_cache_built_for_a_model_whose_layers_attend_otherwise_is_refused(built_kind, built_kw, used_kind, used_kw):
+    # same layer count, KV heads and head_dim: used to run, each layer attending over the wrong tokens
+    built, used = tiny_model(built_kind, seed=1, **built_kw), tiny_model(used_kind, seed=2, **used_kw)
+    ids, mask = _batch(rows=2, width=14)
+    cache = LeanCache(built, "FP16")
+    leankit.enable(used)
+    with pytest.raises(ValueError, match="sliding-window layer.* but is used with a model with"):
+        _generate(used, ids, mask, cache, max_new_tokens=3)
+    assert cache.table is None and cache.memory_report()["pages_used"] == 0  # nothing was done
+    # the model it was built for, and a copy of it, still use it
+    twin = tiny_model(built_kind, seed=3, **built_kw)
+    leankit.enable(twin)
+    assert torch.equal(_generate(twin, ids, mask, cache, max_new_tokens=3),
+                       _generate(twin, ids, mask, DynamicCache(config=twin.config), max_new_tokens=3))
+
+
+def test_a_model_never_enabled_is_refused_before_its_sliding_layers_keep_tokens():
+    # gemma3's layer 0 slides: its (transformers) layer stored the un-enabled model's K/V before the
+    # paged layer 1 raised, and the cache's own model then failed on it with a shape mismatch
+    built, other = tiny_model("gemma3", seed=1), tiny_model("gemma3", seed=2)
+    ids, mask = _batch(rows=2, width=10)
+    cache = LeanCache(built, "K8V4")
+    with pytest.raises(RuntimeError, match="outside a forward step"):
+        _generate(other, ids, mask, cache, max_new_tokens=3)
+    assert all(getattr(layer, "keys", None) is None for layer in cache.layers)
+    assert torch.equal(_generate(built, ids, mask, cache, max_new_tokens=3),
+                       _generate(built, ids, mask, LeanCache(built, "K8V4"), max_new_tokens=3))
+
+
 def test_bad_config_string():
     with pytest.raises(ValueError, match="grammar"):
         LeanCache(tiny_model(), "K8V3")
