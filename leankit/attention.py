@@ -434,23 +434,31 @@ def step_chunk_rows(b: int, hq: int, nq: int, device: torch.device) -> int:
     return max(1, elems // max(1, b * hq * nq))
 
 
-def _step_bias(q_pos: torch.Tensor, k_real: torch.Tensor, group: int, q0: int, q1: int) -> torch.Tensor:
+def _step_bias(q_pos: torch.Tensor, k_real: torch.Tensor, group: int, q0: int, q1: int,
+               own_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Additive mask ``[B, 1, G*(q1-q0), Q]`` of query rows ``q0 .. q1-1`` over the step's new keys.
 
     Key ``j`` is visible to query ``i`` iff it is a real token of the step and ``pos_j <= pos_i``
     (0 where visible, ``-inf`` where not). A row that is not a live query (padding, finished
     row) sees every key instead: it never counts, and this keeps its softmax finite.
+    ``own_mask``: bool ``[B or 1, Q, Q]``, the model's own mask over the step's keys (True: query
+    ``i`` sees key ``j``), used instead of the positions rule (a mask that is not causal, such as
+    Gemma3's bidirectional attention among one image's tokens); keys that are not real stay hidden.
     """
     b, nq = q_pos.shape
-    qp = q_pos.to(torch.int64)
-    vis = k_real.view(b, 1, nq) & (qp.view(b, 1, nq) <= qp[:, q0:q1].view(b, q1 - q0, 1))
+    if own_mask is not None:
+        vis = k_real.view(b, 1, nq) & own_mask[:, q0:q1]
+    else:
+        qp = q_pos.to(torch.int64)
+        vis = k_real.view(b, 1, nq) & (qp.view(b, 1, nq) <= qp[:, q0:q1].view(b, q1 - q0, 1))
     vis = vis | ~k_real[:, q0:q1].view(b, q1 - q0, 1)  # a query is live iff its token is real
     bias = torch.zeros(vis.shape, device=q_pos.device).masked_fill_(~vis, float("-inf"))
     return bias.unsqueeze(1).expand(b, group, q1 - q0, nq).reshape(b, 1, group * (q1 - q0), nq)
 
 
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_real: torch.Tensor,
-                   scale: float, *, lse_other: torch.Tensor | None = None, received: bool = False):
+                   scale: float, *, lse_other: torch.Tensor | None = None, received: bool = False,
+                   own_mask: torch.Tensor | None = None):
     """Exact attention of a step's queries over the step's own new tokens (no pages involved).
 
     One pass of plain matmuls per chunk of queries: ``S = q kᵀ`` (mask added in the same
@@ -468,6 +476,8 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
             softmax over *all* keys: ``p_ij = P_ij * exp(lse_new_i - lse_total_i)``.
         received: also return the probability each new token received from the step's live
             queries, averaged over the ``G`` query heads of its KV group (LeanKV §4).
+        own_mask: bool ``[B or 1, Q, Q]``, the model's mask over the step's own keys, in place of
+            the causal rule from ``q_pos`` (see :func:`_step_bias`); not for a one-query step.
 
     Returns:
         ``(out [B, Q, Hq, F] fp32, lse [B, Hkv, G*Q] fp32, received [B, Hkv, Q] or None)``; rows
@@ -477,10 +487,10 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     """
     if q.shape[2] == 1:
         return _one_token_attention(q, k, v, k_real, scale, lse_other, received)
-    return _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received)
+    return _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, own_mask)
 
 
-def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received):
+def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, own_mask=None):
     """:func:`step_attention` of any step: masked matmul, softmax and ``P v`` per chunk of queries."""
     b, hq, nq, f = q.shape
     hkv = k.shape[1]
@@ -495,7 +505,7 @@ def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received):
     for q0 in range(0, nq, rows):
         q1 = min(nq, q0 + rows)
         nqc = q1 - q0
-        bias = _step_bias(q_pos, k_real, g, q0, q1)  # [B, 1, G*Qc, Q]
+        bias = _step_bias(q_pos, k_real, g, q0, q1, own_mask)  # [B, 1, G*Qc, Q]
         qc = qg[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f)
         s = torch.matmul(qc, kt).add_(bias)
         lse_c = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*Qc]
@@ -548,7 +558,8 @@ def serves_merged_step(b: int, hq: int, nq: int, device) -> bool:
 
 
 def step_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                          k_real: torch.Tensor, scale: float, out_other: torch.Tensor, lse_other: torch.Tensor):
+                          k_real: torch.Tensor, scale: float, out_other: torch.Tensor, lse_other: torch.Tensor,
+                          own_mask: torch.Tensor | None = None):
     """:func:`step_attention` over the step's own tokens and :func:`merge_attention` with the
     older keys' partial attention, in one pass and without significance: ``(out [B, Q, Hq, F] fp32,
     lse [B, Hkv, G*Q])``, equal to the two calls' result up to fp32 rounding.
@@ -562,12 +573,13 @@ def step_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_p
     of the step's keys (a live row its own token, any other row every key, as in
     :func:`_step_bias`), so ``m`` is finite. Check :func:`serves_merged_step` first: the scores are
     not chunked.
+    ``own_mask``: as in :func:`step_attention`.
     """
     b, hq, nq, f = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     s = torch.matmul(q.float().reshape(b, hkv, g * nq, f), k.float().transpose(-1, -2))  # [B, Hkv, G*Q, Q]
-    s.mul_(scale).add_(_step_bias(q_pos, k_real, g, 0, nq))
+    s.mul_(scale).add_(_step_bias(q_pos, k_real, g, 0, nq, own_mask))
     m = torch.maximum(s.amax(-1), lse_other)
     p = s.sub_(m.unsqueeze(-1)).exp_()  # masked keys: exp(-inf) = 0 exactly
     w_other = torch.exp(lse_other - m)

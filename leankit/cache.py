@@ -1329,8 +1329,12 @@ class LeanCache(Cache):
                     q_pages, kv, st.q_pos, scaling, k_att, v_att, st.real, significance=sig, update_significance=True)
                 out = self.from_page_basis(out)
             else:
+                # Several queries: their attention among themselves follows the model's mask where one is
+                # handed over (a step after the prompt gets one only where it is not plain causal, such as
+                # Gemma3's bidirectional attention within an image; see leankit.hf.leankit_mask)
+                own = self._own_key_mask(attention_mask, nq) if nq > 1 and attention_mask is not None else None
                 out, lse, received_new = self._attend_pages(layer, kv, query, q_pages, k_new, v_new, k_att, v_att,
-                                                            scaling, kernels)
+                                                            scaling, kernels, own)
         if self.act_store is not None:  # ACT blocks: merge attention over recomputed K/V, store the step's
             out = self.act_store.attend(layer, query, scaling, st, out, None if self._seen == 0 else lse)
         policy.store(layer, k_store, v_store, st, received_new)
@@ -1364,9 +1368,26 @@ class LeanCache(Cache):
             out = unrotate(out.float(), self._unrotation)
         return out
 
+    def _own_key_mask(self, attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+        """The block of the model's 4-D mask ``attention_mask`` (``[B, 1, Q, >= seen + Q]``: bool, or
+        additive with 0 where a key is seen) over the step's own keys, as bool ``[B or 1, Q, Q]``.
+
+        A step after the prompt attends the stored tokens by their positions, and its own keys by
+        this block: where the model's mask is not causal among the step's tokens (Gemma3 lets one
+        image's tokens see each other both ways), the step sees what an uncompressed cache sees.
+        Device ops only (no host read). A per-head mask reaches a layer only as the decoder's own
+        4-D mask, which :func:`padding_mask_of` checked to be causal on every head: head 0 serves.
+        """
+        past = self._seen
+        if attention_mask.dim() != 4 or attention_mask.shape[2] != q_len or attention_mask.shape[3] < past + q_len:
+            raise ValueError(f"the attention mask of a {q_len}-token step after {past} stored tokens must be "
+                             f"[batch, 1, {q_len}, >= {past + q_len}], got {list(attention_mask.shape)}")
+        block = attention_mask[:, 0, :, past:past + q_len]
+        return block == 0 if block.is_floating_point() else block.bool()
+
     def _attend_pages(self, layer: int, kv: PagedKV, query: torch.Tensor, q_pages: torch.Tensor,
                       k_new: torch.Tensor, v_new: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                      scaling: float, kernels: bool):
+                      scaling: float, kernels: bool, own: torch.Tensor | None = None):
         """:meth:`_attend` of a step after a prompt, on the paged kernels (Triton) or the torch
         path: paged attention over the earlier tokens, exact attention over the step's own, merged
         by log-sum-exp; the running significance of the stored tokens is updated. Returns
@@ -1374,7 +1395,8 @@ class LeanCache(Cache):
         dtype from a kernel-backend decode step without ACT blocks (the kernel that merges the own
         token rounds it as it stores). ``k_pages``/``v_pages``: the new K/V in the pages' basis
         (:meth:`to_page_basis`).
-        ``kernels``: the caller's ``use_triton(query)``."""
+        ``kernels``: the caller's ``use_triton(query)``. ``own``: the model's mask over the step's own
+        keys (:meth:`_own_key_mask`; None: causal by position), for a step of several queries."""
         st, policy = self._step, self.policy
         sig = policy.uses_significance
         nq = query.shape[2]
@@ -1424,11 +1446,11 @@ class LeanCache(Cache):
                 out_dtype=query.dtype if narrow else torch.float32)
         elif not sig and not kernels and serves_merged_step(*query.shape[:3], query.device):
             # a short step (a draft's verify step, a short turn): own tokens and merge in one pass
-            out, lse = step_attention_merged(query, k_new, v_new, st.q_pos, st.real, scaling, out_old, lse_old)
+            out, lse = step_attention_merged(query, k_new, v_new, st.q_pos, st.real, scaling, out_old, lse_old, own)
             received_new = None
         else:
             out_new, lse_new, received_new = step_attention(query, k_new, v_new, st.q_pos, st.real, scaling,
-                                                            lse_other=lse_old, received=sig)
+                                                            lse_other=lse_old, received=sig, own_mask=own)
             out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
         if sig and saved is not None:
             from leankit_kernels.paged_attention import apply_score_update

@@ -33,8 +33,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_t
 
 
 # Set by the decoder's pre-hook for the forward it opens: whether it is a LeanCache step after the
-# prompt, whose compressed layers read no attention mask (they attend over pages with the step's
-# own real flags and positions, LeanCache.begin_step).
+# prompt, whose compressed layers need no plain causal mask (they attend over pages with the step's
+# own real flags and positions, LeanCache.begin_step). A mask that is built all the same (Gemma3's
+# with token types: an image's tokens see each other both ways) is read by a step of several
+# queries for its own keys (LeanCache._own_key_mask).
 _FULL_MASK_UNUSED = contextvars.ContextVar("leankit_full_mask_unused", default=False)
 # The mask the whole model was called with (2-D, or 4-D read as its padding). A composite model
 # (Gemma3's image-text model) builds its per-layer-type masks itself and hands its decoder a dict

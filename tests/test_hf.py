@@ -380,6 +380,48 @@ def test_an_image_text_step_with_token_types_after_the_prompt_keeps_its_sliding_
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kv", ["FP16", "FP16-FP16:th=0.5"])
+def test_an_image_split_by_a_prefill_chunk_keeps_its_bidirectional_attention(monkeypatch, backend, kv):
+    """Gemma3 lets one image's tokens see each other both ways (token types -> an or-mask). A step
+    after the prompt attended its own tokens causally by position, ignoring the model's mask: with
+    ``prefill_chunk_size=4`` the image tokens of a later chunk lost their bidirectional part (logits
+    3.5e-3 off DynamicCache's on FP16, 0.13 in a manual chunking). Now the step's own keys follow
+    the model's mask block: DynamicCache's logits, in chunks and in a new turn carrying an image, on
+    either backend, with or without significance."""
+    from leankit.testing import tiny_model
+
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
+    model = tiny_model("gemma3-image-text", sliding_window=64, seed=3)
+    ids = torch.tensor([[1, 5, 94, 96, 96, 96, 96, 95, 7, 8, 9, 10], [0, 0, 0, 1, 94, 96, 96, 96, 96, 95, 7, 8]])
+    mask = (ids != 0).long()
+    types = (ids == 96).long()
+    torch.manual_seed(1)
+    kw = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types,
+          "pixel_values": torch.randn(2, 3, 28, 28), "max_new_tokens": 3, "do_sample": False, "pad_token_id": 0,
+          "prefill_chunk_size": 4, "output_logits": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        want = model.generate(**kw, **cache_kwargs(model, DynamicCache(config=model.config)))
+        got = model.generate(**kw, **cache_kwargs(model, leankit.LeanCache(model, kv)))
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=0, atol=1e-5)
+
+    # a text prompt, then a turn whose image tokens all come in one step of several queries
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+
+    def turns(cache):
+        with torch.no_grad():
+            model(input_ids=ids[:, :3], attention_mask=mask[:, :3], position_ids=pos[:, :3],
+                  **cache_kwargs(model, cache))
+            return model(input_ids=ids[:, 3:], attention_mask=mask, token_type_ids=types, position_ids=pos[:, 3:],
+                         **cache_kwargs(model, cache)).logits
+
+    want = turns(DynamicCache(config=model.config))
+    got = turns(leankit.LeanCache(model, kv))
+    real = mask[:, 3:].bool()
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+
+
 def test_an_audio_encoders_padding_mask_is_built_in_a_new_turn():
     """A composite model's encoder is switched to leankit's attention with the whole model and builds
     its bidirectional padding mask through leankit's mask function. In a new turn (a step after the
