@@ -626,6 +626,9 @@ class LeanCache(Cache):
         """
         from .offload.plan import cache_settings, check_model
 
+        if "offload" in kwargs:  # the plan chose the placement (a TypeError of Python's otherwise)
+            raise ValueError("from_plan takes its placement from the plan: drop offload=, or build "
+                             "LeanCache(model, kv, offload=...) yourself")
         check_model(plan, model)  # first: a plan for another model is wrong whatever its settings
         kv, offload = cache_settings(plan)
         return cls(model, kv, offload=offload, **kwargs)

@@ -128,6 +128,8 @@ def test_from_plan_settings_and_errors():
         LeanCache.from_plan(model, bad)
     with pytest.raises(ValueError, match="not feasible"):
         cache_settings(object())
+    with pytest.raises(ValueError, match="placement from the plan"):
+        LeanCache.from_plan(model, tight, offload=True)
 
 
 def test_from_plan_with_activations_is_exact():
