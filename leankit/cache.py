@@ -1149,7 +1149,7 @@ class LeanCache(Cache):
             return
         self.abort_step()
         if self.offload is not None:  # pages prefetched for later layers of the dropped step are stale
-            self.offload.drop_step()  # (and its link bytes are no finished step's)
+            self.offload.forget_step()  # (and its link bytes are no finished step's)
         if self._seen == 0:
             self.reset()
         else:
@@ -1507,7 +1507,7 @@ class LeanCache(Cache):
             freed += self.act_store.release(rows)
         self.finished |= rows
         if self.offload is not None:  # the rows' resident pages give back their device slots now
-            self.offload.released()
+            self.offload.prune_resident()
         return freed
 
     @inference_only

@@ -47,8 +47,6 @@ def output_problem(path: str | Path | None, folder: bool = False) -> str | None:
     return None
 
 
-__all__ = ["output_problem"]
-
 
 def process_umask() -> int:
     """This process's umask, read without changing it where Linux shows it (``/proc/self/status``):
@@ -70,3 +68,6 @@ def share_as_umask_allows(path: str | Path, mode: int) -> None:
     """Give ``path`` ``mode`` less the process umask. ``mkstemp``/``mkdtemp`` create private files
     (0600/0700), which would hide a shared cache directory's entries from its other users."""
     os.chmod(path, mode & ~process_umask())
+
+
+__all__ = ["output_problem", "process_umask", "share_as_umask_allows"]

@@ -137,17 +137,17 @@ class OffloadRuntime:
         if events:
             self._events[layer] = events
 
-    def released(self) -> None:
-        """Rows were released (their pages are back on the free list): their resident pages stop being
-        resident and give back their device slots (``memory_report`` counted them as resident, and
-        their host pages as negative, until the next step)."""
+    def prune_resident(self) -> None:
+        """Resident pages that went back to the free list (rows released, a step dropped) stop being
+        resident and give back their device slots (``memory_report`` would count them as resident,
+        and their host pages as negative, until the next step)."""
         if self.resident.active:
             self.working.drop(self.resident.prune(self.cache))
 
     def begin_step(self, step) -> None:
         """Start copying the first layer's pages in (the step's pages are allocated by now); a first
         window over the budget drops the step (:class:`DeviceBudgetExceeded`)."""
-        self.released()  # resident pages of finished rows went back to the free list
+        self.prune_resident()  # resident pages of finished rows went back to the free list
         if self.cache.num_layers:
             try:
                 self._prefetch(0)
@@ -161,10 +161,9 @@ class OffloadRuntime:
         device slots in every later window of their layer (the next step, which fitted the budget
         before, must fit it again)."""
         self.cache.abort_step()
-        self.drop_step()
+        self.forget_step()
         self.cache.trim_pages()
-        if self.resident.active:
-            self.working.drop(self.resident.prune(self.cache))
+        self.prune_resident()
         if self.cache._seen == 0:  # a refused first step leaves the cache fresh (no batch size bound)
             self.cache.reset()
 
@@ -303,7 +302,7 @@ class OffloadRuntime:
         self.link.drain()
         self._forget()
 
-    def drop_step(self) -> None:
+    def forget_step(self) -> None:
         """Forget a dropped step: the layers prefetched for it and the link bytes it counted so far
         (they belong to no finished step, so the next step's ``bytes_per_step`` entry leaves them out)."""
         self.abandon_prefetch()
