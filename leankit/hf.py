@@ -242,9 +242,12 @@ def _post_hook(module, args, kwargs, output):
 def _failure_hook(module, args, kwargs, output):
     """Runs after :func:`_post_hook`, and also when the forward raised (``always_call``): a step the
     forward left open (an error in any layer, or in the step's end) is dropped, so the cache stays
-    as it was before the call (:meth:`LeanCache.drop_failed_step`)."""
+    as it was before the call (:meth:`LeanCache.drop_failed_step`). The mask switch is reset here
+    too: a forward that raised skipped :func:`_post_hook`, and a mask built outside any leankit
+    forward (a vision tower run on its own) must not see the plain causal mask skipped."""
     from .cache import LeanCache
 
+    _FULL_MASK_UNUSED.set(False)
     cache = cache_argument(args, kwargs, module._leankit_params)
     if isinstance(cache, LeanCache):
         cache.drop_failed_step()

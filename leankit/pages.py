@@ -305,6 +305,30 @@ def _put_bytes(flat: torch.Tensor, index: torch.Tensor, data: torch.Tensor, ok: 
 CPU_RESERVE_FACTOR = 4
 
 
+# Page ids are int32 in the page table and the free list, so a pool holds at most this many pages.
+MAX_PAGES = 2 ** 31 - 1
+
+
+def _check_page_count(num_pages: int, what: str) -> None:
+    if num_pages > MAX_PAGES:
+        raise ValueError(f"a {what} of {num_pages} pages is more than page ids can address (int32: at most "
+                         f"{MAX_PAGES} pages)")
+
+
+def _allocate(make, num_pages: int, page_size: int, device, what: str) -> torch.Tensor:
+    """``make()``, with an allocator failure restated as the pool it was for (pages, bytes, device).
+    An out-of-memory error stays one (``torch.OutOfMemoryError``), so callers catching it still do."""
+    try:
+        return make()
+    except RuntimeError as err:
+        from .cli import _fmt_bytes
+
+        cls = torch.OutOfMemoryError if isinstance(err, torch.OutOfMemoryError) else RuntimeError
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise cls(f"cannot allocate a {what} of {num_pages} pages x {page_size} B "
+                  f"({_fmt_bytes(num_pages * page_size)}) on {torch.device(device)}: {reason}") from err
+
+
 class PagePool:
     """The device's page pool: ``num_pages x page_size`` bytes in one uint8 tensor.
 
@@ -312,16 +336,20 @@ class PagePool:
     front of a larger, untouched reserve (see :data:`CPU_RESERVE_FACTOR`).
     """
 
-    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu", what: str = "page pool"):
         self.page_size = page_size
-        self.storage = self._reserve = torch.empty((num_pages, page_size), dtype=torch.uint8, device=device)
+        self.what = what
+        _check_page_count(num_pages, what)
+        self.storage = self._reserve = _allocate(lambda: torch.empty((num_pages, page_size), dtype=torch.uint8,
+                                                                      device=device), num_pages, page_size, device, what)
 
     def __getstate__(self) -> dict:
         # Copies and pickles carry the pages only, never the untouched reserve behind them.
-        return {"page_size": self.page_size, "storage": self.storage.clone()}
+        return {"page_size": self.page_size, "what": self.what, "storage": self.storage.clone()}
 
     def __setstate__(self, state: dict) -> None:
         self.page_size = state["page_size"]
+        self.what = state.get("what", "page pool")
         self.storage = self._reserve = state["storage"]
 
     @property
@@ -341,6 +369,7 @@ class PagePool:
         """
         if num_pages <= self.num_pages:
             return
+        _check_page_count(num_pages, self.what)
         if num_pages > self._reserve.shape[0]:
             reserve = None
             if self.device.type == "cpu":
@@ -349,7 +378,8 @@ class PagePool:
                 except RuntimeError:  # address space refused (strict overcommit): grow exactly
                     reserve = None
             if reserve is None:
-                reserve = self.storage.new_empty((num_pages, self.page_size))
+                reserve = _allocate(lambda: self.storage.new_empty((num_pages, self.page_size)), num_pages,
+                                    self.page_size, self.device, self.what)
             reserve[: self.num_pages].copy_(self.storage)
             self._reserve = reserve
         self.storage = self._reserve[:num_pages]

@@ -880,3 +880,29 @@ def test_max_seq_len_sizes_rows_in_whole_pages_and_is_no_exact_cap():
         with pytest.raises(ValueError, match="outgrew its page-table row"):
             model(input_ids=ids[:, capacity:], **cache_kwargs(model, cache), use_cache=True)
     assert cache.get_seq_length() == capacity and cache._step is None
+
+
+def test_a_decode_step_that_raised_does_not_leave_the_causal_mask_skipped():
+    """A LeanCache step after the prompt skips building the plain causal mask (no layer reads it). A
+    step of the bare decoder stack that raised midway must not leave that switch on for masks built outside any leankit forward
+    afterwards (the "leankit" mask function, as an encoder run on its own reaches it)."""
+    from transformers.masking_utils import causal_mask_function
+
+    from leankit import hf
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    cache = LeanCache(model, "K8V4")
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
+        def fail(module, args, output):
+            raise RuntimeError("a layer failed")
+
+        hook = model.model.layers[1].register_forward_hook(fail)
+        with pytest.raises(RuntimeError, match="a layer failed"):  # the decoder stack called on its own
+            model.model(input_ids=ids[:, :1], **cache_kwargs(model, cache), use_cache=True)
+        hook.remove()
+    assert hf._FULL_MASK_UNUSED.get() is False
+    mask = hf.leankit_mask(batch_size=1, q_length=4, kv_length=4, mask_function=causal_mask_function,
+                           attention_mask=torch.tensor([[0, 1, 1, 1]]).bool())
+    assert mask is not None and not bool(mask[0, 0, 1, 0])  # the padded key stays hidden

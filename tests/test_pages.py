@@ -112,6 +112,22 @@ def test_pool_copies_carry_its_pages_not_its_reserve():
     assert torch.equal(twin.storage[:3], pool.storage) and pool.num_pages == 3
 
 
+def test_a_pool_past_int32_page_ids_or_past_memory_is_refused_in_leankit_terms():
+    with pytest.raises(ValueError, match="more than page ids can address"):
+        PagePool(pages_mod.MAX_PAGES + 1, 256)
+    pool = PagePool(2, 256)
+    with pytest.raises(ValueError, match="int32"):
+        pool.grow(2 ** 40)
+    assert pool.num_pages == 2  # the refused grow left the pool as it was
+    # more bytes than any machine has (and more than the OS will map), within the page-id bound
+    with pytest.raises(RuntimeError, match=r"cannot allocate a page pool of 2147483647 pages x 1048576 B"):
+        PagePool(pages_mod.MAX_PAGES, 1 << 20)
+    big = PagePool(2, 1 << 20)
+    with pytest.raises(RuntimeError, match=r"cannot allocate a page pool of 2147483647 pages"):
+        big.grow(pages_mod.MAX_PAGES)
+    assert big.num_pages == 2
+
+
 def test_k4v2_page_holds_about_twice_k8v4():
     cfg = KVConfig.parse("K8V4-K4V2")
     hi = PageLayout.build(cfg, 0, 64, torch.float16)

@@ -26,6 +26,8 @@ def test_gen_one_cli_exit_code(capsys):
     {"cpu_threads": "16"}, {"cpu_threads": 2.5}, {"cpu_threads": True}, {"cpu_threads": 10**9},
     {"cpu_attn_efficiency": "0.5"}, {"cpu_attn_efficiency": None},
     {"fits": {"t_kv_gen": {"a": 1}}}, {"fits": [1]}, {"fits": {"t_kv_gen": 3}},
+    {"fits": {"t_kv_gen": {"slope": float("nan"), "intercept": 0.0, "r2": 1.0}}, "fit_model": "opt-6.7b"},
+    {"fits": {"t_load_kv": {"slope": 1e-9, "intercept": float("inf"), "r2": 1.0}}, "fit_model": "opt-6.7b"},
     {"device": "tpu"}, {"gpu_mem": True}, {"h2d_bw": True},
 ])
 def test_bad_profile_fields_are_value_errors(tmp_path, capsys, change):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..pages import PagePool
+from ..pages import PagePool, _allocate, _check_page_count
 
 
 def _pinned(num_pages: int, page_size: int, pin: bool) -> torch.Tensor:
@@ -24,7 +24,9 @@ class HostPool(PagePool):
     def __init__(self, num_pages: int, page_size: int, pin: bool = True):
         self.page_size = page_size
         self.pin = pin
-        self.storage = _pinned(num_pages, page_size, pin)
+        self.what = "host page pool (offload)"
+        _check_page_count(num_pages, self.what)
+        self.storage = _allocate(lambda: _pinned(num_pages, page_size, pin), num_pages, page_size, "cpu", self.what)
 
     def __getstate__(self) -> dict:
         # PagePool's state is its pages alone: a copy or a pickle must keep the pinning choice too,
@@ -47,6 +49,8 @@ class HostPool(PagePool):
         """Enlarge the pool to ``num_pages`` pages, keeping every page id and byte (and the pinning)."""
         extra = num_pages - self.num_pages
         if extra > 0:
-            new = _pinned(num_pages, self.page_size, self.pin)
+            _check_page_count(num_pages, self.what)
+            new = _allocate(lambda: _pinned(num_pages, self.page_size, self.pin), num_pages, self.page_size, "cpu",
+                            self.what)
             new[: self.num_pages] = self.storage
             self.storage = new

@@ -24,7 +24,7 @@ class WorkingSet:
 
     def __init__(self, page_size: int, device, budget: int | None):
         self.fixed = budget is not None
-        self.pool = PagePool(budget or 8, page_size, device)
+        self.pool = PagePool(budget or 8, page_size, device, "device working set (offload device_pages)")
         self.owner = torch.full((self.pool.num_pages,), -1, dtype=torch.long, device=device)
         self.slot_of = torch.full((0,), -1, dtype=torch.long, device=device)
         self.used = 0

@@ -67,8 +67,13 @@ class LinearFit:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LinearFit:
-        """Inverse of :meth:`to_dict`."""
-        return cls(float(d["slope"]), float(d["intercept"]), float(d["r2"]), int(d.get("n", 0)))
+        """Inverse of :meth:`to_dict`; a slope or intercept that is not a finite number raises
+        ``ValueError`` (a NaN fit would price every plan as NaN seconds, which no search can rank)."""
+        fit = cls(float(d["slope"]), float(d["intercept"]), float(d["r2"]), int(d.get("n", 0)))
+        for name in ("slope", "intercept"):
+            if not math.isfinite(getattr(fit, name)):
+                raise ValueError(f"a fit's {name} must be a finite number, got {getattr(fit, name)!r}")
+        return fit
 
 
 def fit_linear(xs, ys) -> LinearFit:
