@@ -248,8 +248,8 @@ def test_memory_report_prints_the_offload_entry():
                                       ({"device_pages": 0}, "device_pages"), ({"device_pages": True}, "device_pages"),
                                       ({"prefetch": True}, "prefetch"), ({"depth": 2}, "unknown offload"),
                                       ({"pin": "no"}, "pin must be True or False"), ({"pin": 0}, "pin"),
-                                      ({"device_pages": 2 ** 40}, r"device working set \(offload device_pages\) of "
-                                                                  r"1099511627776 pages is more than page ids")])
+                                      ({"device_pages": 2 ** 40}, (r"device working set \(offload device_pages\) of "
+                                                                   r"1099511627776 pages is more than page ids"))])
 def test_bad_offload_argument(bad, what):
     with pytest.raises(ValueError, match=what):
         LeanCache(tiny_model("llama-mha"), "K8V4", offload=bad)
