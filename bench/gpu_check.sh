@@ -21,6 +21,16 @@ RES=${GPU_RESULTS:-results/gpu}
 TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-330}
 BENCH_TIMEOUT=${GPU_BENCH_TIMEOUT:-150}
 STEP_TIMEOUT=${GPU_STEP_TIMEOUT:-270}
+# The whole check stays under 10 minutes: each step gets its own timeout or what is left of this
+# budget, whichever is less (the steps' own timeouts add up to more, as caps for a slow machine),
+# and a step reached with no time left is reported as failed, not silently skipped.
+BUDGET=${GPU_CHECK_BUDGET:-570}
+START=$SECONDS
+cap() {  # cap STEP_SECONDS: the step's timeout within the budget (0 when none is left)
+  local left=$(( BUDGET - (SECONDS - START) ))
+  (( left < 0 )) && left=0
+  echo $(( $1 < left ? $1 : left ))
+}
 # Without a visible GPU every cuda test skips (pytest passes) and the benchmarks print unmeasured
 # tables and exit 0, writing "device: none" results over the measured ones: refuse to start
 # instead of reporting "all passed". TRITON_INTERPRET=1 skips the tests the same way.
@@ -52,24 +62,30 @@ if $PY -c "import pytest_timeout" 2>/dev/null; then
   workers+=(--timeout "${GPU_TEST_EACH_TIMEOUT:-150}")  # one stuck test fails alone, with its traceback
 fi
 set -o pipefail
-timeout "$TEST_TIMEOUT" $PY -m pytest -q -p no:cacheprovider -m cuda -rA --durations=8 "${workers[@]}" \
-  tests/test_cuda_kernels.py 2>&1 | tee "$RES/pytest.log" || failed+=("cuda tests")
+t=$(cap "$TEST_TIMEOUT")
+(( t > 0 )) && timeout "$t" $PY -m pytest -q -p no:cacheprovider -m cuda -rA --durations=8 "${workers[@]}" \
+  tests/test_cuda_kernels.py 2>&1 | tee "$RES/pytest.log" || failed+=("cuda tests$( ((t > 0)) || echo ': no time left')")
 
-timeout "$STEP_TIMEOUT" $PY bench/gpu_step.py --steps 8 --out "$RES" 2>&1 | tee "$RES/gpu_step.log" || failed+=("bench step")
+t=$(cap "$STEP_TIMEOUT")
+(( t > 0 )) && timeout "$t" $PY bench/gpu_step.py --steps 8 --out "$RES" 2>&1 | tee "$RES/gpu_step.log" \
+  || failed+=("bench step$( ((t > 0)) || echo ': no time left')")
 
 : > "$RES/kernels.log"
 for shape in "64 3 3" "128 8 4"; do
   set -- $shape
-  timeout "$BENCH_TIMEOUT" $PY bench/decode_kernels.py --head-dim "$1" --kv-heads "$2" --group "$3" --out "$RES" \
-    2>&1 | tee -a "$RES/kernels.log" || failed+=("bench d$1")
+  t=$(cap "$BENCH_TIMEOUT")
+  (( t > 0 )) && timeout "$t" $PY bench/decode_kernels.py --head-dim "$1" --kv-heads "$2" --group "$3" --out "$RES" \
+    2>&1 | tee -a "$RES/kernels.log" || failed+=("bench d$1$( ((t > 0)) || echo ': no time left')")
 done
 
-timeout "$BENCH_TIMEOUT" $PY bench/prefill_kernels.py --head-dim 128 --kv-heads 8 --group 4 --batch 4 \
-  --prompts 1024 4096 --out "$RES" 2>&1 | tee -a "$RES/kernels.log" || failed+=("bench prefill")
+t=$(cap "$BENCH_TIMEOUT")
+(( t > 0 )) && timeout "$t" $PY bench/prefill_kernels.py --head-dim 128 --kv-heads 8 --group 4 --batch 4 \
+  --prompts 1024 4096 --out "$RES" 2>&1 | tee -a "$RES/kernels.log" || failed+=("bench prefill$( ((t > 0)) || echo ': no time left')")
 
 # The verdict is kept with the results (summary.txt), so a results folder says whether its run passed.
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "gpu-check: FAILED: ${failed[*]}" | tee "$RES/summary.txt"
+  msg=$(printf '%s; ' "${failed[@]}")
+  echo "gpu-check: FAILED: ${msg%; }" | tee "$RES/summary.txt"
   exit 1
 fi
 echo "gpu-check: all passed; results in $RES" | tee "$RES/summary.txt"
