@@ -66,6 +66,8 @@ def test_limits_zero_differs_from_unset():
 def test_negative_memory_rejected(capsys, flag):
     err = _argparse_error(capsys, flag, "-5")
     assert flag in err and ">= 0" in err
+    err = _argparse_error(capsys, flag, "1e300")  # would print plans hundreds of digits wide
+    assert flag in err and "at most 2**30 (1 EiB)" in err
 
 
 def test_hardware_json_with_missing_fields(tmp_path, capsys):

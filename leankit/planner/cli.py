@@ -71,6 +71,7 @@ def _checked(kind, ok, rule: str):
 
 _non_negative = _checked(float, lambda v: 0 <= v < float("inf"), "must be a finite number >= 0")
 _positive_int = _checked(int, lambda v: v >= 1, "must be >= 1")
+_memory_gib = _checked(float, lambda v: 0 <= v <= 2 ** 30, "is GiB of memory: must be >= 0 and at most 2**30 (1 EiB)")
 _fraction = _checked(float, lambda v: 0.0 <= v <= 1.0, "is a share of tokens and must lie in [0, 1]")
 
 
@@ -123,9 +124,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-attn-offload", action="store_true", help="do not consider CPU attention")
     p.add_argument("--no-weight-placement", action="store_true",
                    help="stream every layer's weights instead of searching how many stay on the GPU")
-    p.add_argument("--gpu-mem", type=_non_negative, default=None,
+    p.add_argument("--gpu-mem", type=_memory_gib, default=None,
                    help="GPU memory limit in GiB, 0 included (default: the profile's)")
-    p.add_argument("--host-mem", type=_non_negative, default=None,
+    p.add_argument("--host-mem", type=_memory_gib, default=None,
                    help="host memory limit in GiB, 0 included (default: the profile's)")
     p.add_argument("--timeline", metavar="PATH", default=None,
                    help="draw PCIe against compute per layer for the plan and the KV-only baseline to PATH (png)")

@@ -39,6 +39,9 @@ TFLOPS = 1e12
 GHz = 1e9
 # The most host threads a profile may name: LM-Offload Algorithm 3 tries every split of them.
 MAX_CPU_THREADS = 4096
+# The most memory a profile may name, device or host: an exbibyte, far past any machine (a hand-edited
+# 1e308 would print plans hundreds of digits wide).
+MAX_MEMORY = float(2**60)
 
 
 # --------------------------------------------------------------------------------------- fitting
@@ -152,6 +155,9 @@ class HardwareProfile:
             # bool is an int to Python: a hand-edited ``"gpu_mem": true`` would plan with 1 byte
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"HardwareProfile.{f} must be a positive finite number, got {v!r}")
+        for f in ("gpu_mem", "host_mem"):
+            if getattr(self, f) > MAX_MEMORY:
+                raise ValueError(f"HardwareProfile.{f} must be at most 2**60 bytes (1 EiB), got {getattr(self, f)!r}")
         eff = self.cpu_attn_efficiency
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
             raise ValueError(f"cpu_attn_efficiency must lie in (0, 1], got {eff!r}")
