@@ -118,6 +118,20 @@ def make_streamer(tok, args, total: int):
     return ProgressStreamer()
 
 
+def _warn_past_positions(model, prompt_tokens: int, new_tokens: int) -> None:
+    """Say so when a generation may run past the positions the model was built for (its text
+    config's ``max_position_embeddings``): EOS usually stops it sooner, so it is not refused, but
+    tokens past the limit are the model extrapolating (OPT's learned position table ends there)."""
+    from .cache import _text_config
+
+    limit = getattr(_text_config(model.config), "max_position_embeddings", None)
+    fed = prompt_tokens + new_tokens - 1  # generate feeds every token but the last one it makes
+    if limit and fed > limit:
+        print(f"[leankit] warning: the prompt ({prompt_tokens} tokens) and --max-new-tokens {new_tokens} may feed "
+              f"the model {fed} positions, beyond the {limit} this model takes "
+              "(max_position_embeddings): what it generates past them is extrapolation", file=sys.stderr)
+
+
 def cmd_generate(args) -> int:
     """Generate text with a LeanCache and print it plus one memory line."""
     import torch
@@ -150,6 +164,7 @@ def cmd_generate(args) -> int:
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not args.chat)
     if enc.input_ids.shape[1] == 0:
         raise ValueError("the prompt gives no tokens: give some text with --prompt")
+    _warn_past_positions(model, enc.input_ids.shape[1], args.max_new_tokens)
     eos = model.generation_config.eos_token_id
     if hardware is not None:
         cache = planned_cache(model, hardware, enc.attention_mask.sum(1).tolist(), args, eos, tok.pad_token_id)

@@ -71,6 +71,15 @@ def test_generate_greedy_batch_prints_each_row_and_memory(tiny, capsys):
     assert all(w.startswith("w") or w == "<unk>" for w in out[0].split())
 
 
+def test_generate_past_the_models_positions_warns(tiny, capsys):
+    args = ["generate", "--model", "tiny", "--no-progress", "--prompt", "w5 w6 w7"]  # 4 tokens with BOS
+    assert main([*args, "--max-new-tokens", "509"]) == 0  # feeds positions 0..511: all within the 512
+    assert "warning" not in capsys.readouterr().err
+    assert main([*args, "--max-new-tokens", "510"]) == 0
+    err = capsys.readouterr().err
+    assert "feed the model 513 positions, beyond the 512 this model takes (max_position_embeddings)" in err
+
+
 def test_generate_sampling_is_seeded(tiny, capsys):
     outs = []
     for _ in range(2):
