@@ -57,6 +57,7 @@ class FreePageList:
 
     @property
     def free_head(self) -> int:
+        """Ring index of the next page to hand out (syncs the host counters)."""
         self.sync()
         return self._head
 
@@ -68,6 +69,7 @@ class FreePageList:
 
     @property
     def free_tail(self) -> int:
+        """Ring index one past the last free page (syncs the host counters)."""
         self.sync()
         return self._tail
 
@@ -106,6 +108,7 @@ class FreePageList:
 
     @property
     def stale(self) -> bool:
+        """Whether a kernel moved the device counters since the host last read them."""
         return self._stale
 
     def sync(self) -> None:
@@ -119,10 +122,12 @@ class FreePageList:
 
     @property
     def capacity(self) -> int:
+        """Pages the ring can hold (the pool's size)."""
         return self.ring.numel()
 
     @property
     def num_free(self) -> int:
+        """Free pages now (syncs the host counters)."""
         return self.free_tail - self.free_head
 
     def free_ids(self) -> torch.Tensor:

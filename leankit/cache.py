@@ -418,20 +418,25 @@ class LeanLayer(CacheLayerMixin):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # state is allocated by the cache
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Mark the layer initialized; its state (pages, tables) is allocated by the cache."""
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """Hand the step's new K/V to the cache (stored after attention); returns them unchanged."""
         self.cache.check_kv_shape(key_states, value_states)
         return self.cache._store(self.layer_idx, key_states, value_states)
 
     def get_seq_length(self) -> int:
+        """Positions the cache has seen per row (the same for every layer)."""
         return self.cache._seen
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the mask transformers builds for a step of ``query_length``."""
         return self.cache._seen + _query_length(query_length), 0
 
     def get_max_length(self) -> int:
+        """The cache's ``max_seq_len`` (the page-table row's size, not a hard cap)."""
         return self.cache.max_seq_len
 
     def get_max_cache_shape(self) -> int:
@@ -440,10 +445,11 @@ class LeanLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        """Empty the whole cache (:meth:`LeanCache.reset`): its layers share one pool and table."""
         self.cache.reset()
 
-    def reorder_cache(self, beam_idx) -> None:  # the cache reorders all layers at once
-        pass
+    def reorder_cache(self, beam_idx) -> None:
+        """Nothing per layer: :meth:`LeanCache.reorder_cache` reorders all layers at once."""
 
 
 class LeanCache(Cache):

@@ -354,10 +354,12 @@ class PagePool:
 
     @property
     def num_pages(self) -> int:
+        """Pages in the pool."""
         return self.storage.shape[0]
 
     @property
     def device(self) -> torch.device:
+        """The device the pages live on."""
         return self.storage.device
 
     def grow(self, num_pages: int) -> None:

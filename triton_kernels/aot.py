@@ -459,6 +459,8 @@ def opcode_table(rows: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    """``python -m leankit_kernels.aot``: compile every kernel case for the given archs and print (and
+    optionally write) the register, spill and SASS tables; returns 1 if a loop spills or a compile fails."""
     ap = argparse.ArgumentParser(prog="python -m leankit_kernels.aot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities (default 80 90)")
