@@ -415,8 +415,18 @@ class LeanLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, cache: LeanCache, layer_idx: int):
-        super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
+        super().__init__()
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether the layer holds state: once the cache's first step has built its tables (or
+        transformers ran :meth:`lazy_initialization`), until :meth:`LeanCache.reset`."""
+        return getattr(self, "_initialized", False) or self.cache.table is not None
+
+    @is_initialized.setter
+    def is_initialized(self, value: bool) -> None:
+        self._initialized = bool(value)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         """Mark the layer initialized; its state (pages, tables) is allocated by the cache."""

@@ -906,3 +906,19 @@ def test_a_decode_step_that_raised_does_not_leave_the_causal_mask_skipped():
     mask = hf.leankit_mask(batch_size=1, q_length=4, kv_length=4, mask_function=causal_mask_function,
                            attention_mask=torch.tensor([[0, 1, 1, 1]]).bool())
     assert mask is not None and not bool(mask[0, 0, 1, 0])  # the padded key stays hidden
+
+
+def test_is_initialized_says_whether_the_cache_holds_state():
+    """transformers' ``Cache.is_initialized`` (read by some models to tell a prefill from a decode
+    step) is False on a fresh or reset LeanCache and True once a step has filled it, copies included."""
+    import copy
+
+    model = tiny_model("llama-gqa")
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    cache = LeanCache(model, "K8V4")
+    assert cache.is_initialized is False
+    with torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
+    assert cache.is_initialized is True and copy.deepcopy(cache).is_initialized is True
+    cache.reset()
+    assert cache.is_initialized is False
