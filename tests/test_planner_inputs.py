@@ -29,6 +29,7 @@ def test_gen_one_cli_exit_code(capsys):
     {"fits": {"t_kv_gen": {"slope": float("nan"), "intercept": 0.0, "r2": 1.0}}, "fit_model": "opt-6.7b"},
     {"fits": {"t_load_kv": {"slope": 1e-9, "intercept": float("inf"), "r2": 1.0}}, "fit_model": "opt-6.7b"},
     {"device": "tpu"}, {"gpu_mem": True}, {"h2d_bw": True}, {"gpu_mem": 1e308}, {"host_mem": 2.0 ** 61},
+    {"h2d_bw": 1e-300}, {"cpu_flops": 1e300}, {"gpu_freq": 0.5},
 ])
 def test_bad_profile_fields_are_value_errors(tmp_path, capsys, change):
     d = PRESETS["rtx4090-pcie4"].to_dict()

@@ -42,6 +42,9 @@ MAX_CPU_THREADS = 4096
 # The most memory a profile may name, device or host: an exbibyte, far past any machine (a hand-edited
 # 1e308 would print plans hundreds of digits wide).
 MAX_MEMORY = float(2**60)
+# Every rate, size and clock of a profile lies in [MIN_RATE, MAX_RATE] (one unit to a zetta-unit per
+# second): a plan's times stay finite, and nothing a machine measures falls outside.
+MIN_RATE, MAX_RATE = 1.0, 1e21
 
 
 # --------------------------------------------------------------------------------------- fitting
@@ -155,6 +158,10 @@ class HardwareProfile:
             # bool is an int to Python: a hand-edited ``"gpu_mem": true`` would plan with 1 byte
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"HardwareProfile.{f} must be a positive finite number, got {v!r}")
+            # bounded: rates far outside any machine's (1e-300 B/s) overflow the plan's times to inf and NaN
+            if not MIN_RATE <= v <= MAX_RATE:
+                raise ValueError(f"HardwareProfile.{f} must lie in [{MIN_RATE:g}, {MAX_RATE:g}] (bytes, bytes/s, "
+                                 f"FLOP/s or Hz), got {v!r}")
         for f in ("gpu_mem", "host_mem"):
             if getattr(self, f) > MAX_MEMORY:
                 raise ValueError(f"HardwareProfile.{f} must be at most 2**60 bytes (1 EiB), got {getattr(self, f)!r}")
