@@ -570,8 +570,11 @@ def test_a_budget_whose_pool_cannot_be_allocated_is_a_clear_error():
     allocator traceback."""
     model, _ = _tiny_lm()
     kind = throughput.LeanKind("K8V4")
-    with pytest.raises(ValueError, match="--budget-bytes .* cannot be allocated"):
+    with pytest.raises(ValueError, match="--budget-bytes .* cannot be allocated: it has more pages than int32 page ids"):
         kind.make(model, 1 << 62, 16)
+    # within the page ids, past what the machine can hold (2**31 - 1 pages of some KiB each)
+    with pytest.raises(ValueError, match="--budget-bytes .* cannot be allocated on this machine"):
+        kind.make(model, (2 ** 31 - 1) * kind.cfg.page_size, 16)
 
 
 def test_a_budget_far_above_the_requests_is_verified_at_the_requests_only(monkeypatch):

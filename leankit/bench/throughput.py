@@ -252,14 +252,20 @@ class LeanKind:
         from ..cache import LeanCache
 
         pages = self.pool_pages(model, budget, max_len, rows) if fixed else None
-        try:
-            return LeanCache(model, self.cfg, num_pages=pages, max_seq_len=max_len)
-        except (RuntimeError, MemoryError) as err:  # the pool is allocated whole, up front
-            if pages is None or "allocate" not in str(err):
-                raise
-            raise ValueError(f"{self.name}: its fixed pool of {pages} pages ({_fmt_bytes(pages * self.cfg.page_size)}) "
-                             f"for --budget-bytes {budget} cannot be allocated on this machine; ask for a smaller "
-                             "budget") from None
+        from ..pages import MAX_PAGES
+
+        why = None
+        if pages is not None and pages > MAX_PAGES:
+            why = f": it has more pages than int32 page ids address ({MAX_PAGES})"
+        else:
+            try:
+                return LeanCache(model, self.cfg, num_pages=pages, max_seq_len=max_len)
+            except (RuntimeError, MemoryError) as err:  # the pool is allocated whole, up front
+                if pages is None or "allocate" not in str(err):
+                    raise
+                why = " on this machine"
+        raise ValueError(f"{self.name}: its fixed pool of {pages} pages ({_fmt_bytes(pages * self.cfg.page_size)}) "
+                         f"for --budget-bytes {budget} cannot be allocated{why}; ask for a smaller budget")
 
     def runs(self, model, budget, longest, new_tokens, pad, rows: int) -> bool:
         """Whether ``rows`` rows of the longest request run in the fixed pool without exhausting it."""
