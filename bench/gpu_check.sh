@@ -62,25 +62,33 @@ if $PY -c "import pytest_timeout" 2>/dev/null; then
   workers+=(--timeout "${GPU_TEST_EACH_TIMEOUT:-150}")  # one stuck test fails alone, with its traceback
 fi
 set -o pipefail
-t=$(cap "$TEST_TIMEOUT")
-(( t > 0 )) && timeout "$t" $PY -m pytest -q -p no:cacheprovider -m cuda -rA --durations=8 "${workers[@]}" \
-  tests/test_cuda_kernels.py 2>&1 | tee "$RES/pytest.log" || failed+=("cuda tests$( ((t > 0)) || echo ': no time left')")
+step() {  # step NAME SECONDS LOG COMMAND...: COMMAND under its timeout within the budget, output added to LOG
+  local name=$1 t log=$3
+  t=$(cap "$2")
+  shift 3
+  if (( t == 0 )); then
+    failed+=("$name: no time left")
+    return
+  fi
+  timeout "$t" "$@" 2>&1 | tee -a "$log" || failed+=("$name")
+}
 
-t=$(cap "$STEP_TIMEOUT")
-(( t > 0 )) && timeout "$t" $PY bench/gpu_step.py --steps 8 --out "$RES" 2>&1 | tee "$RES/gpu_step.log" \
-  || failed+=("bench step$( ((t > 0)) || echo ': no time left')")
+: > "$RES/pytest.log"
+step "cuda tests" "$TEST_TIMEOUT" "$RES/pytest.log" $PY -m pytest -q -p no:cacheprovider -m cuda -rA --durations=8 \
+  "${workers[@]}" tests/test_cuda_kernels.py
+
+: > "$RES/gpu_step.log"
+step "bench step" "$STEP_TIMEOUT" "$RES/gpu_step.log" $PY bench/gpu_step.py --steps 8 --out "$RES"
 
 : > "$RES/kernels.log"
 for shape in "64 3 3" "128 8 4"; do
   set -- $shape
-  t=$(cap "$BENCH_TIMEOUT")
-  (( t > 0 )) && timeout "$t" $PY bench/decode_kernels.py --head-dim "$1" --kv-heads "$2" --group "$3" --out "$RES" \
-    2>&1 | tee -a "$RES/kernels.log" || failed+=("bench d$1$( ((t > 0)) || echo ': no time left')")
+  step "bench d$1" "$BENCH_TIMEOUT" "$RES/kernels.log" $PY bench/decode_kernels.py --head-dim "$1" --kv-heads "$2" \
+    --group "$3" --out "$RES"
 done
 
-t=$(cap "$BENCH_TIMEOUT")
-(( t > 0 )) && timeout "$t" $PY bench/prefill_kernels.py --head-dim 128 --kv-heads 8 --group 4 --batch 4 \
-  --prompts 1024 4096 --out "$RES" 2>&1 | tee -a "$RES/kernels.log" || failed+=("bench prefill$( ((t > 0)) || echo ': no time left')")
+step "bench prefill" "$BENCH_TIMEOUT" "$RES/kernels.log" $PY bench/prefill_kernels.py --head-dim 128 --kv-heads 8 \
+  --group 4 --batch 4 --prompts 1024 4096 --out "$RES"
 
 # The verdict is kept with the results (summary.txt), so a results folder says whether its run passed.
 if [ ${#failed[@]} -gt 0 ]; then

@@ -219,6 +219,11 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def position_limit(model) -> int | None:
+    """The positions ``model`` was built for (its text config's ``max_position_embeddings``), or None."""
+    return getattr(_text_config(model.config), "max_position_embeddings", None)
+
+
 def layer_types(config) -> list[str]:
     """Attention type of every decoder layer of ``config`` (its text config), as the model's own
     attention sees it (:func:`leankit.config.attention_layer_types`)."""

@@ -122,9 +122,9 @@ def _warn_past_positions(model, prompt_tokens: int, new_tokens: int) -> None:
     """Say so when a generation may run past the positions the model was built for (its text
     config's ``max_position_embeddings``): EOS usually stops it sooner, so it is not refused, but
     tokens past the limit are the model extrapolating (OPT's learned position table ends there)."""
-    from .cache import _text_config
+    from .cache import position_limit
 
-    limit = getattr(_text_config(model.config), "max_position_embeddings", None)
+    limit = position_limit(model)
     fed = prompt_tokens + new_tokens - 1  # generate feeds every token but the last one it makes
     if limit and fed > limit:
         print(f"[leankit] warning: the prompt ({prompt_tokens} tokens) and --max-new-tokens {new_tokens} may feed "

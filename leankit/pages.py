@@ -309,15 +309,22 @@ CPU_RESERVE_FACTOR = 4
 MAX_PAGES = 2 ** 31 - 1
 
 
+class PoolSizeError(ValueError):
+    """A pool of more pages than int32 page ids can address (:data:`MAX_PAGES`)."""
+
+
 def _check_page_count(num_pages: int, what: str) -> None:
     if num_pages > MAX_PAGES:
-        raise ValueError(f"a {what} of {num_pages} pages is more than page ids can address (int32: at most "
-                         f"{MAX_PAGES} pages)")
+        raise PoolSizeError(f"a {what} of {num_pages} pages is more than page ids can address (int32: at most "
+                            f"{MAX_PAGES} pages)")
 
 
 def _allocate(make, num_pages: int, page_size: int, device, what: str) -> torch.Tensor:
-    """``make()``, with an allocator failure restated as the pool it was for (pages, bytes, device).
-    An out-of-memory error stays one (``torch.OutOfMemoryError``), so callers catching it still do."""
+    """``make()`` of a pool of ``num_pages`` pages: refused past :data:`MAX_PAGES` before anything is
+    allocated (:class:`PoolSizeError`), and an allocator failure restated as the pool it was for
+    (pages, bytes, device). An out-of-memory error stays one (``torch.OutOfMemoryError``), so callers
+    catching it still do."""
+    _check_page_count(num_pages, what)
     try:
         return make()
     except RuntimeError as err:
@@ -339,7 +346,6 @@ class PagePool:
     def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu", what: str = "page pool"):
         self.page_size = page_size
         self.what = what
-        _check_page_count(num_pages, what)
         self.storage = self._reserve = _allocate(lambda: torch.empty((num_pages, page_size), dtype=torch.uint8,
                                                                       device=device), num_pages, page_size, device, what)
 
@@ -371,7 +377,7 @@ class PagePool:
         """
         if num_pages <= self.num_pages:
             return
-        _check_page_count(num_pages, self.what)
+        _check_page_count(num_pages, self.what)  # growing inside the reserve allocates nothing, but takes ids
         if num_pages > self._reserve.shape[0]:
             reserve = None
             if self.device.type == "cpu":

@@ -33,9 +33,9 @@ def check_positions(model, tokens: int, what: str) -> None:
     was built for (its text config's ``max_position_embeddings``): OPT's position table ends there,
     and a RoPE model's output past it measures nothing a user would run (a long prefill that looks
     like a hang)."""
-    from ..cache import _text_config
+    from ..cache import position_limit
 
-    limit = getattr(_text_config(model.config), "max_position_embeddings", None)
+    limit = position_limit(model)
     if limit and tokens > limit:
         raise ValueError(f"{what} reach {tokens} tokens, beyond the {limit} positions this model takes "
                          "(max_position_embeddings); ask for shorter sequences")

@@ -250,20 +250,19 @@ class LeanKind:
 
     def make(self, model, budget: int, max_len: int, rows: int = 1, fixed: bool = True):
         from ..cache import LeanCache
+        from ..pages import MAX_PAGES, PoolSizeError
 
         pages = self.pool_pages(model, budget, max_len, rows) if fixed else None
-        from ..pages import MAX_PAGES
-
-        why = None
-        if pages is not None and pages > MAX_PAGES:
+        try:
+            return LeanCache(model, self.cfg, num_pages=pages, max_seq_len=max_len)
+        except PoolSizeError:
+            if pages is None:
+                raise
             why = f": it has more pages than int32 page ids address ({MAX_PAGES})"
-        else:
-            try:
-                return LeanCache(model, self.cfg, num_pages=pages, max_seq_len=max_len)
-            except (RuntimeError, MemoryError) as err:  # the pool is allocated whole, up front
-                if pages is None or "allocate" not in str(err):
-                    raise
-                why = " on this machine"
+        except (RuntimeError, MemoryError) as err:  # the pool is allocated whole, up front
+            if pages is None or "allocate" not in str(err):
+                raise
+            why = " on this machine"
         raise ValueError(f"{self.name}: its fixed pool of {pages} pages ({_fmt_bytes(pages * self.cfg.page_size)}) "
                          f"for --budget-bytes {budget} cannot be allocated{why}; ask for a smaller budget")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..pages import PagePool, _allocate, _check_page_count
+from ..pages import PagePool, _allocate
 
 
 def _pinned(num_pages: int, page_size: int, pin: bool) -> torch.Tensor:
@@ -25,7 +25,6 @@ class HostPool(PagePool):
         self.page_size = page_size
         self.pin = pin
         self.what = "host page pool (offload)"
-        _check_page_count(num_pages, self.what)
         self.storage = _allocate(lambda: _pinned(num_pages, page_size, pin), num_pages, page_size, "cpu", self.what)
 
     def __getstate__(self) -> dict:
@@ -49,7 +48,6 @@ class HostPool(PagePool):
         """Enlarge the pool to ``num_pages`` pages, keeping every page id and byte (and the pinning)."""
         extra = num_pages - self.num_pages
         if extra > 0:
-            _check_page_count(num_pages, self.what)
             new = _allocate(lambda: _pinned(num_pages, self.page_size, self.pin), num_pages, self.page_size, "cpu",
                             self.what)
             new[: self.num_pages] = self.storage

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .hardware import GiB, get_hardware, hardware_names
+from .hardware import MAX_MEMORY, GiB, get_hardware, hardware_names
 from .model_spec import DEFAULT_MODEL, get_model, model_names
 
 EPILOG = """examples:
@@ -71,7 +71,8 @@ def _checked(kind, ok, rule: str):
 
 _non_negative = _checked(float, lambda v: 0 <= v < float("inf"), "must be a finite number >= 0")
 _positive_int = _checked(int, lambda v: v >= 1, "must be >= 1")
-_memory_gib = _checked(float, lambda v: 0 <= v <= 2 ** 30, "is GiB of memory: must be >= 0 and at most 2**30 (1 EiB)")
+_memory_gib = _checked(float, lambda v: 0 <= v <= MAX_MEMORY / GiB,
+                       "is GiB of memory: must be >= 0 and at most 2**30 (1 EiB)")
 _fraction = _checked(float, lambda v: 0.0 <= v <= 1.0, "is a share of tokens and must lie in [0, 1]")
 
 

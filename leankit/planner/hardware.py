@@ -159,12 +159,10 @@ class HardwareProfile:
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"HardwareProfile.{f} must be a positive finite number, got {v!r}")
             # bounded: rates far outside any machine's (1e-300 B/s) overflow the plan's times to inf and NaN
-            if not MIN_RATE <= v <= MAX_RATE:
-                raise ValueError(f"HardwareProfile.{f} must lie in [{MIN_RATE:g}, {MAX_RATE:g}] (bytes, bytes/s, "
-                                 f"FLOP/s or Hz), got {v!r}")
-        for f in ("gpu_mem", "host_mem"):
-            if getattr(self, f) > MAX_MEMORY:
-                raise ValueError(f"HardwareProfile.{f} must be at most 2**60 bytes (1 EiB), got {getattr(self, f)!r}")
+            top = MAX_MEMORY if f in ("gpu_mem", "host_mem") else MAX_RATE
+            if not MIN_RATE <= v <= top:
+                raise ValueError(f"HardwareProfile.{f} must lie in [{MIN_RATE:g}, {top:g}] (bytes, bytes/s, "
+                                 f"FLOP/s or Hz; memory at most 2**60 bytes, 1 EiB), got {v!r}")
         eff = self.cpu_attn_efficiency
         if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
             raise ValueError(f"cpu_attn_efficiency must lie in (0, 1], got {eff!r}")
