@@ -1330,13 +1330,15 @@ class LeanCache(Cache):
         else:
             kv = self.paged_kv(layer)
             kernels = use_triton(query)
+            fused = nq == 1 and not kernels and decode_attention.serves_decode_step(kv, group, query.device)
             # Attention below adds this step's attention to the stored tokens' significance before
             # the store checks the step's K/V: NaN/Inf queries or keys would leave NaN there for
-            # good, past the dropped step. Checked first (the torch backend; the kernel backend's
-            # decode kernel flags the layer instead). One host read for both.
-            if sig and not kernels and not bool(torch.isfinite(query).all() & torch.isfinite(k_new).all()):
+            # good, past the dropped step. Checked first on the torch backend, one host read for
+            # both; the compiled decode call checks them itself before it writes anything, and the
+            # kernel backend's decode kernel flags the layer instead.
+            if sig and not kernels and not fused and not bool(torch.isfinite(query).all()
+                                                                & torch.isfinite(k_new).all()):
                 raise NonFiniteKVError("query or key states contain NaN or Inf; refusing to store them in the cache")
-            fused = nq == 1 and not kernels and decode_attention.serves_decode_step(kv, group, query.device)
             if fused and self.rotation is not None and query.dtype != torch.float32:
                 # the step's own token stays exact: rotated in fp32, not rounded to the model dtype
                 q_pages = self.to_page_basis(query.float(), query=True)

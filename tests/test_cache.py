@@ -782,23 +782,49 @@ def test_a_dropped_step_gives_back_the_pages_it_reserved(spec):
         assert torch.equal(decode(failed, 40), decode(ref, 40))
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("poison", ["embeddings", "query"])
 @pytest.mark.parametrize("spec", ["K8V4:policy=h2o,budget=0.5", "K8V4-K4V2:th=0.3,tl=0.05"])
-def test_a_non_finite_step_leaves_the_significance_as_it_was(spec):
+def test_a_non_finite_step_leaves_the_significance_as_it_was(spec, poison, compiled, monkeypatch):
     """NaN/Inf queries are refused before attention adds them to the stored tokens' significance:
-    after the dropped step every score is what it was, and the next step equals an unfailed cache's."""
+    after the dropped step every score is what it was, and the next step equals an unfailed cache's.
+    A NaN input poisons queries, keys and values alike; a NaN query alone (one element of the first
+    layer's query projection) reaches only the significance, where the store cannot see it. Both on
+    the compiled CPU decode call, which checks them itself, and on the torch path."""
+    import leankit.native
     from leankit.policy import read_tier_meta
 
+    if compiled and leankit.native.kernels() is None:
+        pytest.skip("no C compiler for leankit.native")
+    if not compiled:
+        monkeypatch.setattr(leankit.native, "kernels_for", lambda device: None)
     model = tiny_model("llama-gqa")
-    ids = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     failed, ref = LeanCache(model, spec), LeanCache(model, spec)
     with torch.no_grad():
         for c in (failed, ref):
             model(input_ids=ids, **cache_kwargs(model, c), use_cache=True)
-        before = read_tier_meta(failed, 0, torch.arange(2)).score.clone()
-        bad = model.get_input_embeddings()(ids[:, :1]) * float("nan")
-        with pytest.raises(NonFiniteKVError, match="layer 0"):
-            model(inputs_embeds=bad, **cache_kwargs(model, failed), use_cache=True)
-        assert torch.equal(read_tier_meta(failed, 0, torch.arange(2)).score, before)
+        tiers, layers = range(len(failed.layouts)), torch.arange(model.config.num_hidden_layers)
+        before = [read_tier_meta(failed, t, layers).score.clone() for t in tiers]
+        if poison == "embeddings":
+            bad = model.get_input_embeddings()(ids[:, :1]) * float("nan")
+            call = dict(inputs_embeds=bad)
+        else:
+            def nan_query(module, args, out):
+                out = out.clone()
+                out[1, 0, 3] = float("nan")
+                return out
+
+            hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(nan_query)
+            call = dict(input_ids=ids[:, :1])
+        try:
+            with pytest.raises(NonFiniteKVError, match="layer 0"):
+                model(**call, **cache_kwargs(model, failed), use_cache=True)
+        finally:
+            if poison == "query":
+                hook.remove()
+        for t in tiers:
+            assert torch.equal(read_tier_meta(failed, t, layers).score, before[t])
         a = model(input_ids=ids[:, 3:4], **cache_kwargs(model, failed), use_cache=True).logits
         b = model(input_ids=ids[:, 3:4], **cache_kwargs(model, ref), use_cache=True).logits
     assert torch.equal(a, b)

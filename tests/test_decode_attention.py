@@ -297,6 +297,32 @@ def test_decode_step_updates_the_running_significance_as_the_live_slots_do(case)
 
 
 @pytest.mark.skipif(native.kernels() is None, reason="no C compiler for leankit.native")
+@pytest.mark.parametrize("where", ["query", "key"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_decode_step_refuses_a_non_finite_query_or_key_before_it_updates_significance(where, bad):
+    """With ``update_significance`` the call writes the stored tokens' significance, which a NaN/Inf
+    query or own key would poison for good: it is refused before anything is written (the pool byte
+    for byte as it was), whichever element of one row holds it. Without the update the pool is only
+    read, and nothing is checked."""
+    from leankit.quant import NonFiniteKVError
+
+    seed, kv, q, q_pos, real, k_new, v_new = _decode_case(STEP_CASES[-1])
+    gen = torch.Generator().manual_seed(seed)
+    scale = q.shape[-1] ** -0.5
+    poisoned = (q if where == "query" else k_new).clone()
+    flat = poisoned.view(-1)
+    flat[int(torch.randint(flat.numel(), (1,), generator=gen))] = bad
+    args = (poisoned, k_new) if where == "query" else (q, poisoned)
+    before = kv.pool.storage.clone()
+    with pytest.raises(NonFiniteKVError, match="query or key states contain NaN or Inf"):
+        decode_attention.decode_step_attention(args[0], kv, q_pos, scale, args[1], v_new, real, significance=True,
+                                               update_significance=True)
+    assert torch.equal(kv.pool.storage, before), f"seed {seed}"
+    decode_attention.decode_step_attention(args[0], kv, q_pos, scale, args[1], v_new, real, significance=True)
+    assert torch.equal(kv.pool.storage, before), f"seed {seed}"
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler for leankit.native")
 def test_decode_step_arguments_follow_a_replaced_page_table():
     """The per-layer kernel arguments memoized in the workspace are rebuilt when the page table's
     tensors are replaced (sequences reordered): the result is a fresh workspace's."""

@@ -64,6 +64,7 @@ ERRORS = {
     -5: (NonFiniteKVError, "KV states contain NaN or Inf; refusing to store them in the cache"),
     -6: (NonFiniteKVError, "KV values exceed the fp16 range of the quantization metadata"),
     -7: (ValueError, "a significance update needs the slots' positions, validity, scores and row weights"),
+    -8: (NonFiniteKVError, "query or key states contain NaN or Inf; refusing to store them in the cache"),
 }
 # Element formats of a dense (unquantized) page side, as the kernels' ``bits`` argument (formats.h):
 # the model's own values, read as they are. Quantized sides pass their code width (1, 2, 4 or 8).
@@ -485,7 +486,9 @@ class Kernels:
         place in the pages' score segments, as :meth:`update_scores` computes it from this step's
         numerators and ``row_weight`` (each sequence's one query is both its first and its last;
         a sequence whose token is not real keeps its scores). Needs ``row_weight`` and every
-        tier's ``pos_out``, ``valid_out`` and ``score_out`` buffers.
+        tier's ``pos_out``, ``valid_out`` and ``score_out`` buffers. A NaN or Inf in ``q`` or
+        ``k_new`` is then refused before anything is written (:class:`leankit.quant.NonFiniteKVError`,
+        the pool as it was): it would leave NaN in the significance for good.
         """
         b, hq, nq, f = q.shape if q.dim() == 4 else (-1, -1, -1, -1)
         hkv = k_new.shape[1] if k_new.dim() == 4 else -1

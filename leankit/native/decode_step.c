@@ -19,6 +19,13 @@
 #include "errors.h"
 #include "kernels.h"
 
+/* 1 if the n floats at x are all finite, else 0 (a branch-free pass: n is a step's queries or keys). */
+static int all_finite_f32(const float *restrict x, int64_t n) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad |= !isfinite(x[i]);
+    return !bad;
+}
+
 /* One tier of one layer as a decode step reads it (leankit.native.DecodeTier mirrors this struct).
  * The tier's page of rank j for (sequence, head) h sits in column first_col + col_step * j of
  * table row h. The listing buffers hold `capacity` pages; scores [capacity, rows, tokens]; pos_out,
@@ -53,7 +60,9 @@ struct lk_decode_tier {
  * the tiers handed back to Python. A decode step's sequence has one query, so its first and last
  * query positions are both q_pos[b], and a sequence whose token is not real keeps its scores.
  * Needs row_weight and every tier's pos_out, valid_out and score_out. Otherwise the pool is only
- * read. Returns 0 or an error code (errors.h). */
+ * read. A NaN or Inf in q or k_new would leave NaN in the significance for good, past the step the
+ * store then refuses, so with update_significance they are checked first, before anything is
+ * written: LK_NON_FINITE_QK, the pool untouched. Returns 0 or an error code (errors.h). */
 int lk_decode_attention(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pages, int n_tiers,
                         struct lk_decode_tier *tiers, int64_t heads, int heads_per_seq, int rows, int dim,
                         const float *restrict q, float scale, const int64_t *restrict q_pos,
@@ -62,6 +71,8 @@ int lk_decode_attention(uint8_t *restrict pool, int64_t page_bytes, int64_t pool
                         float *restrict l_sum, float *restrict out, float *restrict lse, float *restrict row_weight,
                         float *restrict received, int update_significance, int threads) {
     const int64_t n_rows = heads * rows;
+    if (update_significance && !(all_finite_f32(q, n_rows * dim) && all_finite_f32(k_new, heads * dim)))
+        return LK_NON_FINITE_QK;
     for (int64_t i = 0; i < n_rows * dim; ++i) q_rows[i] = q[i] * scale;
     for (int64_t i = 0; i < n_rows; ++i) {
         const int64_t p = q_pos[i / rows / heads_per_seq];

@@ -9,5 +9,6 @@
 #define LK_NON_FINITE (-5) /* a key or value to store holds NaN or Inf */
 #define LK_META_RANGE (-6) /* a group's scale to store does not fit fp16 */
 #define LK_NO_SLOTS (-7)   /* a significance update without the slots pass 1 keeps for it */
+#define LK_NON_FINITE_QK (-8) /* a decode step that updates significance got a NaN/Inf query or key */
 
 #endif
