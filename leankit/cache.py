@@ -44,7 +44,7 @@ from .backend import use_triton
 from .config import FULL_ATTENTION, SLIDING_ATTENTION, KVConfig, attention_layer_types, fp16_token_bytes
 from .hf import SUPPORTED_MODEL_TYPES
 from .page_table import HIGH, LOW, BidirectionalPageTable
-from .pages import PageLayout, PagePool
+from .pages import PageLayout, PagePool, format_bytes
 from .prompt_attention import prompt_attention
 from .quant import NonFiniteKVError, codes_per_byte, pad_repeating
 from .rotation import hadamard, rotate, rotate_stored, unrotate
@@ -270,11 +270,7 @@ class MemoryReport(dict):
 
     def __str__(self) -> str:
         def size(n: float) -> str:
-            for unit in ("B", "KiB", "MiB"):
-                if abs(n) < 1024:
-                    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-                n /= 1024
-            return f"{n:.2f} GiB"
+            return format_bytes(n, gib_digits=2)
 
         def times(r: float) -> str:
             return "-" if math.isnan(r) else f"{r:.3f}x"

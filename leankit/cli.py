@@ -17,23 +17,17 @@ import sys
 from importlib import metadata
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def memory_line(report: dict) -> str:
     """One human line summarizing :meth:`LeanCache.memory_report`."""
+    from leankit.pages import format_bytes
+
     head = f"[leankit] KV {report['config']}: "
     if not report["compressed_layers"]:  # every layer slides: no page, and peak_ratio is NaN (0 / 0)
         return head + (f"no layer compressed (all {report['model_layers']} are sliding-window layers, kept in "
-                       f"transformers' own cache: {_fmt_bytes(report['plain_bytes'])})")
+                       f"transformers' own cache: {format_bytes(report['plain_bytes'])})")
     ratio = report["peak_ratio"]
     vs = "" if math.isnan(ratio) else f", {ratio:.3f}x an fp16 cache of the same tokens"
-    return (head + f"peak {_fmt_bytes(report['peak_kv_bytes'])} of pages ({report['page_size']} B each){vs}; "
+    return (head + f"peak {format_bytes(report['peak_kv_bytes'])} of pages ({report['page_size']} B each){vs}; "
             f"now {report['pages_used']} pages in use")
 
 
@@ -214,9 +208,11 @@ def planned_cache(model, hardware, prompts: list[int], args, eos, pad=None):
 
 def offload_line(off: dict) -> str:
     """One human line summarizing ``memory_report()["offload"]``."""
-    return (f"[leankit] offload: {_fmt_bytes(off['host_bytes'])} of pages on the host, device working set peak "
-            f"{off['device_pages_peak']} pages ({_fmt_bytes(off['device_bytes_peak'])}); moved "
-            f"{_fmt_bytes(off['h2d_bytes_total'])} host->device and {_fmt_bytes(off['d2h_bytes_total'])} "
+    from leankit.pages import format_bytes
+
+    return (f"[leankit] offload: {format_bytes(off['host_bytes'])} of pages on the host, device working set peak "
+            f"{off['device_pages_peak']} pages ({format_bytes(off['device_bytes_peak'])}); moved "
+            f"{format_bytes(off['h2d_bytes_total'])} host->device and {format_bytes(off['d2h_bytes_total'])} "
             f"device->host in {off['steps']} steps")
 
 

@@ -319,6 +319,17 @@ def _check_page_count(num_pages: int, what: str) -> None:
                             f"{MAX_PAGES} pages)")
 
 
+def format_bytes(n: float, gib_digits: int = 1) -> str:
+    """``n`` bytes for a person to read: whole bytes below 1 KiB, then KiB, MiB or GiB with one
+    decimal (``gib_digits`` decimals in GiB, the largest unit). Every size leankit prints (the
+    memory report, the CLI's lines, the offload report, pool errors) goes through it."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.{gib_digits}f} GiB"
+
+
 def _allocate(make, num_pages: int, page_size: int, device, what: str) -> torch.Tensor:
     """``make()`` of a pool of ``num_pages`` pages: refused past :data:`MAX_PAGES` before anything is
     allocated (:class:`PoolSizeError`), and an allocator failure restated as the pool it was for
@@ -328,12 +339,10 @@ def _allocate(make, num_pages: int, page_size: int, device, what: str) -> torch.
     try:
         return make()
     except RuntimeError as err:
-        from .cli import _fmt_bytes
-
         cls = torch.OutOfMemoryError if isinstance(err, torch.OutOfMemoryError) else RuntimeError
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise cls(f"cannot allocate a {what} of {num_pages} pages x {page_size} B "
-                  f"({_fmt_bytes(num_pages * page_size)}) on {torch.device(device)}: {reason}") from err
+                  f"({format_bytes(num_pages * page_size)}) on {torch.device(device)}: {reason}") from err
 
 
 class PagePool:

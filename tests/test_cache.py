@@ -808,7 +808,7 @@ def test_a_non_finite_step_leaves_the_significance_as_it_was(spec, poison, compi
         before = [read_tier_meta(failed, t, layers).score.clone() for t in tiers]
         if poison == "embeddings":
             bad = model.get_input_embeddings()(ids[:, :1]) * float("nan")
-            call = dict(inputs_embeds=bad)
+            call = {"inputs_embeds": bad}
         else:
             def nan_query(module, args, out):
                 out = out.clone()
@@ -816,7 +816,7 @@ def test_a_non_finite_step_leaves_the_significance_as_it_was(spec, poison, compi
                 return out
 
             hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(nan_query)
-            call = dict(input_ids=ids[:, :1])
+            call = {"input_ids": ids[:, :1]}
         try:
             with pytest.raises(NonFiniteKVError, match="layer 0"):
                 model(**call, **cache_kwargs(model, failed), use_cache=True)

@@ -171,3 +171,12 @@ def test_page_table_row_holds_max_seq_len_when_low_pages_hold_fewer_tokens():
             model(input_ids=ids[:, t : t + 1], past_key_values=cache)
     lens = cache.table.lens
     assert int(lens[1].sum()) > 0 and bool((lens.sum(0) == 98).all())
+
+
+@pytest.mark.parametrize("n,digits,want", [(0, 1, "0 B"), (1023, 1, "1023 B"), (1024, 1, "1.0 KiB"),
+                                           (1536 * 1024, 1, "1.5 MiB"), (3 * 2**30, 2, "3.00 GiB"),
+                                           (2**50, 1, "1048576.0 GiB"), (-2048, 1, "-2.0 KiB")])
+def test_format_bytes_is_the_one_size_format(n, digits, want):
+    """Every printed size (memory report, CLI lines, offload report, pool errors) reads the same:
+    whole bytes, then one decimal in KiB and MiB, GiB at the caller's precision and never beyond."""
+    assert pages_mod.format_bytes(n, gib_digits=digits) == want

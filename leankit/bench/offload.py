@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ..pages import format_bytes
 from .step import decode, prefill
 from .text import check_positions, corpus_ids, left_padded, pad_id, step_batch
 
@@ -115,12 +116,6 @@ def run(model, tok, hardware, batch: int, context: int, steps: int, warmup: int,
     return out
 
 
-def _size(n: float) -> str:
-    from ..cli import _fmt_bytes
-
-    return _fmt_bytes(n)
-
-
 def table(res: dict) -> str:
     """The measurements as text."""
     where = ("the plan keeps cache on the host" if res["plan_places_cache_on_host"] else
@@ -137,13 +132,13 @@ def table(res: dict) -> str:
          f"{res['prefill_s']['offload'] * 1e3:.1f} ms | {res['device_pages_peak']} |"),
         "",
         f"step time ratio (offloaded / on device): {res['step_ratio']:.2f}x",
-        (f"moved per decode step: {_size(res['h2d_bytes_step'])} host->device, {_size(res['d2h_bytes_step'])} "
-         f"device->host (whole run: {_size(res['h2d_bytes_total'])} / {_size(res['d2h_bytes_total'])})"),
+        (f"moved per decode step: {format_bytes(res['h2d_bytes_step'])} host->device, {format_bytes(res['d2h_bytes_step'])} "
+         f"device->host (whole run: {format_bytes(res['h2d_bytes_total'])} / {format_bytes(res['d2h_bytes_total'])})"),
     ]
     if "predicted" in res:
         p = res["predicted"]
-        lines.append(f"planner's prediction at decode step {p['step']}: {_size(p['h2d'])} host->device "
-                     f"({p['h2d_gap']:.2%} off), {_size(p['d2h'])} device->host ({p['d2h_gap']:.2%} off)")
+        lines.append(f"planner's prediction at decode step {p['step']}: {format_bytes(p['h2d'])} host->device "
+                     f"({p['h2d_gap']:.2%} off), {format_bytes(p['d2h'])} device->host ({p['d2h_gap']:.2%} off)")
     if "overlap" in res:
         lines.append(f"overlap: copy streams busy {res['copy_s'] * 1e3:.2f} ms per step, {res['overlap']:.0%} of it "
                      "hidden behind compute")

@@ -43,7 +43,7 @@ from importlib import metadata
 
 import torch
 
-from ..cli import _fmt_bytes
+from ..pages import format_bytes
 from .text import Request, check_positions, corpus_ids, left_padded, pad_id, request_mix, text_source
 
 NEUTRAL = "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1"
@@ -263,7 +263,7 @@ class LeanKind:
             if pages is None or "allocate" not in str(err):
                 raise
             why = " on this machine"
-        raise ValueError(f"{self.name}: its fixed pool of {pages} pages ({_fmt_bytes(pages * self.cfg.page_size)}) "
+        raise ValueError(f"{self.name}: its fixed pool of {pages} pages ({format_bytes(pages * self.cfg.page_size)}) "
                          f"for --budget-bytes {budget} cannot be allocated{why}; ask for a smaller budget")
 
     def runs(self, model, budget, longest, new_tokens, pad, rows: int) -> bool:
@@ -464,7 +464,7 @@ def mix_label(res: dict) -> str:
 
 def summary(res: dict) -> str:
     """The budget and the mix, in one line."""
-    return (f"budget {res['budget_bytes']} bytes ({_fmt_bytes(res['budget_bytes'])}); {mix_label(res)}: "
+    return (f"budget {res['budget_bytes']} bytes ({format_bytes(res['budget_bytes'])}); {mix_label(res)}: "
             f"{res['requests']} requests, prompts {res['prompt_range'][0]}-{res['prompt_range'][1]} tokens, "
             f"outputs {res['output_range'][0]}-{res['output_range'][1]} tokens ({res['requested_tokens']} "
             f"requested tokens in all, seed {res['seed']}{_text_note(res)})")
@@ -482,7 +482,7 @@ def table(res: dict) -> str:
             "batch vs DynamicCache | prefill share of the time |")
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for c in res["caches"]:
-        lines.append(f"| {c['name']} | {c['batch']} | {c['batches']} | {_fmt_bytes(c['bytes_per_row'])} | "
+        lines.append(f"| {c['name']} | {c['batch']} | {c['batches']} | {format_bytes(c['bytes_per_row'])} | "
                      f"{c['tokens_per_s']:.2f} | "
                      f"{c['tokens_per_s_ratio']:.2f}x | {c['batch_ratio']:.2f}x | "
                      f"{c['prefill_s'] / c['time_s']:.0%} |")

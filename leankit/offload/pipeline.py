@@ -31,7 +31,7 @@ import functools
 import torch
 
 from ..page_table import HIGH
-from ..pages import SEGMENTS
+from ..pages import SEGMENTS, format_bytes
 from .config import OffloadConfig
 from .host_pool import HostPool
 from .resident import ResidentShare
@@ -375,12 +375,6 @@ class OffloadRuntime:
         return offload_report(type(rep))(out)
 
 
-def _size(n: float) -> str:
-    from ..cli import _fmt_bytes
-
-    return _fmt_bytes(n)
-
-
 @functools.cache
 def offload_report(base: type) -> type:
     """A memory-report class like ``base`` whose ``str`` adds the ``offload`` entry's lines."""
@@ -391,14 +385,14 @@ def offload_report(base: type) -> type:
             budget = o["device_pages_budget"]
             lines = [
                 super().__str__(),
-                (f"  offload             host {o['host_pages']} pages ({_size(o['host_bytes'])}"
+                (f"  offload             host {o['host_pages']} pages ({format_bytes(o['host_bytes'])}"
                  f"{', pinned' if o['pinned'] else ''}), prefetch {o['prefetch']} layer(s)"),
-                (f"  device working set  peak {o['device_pages_peak']} pages ({_size(o['device_bytes_peak'])}) "
+                (f"  device working set  peak {o['device_pages_peak']} pages ({format_bytes(o['device_bytes_peak'])}) "
                  f"of {'an elastic budget' if budget is None else f'a budget of {budget} pages'}, "
                  f"{o['device_resident_pages']} resident"),
-                (f"  link per step       host->device {_size(o['h2d_bytes_step'])}, device->host "
-                 f"{_size(o['d2h_bytes_step'])} (last of {o['steps']} steps; total {_size(o['h2d_bytes_total'])} "
-                 f"in, {_size(o['d2h_bytes_total'])} out)"),
+                (f"  link per step       host->device {format_bytes(o['h2d_bytes_step'])}, device->host "
+                 f"{format_bytes(o['d2h_bytes_step'])} (last of {o['steps']} steps; total {format_bytes(o['h2d_bytes_total'])} "
+                 f"in, {format_bytes(o['d2h_bytes_total'])} out)"),
             ]
             return "\n".join(lines)
 
