@@ -61,6 +61,43 @@ def test_loglikelihood_truncates_to_max_length_as_hflm_does():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv", ["K8V4-K4V2:th=0.25,tl=0,group_size=8,rotate=1", "K8V4:policy=h2o,budget=0.5",
+                                "K8V4-K4V2:th=0.3,tl=0.05", "K8V4:act=0.5"])
+def test_requests_sharing_a_context_share_its_prefill_with_the_scores_of_their_own(kv, monkeypatch):
+    """The choices of a multiple-choice question share their context: it is prefilled once and each
+    continuation scored on a copy, with the very scores a fresh prefill per request gives (compressing
+    configs, whose prompt-phase compression and later chunks move and score tokens), in request
+    order, with lm-eval's cache hook called once per request. Rolling windows, whose context is one
+    token, get fresh caches."""
+    import copy
+
+    from leankit.cache import LeanCache
+    from leankit.eval import LeanKitLM
+    from leankit.eval import lm as lm_mod
+    from leankit.testing import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("llama-gqa"), tiny_tokenizer()
+    lm = LeanKitLM(pretrained=model, tokenizer=tok, kv=kv, chunk=4, batch_size=1)
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    ctx_a, ctx_b = (torch.randint(4, 97, (n,), generator=gen).tolist() for n in (37, 23))
+    conts = [torch.randint(4, 97, (n,), generator=gen).tolist() for n in (1, 9, 5, 13, 2)]
+    requests = [(("a", 0), ctx_a, conts[0]), (("b", 0), ctx_b, conts[1]), (("a", 1), ctx_a, conts[2]),
+                ((None), [1], conts[3]), (("a", 2), ctx_a, conts[4]), (("r", 1), [1], conts[1])]
+    want = [lm.score(list(c), list(x)) for _, c, x in requests]
+    prefills, copies, hooked = [], [], []
+    real_prefill, real_copy = lm._prefill, copy.deepcopy
+    monkeypatch.setattr(lm, "_prefill", lambda context: prefills.append(len(context)) or real_prefill(context))
+    monkeypatch.setattr(lm_mod.copy, "deepcopy",
+                        lambda x, memo=None: (memo is None and isinstance(x, LeanCache) and copies.append(1))
+                        or real_copy(x, memo))
+    monkeypatch.setattr(lm.cache_hook, "add_partial", lambda kind, key, answer: hooked.append((key, answer)))
+    got = lm._loglikelihood_tokens(requests)
+    assert got == want
+    assert sorted(prefills) == [1, 23, 37]  # one prefill per distinct context
+    assert len(copies) == 2  # context a's first two choices; its last takes the prefilled cache itself
+    assert hooked == [(key, answer) for (key, _, _), answer in zip(requests, want, strict=True) if key is not None]
+
+
 def test_local_task_through_cache(smollm2, tmp_path):
     import lm_eval
     from lm_eval.tasks import TaskManager

@@ -11,6 +11,9 @@ scores each request the way a server would see it:
    context is one token, are scored exactly this way);
 3. sum the log-probabilities of the continuation tokens.
 
+Requests that share a context (the choices of a multiple-choice question) share step 1: each
+continuation is scored on a copy of the one prefilled cache, with the scores step 1 done afresh gives.
+
 ``generate_until`` passes a fresh LeanCache to ``model.generate`` for every batch.
 
 lm-eval splits ``--model_args`` on commas, so a config string with several overrides cannot
@@ -24,6 +27,7 @@ arguments that apply to an already loaded model raises ``ValueError``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -183,25 +187,35 @@ class LeanKitLM(HFLM):
         # rows as long as the longest sequence lm-eval passes (it truncates to max_length)
         return LeanCache(self.model, self.kv, max_seq_len=self.max_length + 1)
 
-    @torch.no_grad()
-    def score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        """``(sum log p(continuation | context), continuation is the greedy choice)`` through the cache."""
+    def _window(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
+        """``(context, continuation)`` as scored: at most the last ``max_length + 1`` tokens, as
+        HFLM keeps them (the last one is only ever a target), the continuation kept whole where it fits."""
         if not context:
             raise ValueError("lm-eval always passes at least one context token (the prefix token)")
         keep = self.max_length + 1
         if len(context) + len(continuation) > keep:
-            # as HFLM does: the last max_length + 1 tokens, whose last one is only ever a target
             full = (context + continuation)[-keep:]
             n_cont = min(len(continuation), keep - 1)
             context, continuation = full[: keep - n_cont], full[keep - n_cont:]
-        ids = torch.tensor(context + continuation, device=self.model.device).view(1, -1)
-        n_ctx = len(context)
+        return context, continuation
+
+    @torch.no_grad()
+    def _prefill(self, context: list[int]) -> LeanCache:
+        """A fresh cache holding ``context[:-1]`` (step 1 of the module doc: prompt-phase compression)."""
         cache = self._new_cache()
-        if n_ctx > 1:
-            self.model(input_ids=ids[:, : n_ctx - 1], position_ids=torch.arange(n_ctx - 1, device=ids.device)[None],
+        n = len(context) - 1
+        if n > 0:
+            ids = torch.tensor(context[:-1], device=self.model.device).view(1, -1)
+            self.model(input_ids=ids, position_ids=torch.arange(n, device=ids.device)[None],
                        **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
+        return cache
+
+    @torch.no_grad()
+    def _score_on(self, cache: LeanCache, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """Steps 2 and 3 of the module doc on ``cache``, which holds ``context[:-1]`` (and is consumed)."""
+        ids = torch.tensor(context + continuation, device=self.model.device).view(1, -1)
         logprob, greedy = 0.0, True
-        start = n_ctx - 1
+        start = len(context) - 1
         end = ids.shape[1] - 1  # the last token is only ever a target
         while start < end:
             stop = min(start + self.chunk, end)
@@ -214,12 +228,37 @@ class LeanKitLM(HFLM):
             start = stop
         return logprob, greedy
 
+    def score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """``(sum log p(continuation | context), continuation is the greedy choice)`` through the cache."""
+        context, continuation = self._window(context, continuation)
+        return self._score_on(self._prefill(context), context, continuation)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-        results = []
-        for (key, context_enc, continuation_enc) in tqdm(requests, disable=disable_tqdm or self.rank != 0,
-                                                         desc="leankit loglikelihood"):
-            answer = self.score(list(context_enc), list(continuation_enc))
-            results.append(answer)
+        """Scores of ``(key, context tokens, continuation tokens)`` requests, in their order.
+
+        Requests with the same (windowed) context, such as the choices of a multiple-choice question,
+        share its prefill: the context is prefilled once and each continuation scored on an
+        independent copy of that cache (``copy.deepcopy``, which continues exactly as the original
+        would; a copy costs a few milliseconds where a prefill of a few hundred tokens costs seconds on
+        a CPU). The scores are those of :meth:`score` on each request, bit for bit."""
+        windows = [self._window(list(context), list(continuation)) for _, context, continuation in requests]
+        by_context: dict[tuple, list[int]] = {}
+        for i, (context, _) in enumerate(windows):
+            by_context.setdefault(tuple(context), []).append(i)
+        results: list = [None] * len(requests)
+        with tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="leankit loglikelihood") as bar:
+            for context, members in by_context.items():
+                prefilled = self._prefill(list(context))
+                for n, i in enumerate(members):
+                    if n == len(members) - 1:
+                        cache = prefilled
+                    elif len(context) > 1:
+                        cache = copy.deepcopy(prefilled)
+                    else:  # nothing prefilled (rolling windows' one prefix token): a fresh cache
+                        cache = self._new_cache()
+                    results[i] = self._score_on(cache, list(context), windows[i][1])
+                    bar.update(1)
+        for (key, _, _), answer in zip(requests, results, strict=True):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return results
