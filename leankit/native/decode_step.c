@@ -19,13 +19,6 @@
 #include "errors.h"
 #include "kernels.h"
 
-/* 1 if the n floats at x are all finite, else 0 (a branch-free pass: n is a step's queries or keys). */
-static int all_finite_f32(const float *restrict x, int64_t n) {
-    int bad = 0;
-    for (int64_t i = 0; i < n; ++i) bad |= !isfinite(x[i]);
-    return !bad;
-}
-
 /* One tier of one layer as a decode step reads it (leankit.native.DecodeTier mirrors this struct).
  * The tier's page of rank j for (sequence, head) h sits in column first_col + col_step * j of
  * table row h. The listing buffers hold `capacity` pages; scores [capacity, rows, tokens]; pos_out,
@@ -71,7 +64,7 @@ int lk_decode_attention(uint8_t *restrict pool, int64_t page_bytes, int64_t pool
                         float *restrict l_sum, float *restrict out, float *restrict lse, float *restrict row_weight,
                         float *restrict received, int update_significance, int threads) {
     const int64_t n_rows = heads * rows;
-    if (update_significance && !(all_finite_f32(q, n_rows * dim) && all_finite_f32(k_new, heads * dim)))
+    if (update_significance && !(lk_all_finite(q, n_rows * dim) && lk_all_finite(k_new, heads * dim)))
         return LK_NON_FINITE_QK;
     for (int64_t i = 0; i < n_rows * dim; ++i) q_rows[i] = q[i] * scale;
     for (int64_t i = 0; i < n_rows; ++i) {

@@ -56,13 +56,6 @@ static inline int group_meta(const float *restrict x, int n, int qmax, uint16_t 
     return 0;
 }
 
-/* 0 if the n values are all finite, else LK_NON_FINITE (a dense side has no metadata to catch them). */
-static inline int all_finite(const float *restrict x, int n) {
-    int bad = 0;
-    for (int c = 0; c < n; ++c) bad |= !isfinite(x[c]);
-    return bad ? LK_NON_FINITE : 0;
-}
-
 /* A dense side's n values in its format (fp32 as is; fp16 and bf16 rounded to nearest even). */
 static inline void dense_row(const float *restrict x, int n, int bits, uint8_t *restrict out) {
     if (bits == LK_DENSE_F32) {
@@ -120,7 +113,7 @@ int lk_store_tokens(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pag
         if (page_id[i] < 0) continue;
         for (int s = 0; s < 2 && !err; ++s) {
             if (bits[s] > 8) {
-                err = all_finite(side[s] + i * dim, dim);
+                err = lk_all_finite(side[s] + i * dim, dim) ? 0 : LK_NON_FINITE; /* no metadata to catch them */
                 continue;
             }
             for (int g = 0; g < groups && !err; ++g)
