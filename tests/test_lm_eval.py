@@ -82,7 +82,7 @@ def test_requests_sharing_a_context_share_its_prefill_with_the_scores_of_their_o
     ctx_a, ctx_b = (torch.randint(4, 97, (n,), generator=gen).tolist() for n in (37, 23))
     conts = [torch.randint(4, 97, (n,), generator=gen).tolist() for n in (1, 9, 5, 13, 2)]
     requests = [(("a", 0), ctx_a, conts[0]), (("b", 0), ctx_b, conts[1]), (("a", 1), ctx_a, conts[2]),
-                ((None), [1], conts[3]), (("a", 2), ctx_a, conts[4]), (("r", 1), [1], conts[1])]
+                (None, [1], conts[3]), (("a", 2), ctx_a, conts[4]), (("r", 1), [1], conts[1])]
     want = [lm.score(list(c), list(x)) for _, c, x in requests]
     prefills, copies, hooked = [], [], []
     real_prefill, real_copy = lm._prefill, copy.deepcopy

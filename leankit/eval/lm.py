@@ -247,8 +247,9 @@ class LeanKitLM(HFLM):
             by_context.setdefault(tuple(context), []).append(i)
         results: list = [None] * len(requests)
         with tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="leankit loglikelihood") as bar:
-            for context, members in by_context.items():
-                prefilled = self._prefill(list(context))
+            for members in by_context.values():
+                context = windows[members[0]][0]
+                prefilled = self._prefill(context)
                 for n, i in enumerate(members):
                     if n == len(members) - 1:
                         cache = prefilled
@@ -256,7 +257,7 @@ class LeanKitLM(HFLM):
                         cache = copy.deepcopy(prefilled)
                     else:  # nothing prefilled (rolling windows' one prefix token): a fresh cache
                         cache = self._new_cache()
-                    results[i] = self._score_on(cache, list(context), windows[i][1])
+                    results[i] = self._score_on(cache, context, windows[i][1])
                     bar.update(1)
         for (key, _, _), answer in zip(requests, results, strict=True):
             if key is not None:
