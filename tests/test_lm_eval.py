@@ -158,3 +158,61 @@ def test_without_lm_eval_the_command_says_which_extra_in_one_line(monkeypatch, c
     err = capsys.readouterr().err
     assert err.startswith("leankit lm-eval: error:") and "leankit-kv[eval]" in err
     assert "Traceback" not in err
+
+
+def test_batch_size_auto_fits_the_configs_rows_in_free_memory_without_a_forward(monkeypatch):
+    """``batch_size=auto`` runs no probing forward: the batch is the share of the memory available
+    that rows of ``max_length`` tokens take with the config (its pages, an upper bound of what a
+    real row's pages take, plus the prompt's working memory), so a more compressing config gets
+    more rows; lm-eval's ``max_batch_size`` caps it, 1 is the floor, and ``generate_until`` runs
+    in batches of it. Where the free memory is unknown, HFLM's own probe decides."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from leankit.eval import lm as lm_mod
+    from leankit.hf import cache_kwargs
+    from leankit.testing import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("llama-gqa", max_position_embeddings=1024), tiny_tokenizer()
+    free = [int(torch.randint(1 << 28, 1 << 30, ()))]
+    monkeypatch.setattr(lm_mod, "available_memory_bytes", lambda device: free[0])
+    max_length = int(torch.randint(64, 400, ()))
+    rows, row_bytes = {}, {}
+    for kv in ("FP16", "K8V4", "K4V2"):
+        lm = lm_mod.LeanKitLM(pretrained=model, tokenizer=tok, kv=kv, batch_size="auto", max_batch_size=10 ** 6,
+                              max_length=max_length)
+        row = lm_mod.generate_row_bytes(lm._new_cache(), model, max_length)
+        assert row["total"] == row["cache"] + row["work"] > row["cache"] > 0
+        # a real row of max_length tokens takes at most the modelled pages
+        cache = lm._new_cache()
+        with torch.no_grad():
+            model(input_ids=torch.randint(4, 97, (1, max_length)), **cache_kwargs(model, cache), use_cache=True)
+        assert 0.5 * row["cache"] < cache.memory_report()["total_bytes"] <= row["cache"]
+        with monkeypatch.context() as m:
+            m.setattr(model, "forward", lambda *a, **k: pytest.fail("batch_size=auto ran a forward"))
+            rows[kv] = lm._detect_batch_size()
+        assert rows[kv] == int(lm_mod.AUTO_BATCH_SHARE * free[0]) // row["total"]
+        row_bytes[kv] = row["cache"]
+    assert row_bytes["FP16"] > row_bytes["K8V4"] > row_bytes["K4V2"]
+    assert rows["FP16"] < rows["K8V4"] < rows["K4V2"]
+
+    lm = lm_mod.LeanKitLM(pretrained=model, tokenizer=tok, kv="K8V4", batch_size="auto", max_batch_size=3,
+                          max_length=max_length)
+    assert lm._detect_batch_size() == 3  # lm-eval's cap
+    free[0] = 0
+    assert lm._detect_batch_size() == 1  # the floor: one row always runs
+    lm.max_batch_size = 10 ** 6
+    free[0] = math.ceil(2 * lm_mod.generate_row_bytes(lm._new_cache(), model, max_length)["total"]
+                        / lm_mod.AUTO_BATCH_SHARE)
+    batches = []
+    real_generate = lm._model_generate
+    monkeypatch.setattr(lm, "_model_generate",
+                        lambda context, *a, **k: batches.append(context.shape[0]) or real_generate(context, *a, **k))
+    requests = [Instance("generate_until", {}, (" ".join(["w5"] * n), {"until": ["\n"], "max_gen_toks": 3}), i)
+                for i, n in enumerate((3, 7, 2, 5, 4))]
+    out = lm.generate_until(requests, disable_tqdm=True)
+    assert len(out) == 5 and all(isinstance(o, str) for o in out)
+    assert sorted(batches) == [1, 2, 2]  # two rows a batch
+    free[0] = None
+    monkeypatch.setattr(HFLM, "_detect_batch_size", lambda self, requests=None, pos=0: 7)
+    assert lm._detect_batch_size() == 7

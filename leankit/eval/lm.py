@@ -45,6 +45,8 @@ from ..cache import LeanCache
 from ..config import KVConfig, split_overrides
 from ..hf import cache_kwargs, enable
 from ..models import load_model
+from ..pages import format_bytes
+from ..planner.hardware import available_memory_bytes
 from ..presets import resolve
 
 log = logging.getLogger(__name__)
@@ -264,6 +266,67 @@ class LeanKitLM(HFLM):
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return results
 
+    def _detect_batch_size(self, requests=None, pos: int = 0) -> int:
+        """``batch_size=auto``: the rows that fit the memory free on the model's device, from leankit's
+        bytes, where HFLM probes.
+
+        HFLM's probe runs five cacheless forwards of ``max_batch_size`` rows of ``max_length`` tokens and
+        halves on out-of-memory. It never builds a cache, so it cannot see the rows a compressing cache
+        frees, and on a CPU its first forwards alone (64 rows of the model's whole window, with their
+        logits) take many minutes or exhaust memory. Here the batch is ``available // row`` (at most
+        ``max_batch_size``, at least 1), ``row`` a ``generate`` row of ``max_length`` tokens priced by
+        :func:`generate_row_bytes`: this config's cache bytes plus the prompt's working memory. The
+        batch serves ``generate_until``; log-likelihoods are scored one request at a time (module doc).
+        On a device whose free memory torch cannot tell, HFLM's probe runs as before."""
+        available = available_memory_bytes(self.device)
+        if available is None:
+            return super()._detect_batch_size(requests, pos)
+        row = generate_row_bytes(self._new_cache(), self.model, self.max_length)
+        rows = max(1, min(int(self.max_batch_size or 1 << 30), int(AUTO_BATCH_SHARE * available) // row["total"]))
+        log.info("leankit: batch_size=auto gives %d rows: %s available on %s, a row of %d tokens %s (cache %s, "
+                 "prompt working memory %s)", rows, format_bytes(available), self.device, self.max_length,
+                 format_bytes(row["total"]), format_bytes(row["cache"]), format_bytes(row["work"]))
+        return rows
+
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         generation_kwargs.update(cache_kwargs(self.model, self._new_cache()))
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+
+# Share of the memory available that batch_size=auto fills with generate_row_bytes rows. The rest is
+# for what the row model leaves out: freed blocks the allocator keeps, generate's own buffers. Measured
+# on a CPU (SmolLM2-135M fp32, generate of 2-8 rows of 1,024 + 16 tokens, K8V4 and the neutral
+# config and DynamicCache priced as FP16): the process's peak resident memory grew by 1.29-1.48x the
+# rows' modelled bytes, so 0.6 keeps the batch within about 0.9 of what is available.
+AUTO_BATCH_SHARE = 0.6
+
+
+def generate_row_bytes(cache: LeanCache, model, tokens: int) -> dict:
+    """Bytes one ``generate`` row of ``tokens`` tokens needs with ``cache``'s config:
+    ``{"cache", "work", "total"}``.
+
+    ``cache``: the page bytes of ``tokens`` tokens in every compressed layer, each token priced at the
+    config's high tier, or as an ACT token where that costs more and the config has ACT blocks (an
+    upper bound: a two-tier config moves tokens to its smaller low tier as it goes), plus one partly
+    filled page per layer and KV head, plus the model's own cache of its sliding-window layers (at
+    most the window each, in the model's dtype). ``work``: the largest working set of one decoder
+    layer over the prompt, which ``generate`` prefills in one forward: the residual stream and its
+    norm (``2 hidden``), the layer's output and its residual sum (``2 hidden``), the query and the
+    attention output (``2 q_dim``), the new keys and values (``2 kv_dim``) and the gated MLP's three
+    ``intermediate`` tensors (gate, up, their product), per token in the model's dtype; or the
+    prompt's logits where they are larger (a model that cannot keep the last position's alone,
+    ``logits_to_keep``, computes them for every prompt token, after its layers have freed theirs).
+    """
+    from ..planner.model_spec import from_hf_config
+
+    spec = from_hf_config(model.config)
+    itemsize = torch.empty((), dtype=cache.dtype).element_size()
+    per_token = cache.token_bytes()
+    token = max(per_token["kv"], per_token["act"]) if cache.cfg.act else per_token["kv"]
+    pages = cache.num_layers * cache.num_kv_heads * cache.cfg.page_size  # one partly filled page each
+    sliding = len(spec.sliding_layers) * min(tokens, spec.sliding_window or tokens) * 2 * spec.kv_dim * itemsize
+    cache_bytes = int(tokens * cache.num_layers * token) + pages + sliding
+    work = tokens * (4 * spec.hidden + 2 * spec.q_dim + 2 * spec.kv_dim + 3 * spec.intermediate) * itemsize
+    kept = 1 if model._supports_logits_to_keep() else tokens
+    work = max(work, kept * (spec.hidden + spec.vocab) * itemsize)
+    return {"cache": cache_bytes, "work": work, "total": cache_bytes + work}

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from .model_spec import ModelSpec
 
 GB = 1e9
@@ -424,6 +426,26 @@ def _host_memory_bytes() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return 16 * GiB
+
+
+def available_memory_bytes(device: str | torch.device) -> int | None:
+    """Bytes a new allocation can still take on ``device`` now: ``torch.cuda.mem_get_info``'s free
+    bytes on CUDA, the kernel's ``MemAvailable`` estimate (free memory plus reclaimable caches) on
+    the CPU; ``None`` where neither is known (another accelerator, or no ``/proc/meminfo``)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    except (OSError, ValueError, IndexError):  # pragma: no cover - non-Linux
+        pass
+    return None
 
 
 def _cpu_freq_hz() -> float:
