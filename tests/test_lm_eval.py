@@ -37,6 +37,22 @@ def test_score_matches_full_forward_when_lossless(any_model):
     assert got == pytest.approx(want, abs=1e-3)
 
 
+@pytest.mark.parametrize("softmax_dtype", [None, "float64"])
+def test_scores_take_their_log_softmax_in_the_softmax_dtype_asked_for(softmax_dtype, monkeypatch):
+    """The ``softmax_dtype`` model argument (HFLM's) sets the log-softmax's dtype; fp32 without it."""
+    from leankit.eval import lm as lm_mod
+    from leankit.testing import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model(), tiny_tokenizer()
+    lm = lm_mod.LeanKitLM(pretrained=model, tokenizer=tok, kv="K8V4", chunk=4, batch_size=1,
+                          softmax_dtype=softmax_dtype)
+    dtypes, real = [], torch.nn.functional.log_softmax
+    monkeypatch.setattr(lm_mod.F, "log_softmax", lambda x, dim, dtype: dtypes.append(dtype) or real(x, dim, dtype=dtype))
+    score, _ = lm.score(torch.randint(4, 97, (11,)).tolist(), torch.randint(4, 97, (6,)).tolist())
+    assert math.isfinite(score)
+    assert dtypes == [torch.float64 if softmax_dtype else torch.float32] * 2  # 6 tokens in chunks of 4
+
+
 def test_loglikelihood_truncates_to_max_length_as_hflm_does():
     """A request longer than ``max_length`` keeps its last ``max_length + 1`` tokens, as HFLM does
     (FP16 then gives HFLM's scores); one longer than the model's positions is scored, not refused."""

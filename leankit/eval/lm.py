@@ -223,7 +223,8 @@ class LeanKitLM(HFLM):
             stop = min(start + self.chunk, end)
             out = self.model(input_ids=ids[:, start:stop], position_ids=torch.arange(start, stop, device=ids.device)[None],
                              **cache_kwargs(self.model, cache), use_cache=True)
-            logp = F.log_softmax(out.logits[0].float(), dim=-1)
+            # in fp32 unless the softmax_dtype model argument asks otherwise (as HFLM reads it)
+            logp = F.log_softmax(out.logits[0], dim=-1, dtype=self.softmax_dtype or torch.float32)
             target = ids[0, start + 1: stop + 1]
             logprob += float(logp.gather(-1, target[:, None]).sum())
             greedy = greedy and bool((logp.argmax(-1) == target).all())
