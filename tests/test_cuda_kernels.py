@@ -547,3 +547,18 @@ def test_one_generation_compiles_at_most_two_decode_variants(spec, overrides, mo
                        max_new_tokens=160, do_sample=False, pad_token_id=0, eos_token_id=None)
     new = _compiled_variants(pa._decode_kernel) - before
     assert 1 <= new <= 2, f"{spec}: {new} decode variants compiled in one generation"
+
+
+def test_available_device_memory_counts_what_the_caching_allocator_holds_unused():
+    """``available_memory_bytes`` on CUDA: a freed buffer that torch's caching allocator keeps
+    reserved is still memory a new allocation can take (lm-eval's ``batch_size=auto`` reads it)."""
+    from leankit.planner.hardware import available_memory_bytes
+
+    dev = torch.device("cuda")
+    before = available_memory_bytes(dev)
+    held = torch.empty(512 * 2**20, dtype=torch.uint8, device=dev)
+    during = available_memory_bytes(dev)
+    assert before - during >= 500 * 2**20
+    del held  # back to the caching allocator, not to the device
+    assert available_memory_bytes(dev) - during >= 500 * 2**20
+    assert available_memory_bytes(dev) <= torch.cuda.mem_get_info(dev)[1]

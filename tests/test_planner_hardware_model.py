@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -99,6 +100,26 @@ def test_profiler_measures_this_cpu_and_saves_json(tmp_path):
     for f in prof.fits.values():
         assert f.slope > 0 and -1.0 <= f.r2 <= 1.0
     assert HardwareProfile.load(tmp_path / "detect.json").fits.keys() == prof.fits.keys()
+
+
+def test_available_memory_reads_the_kernels_estimate_on_the_host(monkeypatch):
+    """On the host: the kernel's MemAvailable (free memory plus what it can reclaim, in kB), under
+    the physical memory; a device kind torch cannot ask, or no such line, gives None."""
+    from pathlib import Path
+
+    from leankit.planner import hardware
+
+    now = hardware.available_memory_bytes("cpu")
+    assert 0 < now <= hardware._host_memory_bytes()
+    kb = int(torch.randint(1, 1 << 30, ()))
+    real_read = Path.read_text
+    meminfo = f"MemTotal:       {2 * kb} kB\nMemFree:        12 kB\nMemAvailable:   {kb} kB\nBuffers: 3 kB\n"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: meminfo if str(self) == "/proc/meminfo"
+                        else real_read(self, *a, **k))
+    assert hardware.available_memory_bytes(torch.device("cpu")) == kb * 1024
+    meminfo = "MemTotal:       1024 kB\n"
+    assert hardware.available_memory_bytes("cpu") is None
+    assert hardware.available_memory_bytes("meta") is None
 
 
 # ------------------------------------------------------------------------------- ModelSpec

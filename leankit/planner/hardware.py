@@ -429,14 +429,16 @@ def _host_memory_bytes() -> float:
 
 
 def available_memory_bytes(device: str | torch.device) -> int | None:
-    """Bytes a new allocation can still take on ``device`` now: ``torch.cuda.mem_get_info``'s free
-    bytes on CUDA, the kernel's ``MemAvailable`` estimate (free memory plus reclaimable caches) on
-    the CPU; ``None`` where neither is known (another accelerator, or no ``/proc/meminfo``)."""
+    """Bytes a new allocation can still take on ``device`` now: on CUDA the device's free bytes
+    (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds unused; on the CPU the
+    kernel's ``MemAvailable`` estimate (free memory plus reclaimable caches); ``None`` where neither
+    is known (another accelerator, or no ``/proc/meminfo``)."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0] + cached)
     if device.type != "cpu":
         return None
     try:
