@@ -274,9 +274,10 @@ class LeanKitLM(HFLM):
         HFLM's probe runs five cacheless forwards of ``max_batch_size`` rows of ``max_length`` tokens and
         halves on out-of-memory. It never builds a cache, so it cannot see the rows a compressing cache
         frees, and on a CPU its first forwards alone (64 rows of the model's whole window, with their
-        logits) take many minutes or exhaust memory. Here the batch is ``available // row`` (at most
-        ``max_batch_size``, at least 1), ``row`` a ``generate`` row of ``max_length`` tokens priced by
-        :func:`generate_row_bytes`: this config's cache bytes plus the prompt's working memory. The
+        logits) take many minutes or exhaust memory. Here the batch is ``AUTO_BATCH_SHARE`` (0.6) of the
+        memory available over ``row`` (at most ``max_batch_size``, at least 1), ``row`` a ``generate``
+        row of ``max_length`` tokens priced by :func:`generate_row_bytes`: this config's cache bytes
+        plus the prompt's working memory. The
         batch serves ``generate_until``; log-likelihoods are scored one request at a time (module doc).
         On a device whose free memory torch cannot tell, HFLM's probe runs as before."""
         available = available_memory_bytes(self.device)
