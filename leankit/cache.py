@@ -53,7 +53,9 @@ from .rotation import hadamard, rotate, rotate_stored, unrotate
 # transformers' own plain sliding-window cache layer (their window already bounds their memory).
 COMPRESSED, PLAIN = FULL_ATTENTION, SLIDING_ATTENTION
 # Steps of at most this many queries keep their attention logits for the significance update
-# (decode and eval chunks); longer prompts use the chunked second pass, which never holds Q x N.
+# (decode and eval chunks); longer prompts use the chunked second pass, which never holds Q x N,
+# unless their live-slot logits fit the compiled kernels' score budget
+# (decode_attention.keeps_step_logits).
 LOGITS_QUERY_LIMIT = 64
 
 
@@ -1452,7 +1454,8 @@ class LeanCache(Cache):
                 out_old, lse_old, saved = res if sig else (*res, None)
             else:
                 out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
-        elif sig and nq <= LOGITS_QUERY_LIMIT:  # few queries: keep the logits for the significance update
+        elif sig and (nq <= LOGITS_QUERY_LIMIT or decode_attention.keeps_step_logits(kv, nq, group, query.device)):
+            # few queries, or logits that fit: keep them for the significance update
             out_old, lse_old, logits = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling,
                                                            return_logits=True, live_slots=True)
         else:

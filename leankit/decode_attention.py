@@ -1,4 +1,5 @@
-"""Decode attention over live pages only: the CPU path of paged attention for a few queries.
+"""Attention over live pages only: the CPU path of paged attention for decode steps and, compiled,
+for any step after a prompt.
 
 :func:`leankit.attention.paged_attention_ref` walks tiles shaped ``[B, H, P_max]``: every
 (sequence, head) is padded to the largest page count of its tier. Under LeanKV's per-head
@@ -22,8 +23,11 @@ the work is all in that per-key pass, so this module reads *live pages only*:
    dequantized once into a small scratch row, its codes unpacked plane by plane within each
    group).
    A decode step (one query per sequence) then adds its own token and merges in one more
-   compiled call (:func:`decode_step_attention`).
-   The torch steps here are the fallback and their reference.
+   compiled call (:func:`decode_step_attention`). The compiled passes also serve steps of many
+   queries (a new turn's prompt, lm-eval's scored chunks), in query chunks whose scores fit
+   :data:`LIVE_SCORE_BYTES` (:func:`queries_per_call`): they were faster than the padded tiles
+   at every count measured, 63 to 2,049 query rows.
+   The torch steps here are the fallback and their reference (a few query rows only).
 3. The softmax is exact and two-pass per layer (scores of every live page are small: rows x
    tokens), with per-head maxima and sums reduced over the pages of each head by
    ``scatter_reduce`` / ``index_add``. Codes are converted a chunk of pages at a time
@@ -44,9 +48,15 @@ from . import native
 from .pages import SEGMENTS
 from .quant import META_DTYPE, codes_per_byte
 
-# Grouped query rows (query heads per KV head x queries) served by this path: decode steps and
-# short chunks. Longer steps amortize the padded tiles over many rows.
+# Grouped query rows (query heads per KV head x queries) the torch live path serves: decode steps
+# and short chunks. Longer steps amortize the padded tiles over many rows. The compiled kernels serve
+# any count: they were faster than the padded tiles from 63 to 2,049 rows (chunked scoring of 1k-2k
+# SmolLM2 tokens, docs/measurements.md), and as accurate.
 DECODE_ROWS = 64
+# Bytes of fp32 scores (query rows x live slots) one compiled call may hold when a step has more
+# than DECODE_ROWS rows: a longer step is cut into query chunks that fit (every chunk reads the live
+# pages again, as each query chunk of the padded tiles does).
+LIVE_SCORE_BYTES = 64 * 2**20
 # Tokens whose codes are converted to fp32 at once: about 1 MB per side at head_dim 64, which
 # stays in a core's L2 between the conversion and the matmul that reads it.
 CHUNK_TOKENS = 4096
@@ -57,7 +67,8 @@ def supports(layouts, rows: int, occupied=None, compiled: bool = False) -> bool:
 
     ``occupied``: per tier, whether any head holds pages of it (default: all). Only occupied
     tiers count: a two-tier config whose low tier is still empty reads like a single tier.
-    ``compiled``: the call will run on the compiled CPU kernels (:func:`leankit.native.kernels_for`).
+    ``compiled``: the call will run on the compiled CPU kernels (:func:`leankit.native.kernels_for`),
+    which serve any number of rows; the torch path serves at most :data:`DECODE_ROWS`.
 
     On the torch path every side of every tier must be quantized (dense sides may hold stale NaN
     bytes in dead slots, which only the padded path masks) with groups that span whole bytes, and
@@ -69,7 +80,7 @@ def supports(layouts, rows: int, occupied=None, compiled: bool = False) -> bool:
     slot's bytes.
     """
     live = [lay for t, lay in enumerate(layouts) if occupied is None or occupied[t]]
-    if rows > DECODE_ROWS or (not compiled and len(live) <= 1 and all(lay.groups == 1 for lay in live)):
+    if not compiled and (rows > DECODE_ROWS or (len(live) <= 1 and all(lay.groups == 1 for lay in live))):
         return False
     for lay in layouts:
         for bits in (lay.precision.k_bits, lay.precision.v_bits):
@@ -231,6 +242,15 @@ def tier_page_maxima(kv) -> list[int]:
     """Most pages any (sequence, head) of the layer holds, per tier (one host read)."""
     n_pages = kv.table.n_pages[: len(kv.layouts), kv.layer]  # [tiers, B, H]
     return n_pages.flatten(1).amax(1).tolist() if n_pages[0].numel() else [0] * len(kv.layouts)
+
+
+def queries_per_call(kv, page_maxima: list[int], group: int) -> int:
+    """Queries per sequence one compiled :func:`live_page_attention` call takes so that its fp32
+    scores (each query's ``group`` rows over every live slot: at most each (sequence, head) at its
+    tier's page maximum) stay within :data:`LIVE_SCORE_BYTES`; at least 1."""
+    b, hkv = kv.table.shape[1], kv.table.shape[2]
+    slots = b * hkv * sum(p * lay.tokens for p, lay in zip(page_maxima, kv.layouts, strict=True))
+    return max(1, LIVE_SCORE_BYTES // max(1, 4 * group * slots))
 
 
 def _key_scores_torch(qs: torch.Tensor, lt: _LiveTier, bits: int, ws) -> torch.Tensor:
@@ -450,6 +470,18 @@ def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor,
     if padded is not None:
         return out, lse, padded
     return out, lse, _live_slots(tiers, scores, slots, shift)
+
+
+def keeps_step_logits(kv, queries: int, group: int, device) -> bool:
+    """Whether a step of ``queries`` queries per sequence (``group`` query heads per KV head) runs
+    on the compiled kernels in one call whose live-slot logits fit :data:`LIVE_SCORE_BYTES`: then
+    its significance comes from those logits (:func:`leankit.attention.received_from_logits`)
+    with no second pass over the keys (one host read of the page counts)."""
+    if native.kernels_for(device) is None:
+        return False
+    maxima = tier_page_maxima(kv)
+    return (supports(kv.layouts, group * queries, [m > 0 for m in maxima], compiled=True)
+            and queries <= queries_per_call(kv, maxima, group))
 
 
 def serves_decode_step(kv, rows: int, device) -> bool:

@@ -948,3 +948,42 @@ def test_is_initialized_says_whether_the_cache_holds_state():
     assert cache.is_initialized is True and copy.deepcopy(cache).is_initialized is True
     cache.reset()
     assert cache.is_initialized is False
+
+
+@pytest.mark.parametrize("spec", ["K8V4-K4V2:th=0.3,tl=0.05", "K8V4:policy=h2o,budget=0.5",
+                                  "K8V4-K4V2:th=0.25,tl=0,group_size=8,rotate=1"])
+def test_a_long_step_takes_its_significance_from_the_compiled_kernels_logits(spec, monkeypatch):
+    """A step of more queries than LOGITS_QUERY_LIMIT after a prompt (a second turn's prompt) whose
+    live-slot logits fit the compiled kernels' score budget takes the stored tokens' significance
+    from those logits, with no second pass over the keys: the stored scores are the second pass's
+    to their fp16 storage's rounding, and the step's logits equal to fp32 rounding."""
+    import leankit.cache
+    import leankit.native
+    from leankit import decode_attention
+    from leankit.policy import read_tier_meta
+
+    if leankit.native.kernels() is None:
+        pytest.skip("no C compiler for leankit.native")
+    model = tiny_model("llama-gqa")
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    vocab, layers = model.config.vocab_size, torch.arange(model.config.num_hidden_layers)
+    first = torch.randint(3, vocab, (2, int(torch.randint(20, 90, (), generator=gen))), generator=gen)
+    n2 = leankit.cache.LOGITS_QUERY_LIMIT + int(torch.randint(1, 60, (), generator=gen))
+    second = torch.randint(3, vocab, (2, n2), generator=gen)
+    runs = {}
+    for from_logits in (True, False):
+        with monkeypatch.context() as m:
+            if not from_logits:
+                m.setattr(decode_attention, "keeps_step_logits", lambda *a: False)
+            passes, real = [], leankit.cache.received_attention_ref
+            m.setattr(leankit.cache, "received_attention_ref", lambda *a, **k: passes.append(1) or real(*a, **k))
+            cache = LeanCache(model, spec)
+            with torch.no_grad():
+                model(input_ids=first, **cache_kwargs(model, cache), use_cache=True)
+                logits = model(input_ids=second, **cache_kwargs(model, cache), use_cache=True).logits
+            scores = [read_tier_meta(cache, t, layers).score.float() for t in range(len(cache.layouts))]
+            runs[from_logits] = (logits, scores, len(passes))
+    assert runs[True][2] == 0 and runs[False][2] == len(layers)  # the second pass, once a layer, only without
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=2 ** -10, atol=1e-6)  # fp16 scores: one unit in the last place

@@ -101,8 +101,48 @@ def test_chunks_of_pages_do_not_change_the_result(monkeypatch):
         testing.assert_close_normwise(a, b, torch.float32, f"{what} (seed {seed})")
 
 
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler for leankit.native")
+@pytest.mark.parametrize("spec,gs,dtype", [("K8V4", None, torch.float32), ("K8V4-K4V2", 32, torch.float32),
+                                           ("FP16", None, torch.bfloat16)])
+def test_a_long_step_runs_on_the_compiled_kernels_in_query_chunks_that_fit(spec, gs, dtype, monkeypatch):
+    """A step of far more than DECODE_ROWS query rows (a chunk of a long prompt scored through the
+    cache) runs on the compiled live-page kernels, cut into query chunks whose scores fit
+    LIVE_SCORE_BYTES, with the padded tiles' output and log-sum-exp; asked for its logits, it runs
+    whole on the kernels where they fit and on the padded tiles where they do not."""
+    gen, seed = testing.fresh_generator()
+    nq = int(torch.randint(30, 90, (), generator=gen))
+    fc, q, q_pos = testing.attention_case(gen, spec, [int(torch.randint(100, 400, (), generator=gen)), 57], 3, 3,
+                                          nq, dtype=dtype, group_size=gs, fill=0xFF, low_frac=0.6)
+    fc.kv.workspace = Workspace()
+    q_pos[1] -= 40  # the second row's queries see part of its keys
+    calls = []
+    real = decode_attention.live_page_attention
+    monkeypatch.setattr(decode_attention, "live_page_attention", lambda q, *a, **k: calls.append(q.shape[2])
+                        or real(q, *a, **k))
+    ref_out, ref_lse, ref_logits = paged_attention_ref(q, fc.kv, q_pos, 0.125, chunk_pages=5, return_logits=True)
+    assert calls == []  # forced padded tiles
+    maxima = decode_attention.tier_page_maxima(fc.kv)
+    slots = 2 * 3 * sum(p * lay.tokens for p, lay in zip(maxima, fc.kv.layouts))
+    per_call = int(torch.randint(1, nq // 3, (), generator=gen))
+    monkeypatch.setattr(decode_attention, "LIVE_SCORE_BYTES", per_call * 4 * 3 * slots)
+    assert decode_attention.queries_per_call(fc.kv, maxima, 3) == per_call
+    out, lse = paged_attention_ref(q, fc.kv, q_pos, 0.125)
+    assert calls == [per_call] * (nq // per_call) + ([nq % per_call] if nq % per_call else [])
+    testing.assert_close_normwise(out, ref_out, dtype, f"out (seed {seed})")
+    testing.assert_close_normwise(lse, ref_lse, torch.float32, f"lse (seed {seed})")
+    for fits, ran in ((False, []), (True, [nq])):  # with logits: one call where they fit, else padded tiles
+        calls.clear()
+        monkeypatch.setattr(decode_attention, "LIVE_SCORE_BYTES", (nq if fits else nq - 1) * 4 * 3 * slots)
+        out, lse, logits = paged_attention_ref(q, fc.kv, q_pos, 0.125, return_logits=True)
+        assert calls == ran
+        testing.assert_close_normwise(out, ref_out, dtype, f"out (seed {seed})")
+        testing.assert_close_normwise(lse, ref_lse, torch.float32, f"lse (seed {seed})")
+        testing.assert_all_close_normwise(logits, ref_logits, torch.float32, f"logits (seed {seed})")
+
+
 @pytest.mark.parametrize("spec,gs,rows,expected", [("K8V4-K4V2", None, 3, True), ("K8V4", 32, 64, True),
-                                                    ("K8V4", 32, 65, False), ("K8V4", None, 1, False),
+                                                    ("K8V4", 32, 65, False), ("K8V4-K4V2", 32, 4099, False),
+                                                    ("K8V4", None, 1, False),
                                                     ("FP16", None, 1, False), ("K16V4-K4V1", None, 1, False)])
 def test_supports(spec, gs, rows, expected):
     from leankit.config import KVConfig
@@ -111,13 +151,12 @@ def test_supports(spec, gs, rows, expected):
     cfg = KVConfig.parse(spec, group_size=gs)
     layouts = [PageLayout.build(cfg, t, 64, torch.float32) for t in range(len(cfg.tiers))]
     assert decode_attention.supports(layouts, rows) is expected
-    # The compiled kernels also read dense sides of the dtypes they know, and every query count
-    # up to DECODE_ROWS.
-    assert decode_attention.supports(layouts, rows, compiled=True) is (rows <= decode_attention.DECODE_ROWS)
+    # The compiled kernels also read dense sides of the dtypes they know, and any number of query
+    # rows (the torch path at most DECODE_ROWS).
+    assert decode_attention.supports(layouts, rows, compiled=True)
     wide = [PageLayout.build(cfg, t, 64, torch.float64) for t in range(len(cfg.tiers))]
     dense = any(b == 16 for t in cfg.tiers for b in (t.k_bits, t.v_bits))
-    assert decode_attention.supports(wide, rows, compiled=True) is (rows <= decode_attention.DECODE_ROWS
-                                                                    and not dense)
+    assert decode_attention.supports(wide, rows, compiled=True) is not dense
     if len(layouts) == 2 and layouts[0].groups == 1:  # an empty low tier leaves one one-group tier
         assert decode_attention.supports(layouts, rows, occupied=[True, False]) is False
 
