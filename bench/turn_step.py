@@ -68,7 +68,10 @@ def measure(model, kv: str, batch: int, context: int, new: int, repeat: int, see
     first = torch.randint(3, vocab, (batch, context), generator=gen)
     second = torch.randint(3, vocab, (batch, new), generator=gen)
     cfg = KVConfig.parse(kv)
-    lean = lambda: LeanCache(model, cfg, max_seq_len=context + new)  # noqa: E731
+
+    def lean():
+        return LeanCache(model, cfg, max_seq_len=context + new)
+
     routes = {"live": contextlib.nullcontext, "padded": padded_route,
               "DynamicCache": contextlib.nullcontext}
     makers = {"live": lean, "padded": lean, "DynamicCache": lambda: DynamicCache(config=model.config)}

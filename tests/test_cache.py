@@ -976,7 +976,8 @@ def test_a_long_step_takes_its_significance_from_the_compiled_kernels_logits(spe
             if not from_logits:
                 m.setattr(decode_attention, "keeps_step_logits", lambda *a: False)
             passes, real = [], leankit.cache.received_attention_ref
-            m.setattr(leankit.cache, "received_attention_ref", lambda *a, **k: passes.append(1) or real(*a, **k))
+            m.setattr(leankit.cache, "received_attention_ref",
+                      lambda *a, _passes=passes, _real=real, **k: _passes.append(1) or _real(*a, **k))
             cache = LeanCache(model, spec)
             with torch.no_grad():
                 model(input_ids=first, **cache_kwargs(model, cache), use_cache=True)

@@ -40,7 +40,10 @@ def test_the_padded_route_takes_the_padded_tiles_and_the_second_pass(bench, monk
                         lambda q, *a, **k: live_calls.append(q.shape[2]) or real_live(q, *a, **k))
     monkeypatch.setattr(cache_mod, "received_attention_ref", lambda *a, **k: passes.append(1) or real_pass(*a, **k))
     first, second = torch.randint(3, 90, (2, 30)), torch.randint(3, 90, (2, 80))
-    make = lambda: cache_mod.LeanCache(model, "K8V4-K4V2:th=0.3,tl=0.05,group_size=8")  # noqa: E731
+
+    def make():
+        return cache_mod.LeanCache(model, "K8V4-K4V2:th=0.3,tl=0.05,group_size=8")
+
     with bench.padded_route():
         bench._turn(model, make, first, second)
     assert live_calls == [] and len(passes) == model.config.num_hidden_layers
