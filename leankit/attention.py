@@ -280,18 +280,19 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
         if decode_attention.supports(kv.layouts, g * nq, [m > 0 for m in maxima],
                                      compiled=native.kernels_for(q.device) is not None):
             # Live pages only, codes never dequantized: a few query rows on the torch path, any
-            # number on the compiled kernels, in query chunks whose scores fit LIVE_SCORE_BYTES.
-            per_call = nq if g * nq <= decode_attention.DECODE_ROWS else \
+            # number on the compiled kernels. Logits asked for are held whole on either path (the
+            # padded tiles' take at least the live scores' bytes), so such a step is one call;
+            # otherwise a long step goes in query chunks whose scores fit LIVE_SCORE_BYTES.
+            per_call = nq if return_logits or g * nq <= decode_attention.DECODE_ROWS else \
                 decode_attention.queries_per_call(kv, maxima, g)
             if per_call >= nq:
                 return decode_attention.live_page_attention(q, kv, q_pos, scale, return_logits, maxima, live_slots)
-            if not return_logits:  # chunks of queries: rows are independent, so out and lse concatenate
-                parts = [decode_attention.live_page_attention(q[:, :, q0: q0 + per_call], kv,
-                                                              q_pos[:, q0: q0 + per_call], scale, False, maxima)
-                         for q0 in range(0, nq, per_call)]
-                lse = torch.cat([p[1].unflatten(2, (g, -1)) for p in parts], 3).flatten(2)  # rows (g, q)
-                return torch.cat([p[0] for p in parts], 1), lse
-            # logits of a long step over many slots: the padded tiles below, as before
+            # chunks of queries: rows are independent, so out and lse concatenate
+            parts = [decode_attention.live_page_attention(q[:, :, q0: q0 + per_call], kv,
+                                                          q_pos[:, q0: q0 + per_call], scale, False, maxima)
+                     for q0 in range(0, nq, per_call)]
+            lse = torch.cat([p[1].unflatten(2, (g, -1)) for p in parts], 3).flatten(2)  # rows (g, q)
+            return torch.cat([p[0] for p in parts], 1), lse
     outs, lses = [], []
     logits = [] if return_logits else None  # per query chunk: one [B, Hkv, G, Qc, N_t] per tier
     for q0 in range(0, nq, query_chunk):

@@ -54,8 +54,10 @@ from .quant import META_DTYPE, codes_per_byte
 # SmolLM2 tokens, docs/measurements.md), and as accurate.
 DECODE_ROWS = 64
 # Bytes of fp32 scores (query rows x live slots) one compiled call may hold when a step has more
-# than DECODE_ROWS rows: a longer step is cut into query chunks that fit (every chunk reads the live
-# pages again, as each query chunk of the padded tiles does).
+# than DECODE_ROWS rows and keeps no logits: a longer step is cut into query chunks that fit (every
+# chunk reads the live pages again, as each query chunk of the padded tiles does). A long step under
+# a significance policy keeps its logits, for the significance, only where they fit this too
+# (keeps_step_logits); a longer one takes the chunked second pass over the keys instead.
 LIVE_SCORE_BYTES = 64 * 2**20
 # Tokens whose codes are converted to fp32 at once: about 1 MB per side at head_dim 64, which
 # stays in a core's L2 between the conversion and the matmul that reads it.
