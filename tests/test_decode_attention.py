@@ -218,6 +218,7 @@ STEP_CASES = [
     ("K8V4-K4V2", torch.float32, 3, 3, [65, 7, 40], 32),
     ("K4V2", torch.float32, 2, 5, [63, 130], 8),
     ("FP16", torch.float32, 3, 3, [65, 7, 40], None),
+    ("K8V4-K4V2", torch.float32, 1, 71, [50, 130], 32),  # one KV head for 71 query heads: more rows than 64
     ("K8V16-K4V2", torch.float16, 2, 3, [90, 12], 16),
 ]
 
