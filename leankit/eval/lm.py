@@ -277,9 +277,9 @@ class LeanKitLM(HFLM):
         logits) take many minutes or exhaust memory. Here the batch is ``AUTO_BATCH_SHARE`` (0.6) of the
         memory available over ``row`` (at most ``max_batch_size``, at least 1), ``row`` a ``generate``
         row of ``max_length`` tokens priced by :func:`generate_row_bytes`: this config's cache bytes
-        plus the prompt's working memory. The
-        batch serves ``generate_until``; log-likelihoods are scored one request at a time (module doc).
-        On a device whose free memory torch cannot tell, HFLM's probe runs as before."""
+        plus the prompt's working memory. The batch serves ``generate_until``; log-likelihoods are
+        scored one request at a time (module doc). On a device whose free memory torch cannot tell,
+        HFLM's probe runs as before."""
         available = available_memory_bytes(self.device)
         if available is None:
             return super()._detect_batch_size(requests, pos)
@@ -326,8 +326,8 @@ def generate_row_bytes(cache: LeanCache, model, tokens: int) -> dict:
     per_token = cache.token_bytes()
     token = max(per_token["kv"], per_token["act"]) if cache.cfg.act else per_token["kv"]
     pages = cache.num_layers * cache.num_kv_heads * cache.cfg.page_size  # one partly filled page each
-    sliding = len(spec.sliding_layers) * min(tokens, spec.sliding_window or tokens) * 2 * spec.kv_dim * itemsize
-    cache_bytes = int(tokens * cache.num_layers * token) + pages + sliding
+    sliding = len(spec.sliding_layers) * spec.sliding_tokens([tokens]) * 2 * spec.kv_dim * itemsize
+    cache_bytes = int(tokens * cache.num_layers * token + sliding) + pages
     work = tokens * (4 * spec.hidden + 2 * spec.q_dim + 2 * spec.kv_dim + 3 * spec.intermediate) * itemsize
     kept = 1 if model._supports_logits_to_keep() else tokens
     work = max(work, kept * (spec.hidden + spec.vocab) * itemsize)
