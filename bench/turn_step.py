@@ -8,8 +8,8 @@ model and inputs, best of ``--repeat`` rounds in an order rotated each round:
   ``decode_attention.DECODE_ROWS`` query rows), and under a significance policy a second pass over
   the keys (:func:`leankit.attention.received_attention_ref`) for the stored tokens' significance;
 * ``live``: the compiled live-page passes in query chunks that fit
-  ``decode_attention.LIVE_SCORE_BYTES``, the significance taken from their scores when one call
-  holds them (``decode_attention.keeps_step_logits``).
+  ``decode_attention.LIVE_SCORE_BYTES``, the significance taken from each chunk's scores
+  (``decode_attention.step_logits_queries``, :func:`leankit.attention.long_step_attention`).
 
 Each round prefills a fresh cache (not timed) and times the turn's forward; ``DynamicCache`` runs the
 same turn for the ratio users compare. The routes' logits are checked against each other first. Needs
@@ -38,14 +38,14 @@ CONFIGS = ["K8V4", "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1"]
 def padded_route():
     """The route a long step took before the compiled passes served it: at most ``DECODE_ROWS``
     rows on the live pages, and no logits kept for a step longer than ``LOGITS_QUERY_LIMIT``."""
-    supports, keeps = decode_attention.supports, decode_attention.keeps_step_logits
+    supports, keeps = decode_attention.supports, decode_attention.step_logits_queries
     decode_attention.supports = lambda layouts, rows, occupied=None, compiled=False: (
         rows <= decode_attention.DECODE_ROWS and supports(layouts, rows, occupied, compiled))
-    decode_attention.keeps_step_logits = lambda *args: False
+    decode_attention.step_logits_queries = lambda *args: 0
     try:
         yield
     finally:
-        decode_attention.supports, decode_attention.keeps_step_logits = supports, keeps
+        decode_attention.supports, decode_attention.step_logits_queries = supports, keeps
 
 
 def _turn(model, make_cache, first: torch.Tensor, second: torch.Tensor) -> tuple[float, torch.Tensor]:

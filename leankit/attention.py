@@ -364,6 +364,57 @@ def received_from_logits(logits: list[torch.Tensor], lse: torch.Tensor, group: i
     return out
 
 
+def long_step_attention(q_pages: torch.Tensor, query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                        kv: PagedKV, q_pos: torch.Tensor, k_real: torch.Tensor, scale: float, per_call: int, *,
+                        own_mask: torch.Tensor | None = None, from_page_basis=None):
+    """A long step's attention under a significance policy, in query chunks whose live-slot
+    logits fit the compiled kernels' score budget, with no second pass over the keys.
+
+    Each chunk of ``per_call`` queries (:func:`~leankit.decode_attention.step_logits_queries`)
+    attends to the stored pages on the live-page passes, keeping its softmax numerators; to the
+    step's own tokens (:func:`step_attention`, whole keys, the chunk's queries); the two merge by
+    log-sum-exp, which gives the chunk's final ``lse``, and with it the mass each stored slot and
+    each new token received from the chunk (:func:`received_from_logits`). Query rows are
+    independent and received mass adds over queries, so the chunks' sums are the step's, up to
+    fp32 summation order (LeanKV §4 sums ``p_ij`` over the step's queries).
+
+    Args:
+        q_pages: ``[B, Hq, Q, F_pages]`` the queries in the pages' basis; ``query``: ``[B, Hq, Q, F]``
+            in the model's, with ``k_new``/``v_new`` ``[B, Hkv, Q, F]`` the step's own K/V.
+        q_pos, k_real: ``[B, Q]`` positions and real-token flags of the step's tokens.
+        own_mask: as in :func:`step_attention`; ``from_page_basis``: maps a page-side output
+            ``[B, Qc, Hq, F_pages]`` to the model's basis (None: the same basis).
+
+    Returns:
+        ``(out [B, Q, Hq, F] fp32, lse [B, Hkv, G*Q], received_old, received_new [B, Hkv, Q])``:
+        ``received_old`` one :class:`~leankit.decode_attention.LiveSlots` per tier holding the
+        stored slots' summed mass, for the policy's ``update_scores``.
+    """
+    hq, nq = query.shape[1:3]
+    g = hq // kv.table.shape[2]
+    maxima = decode_attention.tier_page_maxima(kv)
+    outs, lses, summed, received_new = [], [], None, None
+    for q0 in range(0, nq, per_call):
+        q1 = min(nq, q0 + per_call)
+        out_old, lse_old, live = decode_attention.live_page_attention(
+            q_pages[:, :, q0:q1].float(), kv, q_pos[:, q0:q1], scale, True, maxima, live_slots=True)
+        if from_page_basis is not None:
+            out_old = from_page_basis(out_old)
+        out_new, lse_new, got_new = step_attention(query[:, :, q0:q1], k_new, v_new, q_pos, k_real, scale,
+                                                   lse_other=lse_old, received=True, own_mask=own_mask, first=q0)
+        out, lse = merge_attention(out_old, lse_old, out_new, lse_new)
+        # The numerators live in the workspace, overwritten by the next chunk: sum them now.
+        got_old = [t.received for t in received_from_logits(live, lse, g, k_real[:, q0:q1])]
+        summed = got_old if summed is None else [a.add_(c) for a, c in zip(summed, got_old, strict=True)]
+        received_new = got_new if received_new is None else received_new.add_(got_new)
+        outs.append(out)
+        lses.append(lse.unflatten(2, (g, -1)))  # rows (g, q): chunks join along q
+    # Every chunk listed the same live pages (the table, not the queries, decides them), so the
+    # last chunk's slots describe the sums.
+    received_old = [t.holding(r) for t, r in zip(live, summed, strict=True)]
+    return torch.cat(outs, 1), torch.cat(lses, 3).flatten(2), received_old, received_new
+
+
 def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, lse: torch.Tensor,
                            q_valid: torch.Tensor | None = None, chunk_pages: int | None = None,
                            query_chunk: int = 256) -> list[torch.Tensor]:
@@ -470,7 +521,7 @@ def _step_bias(q_pos: torch.Tensor, k_real: torch.Tensor, group: int, q0: int, q
 
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_real: torch.Tensor,
                    scale: float, *, lse_other: torch.Tensor | None = None, received: bool = False,
-                   own_mask: torch.Tensor | None = None):
+                   own_mask: torch.Tensor | None = None, first: int = 0):
     """Exact attention of a step's queries over the step's own new tokens (no pages involved).
 
     One pass of plain matmuls per chunk of queries: ``S = q kᵀ`` (mask added in the same
@@ -490,34 +541,40 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
             queries, averaged over the ``G`` query heads of its KV group (LeanKV §4).
         own_mask: bool ``[B or 1, Q, Q]``, the model's mask over the step's own keys, in place of
             the causal rule from ``q_pos`` (see :func:`_step_bias`); not for a one-query step.
+        first: ``q`` holds the step's queries ``first .. first + Qc - 1`` only (a query chunk of a
+            long step); ``k``, ``v``, ``q_pos``, ``k_real`` and ``own_mask`` still cover the whole
+            step, ``lse_other`` the chunk's rows, and ``received`` counts the chunk's queries (the
+            chunks' sum is the step's).
 
     Returns:
         ``(out [B, Q, Hq, F] fp32, lse [B, Hkv, G*Q] fp32, received [B, Hkv, Q] or None)``; rows
         are laid out as in :func:`paged_attention_ref` (query head ``h*G + g`` -> row ``g*Q + i``
         of KV head ``h``), so :func:`merge_attention` combines the two directly. A row that sees
-        no key has ``lse = -inf`` and output 0.
+        no key has ``lse = -inf`` and output 0. With ``first``, ``out`` and ``lse`` are the
+        chunk's (``Qc`` queries) and ``received`` covers the step's ``Q`` keys.
     """
-    if q.shape[2] == 1:
+    if k.shape[2] == 1:
         return _one_token_attention(q, k, v, k_real, scale, lse_other, received)
-    return _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, own_mask)
+    return _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, own_mask, first)
 
 
-def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, own_mask=None):
-    """:func:`step_attention` of any step: masked matmul, softmax and ``P v`` per chunk of queries."""
+def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, own_mask=None, first=0):
+    """:func:`step_attention` of any step: masked matmul, softmax and ``P v`` per chunk of queries
+    (``q``: the step's queries from ``first`` on)."""
     b, hq, nq, f = q.shape
-    hkv = k.shape[1]
+    hkv, nk = k.shape[1], k.shape[2]
     g = hq // hkv
     qg = (q.float() * scale).view(b, hkv, g, nq, f)
-    kt = k.float().transpose(-1, -2)  # [B, Hkv, F, Q]
+    kt = k.float().transpose(-1, -2)  # [B, Hkv, F, K]
     vf = v.float()
     out = q.new_empty((b, hkv, g, nq, f), dtype=torch.float32)
     lse = q.new_empty((b, hkv, g, nq), dtype=torch.float32)
-    recv = q.new_zeros((b, hkv, nq), dtype=torch.float32) if received else None
-    rows = step_chunk_rows(b, hq, nq, q.device)
+    recv = q.new_zeros((b, hkv, nk), dtype=torch.float32) if received else None
+    rows = step_chunk_rows(b, hq, nk, q.device)
     for q0 in range(0, nq, rows):
         q1 = min(nq, q0 + rows)
         nqc = q1 - q0
-        bias = _step_bias(q_pos, k_real, g, q0, q1, own_mask)  # [B, 1, G*Qc, Q]
+        bias = _step_bias(q_pos, k_real, g, first + q0, first + q1, own_mask)  # [B, 1, G*Qc, K]
         qc = qg[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f)
         s = torch.matmul(qc, kt).add_(bias)
         lse_c = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*Qc]
@@ -529,7 +586,8 @@ def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, 
         out[:, :, :, q0:q1] = o.view(b, hkv, g, nqc, f)
         lse[:, :, :, q0:q1] = lse_c.view(b, hkv, g, nqc)
         if received:
-            w = k_real[:, q0:q1].view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, g * nqc).float()
+            w = k_real[:, first + q0:first + q1].view(b, 1, 1, nqc).expand(b, hkv, g, nqc).reshape(b, hkv, g * nqc)
+            w = w.float()
             if lse_other is not None:
                 other = lse_other.view(b, hkv, g, nq)[..., q0:q1].reshape(b, hkv, g * nqc)
                 total = torch.logaddexp(other, lse_c)

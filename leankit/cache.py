@@ -32,6 +32,7 @@ from .allocator import FreePageList, PoolExhausted
 from .attention import (
     PagedKV,
     Workspace,
+    long_step_attention,
     merge_attention,
     paged_attention_ref,
     received_attention_ref,
@@ -53,9 +54,9 @@ from .rotation import hadamard, rotate, rotate_stored, unrotate
 # transformers' own plain sliding-window cache layer (their window already bounds their memory).
 COMPRESSED, PLAIN = FULL_ATTENTION, SLIDING_ATTENTION
 # Steps of at most this many queries keep their attention logits for the significance update
-# (decode and eval chunks); longer prompts use the chunked second pass, which never holds Q x N,
-# unless their live-slot logits fit the compiled kernels' score budget
-# (decode_attention.keeps_step_logits).
+# (decode and eval chunks). Longer steps keep them on the compiled kernels, in query chunks whose
+# live-slot logits fit their score budget (decode_attention.step_logits_queries); elsewhere they use
+# the chunked second pass, which never holds Q x N.
 LOGITS_QUERY_LIMIT = 64
 
 
@@ -1444,6 +1445,17 @@ class LeanCache(Cache):
             if sig:  # LeanKV §4 running significance from the decode kernel's own logits
                 apply_score_update(kv, saved, lse, st.q_pos, st.real)
             return out, lse, received_new
+        per_call = 0
+        if sig and not kernels and nq > LOGITS_QUERY_LIMIT:
+            per_call = decode_attention.step_logits_queries(kv, group, query.device)
+            if 0 < per_call < nq:
+                # A long step on the compiled passes in query chunks, each keeping its logits for
+                # the significance (no second pass over the keys), merged chunk by chunk.
+                out, lse, received_old, received_new = long_step_attention(
+                    q_pages, query, k_new, v_new, kv, st.q_pos, st.real, scaling, per_call, own_mask=own,
+                    from_page_basis=self.from_page_basis)
+                policy.update_scores(layer, st, received_old)
+                return out, lse, received_new
         if kernels:
             from leankit_kernels.paged_attention import paged_attention
 
@@ -1454,8 +1466,8 @@ class LeanCache(Cache):
                 out_old, lse_old, saved = res if sig else (*res, None)
             else:
                 out_old, lse_old = paged_attention(q_pages, kv, st.q_pos, scaling)
-        elif sig and (nq <= LOGITS_QUERY_LIMIT or decode_attention.keeps_step_logits(kv, nq, group, query.device)):
-            # few queries, or logits that fit: keep them for the significance update
+        elif sig and (nq <= LOGITS_QUERY_LIMIT or per_call >= nq):
+            # few queries, or logits that fit one call: keep them for the significance update
             out_old, lse_old, logits = paged_attention_ref(q_pages.float(), kv, st.q_pos, scaling,
                                                            return_logits=True, live_slots=True)
         else:

@@ -40,7 +40,7 @@ tests through the cache).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,10 +54,9 @@ from .quant import META_DTYPE, codes_per_byte
 # SmolLM2 tokens, docs/measurements.md), and as accurate.
 DECODE_ROWS = 64
 # Bytes of fp32 scores (query rows x live slots) one compiled call may hold when a step has more
-# than DECODE_ROWS rows and keeps no logits: a longer step is cut into query chunks that fit (every
-# chunk reads the live pages again, as each query chunk of the padded tiles does). A long step under
-# a significance policy keeps its logits, for the significance, only where they fit this too
-# (keeps_step_logits); a longer one takes the chunked second pass over the keys instead.
+# than DECODE_ROWS rows: a longer step is cut into query chunks that fit (every chunk reads the live
+# pages again, as each query chunk of the padded tiles does). A long step under a significance
+# policy keeps each chunk's logits, for the significance, within this too (step_logits_queries).
 LIVE_SCORE_BYTES = 64 * 2**20
 # Tokens whose codes are converted to fp32 at once: about 1 MB per side at head_dim 64, which
 # stays in a core's L2 between the conversion and the matmul that reads it.
@@ -238,6 +237,14 @@ class LiveSlots:
             raise ValueError("LiveSlots.received needs row_weight: pass the slots through received_from_logits")
         # Few rows per page: a broadcast multiply and a row sum beat a batched matmul of [1, R] x [R, T].
         return (self.probs * self.row_weight.index_select(0, self.head).unsqueeze(-1)).sum(1)
+
+    def holding(self, received: torch.Tensor) -> LiveSlots:
+        """These slots with a received mass ``[L, T]`` already summed (over a long step's query
+        chunks, each of which had its own numerators): one row of weight 1, which ``received`` and
+        the compiled score update read as they read any other."""
+        bh = self.shift.shape[0]
+        return replace(self, probs=received.unsqueeze(1), shift=received.new_zeros((bh, 1)),
+                       row_weight=received.new_ones((bh, 1)))
 
 
 def tier_page_maxima(kv) -> list[int]:
@@ -474,16 +481,18 @@ def _live_attention_native(k: native.Kernels, q: torch.Tensor, qs: torch.Tensor,
     return out, lse, _live_slots(tiers, scores, slots, shift)
 
 
-def keeps_step_logits(kv, queries: int, group: int, device) -> bool:
-    """Whether a step of ``queries`` queries per sequence (``group`` query heads per KV head) runs
-    on the compiled kernels in one call whose live-slot logits fit :data:`LIVE_SCORE_BYTES`: then
-    its significance comes from those logits (:func:`leankit.attention.received_from_logits`)
-    with no second pass over the keys (one host read of the page counts)."""
+def step_logits_queries(kv, group: int, device) -> int:
+    """Queries per sequence a compiled :func:`live_page_attention` call of a long step may take
+    with its live-slot logits kept (:func:`queries_per_call`: they fit :data:`LIVE_SCORE_BYTES`),
+    so that the stored tokens' significance comes from them
+    (:func:`leankit.attention.received_from_logits`) with no second pass over the keys; a step of
+    more queries goes in chunks of this many. 0 where the compiled kernels do not serve the
+    layer's pages. One host read of the page counts."""
     if native.kernels_for(device) is None:
-        return False
+        return 0
     maxima = tier_page_maxima(kv)
-    return (supports(kv.layouts, group * queries, [m > 0 for m in maxima], compiled=True)
-            and queries <= queries_per_call(kv, maxima, group))
+    per_call = queries_per_call(kv, maxima, group)
+    return per_call if supports(kv.layouts, group * per_call, [m > 0 for m in maxima], compiled=True) else 0
 
 
 def serves_decode_step(kv, rows: int, device) -> bool:

@@ -153,3 +153,32 @@ def test_merged_step_equals_step_attention_then_merge(seed, b, hq, hkv, q, f):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
     assert bool(torch.isfinite(got).all()) and bool(torch.isfinite(got_lse).all())
+
+
+@pytest.mark.parametrize("seed, with_mask", [(4, False), (5, True), (6, False)])
+def test_a_query_chunk_gives_its_rows_and_its_share_of_what_the_keys_received(seed, with_mask):
+    """``first``: the step's queries cut into chunks (each over all the step's keys, with its rows'
+    log-sum-exp over older keys) give the whole step's rows, and the chunks' received masses add
+    up to the whole step's."""
+    q, k, v, pos, real = _case(seed)
+    gen = torch.Generator().manual_seed(seed)
+    b, hq, nq, _ = q.shape
+    hkv, g = k.shape[1], hq // k.shape[1]
+    lse_other = torch.randn(b, hkv, g * nq, generator=gen)
+    own = None
+    if with_mask:  # a mask that is not causal: random visibility, each query sees itself
+        own = (torch.rand(b, nq, nq, generator=gen) > 0.4) | torch.eye(nq, dtype=torch.bool)
+    out, lse, recv = step_attention(q, k, v, pos, real, 0.3, lse_other=lse_other, received=True, own_mask=own)
+    cuts = sorted(torch.randperm(nq - 1, generator=gen)[:3].add(1).tolist())
+    outs, lses, total = [], [], torch.zeros_like(recv)
+    for q0, q1 in zip([0, *cuts], [*cuts, nq]):
+        other = lse_other.view(b, hkv, g, nq)[..., q0:q1].reshape(b, hkv, -1)
+        o, l_c, r = step_attention(q[:, :, q0:q1], k, v, pos, real, 0.3, lse_other=other, received=True,
+                                   own_mask=own, first=q0)
+        assert o.shape == (b, q1 - q0, hq, q.shape[-1]) and r.shape == recv.shape
+        outs.append(o)
+        lses.append(l_c.view(b, hkv, g, -1))
+        total += r
+    torch.testing.assert_close(torch.cat(outs, 1), out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat(lses, 3).flatten(2), lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(total, recv, rtol=1e-5, atol=1e-7)

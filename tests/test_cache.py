@@ -950,13 +950,16 @@ def test_is_initialized_says_whether_the_cache_holds_state():
     assert cache.is_initialized is False
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("spec", ["K8V4-K4V2:th=0.3,tl=0.05", "K8V4:policy=h2o,budget=0.5",
                                   "K8V4-K4V2:th=0.25,tl=0,group_size=8,rotate=1"])
-def test_a_long_step_takes_its_significance_from_the_compiled_kernels_logits(spec, monkeypatch):
-    """A step of more queries than LOGITS_QUERY_LIMIT after a prompt (a second turn's prompt) whose
-    live-slot logits fit the compiled kernels' score budget takes the stored tokens' significance
-    from those logits, with no second pass over the keys: the stored scores are the second pass's
-    to their fp16 storage's rounding, and the step's logits equal to fp32 rounding."""
+def test_a_long_step_takes_its_significance_from_the_compiled_kernels_logits(spec, chunked, monkeypatch):
+    """A step of more queries than LOGITS_QUERY_LIMIT after a prompt (a second turn's prompt) takes
+    the stored tokens' significance from the compiled kernels' live-slot logits, with no second
+    pass over the keys: in one call where they fit the score budget, else (``chunked``, a budget
+    of a few queries) in query chunks that do, each merged with the step's own tokens. The stored
+    scores are the second pass's to their fp16 storage's rounding, the step's logits equal to
+    fp32 rounding."""
     import leankit.cache
     import leankit.native
     from leankit import decode_attention
@@ -974,17 +977,31 @@ def test_a_long_step_takes_its_significance_from_the_compiled_kernels_logits(spe
     for from_logits in (True, False):
         with monkeypatch.context() as m:
             if not from_logits:
-                m.setattr(decode_attention, "keeps_step_logits", lambda *a: False)
+                m.setattr(decode_attention, "step_logits_queries", lambda *a: 0)
+            elif chunked:  # room for the scores of 5 to 20 queries per call
+                per_call = int(torch.randint(5, 21, (), generator=gen))
+                slots = 2 * model.config.num_key_value_heads * first.shape[1]
+                group = model.config.num_attention_heads // model.config.num_key_value_heads
+                m.setattr(decode_attention, "LIVE_SCORE_BYTES", 4 * group * slots * per_call)
             passes, real = [], leankit.cache.received_attention_ref
             m.setattr(leankit.cache, "received_attention_ref",
                       lambda *a, _passes=passes, _real=real, **k: _passes.append(1) or _real(*a, **k))
+            calls, live = [], decode_attention.live_page_attention
+            m.setattr(decode_attention, "live_page_attention",
+                      lambda q, *a, _calls=calls, _live=live, **k: _calls.append(q.shape[2]) or _live(q, *a, **k))
             cache = LeanCache(model, spec)
             with torch.no_grad():
                 model(input_ids=first, **cache_kwargs(model, cache), use_cache=True)
                 logits = model(input_ids=second, **cache_kwargs(model, cache), use_cache=True).logits
             scores = [read_tier_meta(cache, t, layers).score.float() for t in range(len(cache.layouts))]
-            runs[from_logits] = (logits, scores, len(passes))
+            runs[from_logits] = (logits, scores, len(passes), calls)
     assert runs[True][2] == 0 and runs[False][2] == len(layers)  # the second pass, once a layer, only without
+    with_logits = runs[True][3]
+    if chunked:  # every layer's step in query chunks, each a call of its own
+        assert len(with_logits) > len(layers) and sum(with_logits) == n2 * len(layers)
+        assert max(with_logits) < n2
+    else:
+        assert with_logits == [n2] * len(layers)
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(runs[True][1], runs[False][1], strict=True):
         torch.testing.assert_close(a, b, rtol=2 ** -10, atol=1e-6)  # fp16 scores: one unit in the last place

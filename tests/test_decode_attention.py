@@ -139,6 +139,42 @@ def test_a_long_step_runs_on_the_compiled_kernels_in_query_chunks_that_fit(spec,
     testing.assert_all_close_normwise(logits, ref_logits, torch.float32, f"logits (seed {seed})")
 
 
+@pytest.mark.skipif(native.kernels() is None, reason="no C compiler for leankit.native")
+@pytest.mark.parametrize("spec,gs,dtype", [("K8V4-K4V2", 32, torch.float32), ("K8V4", None, torch.float32),
+                                           ("FP16", None, torch.bfloat16)])
+def test_a_long_step_in_query_chunks_gives_one_calls_output_and_received_mass(spec, gs, dtype):
+    """:func:`leankit.attention.long_step_attention`: a long step cut into query chunks, each
+    attending to the stored pages (its numerators kept) and to the step's own tokens, gives the
+    output, log-sum-exp and received mass (stored slots and new tokens) of one whole call merged
+    with the whole step's own attention (whose mass is the padded path's:
+    ``test_live_slots_give_the_padded_received_mass``)."""
+    from leankit.attention import long_step_attention, merge_attention, received_from_logits, step_attention
+
+    gen, seed = testing.fresh_generator()
+    nq, hkv, g = int(torch.randint(20, 60, (), generator=gen)), 2, 3
+    fc, q, q_pos = testing.attention_case(gen, spec, [int(torch.randint(50, 200, (), generator=gen)), 31], hkv, g,
+                                          nq, dtype=dtype, group_size=gs, fill=0xFF, low_frac=0.6)
+    kv = fc.kv
+    kv.workspace = Workspace()
+    b, f = q.shape[0], q.shape[-1]
+    k_new = torch.randn(b, hkv, nq, f, generator=gen).to(dtype)
+    v_new = torch.randn(b, hkv, nq, f, generator=gen).to(dtype)
+    real = torch.ones(b, nq, dtype=torch.bool)
+    real[1, : int(torch.randint(1, nq // 2, (), generator=gen))] = False  # left padding in the step
+    out_old, lse_old, live = decode_attention.live_page_attention(q.float(), kv, q_pos, 0.125, True, live_slots=True)
+    out_new, lse_new, want_new = step_attention(q, k_new, v_new, q_pos, real, 0.125, lse_other=lse_old, received=True)
+    want_out, want_lse = merge_attention(out_old, lse_old, out_new, lse_new)
+    want_old = [t.received.clone() for t in received_from_logits(live, want_lse, g, real)]
+    per_call = int(torch.randint(1, nq // 2, (), generator=gen))
+    out, lse, got_old, got_new = long_step_attention(q, q, k_new, v_new, kv, q_pos, real, 0.125, per_call)
+    testing.assert_close_normwise(out, want_out, torch.float32, f"out (seed {seed})")
+    testing.assert_close_normwise(lse, want_lse, torch.float32, f"lse (seed {seed})")
+    testing.assert_close_normwise(got_new, want_new, torch.float32, f"received by new tokens (seed {seed})")
+    for tier, (t, w) in enumerate(zip(got_old, want_old, strict=True)):
+        assert torch.equal(t.page_ids, live[tier].page_ids) and t.probs.shape[1] == 1
+        testing.assert_close_normwise(t.received, w, torch.float32, f"received, tier {tier} (seed {seed})")
+
+
 @pytest.mark.parametrize("spec,gs,rows,expected", [("K8V4-K4V2", None, 3, True), ("K8V4", 32, 64, True),
                                                     ("K8V4", 32, 65, False), ("K8V4-K4V2", 32, 4099, False),
                                                     ("K8V4", None, 1, False),
