@@ -249,6 +249,14 @@ def _grouped_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.reshape(b, num_kv_heads, g * nq, f)
 
 
+def _join_query_chunks(outs: list[torch.Tensor], lses: list[torch.Tensor], group: int):
+    """The step's ``(out [B, Q, Hq, F], lse [B, Hkv, G*Q])`` from those of its consecutive query
+    chunks (``[B, Qc, Hq, F]`` and ``[B, Hkv, G*Qc]``): rows are independent, outputs join along
+    the queries, and each ``lse``'s rows, ordered (query head ``g``, query ``q``), join along ``q``."""
+    lse = torch.cat([x.unflatten(2, (group, -1)) for x in lses], 3).flatten(2)
+    return torch.cat(outs, 1), lse
+
+
 def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float,
                         chunk_pages: int | None = None, query_chunk: int = 512, return_logits: bool = False,
                         live_slots: bool = False):
@@ -291,8 +299,7 @@ def paged_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale
             parts = [decode_attention.live_page_attention(q[:, :, q0: q0 + per_call], kv,
                                                           q_pos[:, q0: q0 + per_call], scale, False, maxima)
                      for q0 in range(0, nq, per_call)]
-            lse = torch.cat([p[1].unflatten(2, (g, -1)) for p in parts], 3).flatten(2)  # rows (g, q)
-            return torch.cat([p[0] for p in parts], 1), lse
+            return _join_query_chunks([p[0] for p in parts], [p[1] for p in parts], g)
     outs, lses = [], []
     logits = [] if return_logits else None  # per query chunk: one [B, Hkv, G, Qc, N_t] per tier
     for q0 in range(0, nq, query_chunk):
@@ -408,11 +415,11 @@ def long_step_attention(q_pages: torch.Tensor, query: torch.Tensor, k_new: torch
         summed = got_old if summed is None else [a.add_(c) for a, c in zip(summed, got_old, strict=True)]
         received_new = got_new if received_new is None else received_new.add_(got_new)
         outs.append(out)
-        lses.append(lse.unflatten(2, (g, -1)))  # rows (g, q): chunks join along q
+        lses.append(lse)
     # Every chunk listed the same live pages (the table, not the queries, decides them), so the
     # last chunk's slots describe the sums.
     received_old = [t.holding(r) for t, r in zip(live, summed, strict=True)]
-    return torch.cat(outs, 1), torch.cat(lses, 3).flatten(2), received_old, received_new
+    return *_join_query_chunks(outs, lses, g), received_old, received_new
 
 
 def received_attention_ref(q: torch.Tensor, kv: PagedKV, q_pos: torch.Tensor, scale: float, lse: torch.Tensor,
