@@ -164,6 +164,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=None, help="layers to time (default: first, middle, last)")
     ap.add_argument("--cold", action="store_true", help="evict the caches before every call")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, default=None,
+                    help="query rows per KV head (default: the model's group; a step of n queries has n x group)")
     ap.add_argument("--against", metavar="REV", help="also build the C sources of git revision REV and time both "
                     "builds call by call on the same pages (this tree's sources are 'new'; REV's entry points must "
                     "take the same arguments)")
@@ -185,10 +187,12 @@ def main(argv=None) -> None:
     n_layers = cfg.num_hidden_layers
     layers = args.layers or sorted({0, n_layers // 2, n_layers - 1})
     group, head_dim = cfg.num_attention_heads // attention_kv_heads(cfg), attention_head_dim(cfg)
+    group = args.rows or group
     evict = torch.zeros(64 << 20) if args.cold else torch.zeros(1)
     gen = torch.Generator().manual_seed(0)
     state_name = "cold" if args.cold else "hot"
-    print(f"{args.kv}, batch {args.batch}, context {args.context}, {state_name} caches, {args.threads} thread(s)")
+    print(f"{args.kv}, batch {args.batch}, context {args.context}, {group} query rows per KV head, {state_name} "
+          f"caches, {args.threads} thread(s)")
     if args.against:
         with tempfile.TemporaryDirectory() as tmp:
             old = native.build_from(sources_at(args.against, Path(tmp)))

@@ -213,6 +213,36 @@ def test_pages_longer_than_a_token_block(build, bits, dim, group_size, rows, tok
     _check_values(build, bits, dim, group_size, rows, tokens)
 
 
+# Pass 2 takes each page a block of tokens at a time, several rows together, from 2 query rows on
+# (value_page_rows in live_attention.c), and a token at a time for one row: the shapes cover
+# quantized sides with and without whole vectors of columns, 2-bit sides (the AVX2 build's held
+# sums at 1 row), dense sides, and pages of one block and of several.
+@pytest.mark.parametrize("rows", [2, 3, 5, 40])
+@pytest.mark.parametrize("bits,dim,group_size,tokens", [(4, 64, 32, 37), (2, 64, 32, 9), (8, 40, 8, 37),
+                                                         (2, 128, 64, 70), (32, 64, 64, 17), (16, 72, 72, 37),
+                                                         (8, 256, 32, 40)], ids=lambda v: str(v))
+def test_many_rows_give_each_row_what_it_gets_alone_bit_for_bit(build, bits, dim, group_size, tokens, rows):
+    """A long step's chunk of queries (many rows per head) and a decode step (one row) add the
+    same products in the same token order, so every row's numerators, sum and weighted values
+    from one call over all rows equal, to the bit, that row's own one-row call."""
+    gen, seed = testing.fresh_generator()
+    n_heads = 4
+    pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="v")
+    n = pages.page_id.numel()
+    visible, _, _ = _visible(pages, lens, q_pos)
+    scores = (3 * torch.randn(n, rows, tokens, generator=gen)).masked_fill(~visible, float("-inf"))
+    shift = torch.randn(n_heads, rows, generator=gen).abs() + 3.0
+    acc0 = torch.randn(n_heads, rows, dim, generator=gen)
+    p, l_sum, acc = scores.clone(), torch.zeros(n_heads, rows), acc0.clone()
+    build.live_values(pages, p, shift, bits, group_size, l_sum, acc)
+    for r in range(rows):
+        p_r, l_r, acc_r = scores[:, r:r + 1].clone(), torch.zeros(n_heads, 1), acc0[:, r:r + 1].clone()
+        build.live_values(pages, p_r, shift[:, r:r + 1].contiguous(), bits, group_size, l_r, acc_r)
+        assert torch.equal(p[:, r:r + 1], p_r), f"row {r}: numerators (seed {seed})"
+        assert torch.equal(l_sum[:, r:r + 1], l_r), f"row {r}: sums (seed {seed})"
+        assert torch.equal(acc[:, r:r + 1], acc_r), f"row {r}: weighted values (seed {seed})"
+
+
 @pytest.mark.parametrize("dim,bits,group_size", SPECIALIZED, ids=lambda v: str(v))
 def test_common_geometries_run_their_compiled_copies_and_match(build, dim, bits, group_size):
     """Every head_dim / bit width / group size that has its own compiled copy of the page loops

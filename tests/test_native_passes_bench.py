@@ -89,3 +89,28 @@ def test_sources_at_a_revision_and_a_clear_error_for_none(bench, tmp_path):
         bench.sources_at("no-such-revision", tmp_path)
     with pytest.raises(ValueError, match="no C sources"):
         native.build_from(tmp_path / "empty")
+
+
+def test_native_ab_times_both_builds_end_to_end_and_restores_the_kernels(bench_script, tmp_path):
+    """bench/native_ab.py on a tiny model: a build of a copy of the sources gives the same logits
+    as this build (no difference at all), both get a time, and the kernels leankit serves are its
+    own again afterwards."""
+    import shutil
+
+    kernels = native.kernels()
+    if kernels is None:
+        pytest.skip("no C compiler for leankit.native")
+    ab = bench_script("native_ab")
+    for f in list(native.SOURCE_DIR.glob("*.[ch]")):
+        shutil.copy(f, tmp_path / f.name)
+    builds = {"new": kernels, "old": native.build_from(tmp_path)}
+    model = testing.tiny_model("llama-gqa")
+    served = native.kernels_for
+    row = ab.turn(model, builds, "K8V4-K4V2:th=0.25,tl=0,group_size=8", batch=2, context=40, new=30, repeat=1)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "turn" and float(cells[5]) > 0 and float(cells[8]) == 0
+    ids, mask = testing.left_padded_batch(rows=3, width=29)
+    row = ab.decode_steps(model, builds, "K8V4", ids, mask, steps=2)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == "decode" and float(cells[5]) > 0
+    assert native.kernels_for is served

@@ -29,7 +29,8 @@
  * context, one thread; see leankit/bench): pages lie anywhere in the pool, so each pass prefetches
  * the next page's segments while it computes this one (the misses were about half the time);
  * codes unpack into plane order (below) so every unpack loop vectorizes; pass 1 dequantizes a block
- * of keys before it dots the query rows with them (score_page); and the common geometries get
+ * of keys before it dots the query rows with them (score_page), and pass 2, from two query rows on,
+ * a block of values before the rows add them (value_page_rows); and the common geometries get
  * copies of the page loops with head_dim, bits and group size fixed at compile time. Where the
  * build targets AVX-512 or AVX2, a few loops the compiler left slow are written in vector
  * intrinsics, each beside the plain C it replaces on other CPUs: the key block's dot products
@@ -658,6 +659,130 @@ ALWAYS_INLINE void value_page_held(const struct tier_pages *restrict tp, int D, 
 }
 #endif /* LANES == 8 */
 
+/* RB query rows' weighted values over a block of n dequantized tokens x_j (xs[j], slot live[j]):
+ * for each row r, sum[c] = fmaf(p, x_j[c], sum[c]) for j = 0..n-1 in order, p = pl[r * tokens +
+ * live[j]], sum = ah + r * D. A row whose p is 0 adds 0 * x, a zero (x is finite: only weighed
+ * slots are listed), which leaves its sum as the token-at-a-time loop's skip does (sums start at +0
+ * and so never become -0), so the bits match that loop's. With vector lanes the sums stay in
+ * registers across the block, RB rows of VALUE_CHUNK vectors at a time: one FMA chain per row and
+ * token would wait on the FMA's latency, so the RB x VALUE_CHUNK independent sums are what keeps
+ * the FMA units busy. */
+#if defined(LANES) && LANES == 16
+#define VALUE_CHUNK 4
+#define VALUE_ROWS 4 /* 16 sums, 4 value vectors and the broadcasts: 21 of 32 registers */
+#else /* AVX2; a build without vector lanes adds one row at a time whatever RB is */
+#define VALUE_CHUNK 4
+#define VALUE_ROWS 2 /* 8 sums, 4 value vectors and the broadcasts: 13 of 16 registers */
+#endif
+ALWAYS_INLINE void rows_block_values(float *restrict ah, const float *restrict pl, int tokens, int RB,
+                                     const int *restrict live, const float *const *restrict xs, int n, int D) {
+#ifdef LANES
+    if (D % LANES == 0) {
+        for (int c0 = 0; c0 < D; c0 += VALUE_CHUNK * LANES) {
+            const int nv = (D - c0) / LANES < VALUE_CHUNK ? (D - c0) / LANES : VALUE_CHUNK;
+            lanes_f sum[VALUE_ROWS][VALUE_CHUNK];
+            for (int r = 0; r < RB; ++r)
+                for (int v = 0; v < nv; ++v) sum[r][v] = lanes_loadu_ps(ah + (size_t)r * D + c0 + v * LANES);
+            for (int j = 0; j < n; ++j) {
+                const float *restrict x = xs[j] + c0;
+                lanes_f xv[VALUE_CHUNK];
+                for (int v = 0; v < nv; ++v) xv[v] = lanes_loadu_ps(x + v * LANES);
+                for (int r = 0; r < RB; ++r) {
+                    const lanes_f vp = lanes_set1_ps(pl[(size_t)r * tokens + live[j]]);
+                    for (int v = 0; v < nv; ++v) sum[r][v] = lanes_fmadd_ps(vp, xv[v], sum[r][v]);
+                }
+            }
+            for (int r = 0; r < RB; ++r)
+                for (int v = 0; v < nv; ++v) lanes_storeu_ps(ah + (size_t)r * D + c0 + v * LANES, sum[r][v]);
+        }
+        return;
+    }
+#endif
+    for (int r = 0; r < RB; ++r) {
+        float *restrict ar = ah + (size_t)r * D;
+        for (int j = 0; j < n; ++j) {
+            const float p = pl[(size_t)r * tokens + live[j]];
+            if (p == 0.0f) continue;
+            const float *restrict x = xs[j];
+            for (int c = 0; c < D; ++c) ar[c] = fmaf(p, x[c], ar[c]);
+        }
+    }
+}
+
+/* Tokens value_page_rows dequantizes at most before the rows add them: 32 at head_dim 64, fewer
+ * where a head's tokens are wider, so the block stays at 8 KB, in the L1 cache, and a decode step's
+ * few rows keep their scratch on the stack (STACK_FLOATS). */
+#define VALUE_BLOCK 32
+#define VALUE_BLOCK_FLOATS 2048
+ALWAYS_INLINE int value_block_tokens(int D) {
+    return VALUE_BLOCK_FLOATS / D < VALUE_BLOCK ? (VALUE_BLOCK_FLOATS / D > 0 ? VALUE_BLOCK_FLOATS / D : 1)
+                                                 : VALUE_BLOCK;
+}
+
+/* Pass 2 over one page for many query rows (a long step's chunk of queries times the group): the
+ * token-at-a-time loop below sweeps every row's sums once per token, and at hundreds of rows those
+ * ([rows, D] floats, 96 KB at 384 x 64) no longer fit the L1 cache, so each token's update ran at
+ * L2 speed. Here the page's tokens are cut into blocks of about equal size (at most
+ * value_block_tokens), each block's live tokens dequantized first (value: that many x D floats),
+ * then the rows add the whole block with their sums held (rows_block_values): one sweep of the sums
+ * per block, not per token. Every sum sees the same operations in the same token order as the
+ * token-at-a-time loop. */
+ALWAYS_INLINE void value_page_rows(const struct tier_pages *restrict tp, int D, int B, int G,
+                                   const uint8_t *restrict page, const float *restrict pl, float *restrict ah,
+                                   float *restrict value) {
+    const int tokens = tp->tokens, rows = tp->rows, nb = lk_row_bytes(D, B), mb = meta_bytes(D, B, G);
+    if (tokens <= 0) return;
+    const int most = value_block_tokens(D), blocks = (tokens + most - 1) / most, size = (tokens + blocks - 1) / blocks;
+    int live[VALUE_BLOCK];
+    unsigned char weighed[VALUE_BLOCK];
+    const float *xs[VALUE_BLOCK];
+    for (int t0 = 0; t0 < tokens; t0 += size) {
+        const int span = tokens - t0 < size ? tokens - t0 : size;
+        /* which tokens some row weighs, rows outer so the inner loop runs over consecutive slots */
+        memset(weighed, 0, sizeof weighed);
+        for (int r = 0; r < rows; ++r) {
+            const float *restrict pr = pl + (size_t)r * tokens + t0;
+            for (int j = 0; j < span; ++j) weighed[j] |= pr[j] != 0.0f;
+        }
+        int n = 0;
+        for (int j = 0; j < span; ++j) {
+            if (!weighed[j]) continue; /* dead, after every query, or underflowed: adds nothing */
+            const int64_t t = t0 + j;
+            if (B == LK_DENSE_F32) { /* fp32 values are read in place, not copied */
+                xs[n] = (const float *)(page + tp->data_off + t * nb);
+            } else {
+                dequantize_token(page + tp->data_off + t * nb, page + tp->meta_off + t * mb, D, B, G,
+                                 value + (size_t)n * D);
+                xs[n] = value + (size_t)n * D;
+            }
+            live[n++] = (int)t;
+        }
+        if (n == 0) continue;
+        int r = 0;
+        for (; r + VALUE_ROWS <= rows; r += VALUE_ROWS)
+            rows_block_values(ah + (size_t)r * D, pl + (size_t)r * tokens, tokens, VALUE_ROWS, live, xs, n, D);
+        float *restrict rest = ah + (size_t)r * D;
+        const float *restrict rest_p = pl + (size_t)r * tokens;
+        switch (rows - r) { /* the last rows together too, with a constant count (3 query heads a group are common) */
+        case 0: break;
+        case 1: rows_block_values(rest, rest_p, tokens, 1, live, xs, n, D); break;
+#if VALUE_ROWS > 2
+        case 2: rows_block_values(rest, rest_p, tokens, 2, live, xs, n, D); break;
+        case 3: rows_block_values(rest, rest_p, tokens, 3, live, xs, n, D); break;
+#endif
+        default: /* not reached: fewer than VALUE_ROWS rows are left */
+            for (; r < rows; ++r)
+                rows_block_values(ah + (size_t)r * D, pl + (size_t)r * tokens, tokens, 1, live, xs, n, D);
+        }
+    }
+}
+
+/* Query rows from which pass 2 takes value_page_rows (bench/native_passes.py --rows N --against REV,
+ * docs/measurements.md): from 2 rows it was faster on every config measured, on AVX-512 and AVX2
+ * builds (where 2-bit values with up to 3 rows keep value_page_held, faster still); at 1 row the two
+ * loops are within noise, so it keeps the token-at-a-time loop. */
+#define VALUE_ROWS_MIN 2
+
 /* Pass 2 over one page's live tokens: acc[r] += p[r, t] * value(t) for the slots some row weighs. */
 ALWAYS_INLINE void value_page(const struct tier_pages *restrict tp, int D, int B, int G, const uint8_t *restrict page,
                               const float *restrict pl, float *restrict ah, float *restrict value, int fixed) {
@@ -673,6 +798,10 @@ ALWAYS_INLINE void value_page(const struct tier_pages *restrict tp, int D, int B
         }
     }
 #endif
+    if (rows >= VALUE_ROWS_MIN) {
+        value_page_rows(tp, D, B, G, page, pl, ah, value);
+        return;
+    }
     for (int t = 0; t < tokens; ++t) {
         int any = 0;
         for (int r = 0; r < rows; ++r) any |= pl[r * tokens + t] != 0.0f;
@@ -850,13 +979,15 @@ int lk_live_values(const uint8_t *restrict pool, int64_t page_bytes, int64_t poo
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float stack[STACK_FLOATS];
-        /* Per thread, one dequantized value and the current head's value sums in plane order. */
-        const size_t need = (size_t)dim * (1 + (size_t)rows);
+        /* Per thread, the dequantized values (one token, or a block of them for many rows:
+         * value_page_rows) and the current head's value sums in plane order. */
+        const size_t value_floats = (size_t)dim * (rows >= VALUE_ROWS_MIN ? value_block_tokens(dim) : 1);
+        const size_t need = value_floats + (size_t)dim * rows;
         float *restrict value = need <= STACK_FLOATS ? stack : malloc(sizeof(float) * need);
         const int tid = THREAD_ID, nth = THREAD_COUNT;
         const int64_t l0 = run_start(head, n_pages, tid, nth), l1 = run_start(head, n_pages, tid + 1, nth);
         failed = value == NULL;
-        float *restrict sums = failed ? NULL : value + dim;
+        float *restrict sums = failed ? NULL : value + value_floats;
         if (sums) memset(sums, 0, sizeof(float) * (size_t)rows * dim);
         int64_t prev = -1;
         for (int64_t l = failed ? l1 : l0; l < l1; ++l) {
