@@ -213,6 +213,16 @@ def test_pages_longer_than_a_token_block(build, bits, dim, group_size, rows, tok
     _check_values(build, bits, dim, group_size, rows, tokens)
 
 
+# Pass 1 from 32 query rows on dots a transposed block of keys with many rows at once (score_page's
+# rows_key_dots in live_attention.c), the last rows and blocks of few keys as before: row counts with
+# and without such a remainder, pages of one block, of a block and a part, and of a few keys.
+@pytest.mark.parametrize("rows", [32, 45, 70])
+@pytest.mark.parametrize("bits,dim,group_size,tokens", [(4, 64, 32, 37), (2, 72, 24, 16), (8, 128, 64, 21),
+                                                         (32, 64, 64, 37), (17, 40, 40, 5)], ids=lambda v: str(v))
+def test_many_rows_score_as_the_dequantized_dot_products(build, bits, dim, group_size, tokens, rows):
+    _check_scores(build, bits, dim, group_size, rows, tokens)
+
+
 # Pass 2 takes each page a block of tokens at a time, several rows together, from 2 query rows on
 # (value_page_rows in live_attention.c), and a token at a time for one row: the shapes cover
 # quantized sides with and without whole vectors of columns, 2-bit sides (the AVX2 build's held
