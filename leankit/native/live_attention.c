@@ -540,8 +540,8 @@ ALWAYS_INLINE float mask_row(float *restrict o, const uint8_t *restrict pos_seg,
 
 #ifdef LANES
 /* Pass 1 for many query rows (a long step's chunk of queries times the group). block_dot's cost per
- * row and key is its share of the transposing tree and of the key loads, paid again by every row; at
- * hundreds of rows the block is instead transposed once (key_columns) and each row's scores come out
+ * row and key is its share of the transposing tree and of the key loads, paid again by every row;
+ * with many rows the block is instead transposed once (key_columns) and each row's scores come out
  * of plain FMAs: column c of the block is a vector of TOKEN_BLOCK keys' values, times q[c]
  * broadcast, summed over c. SCORE_ROWS rows at a time give that many independent sums, which
  * keeps the FMA units busy where one row's chain of head_dim dependent FMAs would wait on their
