@@ -35,11 +35,11 @@ from leankit.bench.step import decode, prefill
 from leankit.bench.text import corpus_ids, left_padded, pad_id, step_batch
 from leankit.cache import LeanCache
 from leankit.config import KVConfig
-from leankit.hf import cache_kwargs
 from leankit.models import load_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from native_passes import sources_at
+from turn_step import _turn
 
 NEUTRAL = "K8V4-K4V2:th=0.25,tl=0,group_size=32,rotate=1"
 
@@ -53,16 +53,6 @@ def serving(build):
         yield
     finally:
         native.kernels_for = before
-
-
-def _turn(model, make_cache, first, second) -> tuple[float, torch.Tensor]:
-    """Prefill ``first`` into a fresh cache (not timed); the time and logits of ``second``'s forward."""
-    cache = make_cache()
-    with torch.no_grad():
-        model(input_ids=first, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-        t0 = time.perf_counter()
-        out = model(input_ids=second, **cache_kwargs(model, cache), use_cache=True)
-        return time.perf_counter() - t0, out.logits
 
 
 def turn(model, builds: dict, kv: str, batch: int, context: int, new: int, repeat: int) -> str:

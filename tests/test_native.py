@@ -171,14 +171,20 @@ def _check_scores(k, bits, dim, group_size, rows, tokens=7):
     assert torch.equal(score_out, stored)
 
 
+def _values_case(gen, bits, dim, group_size, rows, n_heads, tokens):
+    """Pass 2's inputs over a :func:`_pool_case` of values: ``(pages, visible, live, scores, shift)``,
+    scores ``[L, R, T]`` with ``-inf`` where a slot is not visible and each row's shift above its scores."""
+    pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="v")
+    visible, live, _ = _visible(pages, lens, q_pos)
+    scores = (3 * torch.randn(pages.page_id.numel(), rows, tokens, generator=gen)).masked_fill(~visible, float("-inf"))
+    shift = torch.randn(n_heads, rows, generator=gen).abs() + 3.0
+    return pages, visible, live, scores, shift
+
+
 def _check_values(k, bits, dim, group_size, rows, tokens=9):
     gen, seed = testing.fresh_generator()
     n_heads = 4
-    pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="v")
-    n = pages.page_id.numel()
-    visible, live, _ = _visible(pages, lens, q_pos)
-    scores = (3 * torch.randn(n, rows, tokens, generator=gen)).masked_fill(~visible, float("-inf"))
-    shift = torch.randn(n_heads, rows, generator=gen).abs() + 3.0
+    pages, visible, live, scores, shift = _values_case(gen, bits, dim, group_size, rows, n_heads, tokens)
     l0, acc0 = torch.rand(n_heads, rows, generator=gen), torch.randn(n_heads, rows, dim, generator=gen)
     p, l_sum, acc = scores.clone(), l0.clone(), acc0.clone()
     k.live_values(pages, p, shift, bits, group_size, l_sum, acc)
@@ -237,11 +243,7 @@ def test_many_rows_give_each_row_what_it_gets_alone_bit_for_bit(build, bits, dim
     from one call over all rows equal, to the bit, that row's own one-row call."""
     gen, seed = testing.fresh_generator()
     n_heads = 4
-    pages, lens, q_pos = _pool_case(gen, bits, dim, group_size, rows, n_heads, tokens, side="v")
-    n = pages.page_id.numel()
-    visible, _, _ = _visible(pages, lens, q_pos)
-    scores = (3 * torch.randn(n, rows, tokens, generator=gen)).masked_fill(~visible, float("-inf"))
-    shift = torch.randn(n_heads, rows, generator=gen).abs() + 3.0
+    pages, _, _, scores, shift = _values_case(gen, bits, dim, group_size, rows, n_heads, tokens)
     acc0 = torch.randn(n_heads, rows, dim, generator=gen)
     p, l_sum, acc = scores.clone(), torch.zeros(n_heads, rows), acc0.clone()
     build.live_values(pages, p, shift, bits, group_size, l_sum, acc)
