@@ -4,8 +4,8 @@
 users run on them: a new turn's forward (``--new`` tokens after ``--context`` stored ones, random
 tokens, as ``bench/turn_step.py``) or greedy decode steps after a real-text prompt (as ``leankit bench
 step``). Both builds serve the same model in the same process (``leankit.native.kernels_for`` is
-pointed at one or the other), and their outputs are compared first: a change that keeps the
-kernels' arithmetic gives equal logits.
+pointed at one or the other). A turn reports the largest difference between the two builds'
+logits: a change that keeps the kernels' arithmetic gives 0.
 
 * ``turn``: best of ``--repeat`` rounds, each timing a fresh cache's turn with the new build, the old
   one and ``DynamicCache`` in an order rotated each round;
