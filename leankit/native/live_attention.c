@@ -782,8 +782,8 @@ ALWAYS_INLINE void rows_block_values(float *restrict ah, const float *restrict p
 #define VALUE_BLOCK 32
 #define VALUE_BLOCK_FLOATS 2048
 ALWAYS_INLINE int value_block_tokens(int D) {
-    return VALUE_BLOCK_FLOATS / D < VALUE_BLOCK ? (VALUE_BLOCK_FLOATS / D > 0 ? VALUE_BLOCK_FLOATS / D : 1)
-                                                 : VALUE_BLOCK;
+    const int fit = VALUE_BLOCK_FLOATS / D;
+    return fit < 1 ? 1 : fit > VALUE_BLOCK ? VALUE_BLOCK : fit;
 }
 
 /* Pass 2 over one page for many query rows (a long step's chunk of queries times the group): the
@@ -830,16 +830,14 @@ ALWAYS_INLINE void value_page_rows(const struct tier_pages *restrict tp, int D, 
             rows_block_values(ah + (size_t)r * D, pl + (size_t)r * tokens, tokens, VALUE_ROWS, live, xs, n, D);
         float *restrict rest = ah + (size_t)r * D;
         const float *restrict rest_p = pl + (size_t)r * tokens;
-        switch (rows - r) { /* the last rows together too, with a constant count (3 query heads a group are common) */
-        case 0: break;
+        /* the last rows (fewer than VALUE_ROWS) together too, with a constant count (3 query heads a
+         * group are common) */
+        switch (rows - r) {
         case 1: rows_block_values(rest, rest_p, tokens, 1, live, xs, n, D); break;
 #if VALUE_ROWS > 2
         case 2: rows_block_values(rest, rest_p, tokens, 2, live, xs, n, D); break;
         case 3: rows_block_values(rest, rest_p, tokens, 3, live, xs, n, D); break;
 #endif
-        default: /* not reached: fewer than VALUE_ROWS rows are left */
-            for (; r < rows; ++r)
-                rows_block_values(ah + (size_t)r * D, pl + (size_t)r * tokens, tokens, 1, live, xs, n, D);
         }
     }
 }
