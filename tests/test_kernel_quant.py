@@ -289,11 +289,16 @@ def test_store_step_tokens_per_head_into_a_tier(spec, tier, dtype):
 
     gen, seed = fresh_generator()
     bsz, heads, nq, head_dim = 3, 2, 9, 32
-    _, pool, table, lens, real, k, v, q_pos = _step_case("K8V4", dtype, bsz, heads, nq, head_dim, gen)
-    lay = PageLayout.build(KVConfig.parse(spec), tier, head_dim, dtype)
+    _, _, _, _, real, k, v, q_pos = _step_case("K8V4", dtype, bsz, heads, nq, head_dim, gen)
+    cfg = KVConfig.parse(spec)
+    lay = PageLayout.build(cfg, tier, head_dim, dtype)
     lens = torch.randint(0, 2 * lay.tokens, (bsz, heads), generator=gen, dtype=torch.int32)
     cols = (int(lens.max()) + nq) // lay.tokens + 1
-    table = torch.randperm(pool.num_pages, generator=gen)[: bsz * heads * cols].to(torch.int32).reshape(bsz, heads, cols)
+    # this tier's own pool: its pages hold a different token count than _step_case's K8V4 pool was sized for
+    pages = bsz * heads * cols + 1
+    pool = PagePool(pages, cfg.page_size)
+    pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, generator=gen, dtype=torch.uint8))
+    table = torch.randperm(pages, generator=gen)[: bsz * heads * cols].to(torch.int32).reshape(bsz, heads, cols)
     take = real.unsqueeze(1) & (torch.rand(bsz, heads, nq, generator=gen) < 0.6)  # per head: some pruned
     rank = torch.cumsum(take.int(), -1) - 1
     score = torch.rand(bsz, heads, nq, generator=gen)
