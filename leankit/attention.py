@@ -584,12 +584,16 @@ def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, 
         bias = _step_bias(q_pos, k_real, g, first + q0, first + q1, own_mask)  # [B, 1, G*Qc, K]
         qc = qg[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f)
         s = torch.matmul(qc, kt).add_(bias)
-        lse_c = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*Qc]
-        p = torch.softmax(s, dim=-1)
-        o = torch.matmul(p, vf)
-        seen = torch.isfinite(lse_c)  # live rows always see their own token
-        o = torch.where(seen.unsqueeze(-1), o, torch.zeros_like(o))
-        lse_c = torch.where(seen, lse_c, torch.full_like(lse_c, float("-inf")))
+        # One sweep for the log-sum-exp and the softmax: e = exp(s - max) in place, Z its row sum,
+        # lse = max + log Z, and 1/Z folded into P v and the significance weights instead of a pass
+        # over P (logsumexp and softmax each took their own passes, with temporaries, on a CPU).
+        row_max = s.amax(-1)  # [B, Hkv, G*Qc]
+        seen = torch.isfinite(row_max)  # live rows always see their own token
+        e = s.sub_(torch.where(seen, row_max, 0.0).unsqueeze(-1)).exp_()  # masked keys: exactly 0
+        z = e.sum(-1)
+        lse_c = row_max + torch.log(z)  # -inf where the row sees nothing (z = 0)
+        inv_z = torch.where(seen, z.reciprocal(), 0.0)
+        o = torch.matmul(e, vf).mul_(inv_z.unsqueeze(-1))  # a row that sees nothing: 0
         out[:, :, :, q0:q1] = o.view(b, hkv, g, nqc, f)
         lse[:, :, :, q0:q1] = lse_c.view(b, hkv, g, nqc)
         if received:
@@ -599,7 +603,8 @@ def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, 
                 other = lse_other.view(b, hkv, g, nq)[..., q0:q1].reshape(b, hkv, g * nqc)
                 total = torch.logaddexp(other, lse_c)
                 w = w * torch.exp(lse_c - torch.where(torch.isfinite(total), total, lse_c))
-            recv += torch.matmul(w.unsqueeze(2), p).squeeze(2)
+            w = torch.where(seen, w * inv_z, 0.0)  # P = e / Z; a row that sees nothing gives nothing
+            recv += torch.matmul(w.unsqueeze(2), e).squeeze(2)
     out = out.reshape(b, hq, nq, f).transpose(1, 2)
     if recv is not None:
         recv /= g

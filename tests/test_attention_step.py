@@ -182,3 +182,26 @@ def test_a_query_chunk_gives_its_rows_and_its_share_of_what_the_keys_received(se
     torch.testing.assert_close(torch.cat(outs, 1), out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.cat(lses, 3).flatten(2), lse, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(total, recv, rtol=1e-5, atol=1e-7)
+
+
+def test_a_live_query_that_sees_no_key_gets_nothing_and_gives_nothing():
+    """A model mask can hide every key from a live query (its own token included): that row's
+    output is 0 and its log-sum-exp -inf, and the keys' received mass stays finite and equals the
+    mass from the other queries alone."""
+    q, k, v, pos, real = _case(8)
+    b, hq, nq, _ = q.shape
+    hkv = k.shape[1]
+    own = torch.ones(b, nq, nq, dtype=torch.bool).tril_()
+    own[0, 5] = False  # query 5 of row 0 sees nothing
+    lse_other = torch.full((b, hkv, hq // hkv * nq), float("-inf"))  # and no older key either
+    out, lse, recv = step_attention(q, k, v, pos, real, 0.3, lse_other=lse_other, received=True, own_mask=own)
+    assert bool((out[0, 5] == 0).all())
+    assert bool(torch.isneginf(lse.view(b, hkv, -1, nq)[0, :, :, 5]).all())
+    assert bool(torch.isfinite(recv).all()) and bool(torch.isfinite(out).all())
+    # the same step with query 5 of row 0 seeing its own token: only that query's share differs
+    own_seen = own.clone()
+    own_seen[0, 5, 5] = True
+    _, _, recv_seen = step_attention(q, k, v, pos, real, 0.3, lse_other=lse_other, received=True, own_mask=own_seen)
+    share = torch.zeros_like(recv)
+    share[0, :, 5] = 1.0  # it would put all its mass (1 per query head, averaged: 1) on key 5
+    torch.testing.assert_close(recv + share, recv_seen, rtol=1e-5, atol=1e-6)

@@ -238,6 +238,28 @@ def test_live_slots_give_the_padded_received_mass(nq):
             assert torch.equal(t.pos[i][ok], pos[ok]) and torch.equal(t.score[i][ok], score[ok])
 
 
+@pytest.mark.parametrize("rows", [1, 3, decode_attention.RECEIVED_MATMUL_ROWS - 1,
+                                  decode_attention.RECEIVED_MATMUL_ROWS, 97])
+def test_live_slots_received_is_the_row_weighted_sum_of_numerators(rows):
+    """``LiveSlots.received`` on either side of its switch from a broadcast multiply to a batched
+    matmul: each slot's mass is ``sum_r w[head, r] p[page, r, slot]`` (fp64 reference)."""
+    gen, seed = testing.fresh_generator()
+    n_pages, tokens, heads = int(torch.randint(1, 40, (), generator=gen)), 17, 5
+    head = torch.randint(0, heads, (n_pages,), generator=gen)
+    probs = torch.rand(n_pages, rows, tokens, generator=gen)
+    probs[torch.rand(probs.shape, generator=gen) < 0.3] = 0.0  # dead slots and slots after the query
+    weight = torch.rand(heads, rows, generator=gen)
+    weight[:, torch.rand(rows, generator=gen) < 0.2] = 0.0  # rows that do not count
+    slots = decode_attention.LiveSlots(
+        page_ids=torch.arange(n_pages), head=head, probs=probs, shift=torch.zeros(heads, rows),
+        valid=torch.ones(n_pages, tokens, dtype=torch.bool), pos=torch.zeros(n_pages, tokens, dtype=torch.int32),
+        score=torch.zeros(n_pages, tokens), row_weight=weight)
+    want = (probs.double() * weight.double()[head].unsqueeze(-1)).sum(1)
+    got = slots.received
+    assert got.shape == (n_pages, tokens) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6, msg=f"seed {seed}")
+
+
 def _padded_rank(kv, tier: int, page_id: int, head: int) -> int:
     """Rank of pool page ``page_id`` among the pages of flat head ``head`` in ``tier``."""
     hkv = kv.table.shape[2]
