@@ -126,7 +126,10 @@ def causal_spans(mask: torch.Tensor | None, k_real: torch.Tensor, memo: dict | N
     """Each row's real tokens as one span ``(start, end)``, if ``mask`` is exactly causal attention
     within those spans; else ``None``.
 
-    ``mask``: transformers' bool mask ``[B or 1, 1, Q, Q]`` of a prompt (True = attend); ``k_real``:
+    ``mask``: transformers' bool mask ``[B or 1, 1, Q, Q]`` of a prompt (True = attend), or an
+    additive float mask of the same shape whose entries are 0 (attend) or at most the dtype's lowest
+    finite value (``-inf``, or the ``finfo.min`` transformers' eager masks use: hidden, since its
+    softmax weight is exactly 0); any other value (a soft bias) answers ``None``. ``k_real``:
     bool ``[B, Q]``, the real (non-padding) tokens. The answer is a list of ``B`` spans when every
     row's real tokens are contiguous (left or right padding, or none) and every real query ``i`` of
     row ``b`` may attend exactly the keys ``start_b <= j <= i``: then the row's attention is
@@ -135,7 +138,8 @@ def causal_spans(mask: torch.Tensor | None, k_real: torch.Tensor, memo: dict | N
     answers ``None``. ``memo``: the step's mask memo (see :func:`_additive_mask`); the check reads
     the mask once per step.
     """
-    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+    if mask is None or not (mask.dtype == torch.bool or mask.is_floating_point()) or mask.dim() != 4 \
+            or mask.shape[1] != 1:
         return None
     b, q = k_real.shape
     if tuple(mask.shape) not in ((b, 1, q, q), (1, 1, q, q)):
@@ -153,6 +157,11 @@ def causal_spans(mask: torch.Tensor | None, k_real: torch.Tensor, memo: dict | N
         if e > s:  # a row with real tokens: contiguous, and each query i sees exactly keys s..i
             want = (cols >= s) & (cols <= torch.arange(s, e, device=mask.device).view(-1, 1))  # [n, Q]
             given = mask[row if mask.shape[0] > 1 else 0, 0, s:e]
+            if given.is_floating_point():  # additive: 0 attends, the lowest values hide
+                seen = given == 0
+                if not bool((seen | (given <= torch.finfo(given.dtype).min)).all()):
+                    return _memo_put(memo, mask, "spans", []) or None
+                given = seen
             if not bool(real[row, s:e].all()) or not torch.equal(given, want):
                 return _memo_put(memo, mask, "spans", []) or None
         spans.append((s, e))

@@ -412,6 +412,29 @@ def test_causal_spans_accepts_only_causal_masks_within_one_span():
     assert causal_spans(mask.float(), real) is None and causal_spans(mask[:, :, :5], real) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_causal_spans_reads_additive_masks_as_their_bool_mask(dtype):
+    """An additive mask (0 attends; -inf or the dtype's lowest value, as transformers' eager masks
+    use, hides) gives the spans of its bool mask; a soft bias, on a hidden or a seen key, gives None."""
+    from leankit.prompt_attention import causal_spans
+
+    _q, _k, _v, real, _pos, mask = _prompt(0, 3, 1, 1, 12, [0, 3, 11])
+    want = causal_spans(mask, real)
+    for hide in (float("-inf"), torch.finfo(dtype).min):
+        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, hide)
+        assert causal_spans(additive, real) == want
+    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    soft_hidden = additive.clone()
+    soft_hidden[0, 0, 4, 9] = -30.0  # a later key only damped, not hidden
+    assert causal_spans(soft_hidden, real) is None
+    soft_seen = additive.clone()
+    soft_seen[1, 0, 6, 4] = -0.5  # a seen key with a bias
+    assert causal_spans(soft_seen, real) is None
+    peek = additive.clone()
+    peek[1, 0, 5, 6] = 0.0  # a real query sees a later key
+    assert causal_spans(peek, real) is None
+
+
 def test_causal_spans_reads_the_mask_once_per_step_and_follows_changes(monkeypatch):
     import leankit.prompt_attention as pa
 
