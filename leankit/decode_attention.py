@@ -208,8 +208,9 @@ class _LiveTier:
 
 # Query rows per page from which LiveSlots.received sums the numerators by a batched matmul
 # instead of a broadcast multiply and a row sum. Measured on one core (fp32, 1,400 pages of 17-64
-# slots): the matmul is 1.5-2x slower at 6-12 rows, mixed at 16, and 3-5x faster from 24 rows (a
-# 96-query chunk of SmolLM2's 291 rows: 12x, where the product no longer fits the caches).
+# slots): the matmul is 1.4-2x slower at 3-12 rows on pages of 17-28 slots, mixed at 16, and 2.8-5.7x
+# faster from 24 rows (12x at a 97-query chunk's 291 rows, where the product leaves the caches;
+# docs/measurements.md, "Outside the passes").
 RECEIVED_MATMUL_ROWS = 24
 
 

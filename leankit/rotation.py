@@ -103,24 +103,34 @@ def rotate_stored(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     erred 1.5e-3 to 0.19 on some seeds). Here the matmul's products are exact (entries ``+-1``, or
     ``+-2^-k`` where the scale is a power of two, as at head_dim 64: the same bits as :func:`rotate`), the
     scale is one product after it, and no matmul sums more than 128 products (wider blocks split into
-    halves, :func:`_sylvester`). ``h`` is :func:`hadamard`'s matrix (only its size is read). Queries are
+    halves, :func:`_sylvester`). Exact products still round in the sums, in the kernel's order, so every
+    call is one 2-D product over at least two contiguous rows. ``h`` is :func:`hadamard`'s matrix (only its size is read). Queries are
     not quantized and keep :func:`rotate`.
     """
     n = h.shape[-1]
+    count = x.numel() // n
+    # Every call is one 2-D matrix product over contiguous rows, of at least 2 rows: a strided
+    # [B, H, Q, F] input became a batch of small products, and one row a matrix-vector product, and
+    # both kernels sum a row's products in other orders than the matrix kernel (with MKL on an Intel
+    # Xeon: the last bit of every output at head_dim 64 and 128, for one row alone).
+    rows = x.reshape(count, n)
+    rows = (rows.expand(2, n) if count == 1 else rows).contiguous()
     b = block_size(n)
     scale = b ** -0.5
     exact = _power_of_two(scale)  # head_dim 64 (and 16, 256 ...): the scale goes into the entries
     if x.dtype in (torch.float16, torch.bfloat16) or (exact and b == n and b <= _STORED_BASE):
         # a 16-bit result is one rounding of an fp32 sum (no row dependence seen at any width), and
         # exact entries in one matmul of one block are this very product: the same op and bits as rotate
-        return rotate(x, h)
-    factor = scale if exact else 1.0
-    # Block by block, each block halved down to the base (head_dim 96, 128, 256, 320, 384, 512 ...):
-    # one matmul over a block-diagonal head (96, 320, 384) would sum n products, zeros included, and
-    # at 320 or 384 the kernel's split of that sum changed with the number of rows.
-    base = _stored_matrix(min(b, _STORED_BASE), factor, x.device, x.dtype)
-    y = _sylvester(x.unflatten(-1, (n // b, b)), b, base).flatten(-2)
-    return y if exact else y * scale
+        y = rotate(rows, h)
+    else:
+        factor = scale if exact else 1.0
+        # Block by block, each block halved down to the base (head_dim 96, 128, 256, 320, 384, 512 ...):
+        # one matmul over a block-diagonal head (96, 320, 384) would sum n products, zeros included, and
+        # at 320 or 384 the kernel's split of that sum changed with the number of rows.
+        base = _stored_matrix(min(b, _STORED_BASE), factor, x.device, x.dtype)
+        y = _sylvester(rows.unflatten(-1, (n // b, b)), b, base).flatten(-2)
+        y = y if exact else y * scale
+    return y[:count].reshape(x.shape)
 
 
 def unrotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
