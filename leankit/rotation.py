@@ -103,9 +103,9 @@ def rotate_stored(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     erred 1.5e-3 to 0.19 on some seeds). Here the matmul's products are exact (entries ``+-1``, or
     ``+-2^-k`` where the scale is a power of two, as at head_dim 64: the same bits as :func:`rotate`), the
     scale is one product after it, and no matmul sums more than 128 products (wider blocks split into
-    halves, :func:`_sylvester`). Exact products still round in the sums, in the kernel's order, so every
-    call is one 2-D product over at least two contiguous rows. ``h`` is :func:`hadamard`'s matrix (only its size is read). Queries are
-    not quantized and keep :func:`rotate`.
+    halves, :func:`_sylvester`). The exact products still round in the sums, in the kernel's order, so
+    every call is one 2-D product over at least two contiguous rows. ``h`` is :func:`hadamard`'s matrix
+    (only its size is read). Queries are not quantized and keep :func:`rotate`.
     """
     n = h.shape[-1]
     count = x.numel() // n
