@@ -108,29 +108,43 @@ def rotate_stored(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     (only its size is read). Queries are not quantized and keep :func:`rotate`.
     """
     n = h.shape[-1]
-    count = x.numel() // n
     # Every call is one 2-D matrix product over contiguous rows, of at least 2 rows: a strided
     # [B, H, Q, F] input became a batch of small products, and one row a matrix-vector product, and
     # both kernels sum a row's products in other orders than the matrix kernel (with MKL on an Intel
-    # Xeon: the last bit of every output at head_dim 64 and 128, for one row alone).
-    rows = x.reshape(count, n)
-    rows = (rows.expand(2, n) if count == 1 else rows).contiguous()
-    b = block_size(n)
-    scale = b ** -0.5
-    exact = _power_of_two(scale)  # head_dim 64 (and 16, 256 ...): the scale goes into the entries
+    # Xeon: the last bit of every output at head_dim 64 and 128, for one row alone). The few ops
+    # around the product are what a decode step's call costs beside it, so none is spent on a no-op.
+    rows = x.reshape(-1, n)
+    count = rows.shape[0]
+    if count == 1:
+        rows = torch.cat((rows, rows))
+    elif not rows.is_contiguous():
+        rows = rows.contiguous()
+    b, scale, exact = _stored_plan(n)
     if x.dtype in (torch.float16, torch.bfloat16) or (exact and b == n and b <= _STORED_BASE):
         # a 16-bit result is one rounding of an fp32 sum (no row dependence seen at any width), and
         # exact entries in one matmul of one block are this very product: the same op and bits as rotate
-        y = rotate(rows, h)
+        # (torch.matmul of two 2-D tensors is torch.mm)
+        y = torch.mm(rows, h if h.dtype == rows.dtype else h.to(rows.dtype))
     else:
-        factor = scale if exact else 1.0
         # Block by block, each block halved down to the base (head_dim 96, 128, 256, 320, 384, 512 ...):
         # one matmul over a block-diagonal head (96, 320, 384) would sum n products, zeros included, and
         # at 320 or 384 the kernel's split of that sum changed with the number of rows.
-        base = _stored_matrix(min(b, _STORED_BASE), factor, x.device, x.dtype)
-        y = _sylvester(rows.unflatten(-1, (n // b, b)), b, base).flatten(-2)
-        y = y if exact else y * scale
-    return y[:count].reshape(x.shape)
+        base = _stored_matrix(min(b, _STORED_BASE), scale if exact else 1.0, x.device, x.dtype)
+        if b == n and b <= _STORED_BASE:  # one block, one product (head_dim 128)
+            y = torch.mm(rows, base)
+        else:
+            y = _sylvester(rows.view(rows.shape[0], n // b, b), b, base).flatten(-2)
+        if not exact:
+            y.mul_(scale)  # the one rounding after the exact products (y is this call's own tensor)
+    return (y if count > 1 else y[:1]).view_as(x)
+
+
+@functools.lru_cache(maxsize=32)
+def _stored_plan(n: int) -> tuple:
+    """``(block, scale, exact)`` of :func:`rotate_stored` at head_dim ``n``: the Hadamard block size,
+    its ``block ** -0.5`` and whether that is a power of two (then it goes into the entries)."""
+    b = block_size(n)
+    return b, b ** -0.5, _power_of_two(b ** -0.5)
 
 
 def unrotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
