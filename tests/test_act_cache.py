@@ -19,7 +19,7 @@ from test_opt import _batch, qwen3_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from leankit import KVConfig, LeanCache
-from leankit.act_store import act_blocks, assign_act, next_block_is_act
+from leankit.act_store import act_blocks, assign_act, keys_attention, next_block_is_act
 from leankit.hf import cache_kwargs
 from leankit.testing import tiny_model
 
@@ -98,6 +98,37 @@ def test_eq11_paper_example_and_closed_form():
             assert n_act == act_blocks(n, frac), (frac, n)
             assert abs(n_act - frac * n) <= 0.5 + 1e-12  # the row's ratio never drifts from frac
         assert act_blocks(torch.arange(60), frac).tolist() == [act_blocks(i, frac) for i in range(60)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_keys_attention_matches_a_per_query_fp64_softmax(seed):
+    """The attention over recomputed ACT keys (one sweep: max, exp, sum) against a plain fp64 softmax
+    of each query's visible keys, over query chunks, GQA heads and a query that sees no key at all
+    (output 0 and log-sum-exp -inf, so a merge gives it no weight; no NaN anywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, group, nq, nk, f = 2, 2, 3, 5, 37, 16
+    q = torch.randn(b, hkv * group, nq, f, generator=g)
+    k, v = torch.randn(b, hkv, nk, f, generator=g), torch.randn(b, hkv, nk, f, generator=g)
+    k_pos = torch.stack([torch.randperm(nk, generator=g) + 10 for _ in range(b)])
+    k_valid = torch.rand(b, nk, generator=g) > 0.3
+    q_pos = torch.randint(12, nk + 10, (b, nq), generator=g)
+    q_pos[1, 2] = 5  # below every key's position: sees nothing
+    out, lse = keys_attention(q, k, v, k_pos, k_valid, q_pos, 0.3, query_chunk=2)
+    assert out.shape == (b, nq, hkv * group, f) and lse.shape == (b, hkv, group * nq)
+    assert not out.isnan().any() and not lse.isnan().any()
+    for row in range(b):
+        for head in range(hkv * group):
+            kv_head, grp = divmod(head, group)
+            for i in range(nq):
+                seen = k_valid[row] & (k_pos[row] <= q_pos[row, i])
+                got_out, got_lse = out[row, i, head], lse[row, kv_head, grp * nq + i]
+                if not seen.any():
+                    assert torch.equal(got_out, torch.zeros(f)) and got_lse.item() == float("-inf")
+                    continue
+                scores = (k[row, kv_head][seen].double() @ q[row, head, i].double()) * 0.3
+                want_out = torch.softmax(scores, 0) @ v[row, kv_head][seen].double()
+                torch.testing.assert_close(got_out.double(), want_out, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got_lse.double(), torch.logsumexp(scores, 0), rtol=1e-6, atol=1e-6)
 
 
 def test_assign_act_ratio_blocks_follow_tokens_across_steps():
