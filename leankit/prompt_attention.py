@@ -41,12 +41,9 @@ span's attention, and its significance where the policy needs it, from one score
 ``exp`` per score, instead of the flash kernel followed by :func:`received_from_lse` (two of
 each): about 0.5x their time at 150-1k tokens and 0.6x at 1k-2k on one thread
 (``bench/prompt_pass.py``), agreeing with the flash kernel's output to fp32 rounding. A cache
-without significance has nothing to gather from the softmax, and gives each span to PyTorch's
-fused SDPA kernel with ``is_causal`` instead, which keeps its blocks in registers where the one
-pass writes each chunk's scores out and reads them back (the one pass took 1.1-1.7x its time at
-1k-4k tokens on one thread of an Intel Xeon): its output is bitwise SDPA's over the span, so an
-unpadded batch gets exactly what an uncompressed cache computes, and it differs from a policy
-with significance (which runs the one pass) by fp32 rounding.
+without significance runs the same function (0.7-0.95x the flash kernel's own time at 150-1k
+tokens, about 1.0x beyond, 1.1-1.3x below 100 tokens, where fixed op costs dominate), so its output
+is bitwise what a policy with significance computes.
 """
 
 from __future__ import annotations
@@ -232,11 +229,11 @@ def causal_received(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         received_j += sum_i p_ij          (LeanKV §4, prompt phase; one batched matrix-vector product)
 
     One score matmul, one ``exp`` and one value matmul per score: about 0.5-0.6x the flash kernel
-    plus the significance pass at 150-2k tokens on one thread. Without significance it costs more
-    than the flash kernel alone (1.1-1.7x at 1k-4k tokens on an Intel Xeon), so
-    :func:`span_attention` runs SDPA there and this function only where significance is asked
-    for (``significance=False`` is kept for measurements). It agrees with the flash kernel's
-    output to fp32 rounding. Each query
+    plus the significance pass at 150-2k tokens on one thread. Without significance it costs about
+    what the flash kernel alone costs (0.7-1.1x; more below 100 tokens), and is what a lossy cache runs, so that a policy's
+    significance never changes the attention output: the output is bitwise the same with or
+    without it (a LeanKV cache that keeps every token high gives exactly the logits of its
+    single-tier twin). It agrees with the flash kernel's output to fp32 rounding. Each query
     row attends to keys ``0..i`` of its own sequence; the caller hands only real tokens (one span
     per row, :func:`span_attention`).
     """
@@ -279,9 +276,9 @@ def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     ``spans`` from :func:`causal_spans`. Returns ``(out [B, Q, Hq, F], received [B, Hkv, Q] or
     None)`` as :func:`prompt_attention` does; padding positions get zero output and zero
-    significance. With significance each span runs :func:`causal_received` (attention and
-    significance in one pass over the scores), without it SDPA's fused kernel with ``is_causal``;
-    rows with one span in common (a batch with no padding) run as one call.
+    significance. Each span runs :func:`causal_received` (attention and, if asked, significance in
+    one pass over the scores); rows with one span in common (a batch with no padding) run as one
+    call.
     """
     b, hq, nq, _ = query.shape
     hkv = key.shape[1]
@@ -291,14 +288,6 @@ def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         [(slice(row, row + 1), span) for row, span in enumerate(spans)]
     for rows, (s, e) in groups:
         if e <= s:
-            continue
-        if not significance:
-            # Nothing to gather from the softmax: PyTorch's fused kernel (SDPA, GQA in place) keeps its
-            # blocks in registers where the one pass writes a chunk's scores out and reads them back
-            # (1.1-1.4x its time on one thread at 1k-4k tokens).
-            o = F.scaled_dot_product_attention(query[rows, :, s:e], key[rows, :, s:e], value[rows, :, s:e],
-                                               is_causal=True, scale=scaling, enable_gqa=hq != hkv)
-            out[rows, s:e] = o.transpose(1, 2)
             continue
         o, r = causal_received(query[rows, :, s:e], key[rows, :, s:e], value[rows, :, s:e], scaling, ws,
                                significance=significance)
@@ -439,8 +428,7 @@ def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     ``exact``: return bitwise what transformers' SDPA returns. With ``exact=False`` (a lossy
     cache), a CPU batch with no mask (no padding) or whose mask is causal within each row's real
     span runs :func:`span_attention` instead, which skips the masked blocks, takes the significance
-    from the same softmax, and agrees with SDPA to fp32 rounding (without significance: SDPA's own
-    ``is_causal`` call per span).
+    from the same softmax, and agrees with SDPA to fp32 rounding.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
