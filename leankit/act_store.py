@@ -71,7 +71,7 @@ from fractions import Fraction
 import torch
 
 from .allocator import PoolExhausted
-from .attention import merge_attention
+from .attention import merge_attention, softmax_sweep
 from .backend import use_triton
 from .config import act_kv_token_bytes
 from .hf import cache_argument
@@ -185,17 +185,10 @@ def keys_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: tor
         qp = q_pos[:, q0:q1].long().repeat(1, g)  # row g*Qc + i -> query i
         s = torch.matmul(qg, kf.transpose(-1, -2)) * scale  # [B, Hkv, G*Qc, N]
         vis = k_valid.view(b, 1, 1, -1) & (k_pos.long().view(b, 1, 1, -1) <= qp.view(b, 1, -1, 1))
-        # softmax and log-sum-exp in one sweep over the scores (as leankit.attention's own-token
-        # softmax): row max, exp in place, row sum Z, lse = max + log Z, and 1/Z folded into P v. A
-        # query that sees no key has Z = 0: its output is 0 and its lse -inf (merge gives it no weight).
-        s.masked_fill_(~vis, float("-inf"))
-        row_max = s.amax(-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        p = s.sub_(row_max).exp_()
-        z = p.sum(-1, keepdim=True)
-        inv_z = torch.where(z > 0, z.reciprocal(), torch.zeros_like(z))
-        outs.append((torch.matmul(p, vf) * inv_z).view(b, hkv, g, q1 - q0, f))
-        lses.append((row_max + z.log()).view(b, hkv, g, q1 - q0))
+        # a query that sees no key gets output 0 and lse -inf (merge gives it no weight)
+        o, lse, _, _ = softmax_sweep(s.masked_fill_(~vis, float("-inf")), vf)
+        outs.append(o.view(b, hkv, g, q1 - q0, f))
+        lses.append(lse.view(b, hkv, g, q1 - q0))
     out = torch.cat(outs, 3).reshape(b, hq, nq, f).transpose(1, 2)
     return out, torch.cat(lses, 3).reshape(b, hkv, g * nq)
 

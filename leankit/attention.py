@@ -565,6 +565,26 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     return _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, own_mask, first)
 
 
+def softmax_sweep(scores: torch.Tensor, v: torch.Tensor):
+    """Softmax attention of ``scores`` ``[..., R, K]`` (hidden keys ``-inf``) over ``v`` ``[..., K, F]``,
+    log-sum-exp and softmax in one sweep over the scores.
+
+    ``e = exp(s - max)`` is taken in place (``scores`` is overwritten), ``Z`` is its row sum,
+    ``lse = max + log Z``, and ``1/Z`` is folded into ``e v`` instead of a pass over ``P``
+    (``torch.logsumexp`` and ``torch.softmax`` each take their own passes, with temporaries, on a
+    CPU). A row that sees no key has ``Z = 0``: output 0, ``lse`` ``-inf`` (a merge gives it no
+    weight) and ``inv_z`` 0. Returns ``(out [..., R, F], lse [..., R], e, inv_z [..., R])``; the
+    probabilities are ``e * inv_z``.
+    """
+    row_max = scores.amax(-1)
+    seen = torch.isfinite(row_max)
+    e = scores.sub_(torch.where(seen, row_max, 0.0).unsqueeze(-1)).exp_()  # hidden keys: exactly 0
+    z = e.sum(-1)
+    lse = row_max + torch.log(z)  # -inf where the row sees nothing (z = 0)
+    inv_z = torch.where(seen, z.reciprocal(), 0.0)
+    return torch.matmul(e, v).mul_(inv_z.unsqueeze(-1)), lse, e, inv_z
+
+
 def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, own_mask=None, first=0):
     """:func:`step_attention` of any step: masked matmul, softmax and ``P v`` per chunk of queries
     (``q``: the step's queries from ``first`` on)."""
@@ -584,16 +604,7 @@ def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, 
         bias = _step_bias(q_pos, k_real, g, first + q0, first + q1, own_mask)  # [B, 1, G*Qc, K]
         qc = qg[:, :, :, q0:q1].reshape(b, hkv, g * nqc, f)
         s = torch.matmul(qc, kt).add_(bias)
-        # One sweep for the log-sum-exp and the softmax: e = exp(s - max) in place, Z its row sum,
-        # lse = max + log Z, and 1/Z folded into P v and the significance weights instead of a pass
-        # over P (logsumexp and softmax each took their own passes, with temporaries, on a CPU).
-        row_max = s.amax(-1)  # [B, Hkv, G*Qc]
-        seen = torch.isfinite(row_max)  # live rows always see their own token
-        e = s.sub_(torch.where(seen, row_max, 0.0).unsqueeze(-1)).exp_()  # masked keys: exactly 0
-        z = e.sum(-1)
-        lse_c = row_max + torch.log(z)  # -inf where the row sees nothing (z = 0)
-        inv_z = torch.where(seen, z.reciprocal(), 0.0)
-        o = torch.matmul(e, vf).mul_(inv_z.unsqueeze(-1))  # a row that sees nothing: 0
+        o, lse_c, e, inv_z = softmax_sweep(s, vf)  # live rows always see their own token
         out[:, :, :, q0:q1] = o.view(b, hkv, g, nqc, f)
         lse[:, :, :, q0:q1] = lse_c.view(b, hkv, g, nqc)
         if received:
@@ -603,7 +614,9 @@ def _chunked_step_attention(q, k, v, q_pos, k_real, scale, lse_other, received, 
                 other = lse_other.view(b, hkv, g, nq)[..., q0:q1].reshape(b, hkv, g * nqc)
                 total = torch.logaddexp(other, lse_c)
                 w = w * torch.exp(lse_c - torch.where(torch.isfinite(total), total, lse_c))
-            w = torch.where(seen, w * inv_z, 0.0)  # P = e / Z; a row that sees nothing gives nothing
+            # P = e / Z; a row that sees nothing (inv_z = 0; else 1/Z > 0) gives nothing, even where
+            # its weight above is NaN (its lse and the other part's both -inf)
+            w = torch.where(inv_z > 0, w * inv_z, 0.0)
             recv += torch.matmul(w.unsqueeze(2), e).squeeze(2)
     out = out.reshape(b, hq, nq, f).transpose(1, 2)
     if recv is not None:

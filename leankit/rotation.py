@@ -61,7 +61,7 @@ def hadamard(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.T
 
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``x @ H`` along the last dim (keys, values and queries into the rotated basis)."""
-    return torch.matmul(x, h.to(x.dtype))
+    return torch.matmul(x, h if h.dtype == x.dtype else h.to(x.dtype))  # no conversion call per step
 
 
 # Largest Sylvester block multiplied as one matmul by rotate_stored; wider blocks are split into
@@ -123,17 +123,16 @@ def rotate_stored(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     if x.dtype in (torch.float16, torch.bfloat16) or (exact and b == n and b <= _STORED_BASE):
         # a 16-bit result is one rounding of an fp32 sum (no row dependence seen at any width), and
         # exact entries in one matmul of one block are this very product: the same op and bits as rotate
-        # (torch.matmul of two 2-D tensors is torch.mm)
-        y = torch.mm(rows, h if h.dtype == rows.dtype else h.to(rows.dtype))
+        y = rotate(rows, h)
     else:
         # Block by block, each block halved down to the base (head_dim 96, 128, 256, 320, 384, 512 ...):
         # one matmul over a block-diagonal head (96, 320, 384) would sum n products, zeros included, and
         # at 320 or 384 the kernel's split of that sum changed with the number of rows.
         base = _stored_matrix(min(b, _STORED_BASE), scale if exact else 1.0, x.device, x.dtype)
-        if b == n and b <= _STORED_BASE:  # one block, one product (head_dim 128)
-            y = torch.mm(rows, base)
-        else:
-            y = _sylvester(rows.view(rows.shape[0], n // b, b), b, base).flatten(-2)
+        # one block (head_dim 128, 256 ...) goes in as the rows themselves, several as [rows, blocks, b]
+        blocks = rows if b == n else rows.view(rows.shape[0], n // b, b)
+        y = _sylvester(blocks, b, base)
+        y = y if b == n else y.flatten(-2)
         if not exact:
             y.mul_(scale)  # the one rounding after the exact products (y is this call's own tensor)
     return (y if count > 1 else y[:1]).view_as(x)
