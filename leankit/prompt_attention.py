@@ -17,8 +17,8 @@ matmul (``[q*scale, -lse_i, 1] . [k, 1, -BIG*pad_j]``), only the diagonal block 
 chunk needs the causal mask (its upper triangle is zeroed after the ``exp``), and the sum over
 queries is one matrix-vector product. Scores are floored at
 :data:`leankit.attention.EXP_FLOOR` before the ``exp`` (see there why). The pass runs per
-(sequence, KV head) in query chunks of about 1 MB of scores, which the ``exp`` and the sum reread
-from L2 (short prompts put several pairs in one chunk).
+(sequence, KV head) in query chunks of 1-4 MB of scores (:func:`_chunk_elems`), which the ``exp`` and the sum reread
+from the core's caches (short prompts put several pairs in one chunk).
 
 **Padded batches.** Given a mask, SDPA's CPU flash kernel computes every (query, key) block and
 adds the mask to it: a left-padded batch of prompts pays for the full square of every row, the
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 
 import torch
@@ -66,10 +67,44 @@ _BIG = 1e30
 # Ceiling of an exponent before exp_: only a causally masked score (a key after its query) can
 # exceed 0 by much, and its exp is zeroed afterwards; the ceiling keeps exp off its overflow path.
 _EXP_CEIL = 80.0
-# Scores per (sequence, KV head) chunk of the significance pass: 1 MB of fp32, so the clamp, the
-# exp and the sum reread the matmul's output from L2 (8 MB chunks over the whole batch measured
-# about 25% slower at 4k tokens), and a floor on the chunk's rows for the matmul's efficiency.
-_CHUNK_ELEMS = 1 << 18
+
+
+def _l2_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The first CPU's level-2 cache in bytes, from Linux's sysfs (``base``); ``None`` where it cannot be read."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        for entry in sorted(os.listdir(base)):
+            with open(os.path.join(base, entry, "level")) as fh:
+                if fh.read().strip() != "2":
+                    continue
+            with open(os.path.join(base, entry, "size")) as fh:
+                size = fh.read().strip()
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _chunk_elems(l2: int | None) -> int:
+    """Scores per chunk of the prompt passes (:func:`_query_chunks`) for a core with ``l2`` bytes of L2.
+
+    Each chunk runs a handful of ops (score matmul, causal fill, softmax, value matmul, the
+    significance sum), so smaller chunks pay those ops' fixed cost more often and hand the
+    matmuls fewer rows; larger ones reread the scores from further out than L2. Measured on one
+    thread: on an AMD EPYC 1 MB of fp32 scores (8 MB chunks over the whole batch took about 25%
+    longer at 4k tokens); on an Intel Xeon with 2 MB of L2 per core, 4 MB took a batch-1 4k
+    prefill of SmolLM2 from 1.21x to 1.14x of ``DynamicCache``'s time with ``K8V4`` and from 1.25x to
+    1.11x with the neutral LeanKV config (``docs/measurements.md``). So: twice the L2 where it
+    is at least 2 MB (at most 4 MB, the largest measured), 1 MB otherwise (or where it cannot be read).
+    """
+    if l2 is not None and l2 >= 2 << 20:
+        return min(2 * l2, 4 << 20) // 4
+    return 1 << 18
+
+
+# Scores per (sequence, KV head) chunk of the prompt passes (:func:`_chunk_elems`), and a floor on
+# the chunk's rows for the matmul's efficiency.
+_CHUNK_ELEMS = _chunk_elems(_l2_bytes())
 _MIN_ROWS = 16
 # At most 1/_SPLIT of the prompt's query rows per chunk (but at least _SPLIT_FLOOR): a chunk computes
 # its whole diagonal block, upper triangle included, so one chunk over a short prompt computes
@@ -183,8 +218,8 @@ def _cpu_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, i
 def _query_chunks(nq: int, g: int, pairs: int):
     """The query chunks of a causal pass over ``nq`` tokens: ``(q0, q1, pairs per chunk)``.
 
-    Query rows per chunk: the chunk's scores ``[G*rows, q1]`` stay near ``_CHUNK_ELEMS`` (in L2
-    for the passes that follow the matmul), with at least ``_MIN_ROWS`` rows so the matmul keeps its
+    Query rows per chunk: the chunk's scores ``[G*rows, q1]`` stay near ``_CHUNK_ELEMS`` (near the
+    core for the passes that follow the matmul), with at least ``_MIN_ROWS`` rows so the matmul keeps its
     efficiency, and at most an eighth of the prompt (``_SPLIT``; at least ``_SPLIT_FLOOR`` rows) so
     the masked upper triangle of the diagonal blocks stays a small part of the scores. Early chunks see few keys, so they take more rows; short prompts batch several
     (sequence, KV head) pairs into one chunk instead of launching tiny ops per pair.
@@ -222,7 +257,7 @@ def causal_received(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     The flash kernel followed by :func:`received_from_lse` computes every score twice (once in
     the kernel, once more in the significance pass) and runs ``exp`` on each score twice. Here each
     chunk of query rows sees all of its keys ``0..q1`` at once (its scores ``[G*rows, q1]`` stay
-    near 1 MB, in L2), so its softmax needs no running rescale and is torch's own fused one:
+    near ``_CHUNK_ELEMS``, near the core), so its softmax needs no running rescale and is torch's own fused one:
 
         p_ij = softmax_j(s_ij)            (the diagonal block masked to -inf first)
         out_i = sum_j p_ij v_j            (one matmul)

@@ -71,7 +71,7 @@ def test_capture_leaves_sdpa_unchanged_and_records_lse():
     torch.testing.assert_close(box["lse"][1, :, 4:], torch.logsumexp(s, -1)[1, :, 4:])
 
 
-@pytest.mark.parametrize("chunk_elems,min_rows", [(64, 1), (3000, 5), (75272, 16), (1 << 18, 16)])
+@pytest.mark.parametrize("chunk_elems,min_rows", [(64, 1), (3000, 5), (75272, 16), (1 << 18, 16), (1 << 20, 16)])
 def test_received_from_lse_in_many_query_chunks(monkeypatch, chunk_elems, min_rows):
     # Small chunks force many query chunks, each with its own causal diagonal block and key range;
     # 75272 puts 4 of the 6 (sequence, KV head) pairs in one batched chunk and 2 in the next, and
@@ -88,6 +88,32 @@ def test_received_from_lse_in_many_query_chunks(monkeypatch, chunk_elems, min_ro
     ref = step_received(q, k, pos, real, 0.125, ordered=True)
     torch.testing.assert_close(recv, ref, rtol=2e-5, atol=2e-6, msg=f"seed {seed}")
     assert torch.equal(recv[1, :, :11], torch.zeros(3, 11))  # row 1's padding keys
+
+
+def test_chunk_size_follows_the_cores_l2_within_the_measured_range():
+    import leankit.prompt_attention as pa
+
+    # 1 MB of scores where L2 is small or unknown, twice a large L2, never past 4 MB
+    assert pa._chunk_elems(None) == pa._chunk_elems(512 << 10) == pa._chunk_elems((2 << 20) - 1) == 1 << 18
+    assert pa._chunk_elems(2 << 20) == 1 << 20 and pa._chunk_elems(48 << 20) == 1 << 20
+    l2 = pa._l2_bytes()
+    assert l2 is None or l2 > 0
+    assert pa._CHUNK_ELEMS == pa._chunk_elems(l2)
+
+
+@pytest.mark.parametrize("sizes,want", [({"index0": ("1", "48K"), "index2": ("2", "2048K"), "index3": ("3", "105M")}, 2 << 20),
+                                        ({"index1": ("1", "32K"), "index2": ("2", "1M")}, 1 << 20),
+                                        ({"index2": ("2", "524288")}, 512 << 10),
+                                        ({"index0": ("1", "32K")}, None), ({"index2": ("2", "lots")}, None), ({}, None)])
+def test_l2_size_is_read_from_sysfs(tmp_path, sizes, want):
+    import leankit.prompt_attention as pa
+
+    for entry, (level, size) in sizes.items():
+        (tmp_path / entry).mkdir()
+        (tmp_path / entry / "level").write_text(level + "\n")
+        (tmp_path / entry / "size").write_text(size + "\n")
+    assert pa._l2_bytes(str(tmp_path)) == want
+    assert pa._l2_bytes(str(tmp_path / "missing")) is None
 
 
 def test_received_from_lse_with_large_logits():
@@ -303,7 +329,7 @@ def _assert_as_accurate(got, baseline, exact, msg=""):
     assert err <= 1.5 * base + 1e-6, f"error {err:.3g} vs the replaced path's {base:.3g} {msg}"
 
 
-@pytest.mark.parametrize("chunk_elems,min_rows", [(64, 1), (3000, 5), (75272, 16), (1 << 18, 16)])
+@pytest.mark.parametrize("chunk_elems,min_rows", [(64, 1), (3000, 5), (75272, 16), (1 << 18, 16), (1 << 20, 16)])
 @pytest.mark.parametrize("b,hkv,g,n,fv", [(2, 3, 2, 97, 64), (1, 1, 7, 5, 48), (3, 2, 1, 1, 64), (1, 3, 3, 130, 80)])
 def test_causal_received_matches_flash_and_lse_significance(monkeypatch, chunk_elems, min_rows, b, hkv, g, n, fv):
     # One chunk or many: each with its own diagonal block, key range and group of (sequence, KV
