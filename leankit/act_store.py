@@ -385,16 +385,22 @@ class ActStore:
 
     # -------------------------------------------------------------- attention
     def _keys(self, layer: int):
-        """Recomputed K/V ``[B, Hkv, N, F]`` of ``layer``'s ACT tokens of earlier steps, with positions/validity."""
-        lay, n = self.layout, self._n_max
-        blocks = -(-n // lay.tokens)
+        """Recomputed K/V ``[B, Hkv, N, F]`` of ``layer``'s ACT tokens of earlier steps, with positions/validity.
+
+        ``N`` covers the whole blocks of the longest row (the step's bound on earlier ACT tokens
+        rounded up to a block): a row's tokens past its length are invalid, and attention skips them.
+        Projecting those few rows costs less than copying the activations to cut them off.
+        """
+        lay = self.layout
+        blocks = -(-self._n_max // lay.tokens)
+        n = blocks * lay.tokens
         ids = self.table.tables[layer, :, : blocks * lay.slices].clamp_min(0)  # rows with fewer blocks: masked
-        act, pos = lay.read_blocks(self.cache.pool, ids.view(ids.shape[0], blocks, lay.slices))
-        b = act.shape[0]
-        act, pos = act.reshape(b, blocks * lay.tokens, -1)[:, :n], pos.reshape(b, -1)[:, :n]
-        valid = torch.arange(n, device=act.device).view(1, -1) < self.table.lens[layer].view(-1, 1)
-        # Dead rows hold stale bytes (any pattern, NaN included): project zeros at position 0 instead.
-        act = torch.where(valid.unsqueeze(-1), act, torch.zeros((), dtype=act.dtype, device=act.device))
+        b = ids.shape[0]
+        valid = torch.arange(n, device=ids.device).view(1, -1) < self.table.lens[layer].view(-1, 1)
+        # Dead rows hold stale bytes (any pattern, NaN included): they read as zeros, projected at position 0.
+        act, pos = lay.read_blocks(self.cache.pool, ids.view(b, blocks, lay.slices),
+                                   live=valid.view(b, blocks, lay.tokens))
+        act, pos = act.view(b, n, -1), pos.view(b, n)
         pos = torch.where(valid, pos, torch.zeros_like(pos))
         params = self.params[layer]
         # pages keep the dtype the cache was built with, the weights follow model.to(dtype): exact for a

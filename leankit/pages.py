@@ -259,13 +259,15 @@ class ActLayout:
         pos = flat[self._byte_index(page_ids[:, :1], rows, g.position_offset, 4).reshape(-1)]
         return act, pos.view(torch.int32).reshape(n)
 
-    def read_blocks(self, pool: PagePool, block_ids: torch.Tensor):
+    def read_blocks(self, pool: PagePool, block_ids: torch.Tensor, live: torch.Tensor | None = None):
         """Read whole blocks: ``block_ids`` ``[..., S]`` (the ``S`` slice pages of each block).
 
         Returns ``(act [..., T, hidden] in the model dtype, positions [..., T] int32)`` for every
-        row of every block, dead rows included (they hold whatever bytes the page had: the caller
-        masks them). One page gather per block instead of a byte index per value, which is how
-        attention reads a layer's ACT tokens every step.
+        row of every block. Dead rows hold whatever bytes the page had: with ``live`` (bool
+        ``[..., T]``) the rows where it is False read as zeros instead, in the same pass that puts
+        the slices' channels back in hidden order. One gather of each page's activation bytes per
+        block instead of a byte index per value, which is how attention reads a layer's ACT tokens
+        every step.
         """
         g = self.geometry
         if pool.page_size != self.page_size:
@@ -273,11 +275,18 @@ class ActLayout:
         if block_ids.shape[-1] != g.slices:
             raise ValueError(f"ACT block ids must end in S={g.slices} slice pages, got {tuple(block_ids.shape)}")
         lead = block_ids.shape[:-1]
-        pages = pool.storage.index_select(0, block_ids.reshape(-1).long())  # [n * S, page_size]
-        data = pages[:, g.data_offset: g.data_offset + g.tokens * g.row_bytes].contiguous().view(self.dtype)
-        act = data.view(*lead, g.slices, g.tokens, g.channels).movedim(-3, -2).reshape(*lead, g.tokens, g.hidden)
-        pos = pages.view(*lead, g.slices, self.page_size)[..., 0, g.position_offset: g.position_offset + 4 * g.tokens]
-        return act, pos.contiguous().view(torch.int32)
+        if live is not None and live.shape != (*lead, g.tokens):
+            raise ValueError(f"live must be {(*lead, g.tokens)} (one flag per row of each block), got {tuple(live.shape)}")
+        # the activation bytes alone, gathered from the pages in place (one copy, not a page copy and a slice of it)
+        data = pool.storage[:, g.data_offset: g.data_offset + g.tokens * g.row_bytes].index_select(
+            0, block_ids.reshape(-1).long())
+        act = data.view(self.dtype).view(*lead, g.slices, g.tokens, g.channels).movedim(-3, -2)  # [..., T, S, C]
+        if live is not None:
+            act = torch.where(live[..., None, None], act, torch.zeros((), dtype=act.dtype, device=act.device))
+        act = act.reshape(*lead, g.tokens, g.hidden)
+        pos = pool.storage[:, g.position_offset: g.position_offset + 4 * g.tokens].index_select(
+            0, block_ids[..., 0].reshape(-1).long())  # every slice page holds the positions: the first one's
+        return act, pos.view(torch.int32).view(*lead, g.tokens)
 
 
 def _put_bytes(flat: torch.Tensor, index: torch.Tensor, data: torch.Tensor, ok: torch.Tensor | None) -> None:

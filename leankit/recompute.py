@@ -262,10 +262,12 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = 
     """HF's RMSNorm: statistics in fp32, the weight product in the input dtype (Llama), or in
     fp32 before the cast with ``weight_fp32`` (Gemma)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # a tensor of its own from here on
     if weight_fp32:
         return (xf * weight).to(x.dtype)
-    return weight * xf.to(x.dtype)
+    y = xf.to(x.dtype)
+    # weight * y, in place where it keeps y's dtype (the product commutes bitwise)
+    return y.mul_(weight) if weight.dtype == y.dtype else weight * y
 
 
 def check_act(act: torch.Tensor, positions: torch.Tensor | None, params: ActToKVParams) -> None:

@@ -113,6 +113,38 @@ def test_layout_write_with_keep_writes_only_kept_tokens(hidden, dtype, page_size
         lay.write(pool, page_ids, rows, act, pos, keep=keep[:-1])
 
 
+@pytest.mark.parametrize("hidden,dtype,page_size", [(72, torch.float32, 512), (96, torch.float16, 256),
+                                                    (40, torch.bfloat16, 2048), (576, torch.float32, 2048)])
+def test_read_blocks_is_read_of_every_row_and_zeroes_dead_rows(hidden, dtype, page_size):
+    """Whole blocks read at once equal the per-token read of each of their rows; with ``live``, a
+    dead row reads as zeros whatever its bytes (NaN patterns included), a live one as without it."""
+    gen = torch.Generator().manual_seed(hidden + page_size)
+    lay = ActLayout.build(hidden, dtype, page_size)
+    lead = (3, 2)  # [rows of the batch, blocks]
+    n_blocks = lead[0] * lead[1]
+    pages = n_blocks * lay.slices + 5
+    pool = _pool(pages, page_size, gen)
+    nan = torch.full((), float("nan"), dtype=dtype).view(torch.uint8 if dtype.itemsize == 1 else
+                                                           {2: torch.int16, 4: torch.int32}[dtype.itemsize])
+    pool.storage[0].view(nan.dtype)[:] = nan  # a page of NaN patterns, named by the first block below
+    block_ids = torch.randperm(pages - 1, generator=gen)[: n_blocks * lay.slices].add_(1).view(*lead, lay.slices)
+    block_ids[0, 0, 0] = 0
+    act, pos = lay.read_blocks(pool, block_ids)
+    assert act.shape == (*lead, lay.tokens, hidden) and pos.shape == (*lead, lay.tokens) and pos.dtype == torch.int32
+    rows = torch.arange(lay.tokens).repeat(n_blocks)
+    want, want_pos = lay.read(pool, block_ids.reshape(n_blocks, 1, lay.slices).expand(-1, lay.tokens, -1)
+                              .reshape(-1, lay.slices), rows)
+    assert torch.equal(act.reshape(-1, hidden).view(torch.uint8), want.view(torch.uint8))  # NaN bits too
+    assert torch.equal(pos.reshape(-1), want_pos)
+    live = torch.rand(*lead, lay.tokens, generator=gen) < 0.6
+    live[0, 0] = False  # the NaN page's rows are dead
+    masked, masked_pos = lay.read_blocks(pool, block_ids, live=live)
+    assert torch.equal(masked[live].view(torch.uint8), act[live].view(torch.uint8)) and torch.equal(masked_pos, pos)
+    assert torch.equal(masked[~live], torch.zeros(int((~live).sum()), hidden, dtype=dtype))
+    with pytest.raises(ValueError, match="live"):
+        lay.read_blocks(pool, block_ids, live=live[..., 1:])
+
+
 def test_layout_bad_calls_leave_pool_unchanged():
     gen = torch.Generator().manual_seed(1)
     lay = ActLayout.build(64, torch.float32, 512)
