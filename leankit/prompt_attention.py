@@ -73,15 +73,19 @@ def _l2_bytes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
     """The first CPU's level-2 cache in bytes, from Linux's sysfs (``base``); ``None`` where it cannot be read."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     try:
-        for entry in sorted(os.listdir(base)):
+        entries = sorted(e for e in os.listdir(base) if e.startswith("index"))  # beside them: power/, uevent
+    except OSError:
+        return None
+    for entry in entries:
+        try:
             with open(os.path.join(base, entry, "level")) as fh:
                 if fh.read().strip() != "2":
                     continue
             with open(os.path.join(base, entry, "size")) as fh:
                 size = fh.read().strip()
             return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-    except (OSError, ValueError):
-        return None
+        except (OSError, ValueError, IndexError):
+            return None
     return None
 
 

@@ -104,10 +104,13 @@ def test_chunk_size_follows_the_cores_l2_within_the_measured_range():
 @pytest.mark.parametrize("sizes,want", [({"index0": ("1", "48K"), "index2": ("2", "2048K"), "index3": ("3", "105M")}, 2 << 20),
                                         ({"index1": ("1", "32K"), "index2": ("2", "1M")}, 1 << 20),
                                         ({"index2": ("2", "524288")}, 512 << 10),
-                                        ({"index0": ("1", "32K")}, None), ({"index2": ("2", "lots")}, None), ({}, None)])
+                                        ({"index0": ("1", "32K")}, None), ({"index2": ("2", "lots")}, None),
+                                        ({"index2": ("2", "")}, None), ({}, None)])
 def test_l2_size_is_read_from_sysfs(tmp_path, sizes, want):
     import leankit.prompt_attention as pa
 
+    (tmp_path / "uevent").write_text("\n")  # sysfs keeps files and folders beside the index entries
+    (tmp_path / "power").mkdir()
     for entry, (level, size) in sizes.items():
         (tmp_path / entry).mkdir()
         (tmp_path / entry / "level").write_text(level + "\n")
