@@ -940,13 +940,21 @@ class LeanKVPolicy(_Base):
         len_h, len_l = (lens[HIGH] + counts[0]).unsqueeze(0), (lens[LOW] + counts[1]).unsqueeze(0)
         new_lens = torch.stack((len_h, len_l))
         need = self._fit_pages(layers, new_lens[: len(cache.layouts)])
+        # Every token of the step goes to the store with a keep mask, not a list of the kept ones
+        # and gathered copies of their rows: the compiled store skips the others.
+        bi = torch.arange(b, device=k.device).view(b, 1, 1).expand(b, h, q).reshape(-1)
+        hi = torch.arange(h, device=k.device).view(1, h, 1).expand(b, h, q).reshape(-1)
+        k_rows, v_rows = k.reshape(b * h * q, -1), v.reshape(b * h * q, -1)
+        pos_rows, score_rows = pos.reshape(-1), score.reshape(-1)
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW)):
             take = valid & (cls == c)
-            bi, hi, qi = take.nonzero(as_tuple=True)
-            if bi.numel():
-                slot = lens[tier][bi, hi] + (torch.cumsum(take.to(torch.int32), -1) - 1)[bi, hi, qi]
-                cache.write_tokens(tier, layer, bi, hi, slot, k[bi, hi, qi], v[bi, hi, qi], pos[bi, hi, qi],
-                                   score[bi, hi, qi])
+            if not bool(take.any()):  # one host read, as listing the kept tokens was
+                continue
+            # a kept token's slot: its head's count plus its rank among the head's kept tokens (a
+            # token not kept names a slot of its head's pages, or slot 0, and is skipped)
+            slot = (lens[tier].unsqueeze(-1) + torch.cumsum(take, -1) - 1).clamp_min_(0)
+            cache.write_tokens(tier, layer, bi, hi, slot.reshape(-1), k_rows, v_rows, pos_rows, score_rows,
+                               keep=take.reshape(-1))
         self.pruned_mass[layer] += _masked_sum(score, valid & (cls == PRUNED))
         self._set_lens_and_shrink(layers, new_lens, need)
 

@@ -294,15 +294,21 @@ def causal_received(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     flat = ws.get("recv_scores", (max(_CHUNK_ELEMS, g * _MIN_ROWS * n),), torch.float32, dev)
     for q0, q1, per in _query_chunks(n, g, pairs):
         r = q1 - q0
-        after = torch.ones((r, r), dtype=torch.bool, device=dev).triu_(1)  # keys after their query
+        after = torch.full((r, r), float("-inf"), device=dev).triu_(1)  # -inf on keys after their query, else 0
         ones = torch.ones((per, 1, g * r), device=dev) if significance else None
         for p0 in range(0, pairs, per):
             p1 = min(pairs, p0 + per)
             e = _chunk_scores(q_scaled, k_t, flat, p0, p1, q0, q1)
-            # the chunk's own block is causal inside; softmax's own max, exp, sum and scaling in one kernel
-            e.view((p1 - p0) * g, r, q1)[..., q0:q1].masked_fill_(after, float("-inf"))
+            # The chunk's own block is causal inside: zero the keys after each query, then add -inf
+            # there (x + 0 is x), the masked fill in two plain passes, which run about 4x faster on
+            # a CPU than masked_fill_ with a broadcast mask (a NaN after the query still goes).
+            e.view((p1 - p0) * g, r, q1)[..., q0:q1].tril_().add_(after)
+            # softmax's own max, exp, sum and scaling in one kernel
             torch.softmax(e, -1, out=e)
-            out[p0:p1, :, q0:q1] = torch.bmm(e, v32[p0:p1, :q1]).view(p1 - p0, g, r, fv)
+            if r == n:  # one chunk holds every query: the value product lands in place
+                torch.bmm(e, v32[p0:p1], out=out[p0:p1].view(p1 - p0, g * r, fv))
+            else:
+                out[p0:p1, :, q0:q1] = torch.bmm(e, v32[p0:p1, :q1]).view(p1 - p0, g, r, fv)
             if significance:
                 recv[p0:p1, :, :q1].baddbmm_(ones[: p1 - p0], e)  # sum over the chunk's queries
     out = out.view(b, hq, n, fv).to(query.dtype)
@@ -321,6 +327,9 @@ def span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """
     b, hq, nq, _ = query.shape
     hkv = key.shape[1]
+    if spans[0] == (0, nq) and len(set(spans)) == 1:  # no padding: one call, nothing to zero around it
+        o, r = causal_received(query, key, value, scaling, ws, significance=significance)
+        return o.transpose(1, 2).contiguous(), r
     out = query.new_zeros((b, nq, hq, value.shape[-1]))
     received = torch.zeros((b, hkv, nq), device=query.device) if significance else None
     groups = [(slice(0, b), spans[0])] if len(set(spans)) == 1 else \
@@ -469,8 +478,6 @@ def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     span runs :func:`span_attention` instead, which skips the masked blocks, takes the significance
     from the same softmax, and agrees with SDPA to fp32 rounding.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if not exact and query.device.type == "cpu" and (ordered or not significance) \
             and key.shape[2] == query.shape[2]:
         if attention_mask is None:
@@ -482,6 +489,7 @@ def prompt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
             spans = causal_spans(attention_mask, k_real, mask_memo)
         if spans is not None:
             return span_attention(query, key, value, spans, scaling, significance=significance, ws=ws)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     box: dict = {}
     capture = significance and ordered and query.device.type == "cpu"
