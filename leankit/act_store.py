@@ -401,7 +401,6 @@ class ActStore:
         act, pos = lay.read_blocks(self.cache.pool, ids.view(b, blocks, lay.slices),
                                    live=valid.view(b, blocks, lay.tokens))
         act, pos = act.view(b, n, -1), pos.view(b, n)
-        pos = torch.where(valid, pos, torch.zeros_like(pos))
         params = self.params[layer]
         # pages keep the dtype the cache was built with, the weights follow model.to(dtype): exact for a
         # downcast, and a 16-bit model's activations were stored exactly in wider pages

@@ -264,8 +264,8 @@ class ActLayout:
 
         Returns ``(act [..., T, hidden] in the model dtype, positions [..., T] int32)`` for every
         row of every block. Dead rows hold whatever bytes the page had: with ``live`` (bool
-        ``[..., T]``) the rows where it is False read as zeros instead, in the same pass that puts
-        the slices' channels back in hidden order. One gather of each page's activation bytes per
+        ``[..., T]``) the rows where it is False read as zeros instead (activations and position),
+        the activations in the same pass that puts the slices' channels back in hidden order. One gather of each page's activation bytes per
         block instead of a byte index per value, which is how attention reads a layer's ACT tokens
         every step.
         """
@@ -286,7 +286,10 @@ class ActLayout:
         act = act.reshape(*lead, g.tokens, g.hidden)
         pos = pool.storage[:, g.position_offset: g.position_offset + 4 * g.tokens].index_select(
             0, block_ids[..., 0].reshape(-1).long())  # every slice page holds the positions: the first one's
-        return act, pos.view(torch.int32).view(*lead, g.tokens)
+        pos = pos.view(torch.int32).view(*lead, g.tokens)
+        if live is not None:
+            pos = torch.where(live, pos, torch.zeros((), dtype=pos.dtype, device=pos.device))
+        return act, pos
 
 
 def _put_bytes(flat: torch.Tensor, index: torch.Tensor, data: torch.Tensor, ok: torch.Tensor | None) -> None:

@@ -117,7 +117,8 @@ def test_layout_write_with_keep_writes_only_kept_tokens(hidden, dtype, page_size
                                                     (40, torch.bfloat16, 2048), (576, torch.float32, 2048)])
 def test_read_blocks_is_read_of_every_row_and_zeroes_dead_rows(hidden, dtype, page_size):
     """Whole blocks read at once equal the per-token read of each of their rows; with ``live``, a
-    dead row reads as zeros whatever its bytes (NaN patterns included), a live one as without it."""
+    dead row reads as zeros whatever its bytes (NaN patterns included), position 0 included, a live
+    one as without it."""
     gen = torch.Generator().manual_seed(hidden + page_size)
     lay = ActLayout.build(hidden, dtype, page_size)
     lead = (3, 2)  # [rows of the batch, blocks]
@@ -139,8 +140,10 @@ def test_read_blocks_is_read_of_every_row_and_zeroes_dead_rows(hidden, dtype, pa
     live = torch.rand(*lead, lay.tokens, generator=gen) < 0.6
     live[0, 0] = False  # the NaN page's rows are dead
     masked, masked_pos = lay.read_blocks(pool, block_ids, live=live)
-    assert torch.equal(masked[live].view(torch.uint8), act[live].view(torch.uint8)) and torch.equal(masked_pos, pos)
+    assert torch.equal(masked[live].view(torch.uint8), act[live].view(torch.uint8))
+    assert torch.equal(masked_pos[live], pos[live])
     assert torch.equal(masked[~live], torch.zeros(int((~live).sum()), hidden, dtype=dtype))
+    assert torch.equal(masked_pos[~live], torch.zeros(int((~live).sum()), dtype=torch.int32))
     with pytest.raises(ValueError, match="live"):
         lay.read_blocks(pool, block_ids, live=live[..., 1:])
 
