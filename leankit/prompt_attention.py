@@ -282,10 +282,12 @@ def causal_received(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     pairs = b * hkv  # (sequence, KV head) pairs, each with its own keys
     ws = ws or Workspace()
     dev = query.device
+    # Both written in one pass from the model's strided views ([B, H, n, F] transposed from
+    # [B, n, H, F]), split but never merged across rows: merging B with H would copy them first.
     q_scaled = ws.get("causal_q", (pairs, g, n, f), torch.float32, dev)
-    torch.mul(query.reshape(pairs, g, n, f), scale, out=q_scaled)
+    torch.mul(query.reshape(b, hkv, g, n, f), scale, out=q_scaled.view(b, hkv, g, n, f))
     k_t = ws.get("causal_k", (pairs, f, n), torch.float32, dev)  # keys on the last dim
-    k_t.copy_(key.reshape(pairs, n, f).transpose(1, 2))
+    k_t.view(b, hkv, f, n).copy_(key.transpose(2, 3))
     v32 = value.reshape(pairs, n, fv)
     if v32.dtype != torch.float32:
         v32 = ws.get("causal_v", (pairs, n, fv), torch.float32, dev).copy_(v32)
