@@ -265,9 +265,9 @@ class ActLayout:
         Returns ``(act [..., T, hidden] in the model dtype, positions [..., T] int32)`` for every
         row of every block. Dead rows hold whatever bytes the page had: with ``live`` (bool
         ``[..., T]``) the rows where it is False read as zeros instead (activations and position),
-        the activations in the same pass that puts the slices' channels back in hidden order. One gather of each page's activation bytes per
-        block instead of a byte index per value, which is how attention reads a layer's ACT tokens
-        every step.
+        the activations in the same pass that puts the slices' channels back in hidden order. One
+        gather of each page's activation bytes per block instead of a byte index per value, which is
+        how attention reads a layer's ACT tokens every step.
         """
         g = self.geometry
         if pool.page_size != self.page_size:

@@ -942,8 +942,7 @@ class LeanKVPolicy(_Base):
         need = self._fit_pages(layers, new_lens[: len(cache.layouts)])
         # Every token of the step goes to the store with a keep mask, not a list of the kept ones
         # and gathered copies of their rows: the compiled store skips the others.
-        bi = torch.arange(b, device=k.device).view(b, 1, 1).expand(b, h, q).reshape(-1)
-        hi = torch.arange(h, device=k.device).view(1, h, 1).expand(b, h, q).reshape(-1)
+        _, bi, hi = _head_grid(layers, (1, b, h, q))  # each token's (row, head), in k's token order
         k_rows, v_rows = k.reshape(b * h * q, -1), v.reshape(b * h * q, -1)
         pos_rows, score_rows = pos.reshape(-1), score.reshape(-1)
         for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW)):
