@@ -163,6 +163,16 @@ class FreePageList:
         self.free_head += total
         return ids, offsets
 
+    def took(self, pages: int) -> None:
+        """Advance the head past ``pages`` ids that a compiled grant read from the ring in place
+        (``leankit/native/page_grants.c``), as :meth:`allocate` advances it past its own."""
+        self.free_head = self.free_head + pages
+
+    def returned(self, pages: int) -> None:
+        """Advance the tail past ``pages`` ids that a compiled recycle wrote into the ring in place,
+        as :meth:`release` advances it past its own."""
+        self.free_tail = self.free_tail + pages
+
     def release(self, ids: torch.Tensor) -> None:
         """Return page ids to the ring at ``free_tail`` (already prefix-sum ordered by the caller)."""
         ids = ids.reshape(-1)

@@ -1093,6 +1093,22 @@ class LeanCache(Cache):
             self._ensure_free(e.needed)
             table.grow(extra, self.free_list)
 
+    def fit_pages(self, layers: torch.Tensor, lens: torch.Tensor,
+                  reserve: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Give every head of ``layers`` the pages for ``lens`` ``[tiers, L', B, H]`` tokens per tier
+        (plus ``reserve[b]`` high slots) in one compiled call on a CPU
+        (:meth:`~leankit.page_table.BidirectionalPageTable.fit`), growing an elastic pool as
+        :meth:`grow_pages` does. Returns the pages each tier keeps, ``need`` ``[2, L', B, H]``, or
+        None, having done nothing, where the compiled kernels are not loaded."""
+        tokens = tuple(lay.tokens for lay in self.layouts)
+        try:
+            return self.table.fit(layers, lens, tokens, self.free_list, reserve)
+        except PoolExhausted as e:
+            if self.fixed_pool:
+                raise
+            self._ensure_free(e.needed)
+            return self.table.fit(layers, lens, tokens, self.free_list, reserve)
+
     def grow_for_tokens(self, n_new: torch.Tensor, tokens_per_page: int, q_len: int) -> None:
         """Reserve high-tier room for a step's new tokens (``n_new[b] <= q_len`` per row,
         ``tokens_per_page`` to a high page) in every layer and head, in one batched grant (LeanKV §5.3).
@@ -1226,6 +1242,20 @@ class LeanCache(Cache):
             quantize_into_pages(self.pool.storage, layout, page, off, k, v, pos, score, err=err)
         else:
             self.pool.write_tokens(layout, page, off, k, v, score, pos, keep=keep)
+
+    def store_classed(self, layer: int, tier: int, k: torch.Tensor, v: torch.Tensor, step, score: torch.Tensor,
+                      cls: torch.Tensor, rank: torch.Tensor, want: int) -> bool:
+        """A CPU prompt's tokens of class ``want`` of ``layer`` into ``tier``, in one compiled call
+        (:meth:`leankit.pages.PagePool.store_ranked`): token ``(b, h, q)`` (``k``/``v``
+        ``[B, H, Q, F]``, the basis the pages hold) to slot ``lens[b, h] + rank[b, h, q]`` of its
+        head's tier, with position ``step.q_pos[b, q]`` and significance ``score``; ``cls``,
+        ``rank`` and ``score`` ``[B, H, Q]`` as a prompt classification returns them. The counts
+        are left to the caller. Returns False, having done nothing, where the compiled kernels
+        cannot take the store."""
+        views = self.table.layer_views(layer)
+        first_col, col_step = self.table.tier_columns(tier)
+        return self.pool.store_ranked(self.layouts[tier], views.tables, first_col, col_step, views.tier_lens[tier],
+                                      k, v, step.q_pos, cls, rank, want, score)
 
     def write_step_tokens(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, score=None, *,
                           take: torch.Tensor | None = None, rank: torch.Tensor | None = None, tier: int = HIGH) -> None:

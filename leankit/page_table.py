@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-from .allocator import FreePageList, exclusive_cumsum
+from . import native
+from .allocator import FreePageList, PoolExhausted, exclusive_cumsum
 from .backend import use_triton
 
 HIGH, LOW = 0, 1
@@ -136,6 +137,14 @@ class BidirectionalPageTable:
             from leankit_kernels.page_alloc import grow_pages
 
             return grow_pages(self, extra, free_list, status=status, taken=taken)
+        compiled = self._compiled(free_list)
+        if compiled is not None:  # the same ids in the same columns, in one pass (native/page_grants.c)
+            code, total = compiled.grant_pages(self.tables, self.n_pages, extra.contiguous(), free_list.ring,
+                                               free_list.free_head, free_list.free_tail)
+            self._raise_refused(code, total, free_list)
+            if total:
+                free_list.took(total)
+            return None
         # One host read: the total, the row check and (if a deferred kernel moved them) the free
         # list's device counters.
         stale = free_list.stale
@@ -146,7 +155,7 @@ class BidirectionalPageTable:
             free_list.load(*values[3:])
         total, overflow, negative = values[0], values[1], values[2]
         if negative:  # the prefix sum would hand the same pages out twice
-            raise ValueError("a page demand is negative: grow only adds pages (shrink gives them back)")
+            raise ValueError(self._NEGATIVE)
         if total == 0:
             return
         if overflow:
@@ -188,7 +197,26 @@ class BidirectionalPageTable:
 
         grant_token_pages(self, n_new, tokens_per_page, free_list, status, taken=taken)
 
+    def _compiled(self, free_list) -> native.Kernels | None:
+        """The compiled kernels that grant and recycle this table's pages in place in the ring of
+        ``free_list`` (a CPU table, a plain :class:`FreePageList`), else None: the torch path, or the
+        kernel backend, or a free list that hands out ids of its own (the offload window's)."""
+        if use_triton(self.tables) or type(free_list) is not FreePageList:
+            return None
+        return native.kernels_for(self.tables.device)
+
     _OVERFLOW = "a sequence outgrew its page-table row ({} pages): raise max_seq_len of the LeanCache"
+    _NEGATIVE = "a page demand is negative: grow only adds pages (shrink gives them back)"
+
+    def _raise_refused(self, code: int, needed: int, free_list: FreePageList) -> None:
+        """Raise what the compiled grant's ``code`` means, in the torch path's words (0: granted)."""
+        if code == native.NEGATIVE_DEMAND:
+            raise ValueError(self._NEGATIVE)
+        if code == native.ROW_FULL:
+            raise ValueError(self._OVERFLOW.format(self.row_len))
+        if code == native.POOL_SHORT:
+            raise PoolExhausted(needed, free_list.num_free, free_list.capacity)
+        native.Kernels._check_result(code, "grant_pages")
 
     def _overflows(self, extra: torch.Tensor) -> torch.Tensor:
         """Device bool: granting ``extra[t, l, b, h]`` pages would make some head outgrow its row."""
@@ -221,6 +249,11 @@ class BidirectionalPageTable:
             from leankit_kernels.page_alloc import plan_tier_pages
 
             return plan_tier_pages(self, layers, lens, tokens, reserve)
+        compiled = native.kernels_for(self.tables.device)
+        if compiled is not None:  # one pass over the heads (native/page_grants.c)
+            return compiled.plan_pages(self.tables, self.n_pages, layers.long().contiguous(),
+                                       lens.long().contiguous(), tokens,
+                                       None if reserve is None else reserve.reshape(-1).long().contiguous())
         len_h = lens[HIGH].long() + (0 if reserve is None else reserve.view(1, -1, 1).long())
         need_h = ceil_div(len_h, tokens[0])
         two = len(tokens) > 1
@@ -232,6 +265,26 @@ class BidirectionalPageTable:
         extra[HIGH, layers] = (need_h - cur_h).clamp_min(0).to(extra.dtype)
         extra[LOW, layers] = (need_l - cur_l - r).clamp_min(0).to(extra.dtype)
         return torch.stack([need_h, need_l]), r, extra
+
+    def fit(self, layers: torch.Tensor, lens: torch.Tensor, tokens: tuple[int, ...], free_list: FreePageList,
+            reserve: torch.Tensor | None = None) -> torch.Tensor | None:
+        """:meth:`tier_plan`, then its grant (:meth:`move_tail`, then :meth:`grow`), in one compiled
+        call on a CPU (``native/page_grants.c``): the same ids in the same columns. Returns ``need``
+        as :meth:`tier_plan` does, or None, having done nothing, where the compiled kernels do not
+        take it (:meth:`_compiled`; the caller plans and grants in steps). Raises as :meth:`grow` does (``ValueError``
+        for a row that would overflow, :class:`~leankit.allocator.PoolExhausted` for a short pool),
+        with nothing changed."""
+        compiled = self._compiled(free_list)
+        if compiled is None:
+            return None
+        code, total, need = compiled.fit_pages(self.tables, self.n_pages, layers.long().contiguous(),
+                                               lens.long().contiguous(), tokens,
+                                               None if reserve is None else reserve.reshape(-1).long().contiguous(),
+                                               free_list.ring, free_list.free_head, free_list.free_tail)
+        self._raise_refused(code, total, free_list)
+        if total:
+            free_list.took(total)
+        return need
 
     def move_tail(self, layers: torch.Tensor, r: torch.Tensor) -> None:
         """Hand the last ``r[l', b, h]`` (emptied) high pages of each head of ``layers`` to its low
@@ -245,6 +298,10 @@ class BidirectionalPageTable:
             from leankit_kernels.page_alloc import move_tail_pages
 
             move_tail_pages(self, layers, r)
+            return
+        compiled = native.kernels_for(self.tables.device)
+        if compiled is not None:  # one pass over the heads (native/page_grants.c)
+            compiled.move_tail(self.tables, self.n_pages, layers.long().contiguous(), r.long().contiguous())
             return
         total = int(r.sum())
         if total == 0:
@@ -281,6 +338,13 @@ class BidirectionalPageTable:
             from leankit_kernels.page_alloc import shrink_pages
 
             return shrink_pages(self, keep, free_list, defer=True)
+        compiled = self._compiled(free_list)
+        if compiled is not None:  # the same ids back in the same order, in one pass (native/page_grants.c)
+            freed = compiled.recycle_pages(self.tables, self.n_pages, keep.contiguous(), free_list.ring,
+                                           free_list.free_head, free_list.free_tail)
+            if freed:
+                free_list.returned(freed)
+            return freed
         drop = (self.n_pages - keep).reshape(-1).long()
         total = int(drop.sum())
         if total == 0:
@@ -300,6 +364,22 @@ class BidirectionalPageTable:
         free_list.release(ids)
         self.n_pages.copy_(keep)
         return total
+
+    def settle(self, layers: torch.Tensor, lens: torch.Tensor, need: torch.Tensor, free_list: FreePageList) -> int | None:
+        """The end of a re-tiering of ``layers`` in one compiled call on a CPU
+        (``native/page_grants.c``): their token counts set to ``lens`` and every page past ``need``
+        (both ``[2, L', B, H]``) recycled, as ``lens.index_copy_`` then :meth:`shrink` of the same
+        pages would (the same ids back in the same order). Returns the pages freed, or None, having
+        done nothing, where the compiled kernels are not loaded."""
+        compiled = self._compiled(free_list)
+        if compiled is None:
+            return None
+        freed = compiled.settle_pages(self.tables, self.n_pages, self.lens, layers.long().contiguous(),
+                                      lens.long().contiguous(), need.long().contiguous(), free_list.ring,
+                                      free_list.free_head, free_list.free_tail)
+        if freed:
+            free_list.returned(freed)
+        return freed
 
     def release_sequences(self, seq_mask: torch.Tensor, free_list: FreePageList, defer: bool = False) -> int | None:
         """Return every page of the sequences where ``seq_mask[b]`` is true (finished requests).

@@ -506,6 +506,27 @@ class PagePool:
                            k_fmt, v_fmt, layout.group_size)
         return True
 
+    def store_ranked(self, layout: PageLayout, table: torch.Tensor, first_col: int, col_step: int,
+                     lens: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, cls: torch.Tensor,
+                     rank: torch.Tensor, want: int, score: torch.Tensor) -> bool:
+        """A classified prompt's tokens of class ``want`` of one layer (``k``/``v``
+        ``[B, H, Q, head_dim]``) into their heads' tier, in one compiled call
+        (:meth:`leankit.native.Kernels.store_ranked`): token ``(b, h, q)`` goes to slot
+        ``lens[b, h] + rank[b, h, q]``, on the page in column ``first_col + col_step * (slot //
+        tokens)`` of its row of ``table`` (int32 ``[B, H, R]``), with position ``q_pos[b, q]`` and
+        significance ``score[b, h, q]``; ``lens`` (int32 ``[B, H]``) is left as it is. Returns
+        False, having done nothing, where the compiled kernels cannot take the store; NaN/Inf K/V
+        raise :class:`~leankit.quant.NonFiniteKVError` with nothing written."""
+        kernels, k_fmt, v_fmt = self._native_store(layout)
+        if kernels is None:
+            return False
+        batch, nq = k.shape[0], k.shape[2]
+        kernels.store_ranked(self.storage, table, first_col, col_step, lens, layout.tokens, layout.seg_offsets,
+                             k.float().contiguous(), v.float().contiguous(), q_pos.reshape(batch, nq).long().contiguous(),
+                             cls.contiguous(), rank.contiguous(), want, score.float().contiguous(), k_fmt, v_fmt,
+                             layout.group_size)
+        return True
+
     def read_rows(self, layout: PageLayout, page_ids: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
         """Bytes ``[n, bytes]`` of segment ``name`` of the slots ``slots`` of pages ``page_ids``."""
         return self.segment_view(layout, name)[page_ids.long(), slots.long()]

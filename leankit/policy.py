@@ -208,6 +208,41 @@ def plan_unified(scores: torch.Tensor, tier: torch.Tensor, valid: torch.Tensor, 
     return new, tau_l, tau_h
 
 
+def prompt_classes(received: torch.Tensor, q_pos: torch.Tensor, real: torch.Tensor, q_last: torch.Tensor,
+                   pruned_mass: torch.Tensor, lens: torch.Tensor, window: int, th: float, tl: float):
+    """LeanKV's prompt-phase rule (§4) for one layer's prompt, every (sequence, KV head) at once:
+    :func:`plan_unified` with nothing classified yet, on the significance each token's page keeps.
+
+    ``received`` float ``[B, H, Q]``: each token's attention mass received over the prompt;
+    ``q_pos`` int and ``real`` bool ``[B, Q]``; ``q_last`` int ``[B]`` each row's last real
+    position; ``pruned_mass`` float ``[B, H]``; ``lens`` int ``[2, B, H]`` the tokens each head
+    holds per tier (high, low) before the prompt; ``window`` recent tokens kept high; ``th >= tl``
+    the cumulative thresholds. Returns ``(score fp32 [B, H, Q], cls int8 [B, H, Q], rank int64
+    [B, H, Q], new_lens int64 [2, 1, B, H], pruned fp32 [B, H])``: the fp16-rounded significance
+    (the running mean :func:`update_significance` gives a token's first step), the class
+    (``KEEP_HIGH``/``KEEP_LOW``/``PRUNED``, ``-1`` on padding), each kept token's index among its
+    head's kept tokens of its tier in arrival order (its slot past the head's count), the heads'
+    counts once the kept tokens are stored and the significance pruned. The compiled CPU twin is
+    :meth:`leankit.native.Kernels.prompt_classes`, the GPU one
+    :func:`leankit_kernels.prompt_plan.prompt_classes`.
+    """
+    bsz, heads, nq = received.shape
+    pos = q_pos.long().view(bsz, 1, nq).expand(bsz, heads, nq)
+    last = q_last.long().view(bsz, 1, 1)
+    score = (received.float() / (last - pos + 1).clamp_min(1).float()).to(torch.float16).float()
+    valid = real.view(bsz, 1, nq).expand(bsz, heads, nq)
+    cand = valid & (pos <= last - window)
+    pm = pruned_mass.float()
+    total = _masked_sum(score, valid) + pm
+    cls, _, _ = plan_unified(score, HIGH, valid, cand, None, total, pm, th, tl)
+    take = [(cls == c) for c in (KEEP_HIGH, KEEP_LOW)]
+    ranks = [torch.cumsum(t.long(), -1) - 1 for t in take]
+    rank = torch.where(take[1], ranks[1], ranks[0])
+    new_lens = torch.stack([lens[i].long() + t.sum(-1) for i, t in enumerate(take)]).unsqueeze(1)
+    pruned = _masked_sum(score, cls == PRUNED)
+    return score, cls.to(torch.int8), rank, new_lens, pruned
+
+
 # ============================================================================ page mechanics
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over the last dim where ``mask`` holds (dead slots may hold any bytes, NaN included)."""
@@ -719,6 +754,10 @@ class _Base:
         """Give every head of ``layers`` the pages for ``lens`` ``[tiers, L', B, H]`` tokens per tier
         (plan, check, grant). Returns the page counts ``need`` ``[2, L', B, H]`` that
         :meth:`_set_lens_and_shrink` trims to once the tokens are written."""
+        if not use_triton(lens):  # a CPU's compiled plan and grant, one call (None without the kernels)
+            need = self.cache.fit_pages(layers, lens, reserve)
+            if need is not None:
+                return need
         need, r, extra = self._tier_plan_checked(layers, lens, reserve)
         self._grant_pages(layers, r, extra)
         return need
@@ -731,6 +770,8 @@ class _Base:
         ``ok``: the device flag of a deferred grant (kernel backend): where it is false the counts
         and pages stay as they were, and the recycle is deferred too (no host read)."""
         table = self.cache.table
+        if ok is None and table.settle(layers, lens, need, self.cache.free_list) is not None:
+            return  # a CPU's compiled pass (None without the kernels)
         keep = table.n_pages.clone()
         new = lens.to(table.lens.dtype)
         need = need.to(keep.dtype)
@@ -916,45 +957,42 @@ class LeanKVPolicy(_Base):
         q_last = self._span[2]
         layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
         if use_triton(k):
-            # the rule below in one launch (leankit_kernels.prompt_plan), then the store
-            from leankit_kernels.prompt_plan import prompt_classes
+            # the prompt rule (prompt_classes) in one launch (leankit_kernels.prompt_plan), then the store
+            from leankit_kernels.prompt_plan import prompt_classes as classify_launch
 
-            score, cls, rank, new_lens, pruned = prompt_classes(
+            score, cls, rank, new_lens, pruned = classify_launch(
                 received, step.q_pos, step.real, q_last, self.pruned_mass[layer], cache.table.lens[:, layer],
                 self.window, self.th, self.tl)
             self.pruned_mass[layer] += self._store_prompt_fixed(layer, layers, k, v, step, score, cls, rank, new_lens,
                                                                 pruned)
             return
-        b, h, q = received.shape
-        pos = step.q_pos.long().view(b, 1, q).expand(b, h, q)
-        # update_significance from a zero score is the received mass over the queries that saw the
-        # token (the same bits, with fewer launches)
-        score = received / (q_last.view(b, 1, 1) - pos + 1).clamp_min(1).to(received.dtype)
-        score = score.to(torch.float16).float()  # classify on the value the page keeps
-        valid = step.real.view(b, 1, q).expand(b, h, q)
-        cand = valid & (pos <= (q_last - self.window).view(b, 1, 1))
-        total = _masked_sum(score, valid) + self.pruned_mass[layer]
-        cls, _, _ = plan_unified(score, HIGH, valid, cand, None, total, self.pruned_mass[layer], self.th, self.tl)
-        lens = cache.table.lens[:, layer].long()  # [2, B, H]
-        counts = [(cls == c).sum(-1) for c in (KEEP_HIGH, KEEP_LOW)]  # cls is -1 on invalid slots
-        len_h, len_l = (lens[HIGH] + counts[0]).unsqueeze(0), (lens[LOW] + counts[1]).unsqueeze(0)
-        new_lens = torch.stack((len_h, len_l))
+        # On a CPU the rule and the store run compiled (native/prompt_store.c, page_grants.c): a
+        # short prompt's layer is otherwise about a hundred small tensor ops for a few hundred tokens.
+        compiled = native.kernels_for(k.device)
+        classify = prompt_classes if compiled is None else compiled.prompt_classes
+        score, cls, rank, new_lens, pruned = classify(received.float(), step.q_pos, step.real, q_last,
+                                                      self.pruned_mass[layer], cache.table.lens[:, layer],
+                                                      self.window, self.th, self.tl)
         need = self._fit_pages(layers, new_lens[: len(cache.layouts)])
-        # Every token of the step goes to the store with a keep mask, not a list of the kept ones
-        # and gathered copies of their rows: the compiled store skips the others.
-        _, bi, hi = _head_grid(layers, (1, b, h, q))  # each token's (row, head), in k's token order
-        k_rows, v_rows = k.reshape(b * h * q, -1), v.reshape(b * h * q, -1)
-        pos_rows, score_rows = pos.reshape(-1), score.reshape(-1)
-        for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW)):
-            take = valid & (cls == c)
-            if not bool(take.any()):  # one host read, as listing the kept tokens was
+        rows = None
+        for tier, c in ((HIGH, KEEP_HIGH), (LOW, KEEP_LOW))[: len(cache.layouts)]:
+            if cache.store_classed(layer, tier, k, v, step, score, cls, rank, c):
                 continue
-            # a kept token's slot: its head's count plus its rank among the head's kept tokens (a
-            # token not kept names a slot of its head's pages, or slot 0, and is skipped)
-            slot = (lens[tier].unsqueeze(-1) + torch.cumsum(take, -1) - 1).clamp_min_(0)
+            # The torch store: every token of the step with a keep mask, at its head's count plus
+            # its rank (a token not kept names a slot of its head's pages, or slot 0, and is skipped).
+            take = cls == c
+            if not bool(take.any()):  # one host read
+                continue
+            if rows is None:
+                b, h, q = received.shape
+                _, bi, hi = _head_grid(layers, (1, b, h, q))  # each token's (row, head), in k's token order
+                pos = step.q_pos.long().view(b, 1, q).expand(b, h, q)
+                rows = (bi, hi, k.reshape(b * h * q, -1), v.reshape(b * h * q, -1), pos.reshape(-1), score.reshape(-1))
+            bi, hi, k_rows, v_rows, pos_rows, score_rows = rows
+            slot = (cache.table.lens[tier, layer].long().unsqueeze(-1) + rank).clamp_min_(0)
             cache.write_tokens(tier, layer, bi, hi, slot.reshape(-1), k_rows, v_rows, pos_rows, score_rows,
                                keep=take.reshape(-1))
-        self.pruned_mass[layer] += _masked_sum(score, valid & (cls == PRUNED))
+        self.pruned_mass[layer] += pruned
         self._set_lens_and_shrink(layers, new_lens, need)
 
     def _store_prompt_fixed(self, layer: int, layers: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step,

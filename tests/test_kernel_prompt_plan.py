@@ -8,42 +8,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton / leankit_kernels are impo
 import pytest
 import torch
 from leankit_kernels.prompt_plan import KEEP_HIGH, KEEP_LOW, PRUNED, prompt_classes, prompt_classes_ref
-from leankit_kernels.testing import fresh_generator
+from leankit_kernels.testing import assert_same_prompt_classes, fresh_generator, prompt_rule_inputs
 
 from leankit.policy import significance_cutoffs
-
-NAMES = ("score", "cls", "rank", "new_lens", "pruned")
-
-
-def _inputs(batch, heads, nq, gen, ties: bool, pruned: bool):
-    """Left-padded rows (positions count real tokens only), received mass with a long tail (or
-    drawn from a few values, so many scores tie at the cut-offs), counts already held per tier."""
-    pad = torch.randint(0, max(1, nq // 3), (batch,), generator=gen)
-    real = torch.arange(nq).view(1, -1) >= pad.view(-1, 1)
-    real &= torch.rand(batch, nq, generator=gen) > 0.05  # a few holes too
-    start = torch.randint(0, 50, (batch, 1), generator=gen)
-    pos = (start + torch.cumsum(real.long(), 1) - 1).clamp_min(0)
-    q_last = torch.where(real, pos, torch.full_like(pos, -(1 << 30))).amax(1)
-    if ties:
-        received = torch.randint(0, 4, (batch, heads, nq), generator=gen).float() * 0.5
-    else:
-        received = torch.rand(batch, heads, nq, generator=gen) ** 4 * 8
-    pm = torch.rand(batch, heads, generator=gen) * 3 if pruned else torch.zeros(batch, heads)
-    lens = torch.randint(0, 40, (2, batch, heads), generator=gen, dtype=torch.int32)
-    return received, pos.to(torch.int32), real, q_last, pm, lens
-
-
-def _assert_same(got, want, real, seed):
-    for name, g, w in zip(NAMES, got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape, g.dtype, w.dtype)
-    score, cls, rank, new_lens, pruned = got
-    valid = real.unsqueeze(1).expand_as(cls)
-    assert torch.equal(score[valid], want[0][valid]), f"score (seed {seed})"
-    assert torch.equal(cls, want[1]), f"classes (seed {seed}): {(cls != want[1]).sum()} differ"
-    kept = (cls == KEEP_HIGH) | (cls == KEEP_LOW)
-    assert torch.equal(rank[kept], want[2][kept]), f"ranks (seed {seed})"
-    assert torch.equal(new_lens, want[3]), f"counts (seed {seed})"
-    torch.testing.assert_close(pruned, want[4], rtol=1e-5, atol=1e-6, msg=f"pruned mass (seed {seed})")
 
 
 @pytest.mark.parametrize("batch,heads,nq,block", [(1, 1, 1, None), (3, 2, 37, None), (2, 3, 301, 64),
@@ -54,11 +21,11 @@ def test_prompt_classes_match_reference(batch, heads, nq, block, th, tl, ties, p
     """Every output equals the torch rule's, over tiles of any count (``block`` below the prompt
     length), thresholds no token reaches, heads with mass already pruned and tied scores."""
     gen, seed = fresh_generator()
-    received, pos, real, q_last, pm, lens = _inputs(batch, heads, nq, gen, ties, pruned)
+    received, pos, real, q_last, pm, lens = prompt_rule_inputs(batch, heads, nq, gen, ties, pruned)
     window = int(torch.randint(0, 6, (1,), generator=gen))
     got = prompt_classes(received, pos, real, q_last, pm, lens, window, th, tl, block=block)
     want = prompt_classes_ref(received, pos, real, q_last, pm, lens, window, th, tl)
-    _assert_same(got, want, real, seed)
+    assert_same_prompt_classes(got, want, real, seed)
 
 
 def test_prompt_classes_fill_every_output_of_a_poisoned_launch(monkeypatch):
@@ -68,9 +35,9 @@ def test_prompt_classes_fill_every_output_of_a_poisoned_launch(monkeypatch):
 
     testing.poison_outputs(monkeypatch)
     gen, seed = fresh_generator()
-    received, pos, real, q_last, pm, lens = _inputs(2, 3, 45, gen, False, True)
+    received, pos, real, q_last, pm, lens = prompt_rule_inputs(2, 3, 45, gen, False, True)
     got = prompt_classes(received, pos, real, q_last, pm, lens, 2, 0.3, 0.1, block=32)
-    _assert_same(got, prompt_classes_ref(received, pos, real, q_last, pm, lens, 2, 0.3, 0.1), real, seed)
+    assert_same_prompt_classes(got, prompt_classes_ref(received, pos, real, q_last, pm, lens, 2, 0.3, 0.1), real, seed)
 
 
 def test_prompt_classes_follow_the_cumulative_rule():
@@ -106,11 +73,11 @@ def test_prompt_classes_single_tier_prunes_only():
     reaches 0.2 of the total prunes nothing (the random ``pm`` of the others, up to 3, does that
     for about 0.6% of seeds)."""
     gen, seed = fresh_generator()
-    received, pos, real, q_last, pm, lens = _inputs(2, 3, 50, gen, False, True)
+    received, pos, real, q_last, pm, lens = prompt_rule_inputs(2, 3, 50, gen, False, True)
     pm[0, 0] = 0.0
     got = prompt_classes(received, pos, real, q_last, pm, lens, 3, 0.2, 0.2)
     assert not (got[1] == KEEP_LOW).any() and (got[1] == PRUNED).any(), f"seed {seed}"
-    _assert_same(got, prompt_classes_ref(received, pos, real, q_last, pm, lens, 3, 0.2, 0.2), real, seed)
+    assert_same_prompt_classes(got, prompt_classes_ref(received, pos, real, q_last, pm, lens, 3, 0.2, 0.2), real, seed)
 
 
 def test_prompt_classes_check_shapes():

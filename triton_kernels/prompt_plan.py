@@ -204,23 +204,10 @@ def prompt_classes(received: torch.Tensor, q_pos: torch.Tensor, real: torch.Tens
 
 def prompt_classes_ref(received: torch.Tensor, q_pos: torch.Tensor, real: torch.Tensor, q_last: torch.Tensor,
                        pruned_mass: torch.Tensor, lens: torch.Tensor, window: int, th: float, tl: float):
-    """Plain-PyTorch reference of :func:`prompt_classes` (same arguments and results), on
-    :func:`leankit.policy.plan_unified`'s prompt-phase rule."""
-    from leankit.page_table import HIGH
-    from leankit.policy import plan_unified
+    """Plain-PyTorch reference of :func:`prompt_classes` (same arguments and results):
+    :func:`leankit.policy.prompt_classes`, the prompt-phase rule of
+    :func:`leankit.policy.plan_unified`."""
+    from leankit.policy import prompt_classes as rule
 
-    bsz, heads, nq = _check(received, q_pos, real, q_last, pruned_mass, lens)
-    pos = q_pos.long().view(bsz, 1, nq).expand(bsz, heads, nq)
-    last = q_last.long().view(bsz, 1, 1)
-    score = (received.float() / (last - pos + 1).clamp_min(1).float()).to(torch.float16).float()
-    valid = real.view(bsz, 1, nq).expand(bsz, heads, nq)
-    cand = valid & (pos <= last - window)
-    pm = pruned_mass.float()
-    total = torch.where(valid, score, torch.zeros_like(score)).sum(-1) + pm
-    cls, _, _ = plan_unified(score, HIGH, valid, cand, None, total, pm, th, tl)
-    take = [(cls == c) for c in (KEEP_HIGH, KEEP_LOW)]
-    ranks = [torch.cumsum(t.long(), -1) - 1 for t in take]
-    rank = torch.where(take[1], ranks[1], ranks[0])
-    new_lens = torch.stack([lens[i].long() + t.sum(-1) for i, t in enumerate(take)]).unsqueeze(1)
-    pruned = torch.where(cls == PRUNED, score, torch.zeros_like(score)).sum(-1)
-    return score, cls.to(torch.int8), rank, new_lens, pruned
+    _check(received, q_pos, real, q_last, pruned_mass, lens)
+    return rule(received, q_pos, real, q_last, pruned_mass, lens, window, th, tl)

@@ -157,6 +157,47 @@ def fresh_generator() -> tuple[torch.Generator, int]:
     return torch.Generator().manual_seed(seed), seed
 
 
+PROMPT_CLASS_OUTPUTS = ("score", "cls", "rank", "new_lens", "pruned")
+
+
+def prompt_rule_inputs(batch: int, heads: int, nq: int, gen: torch.Generator, ties: bool, pruned: bool):
+    """Inputs of a prompt classification (``leankit.policy.prompt_classes`` and its compiled
+    twins): left-padded rows (positions count real tokens only) with a few holes, received mass
+    with a long tail (or drawn from a few values, so many scores tie at the cut-offs), mass already
+    pruned (or none) and counts already held per tier. Returns ``(received, q_pos, real, q_last,
+    pruned_mass, lens)``."""
+    pad = torch.randint(0, max(1, nq // 3), (batch,), generator=gen)
+    real = torch.arange(nq).view(1, -1) >= pad.view(-1, 1)
+    real &= torch.rand(batch, nq, generator=gen) > 0.05  # a few holes too
+    start = torch.randint(0, 50, (batch, 1), generator=gen)
+    pos = (start + torch.cumsum(real.long(), 1) - 1).clamp_min(0)
+    q_last = torch.where(real, pos, torch.full_like(pos, -(1 << 30))).amax(1)
+    if ties:
+        received = torch.randint(0, 4, (batch, heads, nq), generator=gen).float() * 0.5
+    else:
+        received = torch.rand(batch, heads, nq, generator=gen) ** 4 * 8
+    pm = torch.rand(batch, heads, generator=gen) * 3 if pruned else torch.zeros(batch, heads)
+    lens = torch.randint(0, 40, (2, batch, heads), generator=gen, dtype=torch.int32)
+    return received, pos.to(torch.int32), real, q_last, pm, lens
+
+
+def assert_same_prompt_classes(got, want, real: torch.Tensor, seed: int) -> None:
+    """Two prompt classifications agree: the same significance on real tokens, classes, ranks of
+    the kept tokens and counts, and the pruned mass within fp32 summation order."""
+    from leankit.policy import KEEP_HIGH, KEEP_LOW
+
+    for name, g, w in zip(PROMPT_CLASS_OUTPUTS, got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape, g.dtype, w.dtype)
+    score, cls, rank, new_lens, pruned = got
+    valid = real.unsqueeze(1).expand_as(cls)
+    assert torch.equal(score[valid], want[0][valid]), f"score (seed {seed})"
+    assert torch.equal(cls, want[1]), f"classes (seed {seed}): {(cls != want[1]).sum()} differ"
+    kept = (cls == KEEP_HIGH) | (cls == KEEP_LOW)
+    assert torch.equal(rank[kept], want[2][kept]), f"ranks (seed {seed})"
+    assert torch.equal(new_lens, want[3]), f"counts (seed {seed})"
+    torch.testing.assert_close(pruned, want[4], rtol=1e-5, atol=1e-6, msg=f"pruned mass (seed {seed})")
+
+
 def tolerance(dtype: torch.dtype) -> float:
     """Normwise relative tolerance of a kernel result against the fp32 reference.
 

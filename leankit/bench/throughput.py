@@ -287,12 +287,16 @@ class LeanKind:
         longer than the run)."""
         cache = self.make(model, budget, len(longest) + new_tokens, fixed=False)
         free_list, peak = cache.free_list, [0]
-        allocate, mark_stale = free_list.allocate, free_list.mark_stale
+        allocate, took, mark_stale = free_list.allocate, free_list.took, free_list.mark_stale
 
         def tracked(demand):  # instance attributes, gone with this calibration cache
             out = allocate(demand)
             peak[0] = max(peak[0], free_list.capacity - free_list.num_free)
             return out
+
+        def tracked_compiled(pages):  # a CPU's compiled grant takes ids from the ring in place
+            took(pages)
+            peak[0] = max(peak[0], free_list.capacity - free_list.num_free)
 
         def tracked_kernel(taken=None):
             # the kernel backend grants pages on the device, not through allocate: it marks the host
@@ -300,7 +304,7 @@ class LeanKind:
             mark_stale(taken)
             peak[0] = max(peak[0], free_list.capacity - free_list.num_free)
 
-        free_list.allocate, free_list.mark_stale = tracked, tracked_kernel
+        free_list.allocate, free_list.took, free_list.mark_stale = tracked, tracked_compiled, tracked_kernel
         generate(model, cache, [longest], new_tokens, pad)
         bar.update(1)
         plain = plain_row_bytes(model, len(longest) + new_tokens)

@@ -110,7 +110,7 @@ POLICY_METHODS = ("begin_step", "update_scores", "after_store", "end_step", "app
 def lean_targets() -> list[tuple]:
     """What :func:`patched` wraps to break a LeanCache step down (see :data:`CATEGORIES`).
 
-    * ``alloc``: ``LeanCache.grow_pages``, ``BidirectionalPageTable.grow``/``shrink``,
+    * ``alloc``: ``LeanCache.grow_pages``, ``BidirectionalPageTable.grow``/``shrink``/``fit``/``settle``,
       ``FreePageList.allocate``/``release``;
     * ``store``: every policy's ``store`` (quantize the step's tokens into pages), less nested allocation;
     * ``policy``: every policy's ``begin_step``, ``update_scores``, ``after_store``, ``end_step``,
@@ -125,7 +125,8 @@ def lean_targets() -> list[tuple]:
     from ..policy import _Base
 
     targets = [(LeanCache, "grow_pages", "alloc"), (BidirectionalPageTable, "grow", "alloc"),
-               (BidirectionalPageTable, "shrink", "alloc"), (FreePageList, "allocate", "alloc"),
+               (BidirectionalPageTable, "shrink", "alloc"), (BidirectionalPageTable, "fit", "alloc"),
+               (BidirectionalPageTable, "settle", "alloc"), (FreePageList, "allocate", "alloc"),
                (FreePageList, "release", "alloc"), (LeanCache, "attend", "attention"),
                (LeanCache, "begin_step", "setup"), (LeanCache, "end_step", "setup"), (LeanCache, "_store", "setup")]
     for cls in _classes(_Base):

@@ -1,4 +1,4 @@
-"""Compiled CPU kernels for the decode step, built from C on first use.
+"""Compiled CPU kernels (decode step, page accounting, LeanKV prompt store), built from C on first use.
 
 The torch path of decode attention over live pages (:mod:`leankit.decode_attention`) spends most
 of its time outside arithmetic: every code becomes an fp32 element in memory before a matmul can
@@ -13,6 +13,11 @@ per layer. ``store_tokens.c`` quantizes a step's new tokens straight into their 
 ``decode_step.c`` composes them into one call per layer for a decode step's attention (list the
 live pages, both passes, finish) and one for its store (find each new token's slot from the page
 table, store, advance the counts), so a layer's fixed work is not a string of small tensor ops.
+``page_grants.c`` does the bidirectional page table's accounting (plan, grant, hand-over of
+emptied high pages to the low side, recycle) in one pass each, and ``prompt_store.c`` a LeanKV
+prompt's layer: the prompt-phase classification per head and the store of each tier's kept tokens
+at their ranked slots, the CPU twins of ``leankit_kernels.prompt_plan`` and
+``leankit_kernels.quant.store_step_tokens``.
 Dense (unquantized) sides are read and stored in place too, in the model's dtype
 (:data:`DENSE_FORMATS`), so the lossless ``FP16`` config takes the same path.
 
@@ -65,7 +70,15 @@ ERRORS = {
     -6: (NonFiniteKVError, "KV values exceed the fp16 range of the quantization metadata"),
     -7: (ValueError, "a significance update needs the slots' positions, validity, scores and row weights"),
     -8: (NonFiniteKVError, "query or key states contain NaN or Inf; refusing to store them in the cache"),
+    # The page accounting's codes (page_grants.c); leankit.page_table raises its own words for them.
+    -9: (ValueError, "a page demand is negative"),
+    -10: (ValueError, "a page grant would give a row more pages than it has columns"),
+    -11: (RuntimeError, "the free list holds fewer pages than the grant asks for"),
+    -12: (RuntimeError, "releasing more pages than are in use: double free"),
+    -13: (ValueError, "a hand-over or plan names a layer, or moves pages, outside the page table"),
 }
+# Codes the page accounting returns for its caller to word (leankit.page_table).
+NEGATIVE_DEMAND, ROW_FULL, POOL_SHORT = -9, -10, -11
 # Element formats of a dense (unquantized) page side, as the kernels' ``bits`` argument (formats.h):
 # the model's own values, read as they are. Quantized sides pass their code width (1, 2, 4 or 8).
 DENSE_FORMATS = {torch.float16: 16, torch.bfloat16: 17, torch.float32: 32}
@@ -277,6 +290,21 @@ class Kernels:
         lib.lk_store_step.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i32, i32, i32, i32, i32, i32, ptr,
                                       ptr, ptr, ptr, ptr, ptr, i32]
         lib.lk_store_step.restype = i32
+        i64p = ctypes.POINTER(ctypes.c_int64)
+        lib.lk_grant_pages.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64p]
+        lib.lk_recycle_pages.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64p]
+        lib.lk_move_tail.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr]
+        lib.lk_plan_pages.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr, i64, i64, ptr, ptr, ptr]
+        lib.lk_fit_pages.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i32, ptr, i64, i64, ptr, i64, i64,
+                                     i64, ptr, i64p]
+        lib.lk_prompt_classes.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                          i64, ctypes.c_double, ctypes.c_double, ptr, ptr, ptr, ptr, ptr]
+        lib.lk_store_ranked.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i32, i32, i32, i32, i32,
+                                        ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, i32]
+        lib.lk_settle_pages.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64p]
+        for fn in (lib.lk_grant_pages, lib.lk_recycle_pages, lib.lk_move_tail, lib.lk_plan_pages, lib.lk_fit_pages,
+                   lib.lk_settle_pages, lib.lk_prompt_classes, lib.lk_store_ranked):
+            fn.restype = i32
         lib.lk_parallel.restype = i32
         lib.lk_specialized.argtypes = [i32, i32, i32]
         lib.lk_specialized.restype = i32
@@ -593,6 +621,220 @@ class Kernels:
                                           q_first.data_ptr(), q_last.data_ptr(), has.data_ptr(),
                                           torch.get_num_threads())
         self._check_result(code, "update_scores")
+
+    # ---------------------------------------------------------------- page accounting (page_grants.c)
+    @staticmethod
+    def _table_args(tables: torch.Tensor, n_pages: torch.Tensor, *counts: torch.Tensor) -> tuple[int, int]:
+        """Check a page table (int32 ``[L, B, H, R]``), its counts (int32 ``[2, L, B, H]``) and the
+        per-side ``counts`` shaped like them, all contiguous on the CPU; return ``(rows, R)``."""
+        # written out, not as generators over the tensors: a decode step makes several of these calls
+        shape = n_pages.shape
+        ok = (tables.dtype == torch.int32 and tables.dim() == 4 and tables.is_contiguous() and tables.is_cpu
+              and n_pages.dtype == torch.int32 and shape[0] == 2 and shape[1:] == tables.shape[:3]
+              and n_pages.is_contiguous() and n_pages.is_cpu)
+        for c in counts:
+            ok = ok and c.dtype == torch.int32 and c.shape == shape and c.is_contiguous() and c.is_cpu
+        if not ok:
+            raise ValueError("native page accounting: want int32 tables [L, B, H, R] and int32 [2, L, B, H] page "
+                             "counts, all contiguous on the CPU")
+        return n_pages[0].numel(), tables.shape[3]
+
+    @staticmethod
+    def _ring_args(ring: torch.Tensor, head: int, tail: int) -> list:
+        if not (ring.dtype == torch.int32 and ring.dim() == 1 and ring.is_contiguous() and ring.is_cpu
+                and 0 <= tail - head <= ring.numel()):
+            raise ValueError("native page accounting: want an int32 [capacity] ring on the CPU and "
+                             "0 <= tail - head <= capacity")
+        return [ring.data_ptr(), ring.numel(), head, tail]
+
+    def grant_pages(self, tables: torch.Tensor, n_pages: torch.Tensor, extra: torch.Tensor, ring: torch.Tensor,
+                    head: int, tail: int) -> tuple[int, int]:
+        """Give side ``t`` of every (layer, sequence, head) row ``extra[t, l, b, h]`` more pages,
+        taken in ring order from the free ids ``ring[c % capacity]``, ``head <= c < tail``: the ids
+        and columns of :meth:`leankit.page_table.BidirectionalPageTable.grow`'s torch path, in one
+        pass. ``tables`` and ``n_pages`` are written in place. Returns ``(code, pages)``: ``code``
+        0 (granted; the caller advances its head by ``pages``), :data:`NEGATIVE_DEMAND`,
+        :data:`ROW_FULL` or :data:`POOL_SHORT` (nothing changed); ``pages`` the pages asked for."""
+        rows, row_len = self._table_args(tables, n_pages, extra)
+        total = ctypes.c_int64(0)
+        code = self._lib.lk_grant_pages(tables.data_ptr(), n_pages.data_ptr(), extra.data_ptr(), rows, row_len,
+                                        *self._ring_args(ring, head, tail), ctypes.byref(total))
+        return code, total.value
+
+    def recycle_pages(self, tables: torch.Tensor, n_pages: torch.Tensor, keep: torch.Tensor, ring: torch.Tensor,
+                      head: int, tail: int) -> int:
+        """Return every page past ``keep[t, l, b, h]`` (at most ``n_pages``) of each side to the ring
+        at ``tail``, clear its column and set ``n_pages`` to ``keep``: the order of
+        :meth:`leankit.page_table.BidirectionalPageTable.shrink`'s torch path, in one pass. Returns
+        the pages freed (the caller advances its tail by them); raises ``RuntimeError`` on a double
+        free, with nothing changed."""
+        rows, row_len = self._table_args(tables, n_pages, keep)
+        freed = ctypes.c_int64(0)
+        code = self._lib.lk_recycle_pages(tables.data_ptr(), n_pages.data_ptr(), keep.data_ptr(), rows, row_len,
+                                          *self._ring_args(ring, head, tail), ctypes.byref(freed))
+        self._check_result(code, "recycle_pages")
+        return freed.value
+
+    @staticmethod
+    def _layer_args(tables: torch.Tensor, layers: torch.Tensor, per_layer: torch.Tensor) -> None:
+        shape = per_layer.shape
+        ok = (layers.dtype == per_layer.dtype == torch.int64 and layers.dim() == 1 and per_layer.dim() >= 3
+              and shape[-3] == layers.numel() and shape[-2:] == tables.shape[1:3]
+              and layers.is_contiguous() and per_layer.is_contiguous() and layers.is_cpu and per_layer.is_cpu)
+        if not ok:
+            raise ValueError("native page accounting: want int64 layers [L'] and int64 [..., L', B, H] counts, "
+                             "contiguous")
+
+    def move_tail(self, tables: torch.Tensor, n_pages: torch.Tensor, layers: torch.Tensor, r: torch.Tensor) -> None:
+        """Hand the last ``r[l', b, h]`` high pages of each row of ``layers`` to its low side, as
+        :meth:`leankit.page_table.BidirectionalPageTable.move_tail`'s torch path does, in one pass.
+        Raises ``ValueError`` (nothing moved) for a layer outside the table or an ``r`` outside
+        ``[0, n_pages[HIGH]]``."""
+        self._table_args(tables, n_pages)
+        self._layer_args(tables, layers, r)
+        heads = tables.shape[1] * tables.shape[2]
+        code = self._lib.lk_move_tail(tables.data_ptr(), n_pages.data_ptr(), tables.shape[0], heads,
+                                      tables.shape[3], layers.data_ptr(), layers.numel(), r.data_ptr())
+        self._check_result(code, "move_tail")
+
+    def plan_pages(self, tables: torch.Tensor, n_pages: torch.Tensor, layers: torch.Tensor, lens: torch.Tensor,
+                   tokens: tuple[int, ...], reserve: torch.Tensor | None):
+        """:meth:`leankit.page_table.BidirectionalPageTable.tier_plan` in one pass: ``lens`` int64
+        ``[tiers, L', B, H]`` (a row per page size in ``tokens``), ``reserve`` int64 ``[B]`` or None. Returns ``(need int64
+        [2, L', B, H], r int64 [L', B, H], extra int32 [2, L, B, H])``."""
+        self._table_args(tables, n_pages)
+        self._layer_args(tables, layers, lens)
+        tiers = len(tokens)  # one page size per side given: a single side needs no low pages
+        b = tables.shape[1]
+        ok = (lens.dim() == 4 and tiers in (1, 2) and lens.shape[0] >= tiers and min(tokens) > 0
+              and (reserve is None or (reserve.dtype == torch.int64 and reserve.shape == (b,)
+                                       and reserve.is_contiguous())))
+        if not ok:
+            raise ValueError("native plan_pages: want 1 or 2 positive page sizes, lens int64 [tiers, L', B, H] "
+                             "with a row for each, and reserve int64 [B] or None")
+        need = torch.empty((2, *lens.shape[1:]), dtype=torch.int64)
+        r = torch.empty(lens.shape[1:], dtype=torch.int64)
+        extra = torch.empty_like(n_pages)
+        heads = tables.shape[1] * tables.shape[2]
+        code = self._lib.lk_plan_pages(n_pages.data_ptr(), tables.shape[0], heads, tables.shape[2], layers.data_ptr(),
+                                       layers.numel(), lens.data_ptr(), tiers,
+                                       None if reserve is None else reserve.data_ptr(), tokens[0],
+                                       tokens[1] if tiers > 1 else 1, need.data_ptr(), r.data_ptr(), extra.data_ptr())
+        self._check_result(code, "plan_pages")
+        return need, r, extra
+
+    def fit_pages(self, tables: torch.Tensor, n_pages: torch.Tensor, layers: torch.Tensor, lens: torch.Tensor,
+                  tokens: tuple[int, ...], reserve: torch.Tensor | None, ring: torch.Tensor, head: int,
+                  tail: int) -> tuple[int, int, torch.Tensor]:
+        """:meth:`plan_pages`, then its grant (:meth:`move_tail` of the surplus high pages, then
+        :meth:`grant_pages` of the rest), in one call, with the grant's checks made before anything
+        moves. Returns ``(code, pages, need)`` as :meth:`grant_pages` returns its first two (a
+        refused call changes nothing) and ``need`` int64 ``[2, L', B, H]`` the pages each side keeps."""
+        self._table_args(tables, n_pages)
+        self._layer_args(tables, layers, lens)
+        tiers = len(tokens)
+        b = tables.shape[1]
+        ok = (lens.dim() == 4 and tiers in (1, 2) and lens.shape[0] >= tiers and min(tokens) > 0
+              and (reserve is None or (reserve.dtype == torch.int64 and reserve.shape == (b,)
+                                       and reserve.is_contiguous())))
+        if not ok:
+            raise ValueError("native fit_pages: want 1 or 2 positive page sizes, lens int64 [tiers, L', B, H] "
+                             "with a row for each, and reserve int64 [B] or None")
+        need = torch.empty((2, *lens.shape[1:]), dtype=torch.int64)
+        taken = ctypes.c_int64(0)
+        code = self._lib.lk_fit_pages(tables.data_ptr(), n_pages.data_ptr(), tables.shape[0],
+                                      tables.shape[1] * tables.shape[2], tables.shape[2], tables.shape[3],
+                                      layers.data_ptr(), layers.numel(), lens.data_ptr(), tiers,
+                                      None if reserve is None else reserve.data_ptr(), tokens[0],
+                                      tokens[1] if tiers > 1 else 1, *self._ring_args(ring, head, tail),
+                                      need.data_ptr(), ctypes.byref(taken))
+        return code, taken.value, need
+
+    def settle_pages(self, tables: torch.Tensor, n_pages: torch.Tensor, lens: torch.Tensor, layers: torch.Tensor,
+                     new_lens: torch.Tensor, need: torch.Tensor, ring: torch.Tensor, head: int, tail: int) -> int:
+        """The end of a re-tiering of the rows of ``layers`` in one pass: their token counts
+        (``lens`` int32 ``[2, L, B, H]``) set to ``new_lens`` and the pages past ``need`` (both int64
+        ``[2, L', B, H]``) recycled to the ring at ``tail`` as :meth:`recycle_pages` does, in its
+        order. Returns the pages freed; raises ``ValueError`` (a layer outside the table, a negative
+        need) or ``RuntimeError`` (a double free) with nothing changed."""
+        self._table_args(tables, n_pages, lens)
+        self._layer_args(tables, layers, new_lens)
+        self._layer_args(tables, layers, need)
+        if not (new_lens.shape[0] == need.shape[0] == 2 and new_lens.dim() == need.dim() == 4):
+            raise ValueError("native settle_pages: want new_lens and need int64 [2, L', B, H]")
+        freed = ctypes.c_int64(0)
+        code = self._lib.lk_settle_pages(tables.data_ptr(), n_pages.data_ptr(), lens.data_ptr(), tables.shape[0],
+                                         tables.shape[1] * tables.shape[2], tables.shape[3], layers.data_ptr(),
+                                         layers.numel(), new_lens.data_ptr(), need.data_ptr(),
+                                         *self._ring_args(ring, head, tail), ctypes.byref(freed))
+        self._check_result(code, "settle_pages")
+        return freed.value
+
+    # ---------------------------------------------------------------- LeanKV prompt store (prompt_store.c)
+    def prompt_classes(self, received: torch.Tensor, q_pos: torch.Tensor, real: torch.Tensor, q_last: torch.Tensor,
+                       pruned_mass: torch.Tensor, lens: torch.Tensor, window: int, th: float, tl: float):
+        """LeanKV's prompt-phase classification of one layer (``prompt_store.c``): the CPU twin of
+        :func:`leankit_kernels.prompt_plan.prompt_classes`, with the same arguments and results
+        (``received`` fp32 ``[B, H, Q]``, ``q_pos`` integer and ``real`` bool ``[B, Q]``, ``q_last``
+        integer ``[B]``, ``pruned_mass`` fp32 ``[B, H]``, ``lens`` int32 ``[2, B, H]``). Returns
+        ``(score fp32 [B, H, Q], cls int8 [B, H, Q], rank int64 [B, H, Q], new_lens int64
+        [2, 1, B, H], pruned fp32 [B, H])``."""
+        bsz, heads, nq = received.shape if received.dim() == 3 else (-1, -1, -1)
+        ok = (received.dtype == pruned_mass.dtype == torch.float32 and lens.dtype == torch.int32
+              and real.dtype == torch.bool and not q_pos.is_floating_point() and not q_last.is_floating_point()
+              and q_pos.shape == real.shape == (bsz, nq) and q_last.shape == (bsz,)
+              and pruned_mass.shape == (bsz, heads) and lens.shape == (2, bsz, heads)
+              and all(x.is_cpu for x in (received, q_pos, real, q_last, pruned_mass, lens)))
+        if not ok:
+            raise ValueError("native prompt_classes: want received fp32 [B, H, Q], integer q_pos and bool real "
+                             "[B, Q], integer q_last [B], pruned_mass fp32 [B, H] and lens int32 [2, B, H] on the CPU")
+        q_pos, q_last = q_pos.long().contiguous(), q_last.long().contiguous()
+        real, pruned_mass = real.contiguous(), pruned_mass.contiguous()
+        score = torch.empty((bsz, heads, nq), dtype=torch.float32)
+        cls = torch.empty((bsz, heads, nq), dtype=torch.int8)
+        rank = torch.empty((bsz, heads, nq), dtype=torch.int64)
+        new_lens = torch.empty((2, 1, bsz, heads), dtype=torch.int64)
+        pruned = torch.empty((bsz, heads), dtype=torch.float32)
+        code = self._lib.lk_prompt_classes(received.data_ptr(), *received.stride(), q_pos.data_ptr(), real.data_ptr(),
+                                           q_last.data_ptr(), pruned_mass.data_ptr(), lens.data_ptr(), *lens.stride(),
+                                           bsz, heads, nq, int(window), float(th), float(tl), score.data_ptr(),
+                                           cls.data_ptr(), rank.data_ptr(), new_lens.data_ptr(), pruned.data_ptr())
+        self._check_result(code, "prompt_classes")
+        return score, cls, rank, new_lens, pruned
+
+    def store_ranked(self, storage: torch.Tensor, table: torch.Tensor, first_col: int, col_step: int,
+                     lens: torch.Tensor, tokens: int, offsets: tuple, k: torch.Tensor, v: torch.Tensor,
+                     q_pos: torch.Tensor, cls: torch.Tensor, rank: torch.Tensor, want: int, score: torch.Tensor,
+                     k_bits: int, v_bits: int, group_size: int) -> None:
+        """The tokens of class ``want`` of a classified prompt into their tier (``prompt_store.c``),
+        byte for byte what :meth:`store_tokens` writes for the same slots: token ``(b, h, q)`` goes
+        to slot ``lens[b, h] + rank[b, h, q]`` of its head, on the page in column
+        ``first_col + col_step * (slot // tokens)`` of its row of ``table`` (int32 ``[B, H, R]``).
+        ``k``/``v`` fp32 ``[B, H, Q, F]``, ``q_pos`` int64 ``[B, Q]``, ``cls`` int8, ``rank`` int64
+        and ``score`` fp32 ``[B, H, Q]`` (as :meth:`prompt_classes` returns them), all contiguous;
+        ``lens`` int32 ``[B, H]`` is not advanced. Raises as :meth:`store_step` does, with nothing
+        written."""
+        b, h, nq, dim = k.shape if k.dim() == 4 else (-1, -1, -1, -1)
+        self._codes("k", k_bits, group_size, dim)
+        self._codes("v", v_bits, group_size, dim)
+        ok = (storage.dtype == torch.uint8 and storage.dim() == 2 and storage.is_contiguous()
+              and k.dtype == v.dtype == score.dtype == torch.float32 and v.shape == k.shape
+              and table.dtype == lens.dtype == torch.int32 and table.dim() == 3 and table.shape[:2] == lens.shape == (b, h)
+              and q_pos.dtype == rank.dtype == torch.int64 and q_pos.shape == (b, nq) and cls.dtype == torch.int8
+              and cls.shape == rank.shape == score.shape == (b, h, nq) and len(offsets) == 6)
+        for x in (storage, table, lens, k, v, q_pos, cls, rank, score):
+            ok = ok and x.is_contiguous() and x.is_cpu
+        if not ok:
+            raise ValueError("native store_ranked: want a contiguous uint8 pool, fp32 [B, H, Q, F] k and v, int32 "
+                             "[B, H, R] table and [B, H] lens, int64 [B, Q] q_pos, int8 cls, int64 rank and fp32 "
+                             "score [B, H, Q], all contiguous on the CPU")
+        offs = self._offsets_tensor(offsets)
+        code = self._lib.lk_store_ranked(storage.data_ptr(), storage.shape[1], storage.shape[0], table.data_ptr(),
+                                         table.shape[2], first_col, col_step, lens.data_ptr(), b * h, h, nq, tokens,
+                                         dim, k_bits, v_bits, group_size, offs.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                         q_pos.data_ptr(), cls.data_ptr(), rank.data_ptr(), int(want), score.data_ptr(),
+                                         torch.get_num_threads())
+        self._check_result(code, "store_ranked", bad_page="a kept token's slot has no page in its page-table row")
 
 
 def kernels() -> Kernels | None:

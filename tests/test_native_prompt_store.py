@@ -1,0 +1,197 @@
+"""The compiled LeanKV prompt store (``leankit.native``, ``prompt_store.c``) against the torch path
+it replaces on a CPU: the prompt-phase rule (:func:`leankit.policy.prompt_classes`) output for
+output, and the ranked store (``lk_store_ranked``) byte for byte against the per-token store
+(``lk_store_tokens``, itself checked against the torch encoder in ``test_native_store.py``) at the
+slots the ranks name.
+"""
+
+import pytest
+import torch
+from leankit_kernels.testing import assert_same_prompt_classes, fresh_generator, prompt_rule_inputs
+
+from leankit import native
+from leankit.allocator import FreePageList
+from leankit.config import KVConfig
+from leankit.page_table import BidirectionalPageTable
+from leankit.pages import PageLayout, PagePool
+from leankit.policy import KEEP_HIGH, KEEP_LOW, PRUNED, prompt_classes
+from leankit.quant import NonFiniteKVError
+
+kernels = native.kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler for leankit.native")
+
+
+@pytest.mark.parametrize("batch,heads,nq", [(1, 1, 1), (3, 2, 37), (2, 3, 301), (1, 5, 1000)])
+@pytest.mark.parametrize("th,tl", [(0.25, 0.0), (0.4, 0.1), (0.3, 0.3), (0.95, 0.6), (0.0, 0.0), (1.5, 1.2)])
+@pytest.mark.parametrize("ties,pruned", [(False, False), (True, True)])
+def test_prompt_classes_match_the_torch_rule(batch, heads, nq, th, tl, ties, pruned):
+    """Every output equals the torch rule's, for thresholds no token reaches, heads with mass
+    already pruned and tied scores."""
+    gen, seed = fresh_generator()
+    received, pos, real, q_last, pm, lens = prompt_rule_inputs(batch, heads, nq, gen, ties, pruned)
+    window = int(torch.randint(0, 6, (1,), generator=gen))
+    got = kernels.prompt_classes(received, pos, real, q_last, pm, lens, window, th, tl)
+    assert_same_prompt_classes(got, prompt_classes(received, pos, real, q_last, pm, lens, window, th, tl), real, seed)
+
+
+def test_prompt_classes_read_strided_inputs():
+    """The model's significance as a strided view and one layer's counts sliced out of the page
+    table's ``[2, L, B, H]`` are read in place, with the results of contiguous copies."""
+    gen, seed = fresh_generator()
+    received, pos, real, q_last, pm, lens = prompt_rule_inputs(2, 3, 45, gen, False, True)
+    strided = received.transpose(1, 2).contiguous().transpose(1, 2)
+    table_lens = torch.randint(0, 9, (2, 4, 2, 3), generator=gen, dtype=torch.int32)
+    table_lens[:, 2] = lens
+    got = kernels.prompt_classes(strided, pos.long(), real, q_last, pm, table_lens[:, 2], 2, 0.3, 0.1)
+    assert_same_prompt_classes(got, prompt_classes(received, pos, real, q_last, pm, lens, 2, 0.3, 0.1), real, seed)
+
+
+def test_prompt_classes_take_non_finite_significance_as_the_torch_rule_does():
+    """A NaN or infinite received mass carries no mass to the cut-offs; NaN passes none of them
+    (pruned, as ``nan >= tau`` is false) and a NaN total makes Z = 1, on both paths."""
+    gen, seed = fresh_generator()
+    received, pos, real, q_last, pm, lens = prompt_rule_inputs(2, 2, 40, gen, False, False)
+    real[:] = True
+    pos = torch.arange(40, dtype=torch.int32).expand(2, 40).contiguous()
+    q_last = torch.full((2,), 39)
+    received[0, 0, 3] = float("inf")
+    received[0, 1, 5] = float("-inf")
+    received[1, 0, 7] = float("nan")
+    got = kernels.prompt_classes(received, pos, real, q_last, pm, lens, 2, 0.3, 0.1)
+    want = prompt_classes(received, pos, real, q_last, pm, lens, 2, 0.3, 0.1)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[3], want[3]), f"seed {seed}"
+    assert got[1][1, 0, 7] == PRUNED and got[1][0, 0, 3] == KEEP_HIGH
+
+
+def test_prompt_classes_refuse_bad_shapes():
+    received, pos, real = torch.rand(2, 3, 5), torch.zeros(2, 5, dtype=torch.int32), torch.ones(2, 5, dtype=torch.bool)
+    q_last, pm, lens = torch.zeros(2, dtype=torch.long), torch.zeros(2, 3), torch.zeros(2, 2, 3, dtype=torch.int32)
+    for bad in ((received[0], pos, real, q_last, pm, lens), (received, pos[:, :4], real, q_last, pm, lens),
+                (received.double(), pos, real, q_last, pm, lens), (received, pos, real, q_last, pm, lens[0])):
+        with pytest.raises(ValueError, match="prompt_classes"):
+            kernels.prompt_classes(*bad, 1, 0.3, 0.1)
+
+
+def _store_case(gen, spec, tier, batch, heads, nq, dim, tokens_free=2):
+    """A layer's page table with room for every head's count plus its prompt, a pool of random
+    bytes, and a classified random prompt."""
+    cfg = KVConfig.parse(spec)
+    layout = PageLayout.build(cfg, tier, dim, torch.float32)
+    lens = torch.randint(0, 3 * layout.tokens, (2, batch, heads), generator=gen, dtype=torch.int32)
+    row_len = 2 * (-(-(lens.max().item() + nq) // layout.tokens) + tokens_free)
+    table = BidirectionalPageTable(1, batch, heads, row_len, "cpu")
+    free = FreePageList(table.tables.numel())
+    extra = torch.zeros_like(table.n_pages)
+    extra[tier, 0] = -(-(lens[tier] + nq) // layout.tokens)
+    table.grow(extra, free)
+    pool = PagePool(free.capacity, cfg.page_size, torch.device("cpu"))
+    pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, dtype=torch.uint8, generator=gen))
+    k = torch.randn(batch, heads, nq, dim, generator=gen) * 3
+    v = torch.randn(batch, heads, nq, dim, generator=gen)
+    cls = torch.randint(-1, 3, (batch, heads, nq), generator=gen).to(torch.int8)
+    take = [(cls == c).long() for c in (KEEP_HIGH, KEEP_LOW)]
+    rank = torch.where(cls == KEEP_LOW, take[1].cumsum(-1), take[0].cumsum(-1)) - 1
+    q_pos = torch.randint(0, 1 << 20, (batch, nq), generator=gen)
+    score = torch.rand(batch, heads, nq, generator=gen) * 3
+    return layout, table, pool, lens, k, v, cls, rank, q_pos, score
+
+
+@pytest.mark.parametrize("spec,tier", [("K8V4-K4V2", 0), ("K8V4-K4V2", 1), ("K4V2:group_size=32", 0), ("FP16", 0)])
+@pytest.mark.parametrize("batch,heads,nq", [(1, 1, 1), (2, 3, 29), (3, 2, 130)])
+def test_store_ranked_writes_what_store_tokens_writes_at_the_ranked_slots(spec, tier, batch, heads, nq):
+    gen, seed = fresh_generator()
+    dim = 64
+    layout, table, pool, lens, k, v, cls, rank, q_pos, score = _store_case(gen, spec, tier, batch, heads, nq, dim)
+    want_cls = KEEP_LOW if tier else KEEP_HIGH
+    k_fmt = native.side_format(layout.precision.k_bits, layout.dense_dtype)
+    v_fmt = native.side_format(layout.precision.v_bits, layout.dense_dtype)
+    first, step = table.tier_columns(tier)
+    expected = pool.storage.clone()
+    # the per-token store at the slots the ranks name
+    b, h = torch.meshgrid(torch.arange(batch), torch.arange(heads), indexing="ij")
+    b, h = b.reshape(-1, 1).expand(-1, nq).reshape(-1), h.reshape(-1, 1).expand(-1, nq).reshape(-1)
+    slot = (lens[tier].long().unsqueeze(-1) + rank).clamp_min(0).reshape(-1)
+    page, off = table.locate(tier, 0, b, h, slot, layout.tokens)
+    page = torch.where(cls.reshape(-1) == want_cls, page.long(), -1)
+    kernels.store_tokens(expected, layout.tokens, layout.seg_offsets, page.contiguous(), off.long().contiguous(),
+                         k.reshape(-1, dim), v.reshape(-1, dim),
+                         q_pos.unsqueeze(1).expand(batch, heads, nq).reshape(-1).to(torch.int32).contiguous(),
+                         score.reshape(-1), k_fmt, v_fmt, layout.group_size)
+    lens_before = lens.clone()
+    kernels.store_ranked(pool.storage, table.tables[0], first, step, lens[tier].contiguous(), layout.tokens,
+                         layout.seg_offsets, k, v, q_pos, cls, rank, want_cls, score, k_fmt, v_fmt, layout.group_size)
+    assert torch.equal(pool.storage, expected), f"seed {seed}"
+    assert torch.equal(lens, lens_before)
+
+
+def test_store_ranked_refuses_with_nothing_written():
+    """A kept token whose slot has no page, and a NaN key, are refused before any byte moves."""
+    gen, seed = fresh_generator()
+    layout, table, pool, lens, k, v, cls, rank, q_pos, score = _store_case(gen, "K8V4", 0, 2, 2, 17, 64)
+    cls[:] = KEEP_HIGH
+    rank = torch.arange(17).expand(2, 2, 17).contiguous()
+    k_fmt = native.side_format(layout.precision.k_bits, layout.dense_dtype)
+    v_fmt = native.side_format(layout.precision.v_bits, layout.dense_dtype)
+    before = pool.storage.clone()
+    args = (layout.tokens, layout.seg_offsets)
+    far = rank + 10 * table.row_len * layout.tokens  # past every page of the row
+    with pytest.raises(ValueError, match="no page"):
+        kernels.store_ranked(pool.storage, table.tables[0], 0, 1, lens[0].contiguous(), *args, k, v, q_pos, cls, far,
+                             KEEP_HIGH, score, k_fmt, v_fmt, layout.group_size)
+    k[1, 1, 16, 3] = float("nan")
+    with pytest.raises(NonFiniteKVError):
+        kernels.store_ranked(pool.storage, table.tables[0], 0, 1, lens[0].contiguous(), *args, k, v, q_pos, cls, rank,
+                             KEEP_HIGH, score, k_fmt, v_fmt, layout.group_size)
+    assert torch.equal(pool.storage, before), f"seed {seed}"
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])
+@pytest.mark.parametrize("spec", ["K8V4-K4V2:th=0.25,tl=0,group_size=16,rotate=1,window=8",
+                                  "K8V4-K4V2:th=0.3,tl=0.05,window=8", "K8V4-K4V2:th=0.5,tl=0.2,window=0",
+                                  "K8V4:policy=leankv,tl=0.2,window=8"])
+def test_a_prompt_stored_compiled_leaves_the_cache_the_torch_path_leaves(monkeypatch, kind, spec):
+    """A left-padded batch's prefill through the LeanKV policy: the compiled classification, page
+    grants, ranked stores and recycle leave the same pool bytes, page tables, counts and pruned
+    mass as the torch path (``kernels_for`` switched off)."""
+    import leankit.native
+    from leankit import KVConfig, LeanCache
+    from leankit.hf import cache_kwargs, enable
+    from leankit.testing import left_padded_batch, tiny_model
+
+    model = tiny_model(kind)
+    enable(model)
+    ids, mask = left_padded_batch(rows=3, width=57, seed=len(spec), pad_step=9)
+    caches = []
+    for compiled in (True, False):
+        with monkeypatch.context() as m:
+            if not compiled:
+                m.setattr(leankit.native, "kernels_for", lambda device: None)
+            cache = LeanCache(model, KVConfig.parse(spec), max_seq_len=80)
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+            caches.append(cache)
+    got, want = caches
+    pruned = want.policy.pruned_mass
+    assert (want.table.lens[1] > 0).any() == ("K4V2" in spec), "the case sends no token low"
+    assert pruned.gt(0).any() == ("tl=0," not in spec), "the case prunes nothing"
+    assert torch.equal(got.table.lens, want.table.lens) and torch.equal(got.table.n_pages, want.table.n_pages)
+    assert torch.equal(got.table.tables, want.table.tables)
+    for a, b in zip(_live_slots(got), _live_slots(want)):  # a free slot's bytes are whatever the pool held
+        assert torch.equal(a, b)
+    assert (got.free_list.free_head, got.free_list.free_tail) == (want.free_list.free_head, want.free_list.free_tail)
+    torch.testing.assert_close(got.policy.pruned_mass, pruned, rtol=1e-5, atol=1e-6)
+
+
+def _live_slots(cache):
+    """Every stored token's bytes (each segment of each tier's live slots, in slot order)."""
+    from leankit.pages import SEGMENTS
+    from leankit.policy import locate_slots, read_tier_meta
+
+    layers = torch.arange(cache.table.shape[0])
+    out = []
+    for tier, layout in enumerate(cache.layouts):
+        meta = read_tier_meta(cache, tier, layers)
+        lay, b, h, slot = meta.valid.nonzero(as_tuple=True)
+        page, off = locate_slots(cache.table, tier, lay, b, h, slot, layout.tokens)
+        out += [cache.pool.read_rows(layout, page, off, name) for name, nb in zip(SEGMENTS, layout.seg_bytes) if nb]
+    return out
