@@ -422,6 +422,8 @@ class _Base:
             return
         if not dense and k.shape[2] == 1 and cache.store_decode_tokens(layer, k, v, step, received):
             return  # a CPU decode step: one compiled call finds each token's slot, stores it, advances the counts
+        if not dense and k.shape[2] > 1 and self._store_ranked(layer, k, v, step, received):
+            return  # a CPU step of several tokens: one compiled call, each real token at its row's rank
         rows = self._store_rows(step, k.shape[0], k.shape[1], k.shape[2], k.device, dense)
         if rows is None:
             return
@@ -446,6 +448,33 @@ class _Base:
             slot, k_rows, v_rows = lens[b_rep, h_idx] + rank, k[b_rep, h_idx, q_rep], v[b_rep, h_idx, q_rep]
         cache.write_tokens(HIGH, layer, b_rep, h_idx, slot, k_rows, v_rows, pos, score, keep=keep)
         lens += step.n_new.view(-1, 1).to(lens.dtype)
+
+    def _store_ranked(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, received) -> bool:
+        """:meth:`store` of a CPU step of several tokens in one compiled call
+        (:meth:`LeanCache.store_classed`): every real token of ``k``/``v`` ``[B, H, Q, F]`` to its
+        head's next high slot plus its rank among its row's real tokens, then the counts advanced.
+        The same slots, bytes and scores as the row lists of :meth:`_store_rows`, without them.
+        Returns False, having done nothing, where the compiled kernels cannot take the store."""
+        cache = self.cache
+        b, h, q = k.shape[:3]
+        key = ("store_ranked", b, h, q)
+        if key not in step.derived:  # the same for every layer of the step
+            real = step.real.view(b, 1, q).expand(b, h, q)
+            step.derived[key] = (torch.where(real, KEEP_HIGH, -1).to(torch.int8),
+                                 step.rank.long().view(b, 1, q).expand(b, h, q).contiguous())
+        cls, rank = step.derived[key]
+        zeros = torch.zeros((b, h, q), device=k.device)
+        if received is None:
+            score = zeros
+        else:  # the running mean of a token no query has seen yet, after this step's queries (§4)
+            _, q_first, q_last = self._query_span(step)
+            pos = step.q_pos.view(b, 1, q).expand(b, h, q)
+            score = update_significance(zeros, pos, received.float(), q_first.view(b, 1, 1), q_last.view(b, 1, 1))
+        if not cache.store_classed(layer, HIGH, k, v, step, score, cls, rank, KEEP_HIGH):
+            return False
+        lens = cache.table.lens[HIGH, layer]
+        lens += step.n_new.view(-1, 1).to(lens.dtype)
+        return True
 
     def _store_rows(self, step, batch: int, heads: int, q_len: int, device, dense: bool):
         """The step's new tokens as one row per (token, KV head), the same for every layer, so

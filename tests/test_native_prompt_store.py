@@ -148,11 +148,14 @@ def test_store_ranked_refuses_with_nothing_written():
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen3"])
 @pytest.mark.parametrize("spec", ["K8V4-K4V2:th=0.25,tl=0,group_size=16,rotate=1,window=8",
                                   "K8V4-K4V2:th=0.3,tl=0.05,window=8", "K8V4-K4V2:th=0.5,tl=0.2,window=0",
-                                  "K8V4:policy=leankv,tl=0.2,window=8"])
+                                  "K8V4:policy=leankv,tl=0.2,window=8", "K8V4", "FP16"])
 def test_a_prompt_stored_compiled_leaves_the_cache_the_torch_path_leaves(monkeypatch, kind, spec):
-    """A left-padded batch's prefill through the LeanKV policy: the compiled classification, page
-    grants, ranked stores and recycle leave the same pool bytes, page tables, counts and pruned
-    mass as the torch path (``kernels_for`` switched off)."""
+    """A left-padded batch's prefill, then a second turn of several tokens: through the LeanKV
+    policy the compiled classification, page grants, ranked stores and recycle, and through every
+    policy the compiled store of a step's tokens at their ranks, leave the same pool bytes, page
+    tables, counts and pruned mass as the torch path (``kernels_for`` switched off). After the turn
+    only the first layer's keys and values are compared byte for byte: the later layers' come from
+    attention over the pages, which the compiled passes sum in another order."""
     import leankit.native
     from leankit import KVConfig, LeanCache
     from leankit.hf import cache_kwargs, enable
@@ -161,37 +164,52 @@ def test_a_prompt_stored_compiled_leaves_the_cache_the_torch_path_leaves(monkeyp
     model = tiny_model(kind)
     enable(model)
     ids, mask = left_padded_batch(rows=3, width=57, seed=len(spec), pad_step=9)
-    caches = []
-    for compiled in (True, False):
-        with monkeypatch.context() as m:
-            if not compiled:
-                m.setattr(leankit.native, "kernels_for", lambda device: None)
-            cache = LeanCache(model, KVConfig.parse(spec), max_seq_len=80)
-            with torch.no_grad():
-                model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
-            caches.append(cache)
-    got, want = caches
-    pruned = want.policy.pruned_mass
-    assert (want.table.lens[1] > 0).any() == ("K4V2" in spec), "the case sends no token low"
-    assert pruned.gt(0).any() == ("tl=0," not in spec), "the case prunes nothing"
-    assert torch.equal(got.table.lens, want.table.lens) and torch.equal(got.table.n_pages, want.table.n_pages)
-    assert torch.equal(got.table.tables, want.table.tables)
-    for a, b in zip(_live_slots(got), _live_slots(want)):  # a free slot's bytes are whatever the pool held
-        assert torch.equal(a, b)
-    assert (got.free_list.free_head, got.free_list.free_tail) == (want.free_list.free_head, want.free_list.free_tail)
-    torch.testing.assert_close(got.policy.pruned_mass, pruned, rtol=1e-5, atol=1e-6)
+    turn = torch.randint(3, 90, (3, 6), generator=torch.Generator().manual_seed(1))
+    steps = [(ids, mask), (turn, torch.cat([mask, torch.ones_like(turn)], 1))]
+    caches = [LeanCache(model, KVConfig.parse(spec), max_seq_len=80) for _ in range(2)]
+    ranked, store_ranked = [0], leankit.native.Kernels.store_ranked
+
+    def counted(self, *args):
+        ranked[0] += 1
+        return store_ranked(self, *args)
+
+    monkeypatch.setattr(leankit.native.Kernels, "store_ranked", counted)
+    for i, (step_ids, step_mask) in enumerate(steps):
+        for cache, compiled in zip(caches, (True, False)):
+            with monkeypatch.context() as m, torch.no_grad():
+                if not compiled:
+                    m.setattr(leankit.native, "kernels_for", lambda device: None)
+                ranked[0] = 0
+                model(input_ids=step_ids, attention_mask=step_mask, **cache_kwargs(model, cache), use_cache=True)
+                assert (ranked[0] > 0) == compiled, "the compiled run stores through lk_store_ranked"
+        got, want = caches
+        if i == 0 and ("K4V2" in spec or "leankv" in spec):
+            pruned = want.policy.pruned_mass
+            assert (want.table.lens[1] > 0).any() == ("K4V2" in spec), "the case sends no token low"
+            assert pruned.gt(0).any() == ("tl=0," not in spec), "the case prunes nothing"
+            torch.testing.assert_close(got.policy.pruned_mass, pruned, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got.table.lens, want.table.lens) and torch.equal(got.table.n_pages, want.table.n_pages)
+        assert torch.equal(got.table.tables, want.table.tables)
+        layers = None if i == 0 else [0]
+        for a, b in zip(_live_slots(got, layers), _live_slots(want, layers)):  # a free slot holds any bytes
+            assert torch.equal(a, b), f"step {i}"
+        assert (got.free_list.free_head, got.free_list.free_tail) == (want.free_list.free_head,
+                                                                      want.free_list.free_tail)
 
 
-def _live_slots(cache):
-    """Every stored token's bytes (each segment of each tier's live slots, in slot order)."""
+def _live_slots(cache, layers=None):
+    """The stored tokens' bytes (each segment of each tier's live slots, in slot order) of every
+    layer, or of ``layers`` without their significance (which attention over the pages feeds)."""
     from leankit.pages import SEGMENTS
     from leankit.policy import locate_slots, read_tier_meta
 
-    layers = torch.arange(cache.table.shape[0])
+    names = SEGMENTS if layers is None else [n for n in SEGMENTS if n != "score"]
+    layers = torch.arange(cache.table.shape[0]) if layers is None else torch.tensor(layers)
     out = []
     for tier, layout in enumerate(cache.layouts):
         meta = read_tier_meta(cache, tier, layers)
         lay, b, h, slot = meta.valid.nonzero(as_tuple=True)
-        page, off = locate_slots(cache.table, tier, lay, b, h, slot, layout.tokens)
-        out += [cache.pool.read_rows(layout, page, off, name) for name, nb in zip(SEGMENTS, layout.seg_bytes) if nb]
+        page, off = locate_slots(cache.table, tier, layers[lay], b, h, slot, layout.tokens)
+        out += [cache.pool.read_rows(layout, page, off, name) for name, nb in zip(SEGMENTS, layout.seg_bytes)
+                if nb and name in names]
     return out
