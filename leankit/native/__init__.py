@@ -697,21 +697,27 @@ class Kernels:
                                       tables.shape[3], layers.data_ptr(), layers.numel(), r.data_ptr())
         self._check_result(code, "move_tail")
 
+    def _plan_args(self, name: str, tables: torch.Tensor, n_pages: torch.Tensor, layers: torch.Tensor,
+                   lens: torch.Tensor, tokens: tuple[int, ...], reserve: torch.Tensor | None) -> int:
+        """Check a page plan's arguments (:meth:`plan_pages`); return its tier count, one per page
+        size in ``tokens`` (a single side needs no low pages)."""
+        self._table_args(tables, n_pages)
+        self._layer_args(tables, layers, lens)
+        tiers = len(tokens)
+        ok = (lens.dim() == 4 and tiers in (1, 2) and lens.shape[0] >= tiers and min(tokens) > 0
+              and (reserve is None or (reserve.dtype == torch.int64 and reserve.shape == (tables.shape[1],)
+                                       and reserve.is_contiguous())))
+        if not ok:
+            raise ValueError(f"native {name}: want 1 or 2 positive page sizes, lens int64 [tiers, L', B, H] "
+                             "with a row for each, and reserve int64 [B] or None")
+        return tiers
+
     def plan_pages(self, tables: torch.Tensor, n_pages: torch.Tensor, layers: torch.Tensor, lens: torch.Tensor,
                    tokens: tuple[int, ...], reserve: torch.Tensor | None):
         """:meth:`leankit.page_table.BidirectionalPageTable.tier_plan` in one pass: ``lens`` int64
-        ``[tiers, L', B, H]`` (a row per page size in ``tokens``), ``reserve`` int64 ``[B]`` or None. Returns ``(need int64
-        [2, L', B, H], r int64 [L', B, H], extra int32 [2, L, B, H])``."""
-        self._table_args(tables, n_pages)
-        self._layer_args(tables, layers, lens)
-        tiers = len(tokens)  # one page size per side given: a single side needs no low pages
-        b = tables.shape[1]
-        ok = (lens.dim() == 4 and tiers in (1, 2) and lens.shape[0] >= tiers and min(tokens) > 0
-              and (reserve is None or (reserve.dtype == torch.int64 and reserve.shape == (b,)
-                                       and reserve.is_contiguous())))
-        if not ok:
-            raise ValueError("native plan_pages: want 1 or 2 positive page sizes, lens int64 [tiers, L', B, H] "
-                             "with a row for each, and reserve int64 [B] or None")
+        ``[tiers, L', B, H]`` (a row per page size in ``tokens``), ``reserve`` int64 ``[B]`` or
+        None. Returns ``(need int64 [2, L', B, H], r int64 [L', B, H], extra int32 [2, L, B, H])``."""
+        tiers = self._plan_args("plan_pages", tables, n_pages, layers, lens, tokens, reserve)
         need = torch.empty((2, *lens.shape[1:]), dtype=torch.int64)
         r = torch.empty(lens.shape[1:], dtype=torch.int64)
         extra = torch.empty_like(n_pages)
@@ -730,16 +736,7 @@ class Kernels:
         :meth:`grant_pages` of the rest), in one call, with the grant's checks made before anything
         moves. Returns ``(code, pages, need)`` as :meth:`grant_pages` returns its first two (a
         refused call changes nothing) and ``need`` int64 ``[2, L', B, H]`` the pages each side keeps."""
-        self._table_args(tables, n_pages)
-        self._layer_args(tables, layers, lens)
-        tiers = len(tokens)
-        b = tables.shape[1]
-        ok = (lens.dim() == 4 and tiers in (1, 2) and lens.shape[0] >= tiers and min(tokens) > 0
-              and (reserve is None or (reserve.dtype == torch.int64 and reserve.shape == (b,)
-                                       and reserve.is_contiguous())))
-        if not ok:
-            raise ValueError("native fit_pages: want 1 or 2 positive page sizes, lens int64 [tiers, L', B, H] "
-                             "with a row for each, and reserve int64 [B] or None")
+        tiers = self._plan_args("fit_pages", tables, n_pages, layers, lens, tokens, reserve)
         need = torch.empty((2, *lens.shape[1:]), dtype=torch.int64)
         taken = ctypes.c_int64(0)
         code = self._lib.lk_fit_pages(tables.data_ptr(), n_pages.data_ptr(), tables.shape[0],
