@@ -1085,13 +1085,19 @@ class LeanCache(Cache):
         table = self.table if table is None else table
         if defer and self._deferred_grant(bound):
             return table.grow(extra, self.free_list, status=self._alloc_status, taken=bound)
+        self._grown_if_short(lambda: table.grow(extra, self.free_list))
+        return None
+
+    def _grown_if_short(self, grant):
+        """``grant()``; where it refused for a short pool and the pool is elastic, grow the pool
+        (:meth:`_ensure_free`) and call it once more. A fixed pool's refusal is raised as it is."""
         try:
-            table.grow(extra, self.free_list)
+            return grant()
         except PoolExhausted as e:
             if self.fixed_pool:
                 raise
             self._ensure_free(e.needed)
-            table.grow(extra, self.free_list)
+            return grant()
 
     def fit_pages(self, layers: torch.Tensor, lens: torch.Tensor,
                   reserve: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -1099,15 +1105,9 @@ class LeanCache(Cache):
         (plus ``reserve[b]`` high slots) in one compiled call on a CPU
         (:meth:`~leankit.page_table.BidirectionalPageTable.fit`), growing an elastic pool as
         :meth:`grow_pages` does. Returns the pages each tier keeps, ``need`` ``[2, L', B, H]``, or
-        None, having done nothing, where the compiled kernels are not loaded."""
+        None, having done nothing, where the compiled kernels do not take it."""
         tokens = tuple(lay.tokens for lay in self.layouts)
-        try:
-            return self.table.fit(layers, lens, tokens, self.free_list, reserve)
-        except PoolExhausted as e:
-            if self.fixed_pool:
-                raise
-            self._ensure_free(e.needed)
-            return self.table.fit(layers, lens, tokens, self.free_list, reserve)
+        return self._grown_if_short(lambda: self.table.fit(layers, lens, tokens, self.free_list, reserve))
 
     def grow_for_tokens(self, n_new: torch.Tensor, tokens_per_page: int, q_len: int) -> None:
         """Reserve high-tier room for a step's new tokens (``n_new[b] <= q_len`` per row,

@@ -141,9 +141,7 @@ class BidirectionalPageTable:
         if compiled is not None:  # the same ids in the same columns, in one pass (native/page_grants.c)
             code, total = compiled.grant_pages(self.tables, self.n_pages, extra.contiguous(), free_list.ring,
                                                free_list.free_head, free_list.free_tail)
-            self._raise_refused(code, total, free_list)
-            if total:
-                free_list.took(total)
+            self._take_grant(code, total, free_list)
             return None
         # One host read: the total, the row check and (if a deferred kernel moved them) the free
         # list's device counters.
@@ -208,15 +206,19 @@ class BidirectionalPageTable:
     _OVERFLOW = "a sequence outgrew its page-table row ({} pages): raise max_seq_len of the LeanCache"
     _NEGATIVE = "a page demand is negative: grow only adds pages (shrink gives them back)"
 
-    def _raise_refused(self, code: int, needed: int, free_list: FreePageList) -> None:
-        """Raise what the compiled grant's ``code`` means, in the torch path's words (0: granted)."""
+    def _take_grant(self, code: int, pages: int, free_list: FreePageList) -> None:
+        """Close a compiled grant: where ``code`` is 0 advance the free list's head past the
+        ``pages`` ids it took from the ring, else raise what ``code`` means, in the torch path's
+        words (the grant changed nothing)."""
         if code == native.NEGATIVE_DEMAND:
             raise ValueError(self._NEGATIVE)
         if code == native.ROW_FULL:
             raise ValueError(self._OVERFLOW.format(self.row_len))
         if code == native.POOL_SHORT:
-            raise PoolExhausted(needed, free_list.num_free, free_list.capacity)
+            raise PoolExhausted(pages, free_list.num_free, free_list.capacity)
         native.Kernels._check_result(code, "grant_pages")
+        if pages:
+            free_list.took(pages)
 
     def _overflows(self, extra: torch.Tensor) -> torch.Tensor:
         """Device bool: granting ``extra[t, l, b, h]`` pages would make some head outgrow its row."""
@@ -271,9 +273,9 @@ class BidirectionalPageTable:
         """:meth:`tier_plan`, then its grant (:meth:`move_tail`, then :meth:`grow`), in one compiled
         call on a CPU (``native/page_grants.c``): the same ids in the same columns. Returns ``need``
         as :meth:`tier_plan` does, or None, having done nothing, where the compiled kernels do not
-        take it (:meth:`_compiled`; the caller plans and grants in steps). Raises as :meth:`grow` does (``ValueError``
-        for a row that would overflow, :class:`~leankit.allocator.PoolExhausted` for a short pool),
-        with nothing changed."""
+        take it (:meth:`_compiled`; the caller plans and grants in steps). Raises as :meth:`grow`
+        does (``ValueError`` for a row that would overflow,
+        :class:`~leankit.allocator.PoolExhausted` for a short pool), with nothing changed."""
         compiled = self._compiled(free_list)
         if compiled is None:
             return None
@@ -281,9 +283,7 @@ class BidirectionalPageTable:
                                                lens.long().contiguous(), tokens,
                                                None if reserve is None else reserve.reshape(-1).long().contiguous(),
                                                free_list.ring, free_list.free_head, free_list.free_tail)
-        self._raise_refused(code, total, free_list)
-        if total:
-            free_list.took(total)
+        self._take_grant(code, total, free_list)
         return need
 
     def move_tail(self, layers: torch.Tensor, r: torch.Tensor) -> None:
@@ -370,7 +370,7 @@ class BidirectionalPageTable:
         (``native/page_grants.c``): their token counts set to ``lens`` and every page past ``need``
         (both ``[2, L', B, H]``) recycled, as ``lens.index_copy_`` then :meth:`shrink` of the same
         pages would (the same ids back in the same order). Returns the pages freed, or None, having
-        done nothing, where the compiled kernels are not loaded."""
+        done nothing, where the compiled kernels do not take it (:meth:`_compiled`)."""
         compiled = self._compiled(free_list)
         if compiled is None:
             return None

@@ -783,10 +783,9 @@ class _Base:
         """Give every head of ``layers`` the pages for ``lens`` ``[tiers, L', B, H]`` tokens per tier
         (plan, check, grant). Returns the page counts ``need`` ``[2, L', B, H]`` that
         :meth:`_set_lens_and_shrink` trims to once the tokens are written."""
-        if not use_triton(lens):  # a CPU's compiled plan and grant, one call (None without the kernels)
-            need = self.cache.fit_pages(layers, lens, reserve)
-            if need is not None:
-                return need
+        need = self.cache.fit_pages(layers, lens, reserve)  # a CPU's compiled plan and grant, one call
+        if need is not None:
+            return need
         need, r, extra = self._tier_plan_checked(layers, lens, reserve)
         self._grant_pages(layers, r, extra)
         return need
