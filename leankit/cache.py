@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.configuration_utils import PretrainedConfig
 
-from . import decode_attention
+from . import decode_attention, native
 from .allocator import FreePageList, PoolExhausted
 from .attention import (
     PagedKV,
@@ -577,6 +577,7 @@ class LeanCache(Cache):
         # tiers), raised by the quantize kernel on NaN/Inf K/V and read once per step in end_step.
         self._kv_err = torch.zeros(self.num_layers + 1, dtype=torch.int32, device=self.device)
         self._err_views = None  # (_kv_err, its one-element views per layer): see _layer_err
+        self._prompt_geometry = None  # (kernels, their tiers' rows or None): see store_prompt_layer
         self._bounds_memo = None  # ((tokens fed, row length), page_bounds()): see page_bounds
         # (refused, pages needed, pages free) of the step's first refused deferred allocation
         self._alloc_status = torch.zeros(3, dtype=torch.int64, device=self.device)
@@ -1256,6 +1257,57 @@ class LeanCache(Cache):
         first_col, col_step = self.table.tier_columns(tier)
         return self.pool.store_ranked(self.layouts[tier], views.tables, first_col, col_step, views.tier_lens[tier],
                                       k, v, step.q_pos, cls, rank, want, score)
+
+    def store_prompt_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, received: torch.Tensor,
+                           q_last: torch.Tensor, pruned_mass: torch.Tensor, window: int, th: float, tl: float) -> bool:
+        """A CPU LeanKV prompt's ``layer`` in one compiled call
+        (:meth:`leankit.native.Kernels.prompt_layer`): the prompt-phase rule on ``received``
+        ``[B, H, Q]`` (:func:`leankit.policy.prompt_classes`, with ``window``, ``th``, ``tl`` and
+        the rows' last positions ``q_last``), the pages for the heads' new counts (as
+        :meth:`fit_pages`), the kept tokens of ``k``/``v`` ``[B, H, Q, F]`` (the basis the pages
+        hold) into their tiers (as :meth:`store_classed`), ``pruned_mass`` ``[B, H]`` (fp32, the
+        layer's row) raised by what the rule pruned, and the new counts with the unneeded pages
+        recycled (as :meth:`~leankit.page_table.BidirectionalPageTable.settle`): the same bytes,
+        page ids and counts as those calls one by one. A short elastic pool grows and the call runs
+        again (nothing changed); other refusals raise as those calls do. Returns False, having done
+        nothing, where the compiled kernels cannot take the layer."""
+        table, free_list = self.table, self.free_list
+        kernels = table._compiled(free_list)
+        if kernels is None:
+            return False
+        memo = self._prompt_geometry
+        if memo is None or memo[0] is not kernels:
+            tiers = []
+            for layout in self.layouts:
+                store, k_fmt, v_fmt = self.pool._native_store(layout)
+                if store is None:
+                    tiers = None
+                    break
+                tiers.append((layout.tokens, k_fmt, v_fmt, layout.group_size, tuple(layout.seg_offsets)))
+            geometry = None if tiers is None else kernels.prompt_geometry(tuple(tiers), self.page_head_dim)
+            memo = self._prompt_geometry = (kernels, geometry)
+        geometry = memo[1]
+        if geometry is None:
+            return False
+        q_pos, real, q_last = step.q_pos.long().contiguous(), step.real.contiguous(), q_last.long().contiguous()
+        k, v = k.float().contiguous(), v.float().contiguous()
+
+        def layer_call():
+            code, stage, taken, freed = kernels.prompt_layer(
+                received.float(), q_pos, real, q_last, pruned_mass, window, th, tl, table.tables, table.n_pages,
+                table.lens, layer, free_list.ring, free_list.free_head, free_list.free_tail, self.pool.storage,
+                geometry, k, v)
+            if stage == 0:  # refused (code != 0) with nothing changed: raised in the grant's words
+                table._take_grant(code, taken, free_list)  # a short pool raises PoolExhausted (it may grow)
+                return
+            free_list.took(taken)
+            if freed:
+                free_list.returned(freed)
+            native.Kernels._check_result(code, "prompt_layer",
+                                         bad_page="a kept token's slot has no page in its page-table row")
+
+        self._grown_if_short(layer_call)
+        return True
 
     def write_step_tokens(self, layer: int, k: torch.Tensor, v: torch.Tensor, step, score=None, *,
                           take: torch.Tensor | None = None, rank: torch.Tensor | None = None, tier: int = HIGH) -> None:

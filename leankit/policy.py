@@ -983,11 +983,11 @@ class LeanKVPolicy(_Base):
             return super().store(layer, k, v, step, received)
         cache = self.cache
         q_last = self._span[2]
-        layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
         if use_triton(k):
             # the prompt rule (prompt_classes) in one launch (leankit_kernels.prompt_plan), then the store
             from leankit_kernels.prompt_plan import prompt_classes as classify_launch
 
+            layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
             score, cls, rank, new_lens, pruned = classify_launch(
                 received, step.q_pos, step.real, q_last, self.pruned_mass[layer], cache.table.lens[:, layer],
                 self.window, self.th, self.tl)
@@ -996,6 +996,12 @@ class LeanKVPolicy(_Base):
             return
         # On a CPU the rule and the store run compiled (native/prompt_store.c, page_grants.c): a
         # short prompt's layer is otherwise about a hundred small tensor ops for a few hundred tokens.
+        # The whole layer (rule, pages, both tiers' stores, recycle) is one call where the pool's
+        # formats and free list allow it; else the rule, the pages and each tier's store one by one.
+        if cache.store_prompt_layer(layer, k, v, step, received, q_last, self.pruned_mass[layer], self.window,
+                                    self.th, self.tl):
+            return
+        layers = torch.full((1,), layer, device=cache.device)  # a fill, not a host-to-device copy
         compiled = native.kernels_for(k.device)
         classify = prompt_classes if compiled is None else compiled.prompt_classes
         score, cls, rank, new_lens, pruned = classify(received.float(), step.q_pos, step.real, q_last,

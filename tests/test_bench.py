@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import leankit
+from leankit import native
 from leankit.allocator import PoolExhausted
 from leankit.bench import step, text, throughput
 from leankit.bench.readme import markers, replace_block, write_block
@@ -116,7 +117,8 @@ def test_step_bench_breakdown_is_nonnegative_and_sums_to_the_step():
             assert all(v >= 0 for v in parts.values()), (phase, parts)
             assert sum(parts.values()) == pytest.approx(1.0, abs=1e-9)
             assert parts["attention"] > 0 and parts["store"] > 0
-        assert r["prefill_breakdown"]["alloc"] > 0  # the prompt's pages are allocated in the prefill
+        if r["kv_arg"] == "K8V4" or native.kernels() is None:  # the prompt's pages are allocated in the prefill
+            assert r["prefill_breakdown"]["alloc"] > 0  # (a CPU LeanKV prompt does it inside its compiled store)
     assert rows[1]["decode_breakdown"]["policy"] > 0  # LeanKV classifies tokens leaving the window
     table = step.table(rows)
     assert table.count("\n") == 2 + 2 * len(rows) - 1 and "quantize/store" in table

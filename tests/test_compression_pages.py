@@ -150,14 +150,17 @@ def test_page_calls_are_batched(model, monkeypatch):
     # elastic pool); BidirectionalPageTable.shrink is the one batched recycle. On a CPU with the
     # compiled kernels a LeanKV prompt's layer plans and grants in one BidirectionalPageTable.fit
     # and sets its counts and recycles in one BidirectionalPageTable.settle (each None where it
-    # leaves the work to the others).
+    # leaves the work to the others), or does both, with the rule and the stores, in one
+    # LeanCache.store_prompt_layer (False where it leaves the layer to those calls).
     for owner, meth, key in ((LeanCache, "grow_pages", "grow"), (BidirectionalPageTable, "shrink", "shrink"),
-                             (BidirectionalPageTable, "fit", "grow"), (BidirectionalPageTable, "settle", "shrink")):
-        orig = getattr(owner, meth)
+                             (BidirectionalPageTable, "fit", "grow"), (BidirectionalPageTable, "settle", "shrink"),
+                             (LeanCache, "store_prompt_layer", ("grow", "shrink"))):
+        orig, keys = getattr(owner, meth), key if isinstance(key, tuple) else (key,)
 
-        def counted(self, *a, _orig=orig, _key=key, _may_pass=meth in ("fit", "settle"), **k):
+        def counted(self, *a, _orig=orig, _keys=keys, _may_pass=meth in ("fit", "settle", "store_prompt_layer"), **k):
             out = _orig(self, *a, **k)
-            calls[_key] += not (_may_pass and out is None)
+            for name in _keys:
+                calls[name] += not (_may_pass and out in (None, False))
             return out
 
         monkeypatch.setattr(owner, meth, counted)

@@ -5,6 +5,8 @@ output, and the ranked store (``lk_store_ranked``) byte for byte against the per
 slots the ranks name.
 """
 
+import copy
+
 import pytest
 import torch
 from leankit_kernels.testing import assert_same_prompt_classes, fresh_generator, prompt_rule_inputs
@@ -167,23 +169,32 @@ def test_a_prompt_stored_compiled_leaves_the_cache_the_torch_path_leaves(monkeyp
     turn = torch.randint(3, 90, (3, 6), generator=torch.Generator().manual_seed(1))
     steps = [(ids, mask), (turn, torch.cat([mask, torch.ones_like(turn)], 1))]
     caches = [LeanCache(model, KVConfig.parse(spec), max_seq_len=80) for _ in range(2)]
-    ranked, store_ranked = [0], leankit.native.Kernels.store_ranked
+    calls = {"store_ranked": 0, "prompt_layer": 0}
 
-    def counted(self, *args):
-        ranked[0] += 1
-        return store_ranked(self, *args)
+    def counting(name):
+        method = getattr(leankit.native.Kernels, name)
 
-    monkeypatch.setattr(leankit.native.Kernels, "store_ranked", counted)
+        def counted(self, *args):
+            calls[name] += 1
+            return method(self, *args)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(leankit.native.Kernels, name, counting(name))
+    leankv_prompt = "K4V2" in spec or "leankv" in spec
     for i, (step_ids, step_mask) in enumerate(steps):
         for cache, compiled in zip(caches, (True, False)):
             with monkeypatch.context() as m, torch.no_grad():
                 if not compiled:
                     m.setattr(leankit.native, "kernels_for", lambda device: None)
-                ranked[0] = 0
+                calls.update(store_ranked=0, prompt_layer=0)
                 model(input_ids=step_ids, attention_mask=step_mask, **cache_kwargs(model, cache), use_cache=True)
-                assert (ranked[0] > 0) == compiled, "the compiled run stores through lk_store_ranked"
+                assert (calls["store_ranked"] + calls["prompt_layer"] > 0) == compiled, \
+                    "the compiled run stores through lk_store_ranked or lk_prompt_layer"
+                # a LeanKV prompt's layer is one lk_prompt_layer call; other steps store ranked tokens
+                assert calls["prompt_layer"] == (cache.num_layers if compiled and i == 0 and leankv_prompt else 0)
         got, want = caches
-        if i == 0 and ("K4V2" in spec or "leankv" in spec):
+        if i == 0 and leankv_prompt:
             pruned = want.policy.pruned_mass
             assert (want.table.lens[1] > 0).any() == ("K4V2" in spec), "the case sends no token low"
             assert pruned.gt(0).any() == ("tl=0," not in spec), "the case prunes nothing"
@@ -213,3 +224,121 @@ def _live_slots(cache, layers=None):
         out += [cache.pool.read_rows(layout, page, off, name) for name, nb in zip(SEGMENTS, layout.seg_bytes)
                 if nb and name in names]
     return out
+
+
+def _prompt_layer_case(gen, spec, batch, heads, nq, num_layers=3, dim=64, fresh=False, row_len=None):
+    """A LeanKV prompt's layer ready for the store: the rule's random inputs (``prompt_rule_inputs``),
+    a table of ``num_layers`` layers whose heads already hold pages for their counts (a prompt
+    after a turn, or another layer's; none when ``fresh``) in rows of ``row_len`` columns (else
+    room for the prompt too), a free list with room for everything and a pool of random bytes,
+    random K/V, the tiers' layouts and ``prompt_layer``'s geometry rows."""
+    cfg = KVConfig.parse(spec)
+    layouts = [PageLayout.build(cfg, t, dim, torch.float32) for t in range(len(cfg.tiers))]
+    received, q_pos, real, q_last, pruned_mass, lens = prompt_rule_inputs(batch, heads, nq, gen, ties=False,
+                                                                         pruned=False)
+    lens = torch.zeros_like(lens) if fresh else lens
+    tokens = [lay.tokens for lay in layouts] + [1]
+    held = torch.stack([-(-lens[t].long() // tokens[t]) for t in range(2)]) if len(layouts) > 1 else \
+        torch.stack([-(-lens[0].long() // tokens[0]), torch.zeros_like(lens[0].long())])
+    lens = lens if len(layouts) > 1 else torch.stack([lens[0], torch.zeros_like(lens[0])])
+    row_len = row_len or int(held.sum(0).max()) + -(-nq // min(tokens[: len(layouts)])) + 2
+    table = BidirectionalPageTable(num_layers, batch, heads, row_len, "cpu")
+    free = FreePageList(table.tables.numel() + 1)
+    table.grow(held.unsqueeze(1).expand(2, num_layers, batch, heads).to(torch.int32).contiguous(), free)
+    table.lens.copy_(lens.unsqueeze(1).expand_as(table.lens))
+    pool = PagePool(free.capacity, cfg.page_size, torch.device("cpu"))
+    pool.storage.copy_(torch.randint(0, 256, pool.storage.shape, dtype=torch.uint8, generator=gen))
+    k = torch.randn(batch, heads, nq, dim, generator=gen) * 3
+    v = torch.randn(batch, heads, nq, dim, generator=gen)
+    rows = tuple((lay.tokens, native.side_format(lay.precision.k_bits, lay.dense_dtype),
+                  native.side_format(lay.precision.v_bits, lay.dense_dtype), lay.group_size, lay.seg_offsets)
+                 for lay in layouts)
+    rule = (received, q_pos.long(), real, q_last, pruned_mass, 8, cfg.th if len(layouts) > 1 else cfg.tl, cfg.tl)
+    return layouts, table, free, pool, rule, k, v, kernels.prompt_geometry(rows, dim)
+
+
+def _layer_state(table, free, pool, pruned_mass):
+    return (table.tables.clone(), table.n_pages.clone(), table.lens.clone(), free.ring.clone(), free.free_head,
+            free.free_tail, pool.storage.clone(), pruned_mass.clone())
+
+
+def _one_call(table, free, pool, rule, layer, geometry, k, v):
+    """``lk_prompt_layer`` as ``LeanCache.store_prompt_layer`` closes it: the free list advanced by
+    what it took and returned. Returns ``(code, stage)``."""
+    code, stage, taken, freed = kernels.prompt_layer(*rule, table.tables, table.n_pages, table.lens, layer, free.ring,
+                                                     free.free_head, free.free_tail, pool.storage, geometry, k, v)
+    if stage:
+        free.took(taken)
+        free.returned(freed)
+    return code, stage
+
+
+@pytest.mark.parametrize("spec", ["K8V4-K4V2:th=0.3,tl=0.05", "K8V4-K4V2:th=0.25,tl=0,group_size=32",
+                                  "K8V4:policy=leankv,tl=0.2", "K4V2-K4V2:th=0.5,tl=0.2,group_size=16"])
+@pytest.mark.parametrize("batch,heads,nq", [(1, 1, 1), (2, 3, 45), (3, 2, 300)])
+def test_prompt_layer_is_the_five_calls_in_one(spec, batch, heads, nq):
+    """``lk_prompt_layer`` leaves the tables, counts, ring, pool bytes and pruned mass the five calls
+    it replaces leave, one by one (the rule, the plan and grant, each tier's ranked store, the
+    pruned mass, the settle), bit for bit, on a layer between two others that keep their pages."""
+    gen, seed = fresh_generator()
+    layouts, table, free, pool, rule, k, v, geometry = _prompt_layer_case(gen, spec, batch, heads, nq)
+    layer, tiers = 1, len(layouts)
+    t2, f2, p2 = copy.deepcopy((table, free, pool))
+    received, q_pos, real, q_last, pruned_mass, window, th, tl = rule
+    pm2 = pruned_mass.clone()
+    # one by one, as LeanKVPolicy.store ran them
+    layers = torch.tensor([layer])
+    score, cls, rank, new_lens, pruned = kernels.prompt_classes(received, q_pos, real, q_last, pm2,
+                                                                t2.lens[:, layer], window, th, tl)
+    need = t2.fit(layers, new_lens[:tiers], tuple(lay.tokens for lay in layouts), f2)
+    for tier, (want, lay) in enumerate(zip((KEEP_HIGH, KEEP_LOW), layouts)):
+        first, step = t2.tier_columns(tier)
+        kernels.store_ranked(p2.storage, t2.tables[layer], first, step, t2.lens[tier, layer].contiguous(), lay.tokens,
+                             lay.seg_offsets, k, v, q_pos, cls, rank, want, score,
+                             native.side_format(lay.precision.k_bits, lay.dense_dtype),
+                             native.side_format(lay.precision.v_bits, lay.dense_dtype), lay.group_size)
+    pm2 += pruned
+    t2.settle(layers, new_lens, need, f2)
+    assert _one_call(table, free, pool, rule, layer, geometry, k, v) == (0, 2)
+    for name, got, want in zip(("tables", "n_pages", "lens", "ring", "head", "tail", "pool", "pruned mass"),
+                               _layer_state(table, free, pool, pruned_mass), _layer_state(t2, f2, p2, pm2)):
+        assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want, f"{name} (seed {seed})"
+    if nq >= 45:  # the case sends tokens to every tier, and prunes some where tl > 0
+        classes = [KEEP_HIGH, KEEP_LOW][:tiers] + ([PRUNED] if tl > 0 else [])
+        assert all((cls == c).any() for c in classes), f"{[int((cls == c).sum()) for c in range(3)]} (seed {seed})"
+
+
+def test_prompt_layer_refusals_change_nothing_and_say_why():
+    """A short pool and a row without room are refused before anything moves (stage 0, the pages
+    asked for); NaN in a kept key fails the store after the grant (stage 1, the pages it took, no
+    count moved, no pruned mass added); bad shapes are refused in Python."""
+    gen, seed = fresh_generator()
+    spec, case = "K8V4-K4V2:th=0.3,tl=0.05", (2, 3, 60)
+    # a pool with no free page, then rows of one column, for a fresh layer's prompt
+    for shrink in ("pool", "row"):
+        _, table, free, pool, rule, k, v, geometry = _prompt_layer_case(
+            gen, spec, *case, fresh=True, row_len=1 if shrink == "row" else None)
+        if shrink == "pool":
+            free.took(free.num_free)
+        before = _layer_state(table, free, pool, rule[4])
+        code, stage, taken, freed = kernels.prompt_layer(*rule, table.tables, table.n_pages, table.lens, 1,
+                                                         free.ring, free.free_head, free.free_tail, pool.storage,
+                                                         geometry, k, v)
+        want = native.POOL_SHORT if shrink == "pool" else native.ROW_FULL
+        assert (code, stage, freed) == (want, 0, 0) and taken > 0, f"{shrink} (seed {seed})"
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                   for a, b in zip(_layer_state(table, free, pool, rule[4]), before)), f"{shrink} (seed {seed})"
+    # NaN in every key: some kept token's store fails after the grant
+    _, table, free, pool, rule, k, v, geometry = _prompt_layer_case(gen, spec, *case)
+    lens, pm, head, held = table.lens.clone(), rule[4].clone(), free.free_head, int(table.n_pages.sum())
+    code, stage, taken, freed = kernels.prompt_layer(*rule, table.tables, table.n_pages, table.lens, 1, free.ring,
+                                                     free.free_head, free.free_tail, pool.storage, geometry,
+                                                     torch.full_like(k, float("nan")), v)
+    assert (code, stage, freed) == (-5, 1, 0) and taken == int(table.n_pages.sum()) - held > 0, f"seed {seed}"
+    assert torch.equal(table.lens, lens) and torch.equal(rule[4], pm) and free.free_head == head
+    with pytest.raises(ValueError, match="prompt_layer"):
+        kernels.prompt_layer(*rule, table.tables, table.n_pages, table.lens, 3, free.ring, free.free_head,
+                             free.free_tail, pool.storage, geometry, k, v)
+    with pytest.raises(ValueError, match="prompt_layer"):
+        kernels.prompt_layer(*rule, table.tables, table.n_pages, table.lens, 1, free.ring, free.free_head,
+                             free.free_tail, pool.storage, geometry, k[:, :, :-1], v)

@@ -871,13 +871,15 @@ def test_leankv_prompt_store_launches_at_most_30_ops_a_layer(monkeypatch):
                                                           "grow_pages")), sites
 
 
-def test_short_pool_for_a_leankv_prompt_raises_and_stores_nothing(monkeypatch):
-    """A LeanKV prompt whose pages do not fit a fixed pool: PoolExhausted at the end of the step,
-    no token stored; the refused first step leaves the cache fresh (every page the layers were
-    granted back on the free list, once each, no batch size bound): a smaller batch then fits."""
-    from leankit import PoolExhausted
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_short_pool_for_a_leankv_prompt_raises_and_stores_nothing(monkeypatch, backend):
+    """A LeanKV prompt whose pages do not fit a fixed pool: PoolExhausted (on the kernel backend at
+    the end of the step, on a CPU from the layer's compiled store, ``lk_prompt_layer``), no token
+    stored; the refused first step leaves the cache fresh (every page the layers were granted back
+    on the free list, once each, no batch size bound): a smaller batch then fits."""
+    from leankit import PoolExhausted, native
 
-    monkeypatch.setenv("LEANKIT_BACKEND", "triton")
+    monkeypatch.setenv("LEANKIT_BACKEND", backend)
     model = tiny_model("llama-gqa", num_hidden_layers=3)
     ids, mask = left_padded_batch(rows=3, width=30, pad_step=5)
     kw = {"th": 0.4, "tl": 0.1, "window": 4, "page_size": 256}
@@ -886,8 +888,17 @@ def test_short_pool_for_a_leankv_prompt_raises_and_stores_nothing(monkeypatch):
         model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, probe), use_cache=True)
     need = probe.memory_report()["pages_used"]
     cache = LeanCache(model, "K8V4-K4V2", num_pages=need - 1, **kw)
+    codes, compiled = [], native.kernels() if backend == "torch" else None
+    if compiled is not None:  # the CPU run refuses in the layer's one compiled call
+        layer_call = native.Kernels.prompt_layer
+
+        def recorded(self, *args):
+            codes.append(layer_call(self, *args))
+            return codes[-1]
+        monkeypatch.setattr(native.Kernels, "prompt_layer", recorded)
     with pytest.raises(PoolExhausted), torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+    assert compiled is None or codes[-1][:2] == (native.POOL_SHORT, 0), codes
     assert cache.table is None and cache.get_seq_length() == 0
     fl = cache.free_list
     fl.sync()

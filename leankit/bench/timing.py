@@ -112,7 +112,10 @@ def lean_targets() -> list[tuple]:
 
     * ``alloc``: ``LeanCache.grow_pages``, ``BidirectionalPageTable.grow``/``shrink``/``fit``/``settle``,
       ``FreePageList.allocate``/``release``;
-    * ``store``: every policy's ``store`` (quantize the step's tokens into pages), less nested allocation;
+    * ``store``: every policy's ``store`` (quantize the step's tokens into pages), less nested allocation.
+      On a CPU a LeanKV prompt's layer runs its prompt-phase rule, page grant and recycle inside
+      the store's one compiled call (``LeanCache.store_prompt_layer``), where no timer can split
+      them: there they count as store;
     * ``policy``: every policy's ``begin_step``, ``update_scores``, ``after_store``, ``end_step``,
       ``apply_classes``, less nested store and allocation;
     * ``attention``: ``LeanCache.attend`` less everything nested in it;

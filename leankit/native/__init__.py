@@ -17,7 +17,8 @@ table, store, advance the counts), so a layer's fixed work is not a string of sm
 emptied high pages to the low side, recycle) in one pass each, and ``prompt_store.c`` a LeanKV
 prompt's layer: the prompt-phase classification per head and the store of each tier's kept tokens
 at their ranked slots, the CPU twins of ``leankit_kernels.prompt_plan`` and
-``leankit_kernels.quant.store_step_tokens``.
+``leankit_kernels.quant.store_step_tokens``, and the whole layer (rule, page grant, both tiers'
+stores, recycle) in one call.
 Dense (unquantized) sides are read and stored in place too, in the model's dtype
 (:data:`DENSE_FORMATS`), so the lossless ``FP16`` config takes the same path.
 
@@ -269,6 +270,7 @@ class Kernels:
     def __init__(self, path: Path):
         self.path = path
         self._offsets: dict = {}  # segment offsets (a tuple) -> the int64 tensor store_tokens passes
+        self._geometry: dict = {}  # tiers' (tokens, bits, group size, offsets) -> prompt_layer's int64 rows
         lib = ctypes.CDLL(str(path))
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.lk_list_pages.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
@@ -302,8 +304,11 @@ class Kernels:
         lib.lk_store_ranked.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i32, i32, i32, i32, i32,
                                         ptr, ptr, ptr, ptr, ptr, ptr, i32, ptr, i32]
         lib.lk_settle_pages.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64p]
+        lib.lk_prompt_layer.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_double,
+                                        ctypes.c_double, ptr, ptr, ptr, i64, i64, i64, i32, ptr, i64, i64, i64, ptr,
+                                        i64, i64, ptr, i32, ptr, ptr, i32, ptr]
         for fn in (lib.lk_grant_pages, lib.lk_recycle_pages, lib.lk_move_tail, lib.lk_plan_pages, lib.lk_fit_pages,
-                   lib.lk_settle_pages, lib.lk_prompt_classes, lib.lk_store_ranked):
+                   lib.lk_settle_pages, lib.lk_prompt_classes, lib.lk_store_ranked, lib.lk_prompt_layer):
             fn.restype = i32
         lib.lk_parallel.restype = i32
         lib.lk_specialized.argtypes = [i32, i32, i32]
@@ -798,6 +803,76 @@ class Kernels:
                                            cls.data_ptr(), rank.data_ptr(), new_lens.data_ptr(), pruned.data_ptr())
         self._check_result(code, "prompt_classes")
         return score, cls, rank, new_lens, pruned
+
+    def prompt_geometry(self, tiers: tuple, dim: int) -> torch.Tensor:
+        """The int64 ``[tiers, 10]`` rows :meth:`prompt_layer` reads its tiers' pages by: per tier
+        ``(tokens, k_bits, v_bits, group_size, offsets)`` (``offsets`` the six segment offsets, the
+        bits as :meth:`store_ranked` takes them), checked as that store checks them, once per
+        geometry (a prompt calls once per layer)."""
+        key = (tuple(tiers), dim)
+        rows = self._geometry.get(key)
+        if rows is None:
+            if not 1 <= len(tiers) <= 2:
+                raise ValueError(f"native prompt_layer: want 1 or 2 tiers, got {len(tiers)}")
+            for tokens, k_bits, v_bits, group_size, offsets in tiers:
+                self._codes("k", k_bits, group_size, dim)
+                self._codes("v", v_bits, group_size, dim)
+                if tokens <= 0 or len(offsets) != 6:
+                    raise ValueError("native prompt_layer: want a positive page size and six segment offsets per tier")
+            rows = torch.tensor([[t, kb, vb, gs, *offs] for t, kb, vb, gs, offs in tiers], dtype=torch.int64)
+            self._geometry[key] = rows
+        return rows
+
+    def prompt_layer(self, received: torch.Tensor, q_pos: torch.Tensor, real: torch.Tensor, q_last: torch.Tensor,
+                     pruned_mass: torch.Tensor, window: int, th: float, tl: float, tables: torch.Tensor,
+                     n_pages: torch.Tensor, lens: torch.Tensor, layer: int, ring: torch.Tensor, head: int, tail: int,
+                     storage: torch.Tensor, geometry: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[int, int, int, int]:
+        """One LeanKV prompt layer (``prompt_store.c``'s ``lk_prompt_layer``) in one call:
+        :meth:`prompt_classes`, :meth:`fit_pages` for ``layer``, :meth:`store_ranked` of each tier
+        of ``geometry`` (:meth:`prompt_geometry`), ``pruned_mass += pruned`` and
+        :meth:`settle_pages`, with the same bytes, ids and counts as those calls one by one.
+
+        ``received`` fp32 ``[B, H, Q]``; ``q_pos`` int64 and ``real`` bool ``[B, Q]``; ``q_last``
+        int64 ``[B]``; ``pruned_mass`` fp32 ``[B, H]`` (the layer's row, updated in place);
+        ``tables`` int32 ``[L, B, H, R]``, ``n_pages`` and ``lens`` int32 ``[2, L, B, H]`` (updated
+        in place); ``ring`` the free list's int32 ring, ``head <= c < tail``; ``storage`` the uint8
+        pool; ``k``/``v`` fp32 ``[B, H, Q, F]``. All on the CPU, all but ``received`` contiguous.
+
+        Returns ``(code, stage, taken, freed)``: ``code`` 0 or an error code (``errors.h``) of the
+        step that failed; ``stage`` 0 (nothing changed: the classification, or the grant refused
+        with ``taken`` the pages it asked for), 1 (``taken`` pages granted from the ring's head, a
+        store failed, no count moved) or 2 (stored; ``freed`` pages returned to the ring at
+        ``tail``). The caller advances its free list by ``taken`` from stage 1 on and by ``freed``."""
+        bsz, heads, nq = received.shape if received.dim() == 3 else (-1, -1, -1)
+        n_layers, row_len = (tables.shape[0], tables.shape[3]) if tables.dim() == 4 else (-1, -1)
+        dim = k.shape[-1]
+        ok = (received.dtype == pruned_mass.dtype == k.dtype == v.dtype == torch.float32
+              and q_pos.dtype == q_last.dtype == torch.int64 and real.dtype == torch.bool
+              and tables.dtype == n_pages.dtype == lens.dtype == ring.dtype == torch.int32
+              and storage.dtype == torch.uint8 and storage.dim() == 2 and geometry.dtype == torch.int64
+              and geometry.dim() == 2 and geometry.shape[1] == 10 and geometry.shape[0] in (1, 2)
+              and q_pos.shape == real.shape == (bsz, nq) and q_last.shape == (bsz,)
+              and pruned_mass.shape == (bsz, heads) and tables.shape[1:3] == (bsz, heads)
+              and n_pages.shape == lens.shape == (2, n_layers, bsz, heads) and 0 <= layer < n_layers
+              and k.shape == v.shape == (bsz, heads, nq, dim) and ring.dim() == 1 and 0 <= tail - head <= ring.numel())
+        for x in (received, q_pos, real, q_last, pruned_mass, tables, n_pages, lens, ring, storage, geometry, k, v):
+            ok = ok and x.is_cpu
+        for x in (q_pos, real, q_last, pruned_mass, tables, n_pages, lens, ring, storage, geometry, k, v):
+            ok = ok and x.is_contiguous()
+        if not ok:
+            raise ValueError("native prompt_layer: want fp32 received [B, H, Q], int64 q_pos and bool real [B, Q], "
+                             "int64 q_last [B], fp32 pruned_mass [B, H], int32 tables [L, B, H, R], n_pages and "
+                             "lens [2, L, B, H] and ring, a uint8 pool, int64 geometry [tiers, 10] and fp32 k, v "
+                             "[B, H, Q, F], on the CPU and contiguous (received may be strided)")
+        result = (ctypes.c_int64 * 3)()
+        code = self._lib.lk_prompt_layer(
+            received.data_ptr(), *received.stride(), q_pos.data_ptr(), real.data_ptr(), q_last.data_ptr(),
+            pruned_mass.data_ptr(), bsz, heads, nq, int(window), float(th), float(tl), tables.data_ptr(),
+            n_pages.data_ptr(), lens.data_ptr(), n_layers, row_len, layer, geometry.shape[0], ring.data_ptr(),
+            ring.numel(), head, tail, storage.data_ptr(), storage.shape[1], storage.shape[0], geometry.data_ptr(), dim,
+            k.data_ptr(), v.data_ptr(), torch.get_num_threads(), result)
+        return code, result[0], result[1], result[2]
 
     def store_ranked(self, storage: torch.Tensor, table: torch.Tensor, first_col: int, col_step: int,
                      lens: torch.Tensor, tokens: int, offsets: tuple, k: torch.Tensor, v: torch.Tensor,

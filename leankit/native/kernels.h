@@ -1,6 +1,7 @@
 /* The entry points of leankit's compiled CPU kernels that one C file calls in another
- * (decode_step.c composes the passes of a decode step), declared once so the compiler checks
- * every call against the definition. Python binds them by name (leankit/native/__init__.py). */
+ * (decode_step.c composes the passes of a decode step, prompt_store.c a LeanKV prompt's layer),
+ * declared once so the compiler checks every call against the definition. Python binds them by
+ * name (leankit/native/__init__.py). */
 #ifndef LEANKIT_KERNELS_H
 #define LEANKIT_KERNELS_H
 
@@ -40,5 +41,16 @@ int lk_store_tokens(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pag
                     const int64_t *restrict slot, int64_t n, int tokens, int dim, int k_bits, int v_bits,
                     int group_size, const int64_t *restrict seg_off, const float *restrict k,
                     const float *restrict v, const int32_t *restrict pos, const float *restrict score, int threads);
+
+int lk_fit_pages(int32_t *restrict tables, int32_t *restrict n_pages, int64_t layers_total, int64_t heads,
+                 int64_t heads_per_seq, int64_t row_len, const int64_t *restrict layers, int64_t n_layers,
+                 const int64_t *restrict lens, int tiers, const int64_t *restrict reserve, int64_t tokens_high,
+                 int64_t tokens_low, const int32_t *restrict ring, int64_t capacity, int64_t head, int64_t tail,
+                 int64_t *restrict need, int64_t *restrict taken);
+
+int lk_settle_pages(int32_t *restrict tables, int32_t *restrict n_pages, int32_t *restrict lens, int64_t layers_total,
+                    int64_t heads, int64_t row_len, const int64_t *restrict layers, int64_t n_layers,
+                    const int64_t *restrict new_lens, const int64_t *restrict need, int32_t *restrict ring,
+                    int64_t capacity, int64_t head, int64_t tail, int64_t *restrict freed);
 
 #endif

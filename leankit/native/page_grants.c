@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 #include "errors.h"
+#include "kernels.h"
 
 /* Column of the j-th page of a side: high pages from the left, low pages from the right. */
 static inline int64_t side_column(int tier, int64_t j, int64_t row_len) { return tier == 0 ? j : row_len - 1 - j; }

@@ -17,6 +17,11 @@
  *   ranks         each kept token's index among its head's kept tokens of its tier, in arrival
  *                 order: the store puts it that many slots past the head's count.
  *
+ * lk_prompt_layer runs a whole layer in one call: the rule, the page plan and its grant
+ * (page_grants.c), the ranked store of each tier, the pruned mass and the recycle. Called one by
+ * one from Python, those five calls spent more time in their wrappers' checks and allocations than
+ * in C at a short prompt's sizes.
+ *
  * Z (the head's valid scores plus its pruned mass) and the pruned mass are summed in double here
  * and in fp32 blocks by torch, so a token whose cumulative significance lies within fp32 rounding
  * of a threshold may fall on the other side of it (as with the GPU kernel).
@@ -173,5 +178,81 @@ int lk_store_ranked(uint8_t *restrict pool, int64_t page_bytes, int64_t pool_pag
                               seg_off, k, v, pos, score, threads);
     free(where);
     free(pos);
+    return err;
+}
+
+/* Segment offsets, code widths and page size of a tier, as lk_prompt_layer reads them: one row of
+ * PROMPT_TIER_FIELDS int64 (leankit.native.Kernels.prompt_geometry). */
+enum { TIER_TOKENS = 0, TIER_K_BITS = 1, TIER_V_BITS = 2, TIER_GROUP = 3, TIER_OFFSETS = 4, PROMPT_TIER_FIELDS = 10 };
+
+/* One LeanKV prompt layer on the CPU, in the order the torch path takes it (LeanKVPolicy.store):
+ *
+ *   1. lk_prompt_classes: the prompt-phase rule for every (b, h) head of the layer;
+ *   2. lk_fit_pages: the plan for the heads' new counts and its grant (layer `layer` only);
+ *   3. lk_store_ranked per tier (`tiers`, 1 or 2): the kept tokens of each class into their slots;
+ *   4. pruned_mass[bh] += the significance the rule pruned (fp32, as torch's in-place add);
+ *   5. lk_settle_pages: the new counts, and every page past the plan's need back to the ring.
+ *
+ * received, q_pos, real, q_last, window, th, tl: as lk_prompt_classes (pruned_mass fp32 [BH], this
+ * layer's row). tables int32 [L, BH, row_len], n_pages and lens int32 [2, L, BH]; the ring of
+ * free ids holds ring[c % capacity] for head <= c < tail. pool: pool_pages pages of page_bytes;
+ * geometry int64 [tiers, PROMPT_TIER_FIELDS]; k, v fp32 [BH * nq, dim].
+ *
+ * result int64 [3]: the stage reached (0: nothing changed; 1: pages granted, a store failed; 2:
+ * done, or the recycle failed), the pages granted (asked for, at stage 0) and the pages returned
+ * to the ring at tail. Returns 0 or the failing step's error code: at stage 0 the grant's
+ * refusals (LK_ROW_FULL, LK_POOL_SHORT) or LK_NO_MEMORY, at stage 1 the store's (LK_BAD_PAGE,
+ * LK_NON_FINITE, LK_META_RANGE; a tier stored before the failing one keeps its bytes, and no count
+ * has moved), at stage 2 the recycle's. */
+int lk_prompt_layer(const float *restrict received, int64_t s_rb, int64_t s_rh, int64_t s_rq,
+                    const int64_t *restrict q_pos, const uint8_t *restrict real, const int64_t *restrict q_last,
+                    float *restrict pruned_mass, int64_t batch, int64_t heads_per_seq, int64_t nq, int64_t window,
+                    double th, double tl, int32_t *restrict tables, int32_t *restrict n_pages, int32_t *restrict lens,
+                    int64_t layers_total, int64_t row_len, int64_t layer, int tiers, int32_t *restrict ring,
+                    int64_t capacity, int64_t head, int64_t tail, uint8_t *restrict pool, int64_t page_bytes,
+                    int64_t pool_pages, const int64_t *restrict geometry, int dim, const float *restrict k,
+                    const float *restrict v, int threads, int64_t *restrict result) {
+    const int64_t heads = batch * heads_per_seq, n = heads * nq, rows = layers_total * heads;
+    result[0] = result[1] = result[2] = 0;
+    if (layer < 0 || layer >= layers_total || tiers < 1 || tiers > 2) return LK_BAD_MOVE;
+    const size_t cells = (size_t)(n > 0 ? n : 1), per_head = (size_t)(heads > 0 ? heads : 1);
+    float *score = malloc(sizeof(float) * cells), *pruned = malloc(sizeof(float) * per_head);
+    int8_t *cls = malloc(cells);
+    int64_t *rank = malloc(sizeof(int64_t) * cells), *counts = malloc(sizeof(int64_t) * 4 * per_head);
+    int err = score == NULL || pruned == NULL || cls == NULL || rank == NULL || counts == NULL ? LK_NO_MEMORY : 0;
+    int64_t *new_lens = counts, *need = counts + 2 * per_head; /* [2, BH] each: high row, then low */
+    int64_t taken = 0, freed = 0;
+    if (!err) /* 1: the counts before the prompt are this layer's, at strides (tier, b, h) */
+        err = lk_prompt_classes(received, s_rb, s_rh, s_rq, q_pos, real, q_last, pruned_mass, lens + layer * heads,
+                                rows, heads_per_seq, 1, batch, heads_per_seq, nq, window, th, tl, score, cls, rank,
+                                new_lens, pruned);
+    if (!err) /* 2: refused (nothing changed), or the pages granted from the ring's head */
+        err = lk_fit_pages(tables, n_pages, layers_total, heads, heads_per_seq, row_len, &layer, 1, new_lens, tiers,
+                           NULL, geometry[TIER_TOKENS], tiers > 1 ? geometry[PROMPT_TIER_FIELDS + TIER_TOKENS] : 1,
+                           ring, capacity, head, tail, need, &taken);
+    result[1] = taken;
+    if (!err) {
+        result[0] = 1;
+        for (int t = 0; t < tiers && !err; ++t) { /* 3: high pages from a row's left, low ones from its right */
+            const int64_t *g = geometry + t * PROMPT_TIER_FIELDS;
+            err = lk_store_ranked(pool, page_bytes, pool_pages, tables + layer * heads * row_len, row_len,
+                                  t == 0 ? 0 : row_len - 1, t == 0 ? 1 : -1, lens + t * rows + layer * heads, heads,
+                                  heads_per_seq, nq, (int)g[TIER_TOKENS], dim, (int)g[TIER_K_BITS],
+                                  (int)g[TIER_V_BITS], (int)g[TIER_GROUP], g + TIER_OFFSETS, k, v, q_pos, cls, rank,
+                                  t == 0 ? KEEP_HIGH : KEEP_LOW, score, threads);
+        }
+    }
+    if (!err) {
+        result[0] = 2;
+        for (int64_t i = 0; i < heads; ++i) pruned_mass[i] += pruned[i]; /* 4 */
+        err = lk_settle_pages(tables, n_pages, lens, layers_total, heads, row_len, &layer, 1, new_lens, need, ring,
+                              capacity, head + taken, tail, &freed); /* 5 */
+        result[2] = err ? 0 : freed;
+    }
+    free(score);
+    free(pruned);
+    free(cls);
+    free(rank);
+    free(counts);
     return err;
 }
