@@ -577,7 +577,7 @@ class LeanCache(Cache):
         # tiers), raised by the quantize kernel on NaN/Inf K/V and read once per step in end_step.
         self._kv_err = torch.zeros(self.num_layers + 1, dtype=torch.int32, device=self.device)
         self._err_views = None  # (_kv_err, its one-element views per layer): see _layer_err
-        self._prompt_geometry = None  # (kernels, their tiers' rows or None): see store_prompt_layer
+        self._prompt_geometry = None  # the tiers' rows for lk_prompt_layer, False where it cannot run: see store_prompt_layer
         self._bounds_memo = None  # ((tokens fed, row length), page_bounds()): see page_bounds
         # (refused, pages needed, pages free) of the step's first refused deferred allocation
         self._alloc_status = torch.zeros(3, dtype=torch.int64, device=self.device)
@@ -1275,8 +1275,8 @@ class LeanCache(Cache):
         kernels = table._compiled(free_list)
         if kernels is None:
             return False
-        memo = self._prompt_geometry
-        if memo is None or memo[0] is not kernels:
+        geometry = self._prompt_geometry
+        if geometry is None:  # once per cache: its layouts and pool do not change
             tiers = []
             for layout in self.layouts:
                 store, k_fmt, v_fmt = self.pool._native_store(layout)
@@ -1284,10 +1284,9 @@ class LeanCache(Cache):
                     tiers = None
                     break
                 tiers.append((layout.tokens, k_fmt, v_fmt, layout.group_size, tuple(layout.seg_offsets)))
-            geometry = None if tiers is None else kernels.prompt_geometry(tuple(tiers), self.page_head_dim)
-            memo = self._prompt_geometry = (kernels, geometry)
-        geometry = memo[1]
-        if geometry is None:
+            geometry = False if tiers is None else kernels.prompt_geometry(tuple(tiers), self.page_head_dim)
+            self._prompt_geometry = geometry
+        if geometry is False:
             return False
         q_pos, real, q_last = step.q_pos.long().contiguous(), step.real.contiguous(), q_last.long().contiguous()
         k, v = k.float().contiguous(), v.float().contiguous()
