@@ -1289,11 +1289,11 @@ class LeanCache(Cache):
         if geometry is False:
             return False
         q_pos, real, q_last = step.q_pos.long().contiguous(), step.real.contiguous(), q_last.long().contiguous()
-        k, v = k.float().contiguous(), v.float().contiguous()
+        k, v, received = k.float().contiguous(), v.float().contiguous(), received.float()
 
         def layer_call():
             code, stage, taken, freed = kernels.prompt_layer(
-                received.float(), q_pos, real, q_last, pruned_mass, window, th, tl, table.tables, table.n_pages,
+                received, q_pos, real, q_last, pruned_mass, window, th, tl, table.tables, table.n_pages,
                 table.lens, layer, free_list.ring, free_list.free_head, free_list.free_tail, self.pool.storage,
                 geometry, k, v)
             if stage == 0:  # refused (code != 0) with nothing changed: raised in the grant's words

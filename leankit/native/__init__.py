@@ -270,7 +270,6 @@ class Kernels:
     def __init__(self, path: Path):
         self.path = path
         self._offsets: dict = {}  # segment offsets (a tuple) -> the int64 tensor store_tokens passes
-        self._geometry: dict = {}  # tiers' (tokens, bits, group size, offsets) -> prompt_layer's int64 rows
         lib = ctypes.CDLL(str(path))
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.lk_list_pages.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
@@ -807,21 +806,16 @@ class Kernels:
     def prompt_geometry(self, tiers: tuple, dim: int) -> torch.Tensor:
         """The int64 ``[tiers, 10]`` rows :meth:`prompt_layer` reads its tiers' pages by: per tier
         ``(tokens, k_bits, v_bits, group_size, offsets)`` (``offsets`` the six segment offsets, the
-        bits as :meth:`store_ranked` takes them), checked as that store checks them, once per
-        geometry (a prompt calls once per layer)."""
-        key = (tuple(tiers), dim)
-        rows = self._geometry.get(key)
-        if rows is None:
-            if not 1 <= len(tiers) <= 2:
-                raise ValueError(f"native prompt_layer: want 1 or 2 tiers, got {len(tiers)}")
-            for tokens, k_bits, v_bits, group_size, offsets in tiers:
-                self._codes("k", k_bits, group_size, dim)
-                self._codes("v", v_bits, group_size, dim)
-                if tokens <= 0 or len(offsets) != 6:
-                    raise ValueError("native prompt_layer: want a positive page size and six segment offsets per tier")
-            rows = torch.tensor([[t, kb, vb, gs, *offs] for t, kb, vb, gs, offs in tiers], dtype=torch.int64)
-            self._geometry[key] = rows
-        return rows
+        bits as :meth:`store_ranked` takes them), checked as that store checks them. A cache builds
+        them once (:meth:`leankit.cache.LeanCache.store_prompt_layer`)."""
+        if not 1 <= len(tiers) <= 2:
+            raise ValueError(f"native prompt_layer: want 1 or 2 tiers, got {len(tiers)}")
+        for tokens, k_bits, v_bits, group_size, offsets in tiers:
+            self._codes("k", k_bits, group_size, dim)
+            self._codes("v", v_bits, group_size, dim)
+            if tokens <= 0 or len(offsets) != 6:
+                raise ValueError("native prompt_layer: want a positive page size and six segment offsets per tier")
+        return torch.tensor([[t, kb, vb, gs, *offs] for t, kb, vb, gs, offs in tiers], dtype=torch.int64)
 
     def prompt_layer(self, received: torch.Tensor, q_pos: torch.Tensor, real: torch.Tensor, q_last: torch.Tensor,
                      pruned_mass: torch.Tensor, window: int, th: float, tl: float, tables: torch.Tensor,
@@ -844,33 +838,32 @@ class Kernels:
         with ``taken`` the pages it asked for), 1 (``taken`` pages granted from the ring's head, a
         store failed, no count moved) or 2 (stored; ``freed`` pages returned to the ring at
         ``tail``). The caller advances its free list by ``taken`` from stage 1 on and by ``freed``."""
+        _, row_len = self._table_args(tables, n_pages, lens)  # the page table, as the page accounting checks it
+        ring_args = self._ring_args(ring, head, tail)
         bsz, heads, nq = received.shape if received.dim() == 3 else (-1, -1, -1)
-        n_layers, row_len = (tables.shape[0], tables.shape[3]) if tables.dim() == 4 else (-1, -1)
         dim = k.shape[-1]
         ok = (received.dtype == pruned_mass.dtype == k.dtype == v.dtype == torch.float32
               and q_pos.dtype == q_last.dtype == torch.int64 and real.dtype == torch.bool
-              and tables.dtype == n_pages.dtype == lens.dtype == ring.dtype == torch.int32
               and storage.dtype == torch.uint8 and storage.dim() == 2 and geometry.dtype == torch.int64
               and geometry.dim() == 2 and geometry.shape[1] == 10 and geometry.shape[0] in (1, 2)
               and q_pos.shape == real.shape == (bsz, nq) and q_last.shape == (bsz,)
               and pruned_mass.shape == (bsz, heads) and tables.shape[1:3] == (bsz, heads)
-              and n_pages.shape == lens.shape == (2, n_layers, bsz, heads) and 0 <= layer < n_layers
-              and k.shape == v.shape == (bsz, heads, nq, dim) and ring.dim() == 1 and 0 <= tail - head <= ring.numel())
-        for x in (received, q_pos, real, q_last, pruned_mass, tables, n_pages, lens, ring, storage, geometry, k, v):
+              and 0 <= layer < tables.shape[0] and k.shape == v.shape == (bsz, heads, nq, dim))
+        for x in (received, q_pos, real, q_last, pruned_mass, storage, geometry, k, v):
             ok = ok and x.is_cpu
-        for x in (q_pos, real, q_last, pruned_mass, tables, n_pages, lens, ring, storage, geometry, k, v):
+        for x in (q_pos, real, q_last, pruned_mass, storage, geometry, k, v):
             ok = ok and x.is_contiguous()
         if not ok:
             raise ValueError("native prompt_layer: want fp32 received [B, H, Q], int64 q_pos and bool real [B, Q], "
-                             "int64 q_last [B], fp32 pruned_mass [B, H], int32 tables [L, B, H, R], n_pages and "
-                             "lens [2, L, B, H] and ring, a uint8 pool, int64 geometry [tiers, 10] and fp32 k, v "
-                             "[B, H, Q, F], on the CPU and contiguous (received may be strided)")
+                             "int64 q_last [B], fp32 pruned_mass [B, H], a layer of the table, a uint8 pool, int64 "
+                             "geometry [tiers, 10] and fp32 k, v [B, H, Q, F], on the CPU and contiguous (received "
+                             "may be strided)")
         result = (ctypes.c_int64 * 3)()
         code = self._lib.lk_prompt_layer(
             received.data_ptr(), *received.stride(), q_pos.data_ptr(), real.data_ptr(), q_last.data_ptr(),
             pruned_mass.data_ptr(), bsz, heads, nq, int(window), float(th), float(tl), tables.data_ptr(),
-            n_pages.data_ptr(), lens.data_ptr(), n_layers, row_len, layer, geometry.shape[0], ring.data_ptr(),
-            ring.numel(), head, tail, storage.data_ptr(), storage.shape[1], storage.shape[0], geometry.data_ptr(), dim,
+            n_pages.data_ptr(), lens.data_ptr(), tables.shape[0], row_len, layer, geometry.shape[0], *ring_args,
+            storage.data_ptr(), storage.shape[1], storage.shape[0], geometry.data_ptr(), dim,
             k.data_ptr(), v.data_ptr(), torch.get_num_threads(), result)
         return code, result[0], result[1], result[2]
 
